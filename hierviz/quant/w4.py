@@ -1,0 +1,136 @@
+"""The one W4A16 weight format used inside the engine.
+
+A linear layer y = x @ W.T with W of shape [N, K] is stored as
+  codes   uint8 [N, K // 2]   two 4-bit codes per byte: element 2j in the low nibble,
+                              element 2j+1 in the high nibble (values 0..15)
+  scales  float [N, K // G]   one scale per group of G consecutive input channels
+  offsets float [N, K // G]   one float offset per group:  W[n, k] = scales[n, g] * code + offsets[n, g]
+  perm    long  [K] or None   input-channel permutation (GPTQ act-order): the matmul uses x[..., perm]
+
+A float offset (not an integer zero point) represents both GPTQ (offset = -scale * zero) and
+llama.cpp's Q4_1 (offset = min) exactly. Every importer (GPTQ, GGUF) converts into this format
+and every kernel (torch reference, int4pack CPU, Triton) reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class W4Weight:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group_size: int
+    perm: Optional[torch.Tensor] = None
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 2
+
+    def __post_init__(self) -> None:
+        n, k2 = self.codes.shape
+        k = 2 * k2
+        if self.codes.dtype != torch.uint8:
+            raise ValueError(f"W4 codes must be uint8, got {self.codes.dtype}")
+        if self.group_size <= 0 or k % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide in_features {k}")
+        want = (n, k // self.group_size)
+        if tuple(self.scales.shape) != want or tuple(self.offsets.shape) != want:
+            raise ValueError(f"W4 scales/offsets must have shape {want}, got "
+                             f"{tuple(self.scales.shape)} / {tuple(self.offsets.shape)}")
+        if self.perm is not None and tuple(self.perm.shape) != (k,):
+            raise ValueError(f"W4 perm must have shape ({k},), got {tuple(self.perm.shape)}")
+
+    def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "W4Weight":
+        """Move to a device; dtype applies to scales and offsets (codes stay uint8)."""
+        return W4Weight(self.codes.to(device), self.scales.to(device, dtype), self.offsets.to(device, dtype),
+                        self.group_size, None if self.perm is None else self.perm.to(device))
+
+    @property
+    def nbytes(self) -> int:
+        total = self.codes.numel() + self.scales.numel() * self.scales.element_size() * 2
+        return total + (0 if self.perm is None else self.perm.numel() * 8)
+
+
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """int codes [N, K] in 0..15 -> uint8 [N, K // 2] (even k low nibble, odd k high nibble)."""
+    if q.shape[-1] % 2:
+        raise ValueError("in_features must be even to pack 4-bit codes")
+    q = q.to(torch.uint8)
+    return (q[..., 0::2] & 0xF) | ((q[..., 1::2] & 0xF) << 4)
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K // 2] -> uint8 codes [N, K] in 0..15."""
+    low = codes & 0xF
+    high = codes >> 4
+    return torch.stack([low, high], dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def dequantize(w: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float matrix [N, K] that w represents, in the permuted input order (see perm)."""
+    q = unpack_codes(w.codes).to(dtype)
+    n, k = q.shape
+    g = w.group_size
+    q = q.view(n, k // g, g)
+    out = q * w.scales.to(dtype).unsqueeze(-1) + w.offsets.to(dtype).unsqueeze(-1)
+    return out.view(n, k)
+
+
+def dequantize_unpermuted(w: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float matrix [N, K] in the checkpoint's original input-channel order."""
+    dense = dequantize(w, dtype)
+    if w.perm is None:
+        return dense
+    out = torch.empty_like(dense)
+    out[:, w.perm] = dense
+    return out
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
+    """Round-to-nearest asymmetric 4-bit quantization with a float min per group (Q4_1-like)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide in_features {k}")
+    w = weight.detach().float().view(n, k // group_size, group_size)
+    lo = w.amin(-1)
+    hi = w.amax(-1)
+    scale = (hi - lo) / 15.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round((w - lo.unsqueeze(-1)) / scale.unsqueeze(-1)), 0, 15)
+    return W4Weight(pack_codes(q.view(n, k)), scale, lo, group_size)
+
+
+# ---- kernels: the seam where fast matmuls plug in ------------------------------------------
+
+def _matmul_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """Dequantize on the fly, then a plain matmul. Runs anywhere; the correctness reference."""
+    return x @ dequantize(w, x.dtype).t()
+
+
+W4Kernel = Callable[[torch.Tensor, W4Weight], torch.Tensor]
+KERNELS: dict[str, W4Kernel] = {"reference": _matmul_reference}
+
+
+def register_kernel(name: str, fn: W4Kernel) -> None:
+    KERNELS[name] = fn
+
+
+def w4_linear(x: torch.Tensor, w: W4Weight, kernel: str = "reference") -> torch.Tensor:
+    """y = x @ W.T for x [..., K]."""
+    if w.perm is not None:
+        x = x.index_select(-1, w.perm)
+    try:
+        fn = KERNELS[kernel]
+    except KeyError:
+        raise ValueError(f"unknown W4 kernel {kernel!r}; available: {sorted(KERNELS)}") from None
+    shape = x.shape
+    return fn(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], w.out_features)

@@ -1,0 +1,274 @@
+"""The trace: the only thing the UI knows about decoding.
+
+One JSON document per run: metadata plus a list of steps. Each decoder yields one `Step` per
+round. Stats (tokens/s, tau per level, per-depth acceptance) are derived from the steps, never
+stored twice. The schema is versioned; loading rejects unknown versions, oversized files and
+malformed documents with a `TraceError` whose message is fit to show a user.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+SCHEMA_VERSION = 1
+MAX_TRACE_BYTES = 20 * 1024 * 1024
+METHODS = ("ar", "spec", "eagle2", "hierspec")
+# Stage names used in Step.timings_ms. "draft" is E_M (hierspec), E_T (eagle2) or M's
+# autoregressive drafting (spec); "intermediate_verify" is M verifying E_M's trees;
+# "target_verify" is every forward of the target T; "overhead" is everything else in the round.
+STAGES = ("draft", "intermediate_verify", "target_verify", "overhead")
+SOURCES = ("tree", "intermediate_bonus", "draft", "target_bonus")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be used; the message says why in words a user understands."""
+
+
+@dataclass
+class TreeNode:
+    id: int          # 1..S; 0 is the root (the last accepted token), which is not listed
+    token: int
+    text: str
+    parent: int      # 0 for children of the root
+    depth: int       # 1..D
+    score: float     # cumulative log-prob under the drafter (EAGLE-2's ranking key)
+    logprob: float   # this node's own log-prob under the drafter given its parent
+
+
+@dataclass
+class DraftTree:
+    root_token: int
+    root_text: str
+    nodes: list[TreeNode]
+    accepted: list[int]          # node ids of the verifier's accepted path, root excluded
+    bonus_token: int             # the verifier's own token after the accepted path
+    bonus_text: str
+    verifier: str                # "intermediate" (hierspec) or "target" (eagle2)
+
+
+@dataclass
+class SeqToken:
+    token: int
+    text: str
+    source: str                  # one of SOURCES
+    tree: Optional[int] = None   # index into Step.trees for source "tree"/"intermediate_bonus"
+
+
+@dataclass
+class Step:
+    index: int
+    method: str
+    new_tokens: list[int]                  # tokens appended to the output this step, in order
+    new_text: list[str]
+    new_sources: list[str]                 # who produced each new token (SOURCES)
+    timings_ms: dict[str, float]           # keys from STAGES
+    trees: list[DraftTree] = field(default_factory=list)
+    sequence: list[SeqToken] = field(default_factory=list)   # sequence draft the target verified
+    target_accepted: int = 0               # draft tokens the target accepted this step
+    target_bonus: Optional[int] = None     # the target's correction / bonus token
+    target_bonus_text: str = ""
+    forwards: dict[str, int] = field(default_factory=dict)  # "target", "intermediate", "e_m", "e_t"
+
+    @property
+    def step_ms(self) -> float:
+        return float(sum(self.timings_ms.values()))
+
+
+@dataclass
+class Trace:
+    meta: dict[str, Any]
+    steps: list[Step] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    output_text: str = ""
+    finish_reason: str = ""
+    version: int = SCHEMA_VERSION
+
+    # ---- derived statistics ------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return trace_stats(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+
+def trace_stats(steps: list[Step]) -> dict[str, Any]:
+    """tokens/s, tau per level and per-depth acceptance, derived from steps."""
+    n_tokens = sum(len(s.new_tokens) for s in steps)
+    total_ms = sum(s.step_ms for s in steps)
+    target_fw = sum(s.forwards.get("target", 0) for s in steps)
+    stage_ms = {k: sum(s.timings_ms.get(k, 0.0) for s in steps) for k in STAGES}
+    m_trees = [t for s in steps for t in s.trees if t.verifier == "intermediate"]
+    all_trees = [t for s in steps for t in s.trees]
+    reached: dict[int, int] = {}
+    accepted: dict[int, int] = {}
+    for t in all_trees:
+        max_depth = max((n.depth for n in t.nodes), default=0)
+        n_acc = len(t.accepted)
+        # depth d was "tried" when the path reached depth d-1 and the tree has nodes at depth d
+        for d in range(1, max_depth + 1):
+            if n_acc >= d - 1:
+                reached[d] = reached.get(d, 0) + 1
+                if n_acc >= d:
+                    accepted[d] = accepted.get(d, 0) + 1
+    per_depth = {d: accepted.get(d, 0) / reached[d] for d in sorted(reached)}
+    return {
+        "new_tokens": n_tokens,
+        "steps": len(steps),
+        "total_ms": total_ms,
+        "tokens_per_s": (1000.0 * n_tokens / total_ms) if total_ms > 0 else 0.0,
+        "tau_target": (n_tokens / target_fw) if target_fw else 0.0,
+        "tau_intermediate": (sum(len(t.accepted) + 1 for t in m_trees) / len(m_trees)) if m_trees else None,
+        "mean_sequence_len": (sum(len(s.sequence) for s in steps) / len(steps)) if steps else 0.0,
+        "per_depth_acceptance": per_depth,
+        "stage_ms": stage_ms,
+    }
+
+
+# ---- loading and validation --------------------------------------------------------------------
+
+def _req(d: Any, key: str, typ, where: str):
+    if not isinstance(d, dict):
+        raise TraceError(f"{where}: expected an object")
+    if key not in d:
+        raise TraceError(f"{where}: missing field '{key}'")
+    v = d[key]
+    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise TraceError(f"{where}.{key}: expected {getattr(typ, '__name__', typ)}, got {type(v).__name__}")
+    return v
+
+
+def _opt(d: dict, key: str, typ, where: str, default=None):
+    if d.get(key) is None:
+        return default
+    return _req(d, key, typ, where)
+
+
+def _node(d: Any, where: str) -> TreeNode:
+    return TreeNode(_req(d, "id", int, where), _req(d, "token", int, where), _req(d, "text", str, where),
+                    _req(d, "parent", int, where), _req(d, "depth", int, where),
+                    _req(d, "score", float, where), _req(d, "logprob", float, where))
+
+
+def _tree(d: Any, where: str) -> DraftTree:
+    nodes = [_node(n, f"{where}.nodes[{i}]") for i, n in enumerate(_req(d, "nodes", list, where))]
+    ids = {n.id for n in nodes}
+    for n in nodes:
+        if n.parent != 0 and n.parent not in ids:
+            raise TraceError(f"{where}: node {n.id} has unknown parent {n.parent}")
+    accepted = _req(d, "accepted", list, where)
+    if not all(isinstance(a, int) and a in ids for a in accepted):
+        raise TraceError(f"{where}.accepted: must list node ids of the tree")
+    verifier = _req(d, "verifier", str, where)
+    if verifier not in ("intermediate", "target"):
+        raise TraceError(f"{where}.verifier: must be 'intermediate' or 'target'")
+    return DraftTree(_req(d, "root_token", int, where), _req(d, "root_text", str, where), nodes,
+                     accepted, _req(d, "bonus_token", int, where), _req(d, "bonus_text", str, where), verifier)
+
+
+def _step(d: Any, where: str) -> Step:
+    method = _req(d, "method", str, where)
+    if method not in METHODS:
+        raise TraceError(f"{where}.method: unknown method {method!r}")
+    timings = _req(d, "timings_ms", dict, where)
+    for k, v in timings.items():
+        if k not in STAGES or not isinstance(v, (int, float)) or v < 0:
+            raise TraceError(f"{where}.timings_ms: bad entry {k!r}: {v!r}")
+    new_tokens = _req(d, "new_tokens", list, where)
+    new_text = _req(d, "new_text", list, where)
+    new_sources = _req(d, "new_sources", list, where)
+    if not (len(new_tokens) == len(new_text) == len(new_sources)):
+        raise TraceError(f"{where}: new_tokens, new_text and new_sources differ in length")
+    if not all(isinstance(t, int) for t in new_tokens) or not all(isinstance(t, str) for t in new_text):
+        raise TraceError(f"{where}: new_tokens must be integers and new_text strings")
+    if not all(s in SOURCES for s in new_sources):
+        raise TraceError(f"{where}.new_sources: entries must be one of {SOURCES}")
+    trees = [_tree(t, f"{where}.trees[{i}]") for i, t in enumerate(_opt(d, "trees", list, where, []))]
+    seq = []
+    for i, s in enumerate(_opt(d, "sequence", list, where, [])):
+        w = f"{where}.sequence[{i}]"
+        src = _req(s, "source", str, w)
+        if src not in SOURCES:
+            raise TraceError(f"{w}.source: must be one of {SOURCES}")
+        tree_idx = _opt(s, "tree", int, w)
+        if tree_idx is not None and not 0 <= tree_idx < len(trees):
+            raise TraceError(f"{w}.tree: no tree {tree_idx} in this step")
+        seq.append(SeqToken(_req(s, "token", int, w), _req(s, "text", str, w), src, tree_idx))
+    forwards = _opt(d, "forwards", dict, where, {})
+    if not all(isinstance(v, int) and v >= 0 for v in forwards.values()):
+        raise TraceError(f"{where}.forwards: counts must be non-negative integers")
+    return Step(_req(d, "index", int, where), method, new_tokens, new_text, new_sources,
+                {k: float(v) for k, v in timings.items()}, trees, seq,
+                _opt(d, "target_accepted", int, where, 0), _opt(d, "target_bonus", int, where),
+                _opt(d, "target_bonus_text", str, where, ""), forwards)
+
+
+def trace_from_dict(d: Any) -> Trace:
+    if not isinstance(d, dict):
+        raise TraceError("a trace must be a JSON object")
+    version = d.get("version")
+    if version != SCHEMA_VERSION:
+        raise TraceError(f"unsupported trace schema version {version!r} (this hierviz reads version {SCHEMA_VERSION})")
+    meta = _req(d, "meta", dict, "trace")
+    method = meta.get("method")
+    if method not in METHODS:
+        raise TraceError(f"trace.meta.method: unknown method {method!r}")
+    steps = [_step(s, f"steps[{i}]") for i, s in enumerate(_req(d, "steps", list, "trace"))]
+    return Trace(meta, steps, _opt(d, "prompt_tokens", int, "trace", 0), _opt(d, "prefill_ms", float, "trace", 0.0),
+                 _opt(d, "output_text", str, "trace", ""), _opt(d, "finish_reason", str, "trace", ""), SCHEMA_VERSION)
+
+
+def trace_from_json(text: str | bytes) -> Trace:
+    if len(text) > MAX_TRACE_BYTES:
+        raise TraceError(f"trace is {len(text) / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"not valid JSON: {e}") from None
+    return trace_from_dict(d)
+
+
+def load_trace(path: str | Path) -> Trace:
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except OSError as e:
+        raise TraceError(f"cannot read trace file: {e.strerror}") from None
+    if size > MAX_TRACE_BYTES:
+        raise TraceError(f"trace is {size / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
+    return trace_from_json(p.read_bytes())
+
+
+# A run that compares two methods on one prompt (HierSpec vs EAGLE-2, optionally AR) is a
+# list of traces; the app shows them side by side. Saved as {"version":..., "runs":[...]}.
+def save_comparison(traces: list[Trace], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"version": SCHEMA_VERSION, "runs": [t.to_dict() for t in traces]},
+                                     ensure_ascii=False), encoding="utf-8")
+
+
+def comparison_from_json(text: str | bytes) -> list[Trace]:
+    """Reads either a single trace or a {"runs": [...]} comparison file."""
+    if len(text) > MAX_TRACE_BYTES:
+        raise TraceError(f"trace is {len(text) / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
+    try:
+        d = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"not valid JSON: {e}") from None
+    if isinstance(d, dict) and "runs" in d:
+        if d.get("version") != SCHEMA_VERSION:
+            raise TraceError(f"unsupported trace schema version {d.get('version')!r}")
+        runs = d["runs"]
+        if not isinstance(runs, list) or not runs:
+            raise TraceError("'runs' must be a non-empty list of traces")
+        return [trace_from_dict(r) for r in runs]
+    return [trace_from_dict(d)]
