@@ -1,0 +1,53 @@
+"""Decoding parameters shared by every method, with validation that gives clear messages."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+class SettingsError(ValueError):
+    """Parameters that make no sense; the message is fit to show a user."""
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.0       # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    # E_M tree inside HierSpec (paper defaults: depth 3, top-k 10, size 30)
+    m_depth: int = 3
+    m_topk: int = 10
+    m_tree_size: int = 30
+    min_draft_len: int = 6         # HierSpec: the sequence draft for T has at least this many tokens
+    # E_T tree for the EAGLE-2 baseline
+    t_depth: int = 5
+    t_topk: int = 10
+    t_tree_size: int = 60
+    spec_k: int = 5                # sequence speculative decoding: tokens M drafts per round
+
+    def validate(self) -> "DecodeSettings":
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise SettingsError(msg)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            want = float if f.type in ("float", float) else int
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
+                raise SettingsError(f"{f.name} must be a number{' (whole)' if want is int else ''}, got {v!r}")
+            setattr(self, f.name, want(v))
+        check(1 <= self.max_new_tokens <= 8192, "max_new_tokens must be between 1 and 8192")
+        check(0.0 <= self.temperature <= 10.0, "temperature must be between 0 and 10 (0 = greedy)")
+        check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        for prefix, name in (("m", "E_M"), ("t", "E_T")):
+            depth, topk, size = (getattr(self, f"{prefix}_{k}") for k in ("depth", "topk", "tree_size"))
+            check(1 <= depth <= 32, f"{name} tree depth must be between 1 and 32, got {depth}")
+            check(1 <= topk <= 64, f"{name} tree top-k must be between 1 and 64, got {topk}")
+            check(1 <= size <= 512, f"{name} tree size must be between 1 and 512, got {size}")
+            most = topk + (depth - 1) * topk * topk
+            check(size <= most, f"{name} tree size {size} exceeds the {most} candidates that depth {depth} and top-k {topk} draft")
+        check(1 <= self.min_draft_len <= 64, "min_draft_len must be between 1 and 64")
+        check(1 <= self.spec_k <= 64, "spec_k must be between 1 and 64")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
