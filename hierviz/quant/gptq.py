@@ -299,6 +299,8 @@ def load_gptq_weights(folder: PathLike) -> tuple[dict[str, Any], dict[str, Any]]
     `<m>.weight` (and its bias, if any, under `<m>.bias`).
     """
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
     config = _read_json(folder / "config.json")
     qc = read_quantize_config(folder, config)
     config["quantization_config"] = qc
