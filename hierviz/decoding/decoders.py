@@ -1,0 +1,259 @@
+"""The four decoders (DESIGN.md 3.6): AR, sequence speculative decoding, EAGLE-2 on the
+target, and HierSpec. Each is a generator of trace `Step`s, one per round, forever; the
+driver (hierviz.engine) stops it on EOS, the token budget or a user's Stop. Step 0 is the
+prefill round that produces the first token.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from hierviz.decoding.settings import DecodeSettings
+from hierviz.decoding.state import BaseState, HeadState
+from hierviz.decoding.tree import Tree, draft_tree
+from hierviz.decoding.verify import (Sampler, verify_sequence_greedy, verify_sequence_sampling,
+                                     verify_tree_greedy, verify_tree_sampling)
+from hierviz.models.eagle import EagleHead
+from hierviz.models.llama import Transformer
+from hierviz.trace import DraftTree, SeqToken, Step, TreeNode
+
+
+@dataclass
+class Models:
+    target: Transformer
+    intermediate: Optional[Transformer] = None
+    e_m: Optional[EagleHead] = None     # EAGLE head on the intermediate (HierSpec)
+    e_t: Optional[EagleHead] = None     # EAGLE head on the target (EAGLE-2 baseline)
+
+
+class StageTimer:
+    """Wall time per stage in ms; synchronises CUDA around each stage so times are real."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.ms: dict[str, float] = {}
+        self.t0 = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str):
+        t = self._now()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (self._now() - t) * 1000.0
+
+    def finish(self) -> dict[str, float]:
+        total = (self._now() - self.t0) * 1000.0
+        out = dict(self.ms)
+        out["overhead"] = max(0.0, total - sum(out.values()))
+        return out
+
+
+TextOf = Callable[[int], str]
+
+
+def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf) -> DraftTree:
+    nodes = [TreeNode(i + 1, t, text(t), p + 1, d, s, lp)
+             for i, (t, p, d, s, lp) in enumerate(zip(tree.tokens, tree.parents, tree.depths, tree.scores, tree.logprobs))]
+    return DraftTree(tree.root, text(tree.root), nodes, [i + 1 for i in path], bonus, text(bonus), verifier)
+
+
+def _step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,
+          **kw) -> Step:
+    return Step(index=index, method=method, new_tokens=tokens, new_text=[text(t) for t in tokens],
+                new_sources=sources, timings_ms=timer.finish(), **kw)
+
+
+def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer: StageTimer,
+             stage_names: list[str]) -> int:
+    """Run the prompt through every model; the first state's (the target's) pick is token 1."""
+    first = None
+    for st, name in zip(states, stage_names):
+        st.tokens = list(prompt)
+        with timer.stage(name):
+            start = st.processed
+            h = st.run_pending()
+            st.commit_prefix(start, h, h.shape[0], [])
+            if first is None:
+                first = sampler.pick(st.model.logits(h[-1:])[0])
+    for st in states:
+        st.tokens.append(first)
+    return first
+
+
+def _verify_tree_on(state: BaseState, tree: Tree, sampler: Sampler):
+    """Run pending + tree through the verifier, decide, compact its cache.
+    Returns (path, bonus, per-emitted-token distributions or None)."""
+    start = state.processed
+    p = len(state.pending)
+    h = state.run_pending(tree.tokens, tree.depths, tree.ancestor_mask(state.model.device))
+    logits = state.model.logits(h[p - 1:])
+    if sampler.greedy:
+        path, bonus = verify_tree_greedy(tree, logits)
+        dists = None
+    else:
+        path, bonus, dists = verify_tree_sampling(tree, logits, sampler)
+    state.commit_path(start, h, list(range(p)) + [p + i for i in path], [tree.tokens[i] for i in path] + [bonus])
+    return path, bonus, dists
+
+
+def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
+                        sampler: Sampler) -> tuple[int, int]:
+    start = state.processed
+    p = len(state.pending)
+    h = state.run_pending(draft)
+    logits = state.model.logits(h[p - 1:])
+    if sampler.greedy:
+        n, bonus = verify_sequence_greedy(draft, logits)
+    else:
+        n, bonus = verify_sequence_sampling(draft, q, logits, sampler)
+    state.commit_prefix(start, h, p + n, draft[:n] + [bonus])
+    return n, bonus
+
+
+def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
+              max_len: int) -> Iterator[Step]:
+    t = BaseState(models.target, max_len)
+    timer = StageTimer(t.model.device)
+    tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
+    yield _step(0, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    i = 1
+    while True:
+        timer = StageTimer(t.model.device)
+        with timer.stage("target_verify"):
+            start = t.processed
+            h = t.run_pending()
+            t.commit_prefix(start, h, h.shape[0], [])
+            tok = sampler.pick(t.model.logits(h[-1:])[0])
+            t.tokens.append(tok)
+        yield _step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
+                    target_bonus=tok, target_bonus_text=text(tok))
+        i += 1
+
+
+def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
+                max_len: int) -> Iterator[Step]:
+    if models.intermediate is None:
+        raise ValueError("sequence speculative decoding needs an intermediate (draft) model in the stack")
+    t = BaseState(models.target, max_len)
+    m = BaseState(models.intermediate, max_len)
+    timer = StageTimer(t.model.device)
+    tok = _prefill([t, m], prompt, sampler, timer, ["target_verify", "draft"])
+    yield _step(0, "spec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
+    i = 1
+    while True:
+        timer = StageTimer(t.model.device)
+        base_len = len(t.tokens)
+        draft: list[int] = []
+        q: list[torch.Tensor] = []
+        with timer.stage("draft"):
+            for _ in range(s.spec_k):
+                start = m.processed
+                h = m.run_pending()
+                m.commit_prefix(start, h, h.shape[0], [])
+                logits = m.model.logits(h[-1:])[0]
+                if sampler.greedy:
+                    nxt = int(logits.argmax())
+                else:
+                    dist = sampler.probs(logits)
+                    nxt = sampler.sample(dist)
+                    q.append(dist)
+                m.tokens.append(nxt)
+                draft.append(nxt)
+        with timer.stage("target_verify"):
+            n, bonus = _verify_sequence_on(t, draft, q, sampler)
+        m.rollback(base_len + n)
+        m.tokens.append(bonus)
+        seq = [SeqToken(x, text(x), "draft") for x in draft]
+        yield _step(i, "spec", timer, draft[:n] + [bonus], ["draft"] * n + ["target_bonus"], text,
+                    sequence=seq, target_accepted=n, target_bonus=bonus, target_bonus_text=text(bonus),
+                    forwards={"target": 1, "intermediate": s.spec_k})
+        i += 1
+
+
+def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
+                  max_len: int) -> Iterator[Step]:
+    if models.e_t is None:
+        raise ValueError("EAGLE-2 needs an EAGLE head for the target (E_T) in the stack")
+    t = BaseState(models.target, max_len)
+    e = HeadState(models.e_t, t, max_len)
+    timer = StageTimer(t.model.device)
+    tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
+    yield _step(0, "eagle2", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    i = 1
+    while True:
+        timer = StageTimer(t.model.device)
+        e0 = e.forwards
+        with timer.stage("draft"):
+            tree = draft_tree(e, s.t_depth, s.t_topk, s.t_tree_size)
+        with timer.stage("target_verify"):
+            path, bonus, _ = _verify_tree_on(t, tree, sampler)
+        toks = [tree.tokens[j] for j in path]
+        yield _step(i, "eagle2", timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
+                    trees=[_tree_to_trace(tree, path, bonus, "target", text)], target_accepted=len(path),
+                    target_bonus=bonus, target_bonus_text=text(bonus),
+                    forwards={"target": 1, "e_t": e.forwards - e0})
+        i += 1
+
+
+def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
+                    max_len: int) -> Iterator[Step]:
+    if models.intermediate is None or models.e_m is None:
+        raise ValueError("HierSpec needs an intermediate model and its EAGLE head (E_M) in the stack")
+    t = BaseState(models.target, max_len)
+    m = BaseState(models.intermediate, max_len)
+    e = HeadState(models.e_m, m, max_len)
+    timer = StageTimer(t.model.device)
+    tok = _prefill([t, m], prompt, sampler, timer, ["target_verify", "intermediate_verify"])
+    yield _step(0, "hierspec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
+    i = 1
+    while True:
+        timer = StageTimer(t.model.device)
+        base_len = len(t.tokens)
+        m0, e0 = m.forwards, e.forwards
+        draft: list[int] = []
+        q: list[torch.Tensor] = []
+        seq: list[SeqToken] = []
+        trees: list[DraftTree] = []
+        while len(draft) < s.min_draft_len:
+            with timer.stage("intermediate_verify"):
+                m.catch_up()   # after a fully accepted round M has not seen its own last bonus yet
+            with timer.stage("draft"):
+                tree = draft_tree(e, s.m_depth, s.m_topk, s.m_tree_size)
+            with timer.stage("intermediate_verify"):
+                path, bonus, dists = _verify_tree_on(m, tree, sampler)
+            toks = [tree.tokens[j] for j in path] + [bonus]
+            draft += toks
+            if dists is not None:
+                q += dists
+            k = len(trees)
+            seq += [SeqToken(x, text(x), "tree", k) for x in toks[:-1]]
+            seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
+            trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text))
+        with timer.stage("target_verify"):
+            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler)
+        m.rollback(base_len + n)
+        e.rollback(base_len + n)
+        m.tokens.append(bonus_t)
+        yield _step(i, "hierspec", timer, draft[:n] + [bonus_t], [x.source for x in seq[:n]] + ["target_bonus"], text,
+                    trees=trees, sequence=seq, target_accepted=n, target_bonus=bonus_t,
+                    target_bonus_text=text(bonus_t),
+                    forwards={"target": 1, "intermediate": m.forwards - m0, "e_m": e.forwards - e0})
+        i += 1
+
+
+DECODERS = {"ar": decode_ar, "spec": decode_spec, "eagle2": decode_eagle2, "hierspec": decode_hierspec}
+
+
+def cache_margin(s: DecodeSettings) -> int:
+    """Slots a round may use beyond the accepted tokens (drafts and trees not yet compacted)."""
+    return max(s.t_tree_size, s.m_tree_size + s.min_draft_len + s.m_depth + 1, s.spec_k) + 8

@@ -1,0 +1,131 @@
+"""Per-model decoding state: a model, its KV cache and the accepted token sequence.
+
+Invariant of `BaseState`: the cache holds tokens[:cache.length]; tokens[cache.length:] are
+*pending*: accepted but not yet run through the model (at least the last one, the root of the
+next draft). `features[i]` is the model's last hidden state at token i for i < cache.length.
+
+Invariant of `HeadState` (an EAGLE head over a base state): its cache holds pairs
+(feature_t, token_{t+1}) at position t for t < cache.length, all built from accepted tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hierviz.models.eagle import EagleHead
+from hierviz.models.llama import KVCache, Transformer, block_mask, causal_mask
+
+
+class BaseState:
+    def __init__(self, model: Transformer, max_len: int) -> None:
+        self.model = model
+        self.cache: KVCache = model.new_cache(max_len)
+        self.tokens: list[int] = []
+        self.features = torch.zeros(max_len, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+        self.forwards = 0
+
+    @property
+    def processed(self) -> int:
+        return self.cache.length
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.cache.length:]
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.model.device)
+
+    def run_pending(self, extra: Optional[list[int]] = None, extra_depths: Optional[list[int]] = None,
+                    extra_block: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One forward over the pending tokens (causal) plus `extra` draft tokens.
+
+        extra_depths/extra_block describe a tree (depth of each node below the last pending
+        token, and the [S, S] ancestor mask); without them the extra tokens are a causal
+        sequence. Returns hidden states [P + S, H]; the cache holds all of them afterwards
+        until `commit_*` decides what stays."""
+        pending = self.pending
+        p = len(pending)
+        extra = extra or []
+        s = len(extra)
+        start = self.cache.length
+        dev = self.model.device
+        positions = torch.arange(start, start + p + s, device=dev)
+        if extra_depths is not None:
+            positions[p:] = start + p - 1 + torch.tensor(extra_depths, device=dev)
+        if extra_block is None:
+            mask = causal_mask(start, p + s, dev)
+        else:
+            block = torch.zeros(p + s, p + s, dtype=torch.bool, device=dev)
+            block[:p, :p] = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+            block[p:, :p] = True
+            block[p:, p:] = extra_block
+            mask = block_mask(start, block)
+        hidden = self.model(self._tensor(pending + extra), positions, self.cache, mask)
+        self.forwards += 1
+        return hidden
+
+    def commit_path(self, start: int, hidden: torch.Tensor, kept: list[int], new_tokens: list[int]) -> None:
+        """After run_pending from cache length `start`: keep forward rows `kept` (ascending,
+        pending rows first) in the cache and their features; append new_tokens (the accepted
+        draft tokens and the verifier's bonus, which stays pending)."""
+        self.cache.keep(start, kept)
+        idx = torch.tensor(kept, dtype=torch.long, device=hidden.device)
+        self.features[start:start + len(kept)] = hidden[idx]
+        self.tokens.extend(new_tokens)
+
+    def commit_prefix(self, start: int, hidden: torch.Tensor, n_rows: int, new_tokens: list[int]) -> None:
+        """Sequence verification: keep the first n_rows forward rows, append new_tokens."""
+        self.cache.truncate(start + n_rows)
+        self.features[start:start + n_rows] = hidden[:n_rows]
+        self.tokens.extend(new_tokens)
+
+    def rollback(self, n_tokens: int) -> None:
+        """Forget everything after the first n_tokens accepted tokens."""
+        del self.tokens[n_tokens:]
+        if self.cache.length > n_tokens:
+            self.cache.truncate(n_tokens)
+
+    def catch_up(self) -> None:
+        """Run all pending tokens but the last through the model, so that features exist for
+        every token before the root (an EAGLE head needs the feature before the root)."""
+        if len(self.pending) > 1:
+            start = self.cache.length
+            root = self.tokens.pop()
+            hidden = self.run_pending()
+            self.commit_prefix(start, hidden, hidden.shape[0], [root])
+
+
+class HeadState:
+    def __init__(self, head: EagleHead, base: BaseState, max_len: int) -> None:
+        self.head = head
+        self.base = base
+        self.cache: KVCache = head.new_cache(max_len)
+        self.last_hidden: Optional[torch.Tensor] = None
+        self.forwards = 0
+
+    def rollback(self, n_tokens: int) -> None:
+        """Pair t stays valid while token t+1 is still accepted."""
+        keep = max(0, n_tokens - 1)
+        if self.cache.length > keep:
+            self.cache.truncate(keep)
+            self.last_hidden = None
+
+    def root_hidden(self) -> torch.Tensor:
+        """Feed the pairs not yet seen, up to (feature_{R-2}, root); returns the predicted
+        feature at the root's position (its LM-head output drafts the root's children)."""
+        base = self.base
+        n_tok = len(base.tokens)
+        if base.processed < n_tok - 1:
+            raise RuntimeError("EAGLE head needs the base model's feature before the root: call catch_up()")
+        start = self.cache.length
+        stop = n_tok - 1                     # pairs t = start .. n_tok-2
+        if stop > start:
+            dev = self.head.device
+            toks = torch.tensor(base.tokens[start + 1:stop + 1], dtype=torch.long, device=dev)
+            out = self.head(toks, base.features[start:stop], torch.arange(start, stop, device=dev), self.cache)
+            self.forwards += 1
+            self.last_hidden = out[-1]
+        if self.last_hidden is None:
+            raise RuntimeError("EAGLE head has no pair for the root; the prompt must have at least one token")
+        return self.last_hidden

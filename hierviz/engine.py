@@ -1,0 +1,132 @@
+"""The engine's front door: run a method on a stack and stream a growing trace.
+
+    stack = load_stack("smollm2-offline")
+    for trace in run_method(stack, "hierspec", "Explain RoPE", DecodeSettings(max_new_tokens=64)):
+        step = trace.steps[-1]
+"""
+from __future__ import annotations
+
+import platform
+import time
+from datetime import datetime, timezone
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from hierviz.decoding.decoders import DECODERS, cache_margin
+from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.decoding.verify import Sampler
+from hierviz.stack import Stack, StackError, load_stack, preset_names
+from hierviz.trace import METHODS, Trace
+
+__all__ = ["EngineError", "run_method", "generate", "load_stack", "STACK_PRESETS", "DecodeSettings"]
+
+STACK_PRESETS = preset_names()
+MAX_PROMPT_CHARS = 20000
+
+
+class EngineError(ValueError):
+    """A run that cannot start or continue; the message is fit to show a user."""
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def prepare(stack: Stack, method: str, prompt: str, settings: DecodeSettings) -> tuple[list[int], int]:
+    """Validate the request; returns (prompt token ids, KV cache length to allocate)."""
+    if method not in METHODS:
+        raise EngineError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    try:
+        settings.validate()
+    except SettingsError as e:
+        raise EngineError(str(e)) from None
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise EngineError("the prompt is empty: type a question or instruction")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise EngineError(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    m = stack.models
+    needs = {"spec": [("intermediate", m.intermediate)], "eagle2": [("E_T", m.e_t)],
+             "hierspec": [("intermediate", m.intermediate), ("E_M", m.e_m)]}.get(method, [])
+    for name, part in needs:
+        if part is None:
+            raise EngineError(f"stack {stack.name!r} has no {name}, which {method} needs")
+    ids = stack.tokenizer.encode_chat(prompt)
+    margin = cache_margin(settings)
+    context = stack.max_position
+    if len(ids) + 1 > context:
+        raise EngineError(f"the prompt is {len(ids)} tokens long; the model's context is {context} tokens")
+    if len(ids) + settings.max_new_tokens + margin > context:
+        room = context - len(ids) - margin
+        if room < 1:
+            raise EngineError(f"the prompt ({len(ids)} tokens) plus the draft/tree room ({margin} slots) does not fit "
+                              f"the {context}-token context: shorten the prompt or the trees")
+        raise EngineError(f"prompt ({len(ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) + draft room "
+                          f"({margin}) exceeds the {context}-token context: ask for at most {room} new tokens")
+    return ids, len(ids) + settings.max_new_tokens + margin
+
+
+def run_method(stack: Stack, method: str, prompt: str, settings: DecodeSettings,
+               should_stop: Optional[Callable[[], bool]] = None) -> Iterator[Trace]:
+    """Yields the same growing Trace after every step; stops on EOS, max_new_tokens or should_stop()."""
+    ids, max_len = prepare(stack, method, prompt, settings)
+    tok = stack.tokenizer
+    trace = Trace(meta={"method": method, **stack.meta, "settings": settings.to_dict(), "prompt": prompt,
+                        "versions": _versions(), "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "host": platform.node()},
+                  prompt_tokens=len(ids))
+    torch.manual_seed(settings.seed)
+    sampler = Sampler(settings.temperature, settings.top_p, settings.seed)
+    gen = DECODERS[method](stack.models, ids, settings, sampler, tok.token_text, max_len)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    while True:
+        if should_stop is not None and should_stop():
+            trace.finish_reason = "stopped"
+            break
+        try:
+            with torch.no_grad():
+                step = next(gen)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise EngineError("the GPU ran out of memory: try fewer new tokens or smaller trees") from None
+        room = settings.max_new_tokens - len(out)
+        cut = len(step.new_tokens)
+        for j, t in enumerate(step.new_tokens[:room]):
+            if t in tok.eos_ids:
+                cut = j + 1
+                trace.finish_reason = "eos"
+                break
+        cut = min(cut, room)
+        if cut < len(step.new_tokens):
+            step.new_tokens, step.new_text, step.new_sources = (step.new_tokens[:cut], step.new_text[:cut],
+                                                                step.new_sources[:cut])
+        out += step.new_tokens
+        trace.steps.append(step)
+        if step.index == 0:
+            trace.prefill_ms = step.step_ms
+        trace.output_text = tok.decode(out)
+        if len(out) >= settings.max_new_tokens and not trace.finish_reason:
+            trace.finish_reason = "length"
+        trace.meta["wall_s"] = time.perf_counter() - t0
+        yield trace
+        if trace.finish_reason:
+            break
+    gen.close()
+
+
+def generate(stack: Stack, method: str, prompt: str, settings: DecodeSettings) -> Trace:
+    """Run to completion; returns the finished trace."""
+    trace = None
+    for trace in run_method(stack, method, prompt, settings):
+        pass
+    assert trace is not None
+    return trace
+
+
+def output_tokens(trace: Trace) -> list[int]:
+    return [t for s in trace.steps for t in s.new_tokens]
+
+
+__all__ += ["StackError", "output_tokens", "prepare"]

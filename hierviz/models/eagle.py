@@ -1,0 +1,134 @@
+"""EAGLE-1/2 draft head (SafeAILab checkpoint layout).
+
+One decoder layer whose input at position t is fc(concat(embed(token_{t+1}), feature_t)),
+feature_t being the base model's last hidden state (after its final norm). Layer 0 has no
+input_layernorm and there is no final norm: the output feature goes straight through the
+base model's frozen LM head.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, _getter
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], base: Transformer) -> None:
+        super().__init__()
+        if cfg.hidden_size != base.cfg.hidden_size:
+            raise WeightsError(f"EAGLE head hidden size {cfg.hidden_size} does not match its base model's "
+                               f"{base.cfg.hidden_size}")
+        self.cfg = cfg
+        self.base = base
+        self.dtype = base.dtype
+        self.device = base.device
+        get = _getter(weights, base.dtype, base.device)
+        fc_w = get("fc.weight")
+        if tuple(fc_w.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
+            raise WeightsError(f"EAGLE fc.weight has shape {tuple(fc_w.shape)}, expected "
+                               f"({cfg.hidden_size}, {2 * cfg.hidden_size})")
+        self.fc = Linear([fc_w], [get("fc.bias") if "fc.bias" in weights else None])
+        self.layer = DecoderLayer(cfg, get, "layers.0", "reference", input_norm=False)
+        if "embed_tokens.weight" in weights:
+            emb = get("embed_tokens.weight")
+            if emb.shape[0] != base.cfg.vocab_size:
+                raise WeightsError(f"EAGLE head vocabulary {emb.shape[0]} does not match its base model's "
+                                   f"{base.cfg.vocab_size}")
+            self.embed = nn.Parameter(emb, requires_grad=False)
+        else:
+            self.embed = None  # SafeAILab heads often omit the copy: use the base's embedding
+        # draft-only LM head rows (FR-Spec style reduced vocabulary); None = full vocabulary
+        self.draft_vocab: Optional[torch.Tensor] = None
+        self._draft_head: Optional[torch.Tensor] = None
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(1, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [T] (token_{t+1}), features [T, H] (feature_t), positions [T] (= t).
+        Returns the predicted next features [T, H]. Without a cache, inputs may be batched
+        ([B, T], [B, T, H]) and attention is causal (training)."""
+        emb = (self.embed if self.embed is not None else self.base.embed)[tokens]
+        x = self.fc(torch.cat((emb, features.to(emb.dtype)), -1))
+        t = x.shape[-2]
+        if cache is not None and cache.length + t > cache.max_len:
+            raise ValueError(f"EAGLE KV cache full: {cache.length} + {t} > {cache.max_len}")
+        cos, sin = self.base.rope(positions) if _same_rope(self.cfg, self.base.cfg) else _rope(self.cfg, positions, self.dtype)
+        x = self.layer(x, cos, sin, 0, cache, attn_mask)
+        if cache is not None:
+            cache.length += t
+        return x
+
+    def set_draft_vocab(self, token_ids: Optional[torch.Tensor]) -> None:
+        """Restrict the draft LM head to these token ids (verifiers keep the full vocabulary)."""
+        if token_ids is None:
+            self.draft_vocab = self._draft_head = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        self.draft_vocab = ids
+        head = self.base.lm_head
+        if head.weight is None:
+            raise WeightsError("a reduced draft vocabulary needs a dense LM head")
+        self._draft_head = head.weight.data[ids]
+
+    def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs over the draft vocabulary and the ids they index (None = full vocabulary)."""
+        if self._draft_head is None:
+            return torch.log_softmax(self.base.logits(hidden), -1), None
+        return torch.log_softmax((hidden @ self._draft_head.t()).float(), -1), self.draft_vocab
+
+
+def _same_rope(a: ModelConfig, b: ModelConfig) -> bool:
+    return a.rope_theta == b.rope_theta and a.rope_scaling == b.rope_scaling and a.head_dim == b.head_dim
+
+
+def _rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+    from hierviz.models.config import rope_frequencies
+    inv = rope_frequencies(cfg).to(positions.device)
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def load_eagle_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json + model.safetensors or pytorch_model.bin in SafeAILab's key layout."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ModelConfigError(f"EAGLE head folder {folder} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    raw.setdefault("model_type", "llama")
+    raw = dict(raw, num_hidden_layers=1)
+    cfg = ModelConfig.from_dict(raw)
+    st = folder / "model.safetensors"
+    bin_ = folder / "pytorch_model.bin"
+    try:
+        if st.exists():
+            from safetensors.torch import load_file
+            weights = load_file(str(st))
+        elif bin_.exists():
+            weights = torch.load(str(bin_), map_location="cpu", weights_only=True)
+        else:
+            raise WeightsError(f"EAGLE head folder {folder} has neither model.safetensors nor pytorch_model.bin")
+    except WeightsError:
+        raise
+    except Exception as e:  # corrupt file: safetensors/pickle raise many types
+        raise WeightsError(f"cannot read EAGLE head weights in {folder}: {e}") from None
+    # some exports prefix keys with "model."
+    weights = {k[6:] if k.startswith("model.") else k: v for k, v in weights.items()}
+    for key in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"):
+        if key not in weights:
+            raise WeightsError(f"{folder} is not an EAGLE-1/2 head: tensor {key!r} is missing")
+    cfg.qkv_bias = "layers.0.self_attn.q_proj.bias" in weights  # Qwen2 heads carry qkv bias
+    return cfg, weights

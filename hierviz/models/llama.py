@@ -1,0 +1,249 @@
+"""A compact Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Mistral, SmolLM2) for batch-1 decoding.
+
+Weights are float tensors or `W4Weight`s (the engine's one quantized format). Every forward
+appends its tokens' keys/values to a preallocated `KVCache`; the caller passes the positions
+(tree nodes share a depth-based position) and an attention mask over [cache | new tokens], so
+the same code serves causal decoding, sequence verification and tree verification. `forward`
+returns the last hidden states after the final norm (EAGLE heads need them); `logits` maps
+them through the LM head.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hierviz.models.config import ModelConfig, rope_frequencies
+from hierviz.quant.w4 import W4Weight, w4_linear
+
+Weight = Union[torch.Tensor, W4Weight]
+
+
+class WeightsError(ValueError):
+    """Missing or mis-shaped weights; the message names the tensor."""
+
+
+class KVCache:
+    """Keys/values for one sequence: [layers, kv_heads, max_len, head_dim], `length` slots used."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.k = torch.zeros(num_layers, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+        self.max_len = max_len
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first n slots."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} slots to {n}")
+        self.length = n
+
+    def keep(self, start: int, slots: torch.Tensor | list[int]) -> None:
+        """Keep slots start+slots[i] (ascending) moved to start+i; drop everything after start.
+
+        Used after tree verification: the accepted path's entries become contiguous."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device) + start
+        n = idx.numel()
+        if n:
+            # gather first: source and destination ranges may overlap
+            self.k[:, :, start:start + n] = self.k[:, :, idx].clone()
+            self.v[:, :, start:start + n] = self.v[:, :, idx].clone()
+        self.length = start + n
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W dense or W4. Several linears reading the same input are fused
+    into one (concatenated along the output dim) when their formats allow it."""
+
+    def __init__(self, weights: list[Weight], biases: list[Optional[torch.Tensor]], w4_kernel: str = "reference") -> None:
+        super().__init__()
+        self.splits = [w.out_features if isinstance(w, W4Weight) else w.shape[0] for w in weights]
+        self.w4_kernel = w4_kernel
+        if all(isinstance(w, torch.Tensor) for w in weights):
+            self.weight = nn.Parameter(torch.cat(weights, 0), requires_grad=False)
+            self.w4: list[W4Weight] = []
+        elif all(isinstance(w, W4Weight) for w in weights):
+            self.weight = None
+            self.w4 = _fuse_w4(weights)
+        else:
+            raise WeightsError("a fused linear mixes dense and 4-bit weights")
+        if any(b is not None for b in biases):
+            full = [b if b is not None else torch.zeros(n, dtype=self._dtype(), device=self._device())
+                    for b, n in zip(biases, self.splits)]
+            self.bias = nn.Parameter(torch.cat(full), requires_grad=False)
+        else:
+            self.bias = None
+
+    def _dtype(self) -> torch.dtype:
+        return self.weight.dtype if self.weight is not None else self.w4[0].scales.dtype
+
+    def _device(self) -> torch.device:
+        return self.weight.device if self.weight is not None else self.w4[0].codes.device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            y = F.linear(x, self.weight)
+        elif len(self.w4) == 1:
+            y = w4_linear(x, self.w4[0], self.w4_kernel)
+        else:
+            y = torch.cat([w4_linear(x, w, self.w4_kernel) for w in self.w4], -1)
+        return y if self.bias is None else y + self.bias
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.splits, -1)
+
+
+def _fuse_w4(ws: list[W4Weight]) -> list[W4Weight]:
+    """One W4Weight when group sizes and input permutations agree, else the list unchanged."""
+    if len(ws) == 1:
+        return ws
+    g = ws[0].group_size
+    same_perm = all((w.perm is None and ws[0].perm is None) or
+                    (w.perm is not None and ws[0].perm is not None and torch.equal(w.perm, ws[0].perm)) for w in ws)
+    if not same_perm or any(w.group_size != g for w in ws):
+        return ws
+    return [W4Weight(torch.cat([w.codes for w in ws]), torch.cat([w.scales for w in ws]),
+                     torch.cat([w.offsets for w in ws]), g, ws[0].perm)]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, hd]; rotate-half convention (HF layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, get, prefix: str, w4_kernel: str, input_norm: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        att = f"{prefix}.self_attn"
+        mlp = f"{prefix}.mlp"
+        self.input_norm = RMSNorm(get(f"{prefix}.input_layernorm.weight"), cfg.rms_eps) if input_norm else None
+        self.post_norm = RMSNorm(get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_eps)
+        bias = (lambda n: get(f"{att}.{n}_proj.bias")) if cfg.qkv_bias else (lambda n: None)
+        self.qkv = Linear([get(f"{att}.{n}_proj.weight") for n in "qkv"], [bias(n) for n in "qkv"], w4_kernel)
+        self.o = Linear([get(f"{att}.o_proj.weight")], [None], w4_kernel)
+        self.gate_up = Linear([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")], [None, None], w4_kernel)
+        self.down = Linear([get(f"{mlp}.down_proj.weight")], [None], w4_kernel)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        lead, t = x.shape[:-2], x.shape[-2]      # lead = () when decoding, (B,) for batched training
+        h = x if self.input_norm is None else self.input_norm(x)
+        q, k, v = self.qkv.split(self.qkv(h))
+        q = apply_rope(q.view(*lead, t, cfg.num_heads, cfg.head_dim).transpose(-3, -2), cos, sin)
+        k = apply_rope(k.view(*lead, t, cfg.num_kv_heads, cfg.head_dim).transpose(-3, -2), cos, sin)
+        v = v.view(*lead, t, cfg.num_kv_heads, cfg.head_dim).transpose(-3, -2)
+        if cache is not None:
+            start = cache.length
+            cache.k[layer, :, start:start + t] = k
+            cache.v[layer, :, start:start + t] = v
+            k = cache.k[layer, :, :start + t]
+            v = cache.v[layer, :, :start + t]
+        if attn_mask is None:
+            # plain causal attention over [cache | new]
+            prefix = k.shape[-2] - t
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=prefix == 0,
+                                               attn_mask=causal_mask(prefix, t, q.device) if prefix else None,
+                                               enable_gqa=True)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        x = x + self.o(a.transpose(-3, -2).reshape(*lead, t, cfg.num_heads * cfg.head_dim))
+        g, u = self.gate_up.split(self.gate_up(self.post_norm(x)))
+        return x + self.down(F.silu(g) * u)
+
+
+def causal_mask(prefix: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[t, prefix + t] bool: new token i sees the whole prefix and new tokens 0..i."""
+    m = torch.ones(t, prefix + t, dtype=torch.bool, device=device)
+    m[:, prefix:] = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return m
+
+
+def block_mask(prefix: int, block: torch.Tensor) -> torch.Tensor:
+    """[t, prefix + t] bool: every new token sees the prefix; among new tokens `block` [t, t] decides."""
+    t = block.shape[0]
+    m = torch.ones(t, prefix + t, dtype=torch.bool, device=block.device)
+    m[:, prefix:] = block
+    return m
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], w4_kernel: str = "reference",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        get = _getter(weights, dtype, self.device)
+        self.embed = nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
+        if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise WeightsError(f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
+                               f"({cfg.vocab_size}, {cfg.hidden_size})")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, get, f"model.layers.{i}", w4_kernel) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_eps)
+        if cfg.tie_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = Linear([self.embed.data], [None])
+        else:
+            self.lm_head = Linear([get("lm_head.weight")], [None], w4_kernel)
+        self.register_buffer("inv_freq", rope_frequencies(cfg).to(self.device), persistent=False)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens, positions [T]; attn_mask [T, cache.length + T] bool or None (causal).
+        Appends T entries to the cache. Returns hidden states [T, H] after the final norm.
+        Without a cache, tokens may be batched [B, T] (training)."""
+        return self.run_layers(self.embed[tokens], positions, cache, attn_mask)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache],
+                   attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        t = x.shape[-2]
+        if cache is not None and cache.length + t > cache.max_len:
+            raise ValueError(f"KV cache full: {cache.length} + {t} tokens > {cache.max_len}")
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache, attn_mask)
+        if cache is not None:
+            cache.length += t
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def _getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):
+    def get(name: str) -> Weight:
+        if name not in weights:
+            raise WeightsError(f"checkpoint has no tensor {name!r}")
+        w = weights[name]
+        if isinstance(w, W4Weight):
+            return w.to(device, dtype)
+        return w.to(device=device, dtype=dtype)
+    return get

@@ -1,0 +1,94 @@
+"""Checkpoints in, one format inside: HF safetensors folders (sharded or not), hub ids,
+GPTQ (AutoGPTQ / GPTQModel) folders and GGUF files all become (ModelConfig, weights dict)
+with float tensors and `W4Weight`s under HF parameter names."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.llama import Weight, WeightsError
+
+
+def resolve_source(name_or_path: str) -> Path:
+    """A local folder/file as is; anything else is a hub id, downloaded (never with remote code)."""
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    parts = name_or_path.split("/")
+    if name_or_path.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts):
+        # not of the hub's owner/name form: a local path that does not exist
+        raise WeightsError(f"no such model file or folder: {name_or_path}")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                                    "tokenizer*", "*.bin"]))
+    except Exception as e:  # offline, unknown repo, gated repo ...
+        raise WeightsError(f"cannot get {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                           "with HF_HUB_OFFLINE=1 only local folders work") from None
+
+
+def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, sharded model-0000x-of-0000y.safetensors (via the index), or a
+    pytorch_model.bin loaded with weights_only=True."""
+    from safetensors.torch import load_file
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.exists():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            out: dict[str, torch.Tensor] = {}
+            for s in shards:
+                if not (folder / s).exists():
+                    raise WeightsError(f"shard {s} listed in {index.name} is missing from {folder}")
+                out.update(load_file(str(folder / s)))
+            return out
+        files = sorted(folder.glob("*.safetensors"))
+        if files:
+            out = {}
+            for f in files:
+                out.update(load_file(str(f)))
+            return out
+        for name in ("pytorch_model.bin", "model.bin"):
+            if (folder / name).exists():
+                return torch.load(str(folder / name), map_location="cpu", weights_only=True)
+    except WeightsError:
+        raise
+    except Exception as e:  # truncated / corrupt files raise many exception types
+        raise WeightsError(f"cannot read weights in {folder}: {type(e).__name__}: {e}") from None
+    raise WeightsError(f"{folder} holds no *.safetensors or pytorch_model.bin")
+
+
+def is_gptq(config: dict[str, Any], folder: Path) -> bool:
+    qc = config.get("quantization_config") or {}
+    return qc.get("quant_method") == "gptq" or (folder / "quantize_config.json").exists()
+
+
+def load_weights(name_or_path: str | Path) -> tuple[ModelConfig, dict[str, Weight], Path]:
+    """(config, weights, folder) for an HF folder, hub id, GPTQ folder, GGUF file or hierviz W4 folder."""
+    src = resolve_source(str(name_or_path))
+    if src.is_file() and src.suffix == ".gguf":
+        from hierviz.quant.gguf import read_gguf
+        raw, weights, _ = read_gguf(src)
+        return ModelConfig.from_dict(raw), weights, src.parent
+    if not src.is_dir():
+        raise WeightsError(f"{src} is neither a model folder nor a .gguf file")
+    cfg_path = src / "config.json"
+    if not cfg_path.exists():
+        raise ModelConfigError(f"{src} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    cfg = ModelConfig.from_dict(raw)
+    if (src / "hierviz_w4.json").exists():
+        from hierviz.quant.gguf import load_w4_safetensors
+        _, weights = load_w4_safetensors(src)
+    elif is_gptq(raw, src):
+        from hierviz.quant.gptq import load_gptq_weights
+        _, weights = load_gptq_weights(src)
+    else:
+        weights = dict(read_safetensors_folder(src))
+    return cfg, weights, src

@@ -1,0 +1,346 @@
+"""W4A16 Triton kernel "triton": y = x @ W.T for the W4 format of hierviz.quant.w4.
+
+One kernel body, two ways of running it, picked by M (the number of tokens):
+  * small M (<= 16): "GEMV-like". The product is computed transposed, acc[n, m] = W @ x.T, so
+    the big weight tile is the MMA's M side (64..256 rows) and the few tokens are its N side
+    (16, the smallest tile). Split-K spreads one output tile over several programs (atomic
+    adds into a zeroed output) so the ~200 column blocks of a large layer fill 132 SMs.
+  * large M: the same transposed tile with 32..128 tokens per tile, no split-K.
+Both are limited by reading the 4-bit weights once, plus the ALU work of unpacking them; on a
+GPU the unpack is a few PTX instructions per 8 values (the fp16/bf16 "magic number" trick:
+OR a nibble into the mantissa of 1024.0 (fp16) or 128.0 (bf16) and subtract), done by
+inline assembly. The Triton interpreter (TRITON_INTERPRET=1) cannot run inline assembly, so
+the same trick written in plain Triton ops is the other variant; the tests run that one.
+
+Kernel-specific layout, built once per W4Weight and cached on it (`_triton_w4_cache`):
+  codes  uint8 [N, K/2]: within each block of SUB input channels (SUB = group size, or 128
+         for groups larger than 256), byte j holds channel j (low nibble) and channel
+         j + SUB/2 (high nibble). Then the low nibbles of a tile multiply one contiguous half
+         of x and the high nibbles the other half: no interleaving in registers.
+  scales, offsets  [K/G, N] in the activation dtype (transposed: one contiguous row of N per
+         group, so a program's per-group loads are coalesced).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hierviz.quant.w4 import W4Weight, register_kernel, unpack_codes
+
+try:  # import must work on machines without a GPU (and without triton at all)
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+_CACHE_ATTR = "_triton_w4_cache"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---- launch configurations ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int      # weight rows (output features) per program
+    block_m: int      # tokens per program (>= 16: tl.dot's smallest tile)
+    split_k: int      # programs sharing one output tile along K (atomic adds when > 1)
+    num_warps: int
+    num_stages: int
+    use_asm: bool = True   # inline-PTX unpack; ignored (False) under the interpreter
+    gemv: bool = False     # CUDA-core kernel, one token per program (block_m unused)
+
+
+# Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
+# see docs/kernels.md. Keyed by the largest M each entry serves.
+TUNED: dict[int, Config] = {
+    16: Config(block_n=128, block_m=16, split_k=2, num_warps=4, num_stages=4),
+    32: Config(block_n=128, block_m=32, split_k=1, num_warps=4, num_stages=4),
+    64: Config(block_n=128, block_m=64, split_k=1, num_warps=4, num_stages=3),
+    1 << 30: Config(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3),
+}
+
+
+def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
+    """The configuration used for an [m, k] x [n, k]^T product (small-M vs tiled path)."""
+    for bound in sorted(TUNED):
+        if m <= bound:
+            cfg = TUNED[bound]
+            break
+    # Split-K only pays when the column blocks alone leave SMs idle; never split finer
+    # than the number of K blocks.
+    blocks = _sub_block(group_size)
+    n_kblocks = k // blocks
+    split = max(1, min(cfg.split_k, n_kblocks))
+    if split != cfg.split_k:
+        cfg = Config(cfg.block_n, cfg.block_m, split, cfg.num_warps, cfg.num_stages,
+                     cfg.use_asm, cfg.gemv)
+    return cfg
+
+
+# ---- weight layout --------------------------------------------------------------------------
+
+def _sub_block(group_size: int) -> int:
+    """Input channels handled per inner step: one group, or 128 of a larger group."""
+    if group_size <= 256:
+        return group_size
+    if group_size % 128 == 0:
+        return 128
+    raise ValueError(f"triton W4 kernel: group size {group_size} > 256 must be a multiple of 128")
+
+
+def supports(w: W4Weight) -> bool:
+    g = w.group_size
+    return g >= 32 and g % 32 == 0 and (g <= 256 or g % 128 == 0)
+
+
+def repack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
+    """[N, K/2] (even/odd nibbles) -> [N, K/2] with channel j and j+sub/2 of each block in one byte."""
+    q = unpack_codes(codes)
+    n, k = q.shape
+    q = q.view(n, k // sub, 2, sub // 2)
+    return (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
+
+
+@dataclass
+class Packed:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    sub: int
+
+
+def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
+    """The kernel's layout of w for activations of `dtype` (built once, cached on w)."""
+    cache = w.__dict__.setdefault(_CACHE_ATTR, {})
+    key = (dtype, w.codes.device)
+    hit = cache.get(key)
+    if hit is None:
+        sub = _sub_block(w.group_size)
+        codes = cache.get("codes")
+        if codes is None or codes.device != w.codes.device:
+            codes = cache["codes"] = repack_codes(w.codes, sub)
+        hit = cache[key] = Packed(codes, w.scales.t().to(dtype).contiguous(),
+                                  w.offsets.t().to(dtype).contiguous(), sub)
+    return hit
+
+
+# ---- the kernel -----------------------------------------------------------------------------
+
+# 4 code bytes (8 values) -> 4 registers of two halves each, dequantized: w = q * s + o.
+# prmt places bytes 0/1 (then 2/3) in the two 16-bit halves of a register; lop3 keeps one
+# nibble per half and ORs it into the mantissa of 1024.0 (low nibble) or of 1024.0 at 16x
+# (high nibble), so the value is 1024 + q or 1024 + 16q with no int->float conversion.
+_ASM_F16 = """
+{
+.reg .b32 t0, t1, v0, v1, v2, v3, kmag, k16, km64;
+mov.b32 kmag, 0x64006400;
+mov.b32 k16, 0x2c002c00;
+mov.b32 km64, 0xd400d400;
+prmt.b32 t0, $4, $4, 0x0100;
+prmt.b32 t1, $4, $4, 0x0302;
+lop3.b32 v0, t0, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 v1, t1, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 v2, t0, 0x00f000f0, 0x64006400, 0xea;
+lop3.b32 v3, t1, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 v0, v0, kmag;
+sub.f16x2 v1, v1, kmag;
+fma.rn.f16x2 v2, v2, k16, km64;
+fma.rn.f16x2 v3, v3, k16, km64;
+fma.rn.f16x2 $0, v0, $5, $7;
+fma.rn.f16x2 $1, v1, $6, $8;
+fma.rn.f16x2 $2, v2, $5, $7;
+fma.rn.f16x2 $3, v3, $6, $8;
+}
+"""
+
+# bf16 has 7 mantissa bits: 128.0 (0x4300) takes a nibble in bits 0..3 only, so the high
+# nibble is shifted down first.
+_ASM_BF16 = """
+{
+.reg .b32 t0, t1, u0, u1, v0, v1, v2, v3, kone, km128;
+mov.b32 kone, 0x3f803f80;
+mov.b32 km128, 0xc300c300;
+prmt.b32 t0, $4, $4, 0x0100;
+prmt.b32 t1, $4, $4, 0x0302;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+lop3.b32 v0, t0, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 v1, t1, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 v2, u0, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 v3, u1, 0x000f000f, 0x43004300, 0xea;
+fma.rn.bf16x2 v0, v0, kone, km128;
+fma.rn.bf16x2 v1, v1, kone, km128;
+fma.rn.bf16x2 v2, v2, kone, km128;
+fma.rn.bf16x2 v3, v3, kone, km128;
+fma.rn.bf16x2 $0, v0, $5, $7;
+fma.rn.bf16x2 $1, v1, $6, $8;
+fma.rn.bf16x2 $2, v2, $5, $7;
+fma.rn.bf16x2 $3, v3, $6, $8;
+}
+"""
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dequant(codes, s, o, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+        """uint8 [BN, H] codes, s/o [BN] -> (W of the low nibbles, W of the high nibbles)."""
+        dt = tl.bfloat16 if IS_BF16 else tl.float16
+        if USE_ASM:
+            sb = tl.broadcast_to(s[:, None], codes.shape)
+            ob = tl.broadcast_to(o[:, None], codes.shape)
+            if IS_BF16:
+                lo, hi = tl.inline_asm_elementwise(_ASM_BF16_C, "=r,=r,=r,=r,r,r,r,r,r",
+                                                   [codes, sb, ob], dtype=(dt, dt),
+                                                   is_pure=True, pack=4)
+            else:
+                lo, hi = tl.inline_asm_elementwise(_ASM_F16_C, "=r,=r,=r,=r,r,r,r,r,r",
+                                                   [codes, sb, ob], dtype=(dt, dt),
+                                                   is_pure=True, pack=4)
+        else:
+            if IS_BF16:
+                # Plain conversions: the interpreter cannot bitcast to bf16 (numpy has none).
+                ql = (codes & 0xF).to(tl.float32).to(dt)
+                qh = (codes >> 4).to(tl.float32).to(dt)
+            else:
+                # The magic-number trick in plain ops: 0x6400 | q is the fp16 of 1024 + q.
+                ql = ((codes & 0xF).to(tl.int16) | 0x6400).to(dt, bitcast=True) - 1024.0
+                qh = ((codes >> 4).to(tl.int16) | 0x6400).to(dt, bitcast=True) - 1024.0
+            lo = ql * s[:, None] + o[:, None]
+            hi = qh * s[:, None] + o[:, None]
+        return lo.to(dt), hi.to(dt)
+
+    @triton.jit
+    def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
+                   M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
+                   SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr):
+        # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        HALF: tl.constexpr = SUB // 2
+        rn = pid_n * BN + tl.arange(0, BN)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rh = tl.arange(0, HALF)
+        n_mask = rn < N
+        m_mask = rm < M
+        rn_safe = tl.where(n_mask, rn, 0)  # keeps loads unmasked along n (ragged last block)
+        c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for b in range(b_start, b_end):
+            codes = tl.load(c_ptrs + b * HALF)
+            g = (b * SUB) // G
+            s = tl.load(s_ptr + g * N + rn_safe)
+            o = tl.load(o_ptr + g * N + rn_safe)
+            xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
+            xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
+            wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
+            acc = tl.dot(wl, xl, acc)
+            acc = tl.dot(wh, xh, acc)
+        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
+                        M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
+                        SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                        ATOMIC: tl.constexpr):
+        # CUDA-core variant for one token per program (M = 1, 2): no tensor cores, fp32 FMAs.
+        # Per group: p[n] = sum_k q[n, k] x[k], then y[n] += s[n, g] p[n] + o[n, g] sum_k x[k],
+        # so scales and offsets cost O(BN) per group instead of O(BN * G).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        row = tl.program_id(2)
+        HALF: tl.constexpr = SUB // 2
+        rn = pid_n * BN + tl.arange(0, BN)
+        rh = tl.arange(0, HALF)
+        n_mask = rn < N
+        rn_safe = tl.where(n_mask, rn, 0)
+        c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
+        x_row = x_ptr + row * stride_xm + rh
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for b in range(b_start, b_end):
+            codes = tl.load(c_ptrs + b * HALF).to(tl.int32)
+            g = (b * SUB) // G
+            s = tl.load(s_ptr + g * N + rn_safe).to(tl.float32)
+            o = tl.load(o_ptr + g * N + rn_safe).to(tl.float32)
+            xl = tl.load(x_row + b * SUB).to(tl.float32)
+            xh = tl.load(x_row + b * SUB + HALF).to(tl.float32)
+            # 0x4B000000 | q is the fp32 of 2**23 + q: exact, and no int->float conversion.
+            ql = ((codes & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            qh = ((codes >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            p = tl.sum(ql * xl[None, :] + qh * xh[None, :], axis=1)
+            acc += p * s + o * (tl.sum(xl, axis=0) + tl.sum(xh, axis=0))
+        y_ptrs = y_ptr + row * stride_ym + rn
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+    # triton.jit kernels read module-level globals as constexprs only when they are marked so.
+    _ASM_F16_C = tl.constexpr(_ASM_F16)
+    _ASM_BF16_C = tl.constexpr(_ASM_BF16)
+
+
+def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = None) -> torch.Tensor:
+    """y = x @ W.T for x [M, K] fp16/bf16 on CUDA (or on the CPU under TRITON_INTERPRET=1)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("kernel 'triton' needs the triton package")
+    interp = interpreting()
+    if x.device.type != "cuda" and not interp:
+        raise RuntimeError("kernel 'triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"kernel 'triton' takes fp16/bf16 activations, got {x.dtype}")
+    if not supports(w):
+        raise ValueError(f"kernel 'triton' does not support group size {w.group_size}")
+    m, k = x.shape
+    n = w.out_features
+    if k != w.in_features:
+        raise ValueError(f"x has {k} input features, weight has {w.in_features}")
+    p = packed(w, x.dtype)
+    cfg = config or pick_config(m, n, k, w.group_size)
+    x = x.contiguous()
+    n_blocks = k // p.sub
+    per = triton.cdiv(n_blocks, cfg.split_k)
+    split = triton.cdiv(n_blocks, per)
+    atomic = split > 1
+    # Split-K adds partial tiles atomically into a zeroed output. bf16 atomics are not
+    # available everywhere (nor in the interpreter), so bf16 accumulates in fp32 first.
+    acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
+    y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype)
+    if cfg.gemv:
+        grid = (triton.cdiv(n, cfg.block_n), split, m)
+        _w4_gemv_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k, x.stride(0),
+                              y.stride(0), per, n_blocks, SUB=p.sub, G=w.group_size,
+                              BN=cfg.block_n, ATOMIC=atomic,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    _w4_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
+                     per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
+                     ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
+                     IS_BF16=x.dtype == torch.bfloat16,
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+if HAVE_TRITON:
+    register_kernel("triton", triton_w4_matmul)

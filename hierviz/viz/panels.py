@@ -1,0 +1,202 @@
+"""HTML builders for the sequence draft, the target's verdict, the output text, stats and legend.
+
+All token text goes through style.esc: model output is untrusted text and must never become
+markup in the page. Colours are inline so that each fragment is self-contained; layout classes
+(hv-*) live in assets/app.css.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from hierviz.trace import Step, Trace, trace_stats
+from hierviz.viz.style import COLORS, SOURCE_LABELS, TINTS, esc, method_label, token_label
+
+WHITE_TEXT = {"tree", "intermediate_bonus", "target_bonus", "rejected", "draft", "root"}
+
+
+def chip(text: str, kind: str, title: str = "", mark: str = "", extra_class: str = "") -> str:
+    """A token chip: solid colour for `kind`; `mark` is a small symbol after the token (✓ ✗)."""
+    color = COLORS.get(kind, "#888")
+    fg = "white" if kind in WHITE_TEXT else "#333"
+    mark_html = f'<span class="hv-mark">{esc(mark)}</span>' if mark else ""
+    cls = f"hv-chip {extra_class}".strip()
+    return (f'<span class="{cls}" style="background:{color};color:{fg}" title="{esc(title)}">'
+            f'{token_label(text, 16)}{mark_html}</span>')
+
+
+def _box(inner: str, cls: str = "") -> str:
+    return f'<div class="hv-panel {cls}">{inner}</div>'
+
+
+def legend_html() -> str:
+    items = [("tree", "drafted by an EAGLE head and accepted"), ("intermediate_bonus", "intermediate M's own token"),
+             ("target_bonus", "target T's own token"), ("rejected", "rejected"),
+             ("discarded", "never checked / discarded"), ("draft", "drafted by M alone (sequence spec.)")]
+    parts = [f'<span class="hv-key"><span class="hv-swatch" style="background:{COLORS[k]}"></span>{esc(v)}</span>'
+             for k, v in items]
+    return f'<div class="hv-legend">{"".join(parts)}</div>'
+
+
+def sequence_html(step: Optional[Step]) -> str:
+    """The sequence draft d the target verified, chips coloured by provenance, grouped by tree."""
+    if step is None:
+        return _box('<p class="hv-muted">Run a prompt or load a trace to see the sequence draft.</p>')
+    if step.method == "eagle2":
+        n = sum(len(t.nodes) for t in step.trees)
+        return _box(f'<p class="hv-muted">EAGLE-2 has no sequence draft: the target verifies the whole '
+                    f'{n}-token tree itself in one forward pass.</p>')
+    if step.method == "ar":
+        return _box('<p class="hv-muted">Autoregressive decoding has no draft: one target forward, one token.</p>')
+    if not step.sequence:
+        return _box('<p class="hv-muted">This step has no sequence draft.</p>')
+    groups: list[tuple[Optional[int], list[str]]] = []
+    for i, s in enumerate(step.sequence):
+        title = f"position {i + 1} · token id {s.token} · {SOURCE_LABELS.get(s.source, s.source)}"
+        if s.tree is not None:
+            title += f" · tree {s.tree + 1}"
+        c = chip(s.text, s.source, title)
+        if groups and groups[-1][0] == s.tree:
+            groups[-1][1].append(c)
+        else:
+            groups.append((s.tree, [c]))
+    parts = []
+    for tree_idx, chips in groups:
+        cap = f"tree {tree_idx + 1}" if tree_idx is not None else "M"
+        parts.append(f'<span class="hv-group"><span class="hv-cap">{cap}</span>{"".join(chips)}</span>')
+    n_trees = len(step.trees)
+    head = (f'<div class="hv-head">Sequence draft: <b>{len(step.sequence)}</b> tokens'
+            + (f' from <b>{n_trees}</b> tree{"s" if n_trees != 1 else ""}' if n_trees else "") + '</div>')
+    return _box(head + f'<div class="hv-chips">{"".join(parts)}</div>')
+
+
+def verdict_html(step: Optional[Step]) -> str:
+    """What the target did with the draft: accepted prefix, first rejected token, its own token."""
+    if step is None:
+        return _box('<p class="hv-muted">The target\'s verdict appears here.</p>')
+    bonus = step.target_bonus_text
+    if step.method == "ar":
+        text = step.new_text[0] if step.new_text else bonus
+        return _box(f'<div class="hv-chips">{chip(text, "target_bonus", "target T generated this token")}</div>'
+                    '<div class="hv-sum">No draft: the target ran one forward pass for one token.</div>')
+    if step.method == "eagle2":
+        tree = step.trees[0] if step.trees else None
+        by_id = {n.id: n for n in tree.nodes} if tree else {}
+        acc = [by_id[a] for a in tree.accepted] if tree else []
+        chips = [chip(n.text, "tree", f"accepted · depth {n.depth}", "✓") for n in acc]
+        frontier = tree.accepted[-1] if tree and tree.accepted else 0
+        losers = [n for n in tree.nodes if n.parent == frontier] if tree else []
+        chips.append(chip(bonus, "target_bonus", "the target's own token after the accepted path", "+"))
+        size = len(tree.nodes) if tree else 0
+        summary = (f'The target checked all <b>{size}</b> tree tokens in one forward pass, accepted a path of '
+                   f'<b>{len(acc)}</b>, rejected the {len(losers)} candidate{"s" if len(losers) != 1 else ""} after it '
+                   f'and added its own token → <b>{len(step.new_tokens)}</b> new token{"s" if len(step.new_tokens) != 1 else ""}.')
+        return _box(f'<div class="hv-chips">{"".join(chips)}</div><div class="hv-sum">{summary}</div>')
+    seq = step.sequence
+    n = max(0, min(step.target_accepted, len(seq)))
+    chips = []
+    for i, s in enumerate(seq):
+        if i < n:
+            chips.append(chip(s.text, s.source, "accepted by the target", "✓"))
+        elif i == n:
+            chips.append(chip(s.text, "rejected", "first token the target disagreed with", "✗", "hv-rejected"))
+        else:
+            chips.append(chip(s.text, "discarded", "dropped: it came after a rejected token", "", "hv-dropped"))
+    chips.append('<span class="hv-arrow">→</span>')
+    chips.append(chip(bonus, "target_bonus",
+                      "the target's own token " + ("(bonus: every draft token was accepted)" if n == len(seq)
+                                                   else "(correction of the rejected token)"), "+"))
+    if n == len(seq):
+        summary = (f'The target accepted <b>all {len(seq)}</b> draft tokens and added a bonus token → '
+                   f'<b>{len(step.new_tokens)}</b> new tokens from one target forward pass.')
+    else:
+        summary = (f'The target accepted <b>{n}</b> of {len(seq)} draft tokens, rejected '
+                   f'<b>{token_label(seq[n].text, 16)}</b> and wrote <b>{token_label(bonus, 16)}</b> instead → '
+                   f'<b>{len(step.new_tokens)}</b> new token{"s" if len(step.new_tokens) != 1 else ""} '
+                   f'from one target forward pass.')
+    return _box(f'<div class="hv-chips">{"".join(chips)}</div><div class="hv-sum">{summary}</div>')
+
+
+def output_html(trace: Optional[Trace], upto: Optional[int] = None, highlight: Optional[int] = None) -> str:
+    """The output so far, coloured by producer. Consecutive tokens of one step and one producer
+    share a span, which keeps the fragment small for long runs (a 512-token run is ~10 KB)."""
+    if trace is None:
+        return _box('<p class="hv-muted">The generated text appears here.</p>', "hv-output")
+    steps = trace.steps if upto is None else trace.steps[: upto + 1]
+    parts = []
+    prompt = trace.meta.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        parts.append(f'<span class="hv-prompt" title="prompt">{esc(prompt)}</span> ')
+    for st in steps:
+        run: list[str] = []
+        src = None
+
+        def flush() -> None:
+            if run:
+                cls = "hv-tok hv-cur" if st.index == highlight else "hv-tok"
+                title = f"step {st.index + 1}: {SOURCE_LABELS.get(src, src)}"
+                text = esc("".join(run)).replace("\n", "<br>")
+                parts.append(f'<span class="{cls}" style="background:{TINTS.get(src, "#eee")};'
+                             f'border-bottom-color:{COLORS.get(src, "#888")}" title="{esc(title)}">{text}</span>')
+
+        for text, source in zip(st.new_text, st.new_sources):
+            if source != src:
+                flush()
+                run, src = [], source
+            run.append(text)
+        flush()
+    if not steps:
+        parts.append('<span class="hv-muted">(no tokens yet)</span>')
+    return _box(f'<div class="hv-text">{"".join(parts)}</div>', "hv-output")
+
+
+def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
+    return "–" if v is None else f"{v:.{digits}f}{suffix}"
+
+
+def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
+    """A table with one column per run: speed, tau of each level, per-depth acceptance."""
+    if not runs:
+        return _box('<p class="hv-muted">Statistics appear once a run has steps.</p>')
+    cols = []
+    for t in runs:
+        method = t.meta.get("method", t.steps[0].method if t.steps else "?")
+        steps = t.steps if not upto or method not in upto else t.steps[: upto[method] + 1]
+        cols.append((method, trace_stats(steps)))
+    by_method = {m: s for m, s in cols}
+    rows = [
+        ("tokens", lambda s: str(s["new_tokens"])),
+        ("time (ms, decoding)", lambda s: f'{s["total_ms"]:.0f}'),
+        ("<b>tokens / s</b>", lambda s: f'<b>{s["tokens_per_s"]:.1f}</b>'),
+        ("τ target: tokens per target forward", lambda s: _fmt(s["tau_target"])),
+        ("τ intermediate: tokens per M tree", lambda s: _fmt(s["tau_intermediate"])),
+        ("mean sequence-draft length", lambda s: _fmt(s["mean_sequence_len"] or None, 1)),
+    ]
+    head = "".join(f"<th>{esc(method_label(m))}</th>" for m, _ in cols)
+    body = "".join(f"<tr><td>{name}</td>" + "".join(f"<td>{f(s)}</td>" for _, s in cols) + "</tr>"
+                   for name, f in rows)
+    # per-depth acceptance as small bars
+    depth_rows = []
+    max_d = max((max(s["per_depth_acceptance"], default=0) for _, s in cols), default=0)
+    for d in range(1, max_d + 1):
+        cells = []
+        for _, s in cols:
+            r = s["per_depth_acceptance"].get(d)
+            cells.append("<td>–</td>" if r is None else
+                         f'<td><span class="hv-bar"><span style="width:{100 * r:.0f}%"></span></span> {100 * r:.0f}%</td>')
+        depth_rows.append(f"<tr><td>accepted at depth {d}</td>{''.join(cells)}</tr>")
+    speed = []
+    hs = by_method.get("hierspec")
+    for other in ("eagle2", "ar", "spec"):
+        o = by_method.get(other)
+        if hs and o and hs["tokens_per_s"] > 0 and o["tokens_per_s"] > 0:
+            speed.append(f'HierSpec is <b>{hs["tokens_per_s"] / o["tokens_per_s"]:.2f}×</b> '
+                         f'{"faster than" if hs["tokens_per_s"] >= o["tokens_per_s"] else "the speed of"} '
+                         f'{esc(method_label(other))}')
+    speed_html = f'<div class="hv-speedup">{" · ".join(speed)}</div>' if speed else ""
+    note = ""
+    if any(t.meta.get("synthetic") for t in runs):
+        note = '<div class="hv-warn">Hand-made trace: no model ran and the timings are invented.</div>'
+    elif any(str(t.meta.get("stack", "")).startswith("tiny") for t in runs):
+        note = '<div class="hv-warn">Tiny random-weight stack: the text is gibberish and the numbers only test the plumbing.</div>'
+    return _box(speed_html + f'<table class="hv-stats"><thead><tr><th></th>{head}</tr></thead>'
+                f'<tbody>{body}{"".join(depth_rows)}</tbody></table>' + note)

@@ -1,0 +1,240 @@
+"""Plotly figure of the draft tree(s) of one step.
+
+Layout: depth runs left to right (the root, i.e. the last accepted token, at the left), one row
+per leaf. A parent sits on the row of its first child, and the accepted child always comes
+first, so the verifier's accepted path and its bonus token form one straight top row: that row
+is exactly what the step adds to the output. Several trees of one HierSpec round are placed
+left to right in the order they were drafted; each next tree grows from the previous bonus.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from hierviz.trace import DraftTree, Step
+from hierviz.viz.style import COLORS, token_label, visible_token
+
+COL_PX = 104        # pixels per depth column; the figure width is fixed so labels never overlap
+ROW_PX = 24         # pixels per leaf row
+LABEL_CHARS = 9     # longest token label drawn in a node chip
+CHAR_PX = 8.2       # approximate width of one label character at the chosen font size
+GAP_COLS = 0.6      # empty columns between two trees of one round
+BONUS = -1          # pseudo node id of the verifier's bonus token
+ROOT = 0
+
+
+@dataclass
+class PlacedNode:
+    id: int          # node id, 0 = root, -1 = bonus
+    x: float         # column (depth + tree offset)
+    y: float         # row (0 = top)
+    status: str      # root / tree (accepted) / rejected / discarded / intermediate_bonus / target_bonus
+    text: str
+    token: int
+    depth: int
+    score: float | None = None
+    logprob: float | None = None
+    parent: int | None = None
+
+
+def node_status(tree: DraftTree) -> dict[int, str]:
+    """accepted ('tree'), 'rejected' (a child of the last accepted node or of the root: the
+    verifier checked it against its own token and it lost), or 'discarded' (never reached)."""
+    accepted = set(tree.accepted)
+    frontier = tree.accepted[-1] if tree.accepted else ROOT
+    out = {}
+    for n in tree.nodes:
+        if n.id in accepted:
+            out[n.id] = "tree"
+        elif n.parent == frontier:
+            out[n.id] = "rejected"
+        else:
+            out[n.id] = "discarded"
+    return out
+
+
+def bonus_status(tree: DraftTree) -> str:
+    return "intermediate_bonus" if tree.verifier == "intermediate" else "target_bonus"
+
+
+def layout_tree(tree: DraftTree, x0: float = 0.0) -> list[PlacedNode]:
+    """Tidy layered layout of one tree; nodes unreachable from the root are left out."""
+    status = node_status(tree)
+    accepted = set(tree.accepted)
+    children: dict[int, list] = defaultdict(list)
+    for n in tree.nodes:
+        children[n.parent].append(n)
+    for kids in children.values():
+        # accepted child first, then by drafter score (best on top)
+        kids.sort(key=lambda n: (n.id not in accepted, -n.score, n.id))
+    last = tree.accepted[-1] if tree.accepted else ROOT
+
+    # Iterative pre-order DFS (trees from files may be deep or malformed). Leaves take rows in
+    # visiting order; a parent then takes its first child's row, so rows never collide within a column.
+    seen: set[int] = set()
+    order: list[tuple[int, int]] = []          # (node id, column) in pre-order
+    first_child: dict[int, int] = {}
+    stack = [(ROOT, 0)]
+    while stack:
+        nid, col = stack.pop()
+        if nid in seen:
+            continue
+        seen.add(nid)
+        order.append((nid, col))
+        kids = [] if nid == BONUS else [k.id for k in children.get(nid, []) if k.id not in seen]
+        if nid == last:
+            kids = [BONUS] + kids
+        if kids:
+            first_child[nid] = kids[0]
+        stack.extend((k, col + 1) for k in reversed(kids))
+    rows: dict[int, int] = {}
+    next_row = 0
+    for nid, _ in order:                    # leaves numbered in pre-order
+        if nid not in first_child:
+            rows[nid] = next_row
+            next_row += 1
+    for nid, _ in reversed(order):          # children are after their parent in pre-order
+        if nid in first_child:
+            rows[nid] = rows[first_child[nid]]
+    cols = dict(order)
+    placed: list[PlacedNode] = []
+    by_id = {n.id: n for n in tree.nodes}
+    for nid, c in cols.items():
+        x, y = x0 + c, float(rows[nid])
+        if nid == ROOT:
+            placed.append(PlacedNode(ROOT, x, y, "root", tree.root_text, tree.root_token, 0))
+        elif nid == BONUS:
+            placed.append(PlacedNode(BONUS, x, y, bonus_status(tree), tree.bonus_text, tree.bonus_token,
+                                     len(tree.accepted) + 1, parent=last))
+        else:
+            n = by_id[nid]
+            placed.append(PlacedNode(n.id, x, y, status[n.id], n.text, n.token, n.depth, n.score, n.logprob, n.parent))
+    return placed
+
+
+def _chip_px(text: str) -> float:
+    return len(visible_token(text, LABEL_CHARS)) * CHAR_PX + 14
+
+
+STATUS_NAMES = {
+    "root": "root (last accepted token)",
+    "tree": "accepted by the verifier",
+    "rejected": "checked and rejected",
+    "discarded": "branch never reached",
+    "intermediate_bonus": "M's bonus token",
+    "target_bonus": "T's bonus token",
+}
+
+
+def _hover(p: PlacedNode, tree_idx: int) -> str:
+    lines = [f"<b>{token_label(p.text, 40)}</b>", f"token id {p.token}", STATUS_NAMES[p.status]]
+    if p.score is not None:
+        lines += [f"depth {p.depth}",
+                  f"p(token | parent) = {math.exp(p.logprob):.3f}" if p.logprob is not None and p.logprob <= 0 else "",
+                  f"log-prob {p.logprob:.3f}", f"cumulative log-prob (rank key) {p.score:.3f}"]
+    lines.append(f"tree {tree_idx + 1}")
+    return "<br>".join(l for l in lines if l)
+
+
+def tree_figure(trees: list[DraftTree], title: str = "") -> go.Figure:
+    """All trees of a step, left to right, as one figure with a fixed pixel size."""
+    fig = go.Figure()
+    if not trees:
+        fig.update_layout(height=160, xaxis_visible=False, yaxis_visible=False,
+                          annotations=[dict(text="No draft tree in this step (autoregressive or sequence drafting).",
+                                            showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                                            font_size=15)],
+                          margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white")
+        return fig
+
+    all_nodes: list[tuple[int, PlacedNode]] = []
+    x0 = 0.0
+    prev_bonus: PlacedNode | None = None
+    connectors = []
+    for ti, t in enumerate(trees):
+        placed = layout_tree(t, x0)
+        all_nodes += [(ti, p) for p in placed]
+        root = next(p for p in placed if p.id == ROOT)
+        if prev_bonus is not None:
+            connectors.append((prev_bonus, root))
+        prev_bonus = next((p for p in placed if p.id == BONUS), None)
+        x0 = max(p.x for p in placed) + 1 + GAP_COLS
+    n_rows = int(max(p.y for _, p in all_nodes)) + 1
+    width = int(x0 * COL_PX) + 40
+    height = n_rows * ROW_PX + 90
+
+    pos = {(ti, p.id): p for ti, p in all_nodes}
+    unit = 1.0 / COL_PX  # data units per pixel along x
+
+    def elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
+        xs = a.x + _chip_px(a.text) * unit
+        xm = b.x - 10 * unit
+        return [xs, xm, xm, b.x, None], [a.y, a.y, b.y, b.y, None]
+
+    edge_groups: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for ti, p in all_nodes:
+        if p.id == ROOT:
+            continue
+        parent = pos.get((ti, p.parent if p.parent is not None else ROOT))
+        if parent is None:
+            continue
+        kind = {"tree": "tree", "intermediate_bonus": "bonus", "target_bonus": "bonus"}.get(p.status, "other")
+        ex, ey = elbow(parent, p)
+        edge_groups[kind][0].extend(ex)
+        edge_groups[kind][1].extend(ey)
+    styles = {"other": dict(color="#B8BEC8", width=1.2), "tree": dict(color=COLORS["tree"], width=3.5),
+              "bonus": dict(color="#555", width=2.5, dash="dot")}
+    for kind in ("other", "tree", "bonus"):
+        if kind in edge_groups:
+            ex, ey = edge_groups[kind]
+            fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=styles[kind], hoverinfo="skip", showlegend=False))
+    for a, b in connectors:
+        fig.add_trace(go.Scatter(x=[a.x + _chip_px(a.text) * unit, b.x], y=[a.y, b.y], mode="lines",
+                                 line=dict(color="#555", width=2, dash="dash"), hoverinfo="skip", showlegend=False))
+
+    # Node chips are annotations (they size to their text); an invisible marker per node carries
+    # the hover text. Legend entries are empty traces in the node colours.
+    annotations = []
+    for status in ("root", "tree", "rejected", "discarded", "intermediate_bonus", "target_bonus"):
+        group = [(ti, p) for ti, p in all_nodes if p.status == status]
+        if not group:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[p.x + _chip_px(p.text) * unit / 2 for _, p in group], y=[p.y for _, p in group], mode="markers",
+            marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
+            hovertext=[_hover(p, ti) for ti, p in group], hoverinfo="text", name=STATUS_NAMES[status],
+            showlegend=False))
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS_NAMES[status],
+                                 marker=dict(size=13, color=COLORS[status], symbol="square")))
+        dark_text = status == "discarded"
+        for ti, p in group:
+            annotations.append(dict(
+                x=p.x, y=p.y, xanchor="left", yanchor="middle", showarrow=False,
+                text=token_label(p.text, LABEL_CHARS),
+                font=dict(size=13, color="#222" if dark_text else "white", family="DejaVu Sans Mono, monospace"),
+                bgcolor=COLORS[status], borderpad=3,
+                bordercolor="#222" if p.id == BONUS else COLORS[status], borderwidth=1.5 if p.id == BONUS else 0))
+    for ti, t in enumerate(trees):
+        root = pos[(ti, ROOT)]
+        label = f"tree {ti + 1}" if len(trees) > 1 else ""
+        if label:
+            annotations.append(dict(x=root.x, y=-0.85, xanchor="left", showarrow=False, text=f"<i>{label}</i>",
+                                    font=dict(size=12, color="#555")))
+    fig.update_layout(
+        title=dict(text=title, x=0.01, font_size=15) if title else None,
+        width=max(width, 420), height=height, autosize=False,
+        margin=dict(l=10, r=10, t=60 if title else 36, b=10),
+        plot_bgcolor="white", paper_bgcolor="white", annotations=annotations,
+        xaxis=dict(visible=False, range=[-0.1, x0 - GAP_COLS + 0.2], fixedrange=True),
+        yaxis=dict(visible=False, range=[n_rows - 0.4, -1.3], fixedrange=True),
+        legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font_size=12),
+        hoverlabel=dict(font_size=13),
+    )
+    return fig
+
+
+def step_tree_figure(step: Step, title: str = "") -> go.Figure:
+    return tree_figure(step.trees, title)
