@@ -208,3 +208,14 @@ def comparison(seed: int = 0, max_new_tokens: int = 48) -> list[Trace]:
     """HierSpec, EAGLE-2 and AR on the same (pretend) prompt."""
     return [hierspec_trace(seed, max_new_tokens), eagle2_trace(seed + 1, max_new_tokens),
             ar_trace(seed + 2, max_new_tokens)]
+
+
+if __name__ == "__main__":   # python -m hierviz.viz.sample assets/traces/handmade-demo.json
+    import sys
+
+    from hierviz.trace import save_comparison
+
+    runs = comparison(0, 48)
+    for r in runs:
+        r.meta["title"] = "Hand-made demo: HierSpec vs EAGLE-2 vs AR"
+    save_comparison(runs, sys.argv[1])

@@ -1,0 +1,27 @@
+"""hierviz web demo: hierarchical speculative decoding, step by step (Hugging Face Space app_file).
+
+    python app.py                       # http://127.0.0.1:7860, default stack smollm2-offline
+    HIERVIZ_STACK=tiny-random python app.py --port 7861
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from hierviz.ui import build_app, launch_kwargs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    ap.add_argument("--stack", default=None, help="default model stack preset (or HIERVIZ_STACK)")
+    args = ap.parse_args()
+    demo = build_app(args.stack)
+    demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
+
+
+if __name__ == "__main__":
+    main()
