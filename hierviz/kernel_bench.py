@@ -1,0 +1,359 @@
+"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs hierviz's Triton kernel.
+
+    python -m hierviz.kernel_bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
+    python -m hierviz.kernel_bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
+
+On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
+group 128, synthetic codes), every M in --ms, all three kernels side by side in one process,
+timed as CUDA-graph replays (launch overhead out, as in the engine) with 3 rotating copies of
+every weight so that the 60 MB L2 cannot serve repeated reads. Prints a table and writes
+DIR/kernel_bench.json (+ a chart). Correctness of each kernel against the dequantized
+reference is checked at every M. --tune first sweeps Triton launch configurations per M and
+uses the best; the winners are what hierviz.quant.triton_w4.TUNED holds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn, unpack_codes
+
+ROTATE = 3  # weight copies cycled through while timing (> L2 in total)
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+def _graph_time_us(fns: list[Callable[[], object]], rep_ms: float) -> float:
+    """Median time of one call, from CUDA-graph replays; calls cycle through `fns`."""
+    import triton.testing
+
+    state = {"i": 0}
+
+    def fn() -> None:
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    for f in fns:  # compile / build caches outside the capture
+        f()
+    torch.cuda.synchronize()
+    return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    import triton.testing
+
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=200, return_mode="median")
+    del a, b
+    return 2 * n / (ms * 1e-3)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.float()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return float((y - ref).norm() / ref.norm())
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+def synthetic_w4(n: int, k: int, g: int, device: str, seed: int) -> W4Weight:
+    """Random codes and GPTQ-like scales/offsets (fp16), made on the device directly."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    scales = torch.rand(n, k // g, device=device, generator=gen) * 0.02 + 0.002
+    zeros = torch.randint(6, 10, (n, k // g), device=device, generator=gen).float()
+    return W4Weight(codes, scales.half(), (-scales * zeros).half(), g)
+
+
+def tinygemm_pack(w: W4Weight, swap_nibbles: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch._weight_int4pack_mm operands: packed int4 weight and bf16 [K/G, N, 2] scale/zero.
+
+    tinygemm computes (q - 8) * scale + zero, so zero = offset + 8 * scale. Its converter
+    takes uint8 [N, K/2]; which nibble holds the even element is checked against the
+    reference by the caller (swap_nibbles)."""
+    q = unpack_codes(w.codes)
+    even, odd = q[:, 0::2], q[:, 1::2]
+    u8 = ((even << 4) | odd) if swap_nibbles else ((odd << 4) | even)
+    packed = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), 8)
+    s = w.scales.float()
+    z = w.offsets.float() + 8.0 * s
+    sz = torch.stack([s.t(), z.t()], dim=-1).contiguous().to(torch.bfloat16)
+    return packed, sz
+
+
+# ---- Triton tuning candidates ---------------------------------------------------------------
+
+def tune_candidates(m: int):
+    from hierviz.quant.triton_w4 import Config
+
+    out = []
+    if m <= 16:
+        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (128, 4, 6),
+                                  (256, 8, 3), (256, 8, 4)]:
+            for split in (1, 2, 4, 8):
+                out.append(Config(bn, 16, split, warps, stages))
+        out.append(Config(128, 16, 2, 4, 4, use_asm=False))
+        if m <= 2:
+            for bn, warps in [(32, 4), (64, 4), (128, 8)]:
+                for split in (2, 4, 8):
+                    out.append(Config(bn, 16, split, warps, 4, gemv=True))
+    else:
+        bm = 32 if m <= 32 else 64 if m <= 64 else 128
+        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)]:
+            for split in ((1, 2) if m <= 64 else (1,)):
+                out.append(Config(bn, bm, split, warps, stages))
+        out.append(Config(128, bm, 1, 4, 3, use_asm=False))
+    return out
+
+
+# ---- the GPU benchmark ----------------------------------------------------------------------
+
+def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
+              dry: bool = False) -> dict:
+    """dry: run the same code on the CPU under TRITON_INTERPRET=1 (tiny shapes; no timing value)."""
+    import triton
+
+    from hierviz.quant import triton_w4
+    from hierviz.quant.triton_w4 import pick_config, triton_w4_matmul
+
+    global _graph_time_us
+    if dry:
+        dev = "cpu"
+        _graph_time_us = lambda fns, rep_ms: _cpu_time_us(fns[0], 0.01)  # noqa: E731
+        name, sms, bw = "cpu (dry run)", 0, 1e11
+    else:
+        dev = "cuda"
+        props = torch.cuda.get_device_properties(0)
+        name, sms, bw = props.name, props.multi_processor_count, _copy_bandwidth()
+    info = {"device": name, "sms": sms,
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "shape": {"K": k, "N": n, "G": g},
+            "timing": f"CUDA-graph replay median, {ROTATE} rotating weight copies"}
+    info["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"{name}, {sms} SMs, torch {torch.__version__}, "
+          f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    ws = [synthetic_w4(n, k, g, dev, seed) for seed in range(ROTATE)]
+    w_bytes = ws[0].codes.numel() + 2 * ws[0].scales.numel() * 2  # fp16 scales + offsets
+    floor_us = w_bytes / bw * 1e6
+    info["w4_bytes"] = w_bytes
+    info["floor_us"] = floor_us
+    dense = [dequantize(w, torch.float16) for w in ws]
+    ref_w = dequantize(ws[0], torch.float32)
+
+    # tinygemm operands; the nibble order is whichever matches the reference.
+    tiny = None
+    try:
+        xt = torch.randn(4, k, device=dev, dtype=torch.bfloat16)
+        want = xt.float() @ ref_w.t()
+        for swap in (True, False):
+            p0 = tinygemm_pack(ws[0], swap)
+            err = _rel_err(torch.ops.aten._weight_int4pack_mm(xt, p0[0], g, p0[1]), want)
+            if err < 2e-2:
+                tiny = [p0] + [tinygemm_pack(w, swap) for w in ws[1:]]
+                info["tinygemm_even_nibble_high"] = swap
+                break
+        if tiny is None:
+            info["tinygemm_error"] = "no nibble order matched the reference"
+    except Exception as e:  # keep the rest of the run alive
+        info["tinygemm_error"] = repr(e)[:300]
+    print("tinygemm:", info.get("tinygemm_error", "ok"), flush=True)
+
+    tune_rows = []
+    best_cfg: dict[int, object] = {}
+    if tune:
+        t0 = time.time()
+        for m in ms:
+            xs = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
+            want = xs[0].float() @ ref_w.t()
+            best = None
+            for cfg in tune_candidates(m):
+                row = {"M": m, **asdict(cfg)}
+                try:
+                    err = _rel_err(triton_w4_matmul(xs[0], ws[0], cfg), want)
+                    row["rel_err"] = err
+                    if err > 1e-2:
+                        row["error"] = "wrong result"
+                    else:
+                        row["us"] = _graph_time_us(
+                            [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(xs, ws)],
+                            rep_ms=10)
+                        if best is None or row["us"] < best[0]:
+                            best = (row["us"], cfg)
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                tune_rows.append(row)
+                print("tune", row, flush=True)
+            if best is not None:
+                best_cfg[m] = best[1]
+        print(f"tuning took {time.time() - t0:.0f} s", flush=True)
+
+    rows = []
+    for m in ms:
+        x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
+        xbf = [x.to(torch.bfloat16) for x in x16]
+        want = x16[0].float() @ ref_w.t()
+        cfg = best_cfg.get(m) or pick_config(m, n, k, g)
+        row: dict = {"M": m, "triton_config": asdict(cfg)}
+        row["cublas_fp16_us"] = _graph_time_us(
+            [lambda x=x, d=d: x @ d.t() for x, d in zip(x16, dense)], rep_ms)
+        row["cublas_fp16_err"] = _rel_err(x16[0] @ dense[0].t(), want)
+        if tiny is not None:
+            wantb = xbf[0].float() @ ref_w.t()
+            row["tinygemm_err"] = _rel_err(
+                torch.ops.aten._weight_int4pack_mm(xbf[0], tiny[0][0], g, tiny[0][1]), wantb)
+            row["tinygemm_us"] = _graph_time_us(
+                [lambda x=x, t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], g, t[1])
+                 for x, t in zip(xbf, tiny)], rep_ms)
+        try:
+            row["triton_err"] = _rel_err(triton_w4_matmul(x16[0], ws[0], cfg), want)
+            row["triton_us"] = _graph_time_us(
+                [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
+            wantb = xbf[0].float() @ ref_w.t()
+            row["triton_bf16_err"] = _rel_err(triton_w4_matmul(xbf[0], ws[0], cfg), wantb)
+            row["triton_bf16_us"] = _graph_time_us(
+                [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(xbf, ws)], rep_ms)
+        except Exception as e:
+            row["triton_error"] = repr(e)[:300]
+        row["floor_us"] = floor_us
+        rows.append(row)
+        print("bench", row, flush=True)
+    return {"info": info, "rows": rows, "tune": tune_rows,
+            "tuned": {m: asdict(c) for m, c in best_cfg.items()},
+            "package_tuned": {b: asdict(c) for b, c in triton_w4.TUNED.items()}}
+
+
+# ---- the CPU benchmark (int4pack_cpu) -------------------------------------------------------
+
+def _cpu_time_us(fn: Callable[[], object], min_s: float = 0.5) -> float:
+    fn()
+    times = []
+    t_end = time.perf_counter() + min_s
+    while time.perf_counter() < t_end or len(times) < 5:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 1e6 * times[len(times) // 2]
+
+
+def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
+    from hierviz.quant.int4pack_cpu import int4pack_cpu_matmul
+
+    torch.manual_seed(0)
+    w = quantize_rtn(torch.randn(n, k), g)
+    dense = dequantize(w, torch.float32)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k)
+        want = x.double() @ dense.double().t()
+        row = {"M": m,
+               "int4pack_cpu_err": _rel_err(int4pack_cpu_matmul(x, w).double(), want.float()),
+               "int4pack_cpu_us": _cpu_time_us(lambda: int4pack_cpu_matmul(x, w)),
+               "fp32_dense_us": _cpu_time_us(lambda: x @ dense.t()),
+               "reference_us": _cpu_time_us(lambda: x @ dequantize(w, torch.float32).t())}
+        rows.append(row)
+        print("cpu", row, flush=True)
+    info = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "shape": {"K": k, "N": n, "G": g}, "timing": "wall-clock median"}
+    return {"info": info, "rows": rows}
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+def table(res: dict) -> str:
+    rows = res["rows"]
+    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "triton_us", "triton_bf16_us",
+                        "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
+            if any(c in r for r in rows)]
+    lines = ["| M | " + " | ".join(c.replace("_us", " (us)") for c in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    for r in rows:
+        cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else "-" for c in cols]
+        lines.append(f"| {r['M']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_chart(res: dict, out: Path) -> Optional[Path]:
+    rows = res["rows"]
+    series = [c for c in ("cublas_fp16_us", "tinygemm_us", "triton_us", "floor_us",
+                          "int4pack_cpu_us", "fp32_dense_us") if any(c in r for r in rows)]
+    xs = [r["M"] for r in rows]
+    try:
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for c in series:
+            fig.add_trace(go.Scatter(x=xs, y=[r.get(c) for r in rows], mode="lines+markers",
+                                     name=c.replace("_us", ""),
+                                     line={"dash": "dot"} if c == "floor_us" else None))
+        fig.update_layout(title=f"W4A16 matmul, {res['info']['device']}, {res['info']['shape']}",
+                          xaxis={"title": "M (tokens)", "type": "log"},
+                          yaxis={"title": "microseconds", "type": "log"})
+        path = out / "kernel_bench.html"
+        fig.write_html(path, include_plotlyjs="cdn")
+        return path
+    except ImportError:
+        pass
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for c in series:
+            ax.plot(xs, [r.get(c, math.nan) for r in rows], marker="o", label=c.replace("_us", ""),
+                    linestyle=":" if c == "floor_us" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("microseconds")
+        ax.set_title(f"W4A16 matmul, {res['info']['device']}")
+        ax.legend()
+        path = out / "kernel_bench.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        return path
+    except ImportError:
+        return None
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m hierviz.kernel_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--shape", default=None, help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU)")
+    ap.add_argument("--ms", default=None, help="comma-separated token counts")
+    ap.add_argument("--tune", action="store_true", help="sweep Triton configs per M first")
+    ap.add_argument("--cpu", action="store_true", help="int4pack_cpu benchmark even with a GPU")
+    ap.add_argument("--rep-ms", type=float, default=40.0, help="timing budget per measurement")
+    ap.add_argument("--dry", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
+    a = ap.parse_args(argv)
+    use_gpu = (torch.cuda.is_available() or a.dry) and not a.cpu
+    k, n, g = (int(v) for v in (a.shape or ("8192,28672,128" if use_gpu else "576,1536,32")).split(","))
+    ms = [int(v) for v in (a.ms or ("1,2,4,8,16,32,64,128" if use_gpu else "1,8,64")).split(",")]
+    res = gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry) if use_gpu else cpu_bench(k, n, g, ms)
+    res["command"] = "python -m hierviz.kernel_bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    a.out.mkdir(parents=True, exist_ok=True)
+    name = "kernel_bench.json" if use_gpu else "kernel_bench_cpu.json"
+    (a.out / name).write_text(json.dumps(res, indent=1, default=str))
+    print(table(res))
+    chart = write_chart(res, a.out)
+    print(f"wrote {a.out / name}" + (f" and {chart}" if chart else ""))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""W4A16 kernels: Triton (under TRITON_INTERPRET=1, in a subprocess) and int4pack_cpu.
+
+No GPU needed. The interpreter must be switched on before triton is imported, so the Triton
+checks run in a fresh Python process and the rest of the suite keeps the compiled mode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hierviz.quant.w4 import KERNELS, W4Weight, dequantize, quantize_rtn, w4_linear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("triton")
+
+# Runs in the subprocess. Prints one JSON line with the relative errors.
+_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn, w4_linear, KERNELS
+    from hierviz.quant.triton_w4 import Config, triton_w4_matmul, interpreting
+    assert interpreting() and "triton" in KERNELS
+    torch.manual_seed(0)
+
+    def err(y, x, w):
+        ref = x.double() @ dequantize(w, torch.float64).t()
+        return float((y.double() - ref).norm() / ref.norm())
+
+    out = {}
+    # (M, N, K, G, config or None = the M-picked production config)
+    cases = [
+        (1, 40, 256, 32, Config(32, 16, 1, 4, 2)),      # small-M path, odd-ish N, G=32
+        (3, 72, 256, 64, Config(32, 16, 2, 4, 2)),      # split-K (atomic adds), G=64
+        (8, 33, 512, 128, Config(16, 16, 4, 4, 2)),     # odd N, ragged split (4 blocks / 4)
+        (5, 50, 384, 128, Config(32, 16, 2, 4, 2)),     # 3 K blocks over 2 splits
+        (20, 33, 256, 128, Config(16, 32, 1, 4, 2)),    # tiled path, ragged M and N
+        (2, 64, 512, 256, Config(64, 16, 3, 4, 2)),     # G=256
+        (1, 24, 512, 512, Config(16, 16, 2, 4, 2)),     # G=512 -> 128-wide sub-blocks
+        (1, 40, 256, 32, Config(32, 16, 2, 4, 2, gemv=True)),   # CUDA-core GEMV variant
+        (2, 37, 512, 128, Config(16, 16, 1, 4, 2, gemv=True)),
+        (1, 96, 256, 128, None), (16, 96, 256, 128, None), (33, 96, 256, 128, None),
+        (70, 40, 256, 64, None),
+    ]
+    for m, n, k, g, cfg in cases:
+        w = quantize_rtn(torch.randn(n, k), g)
+        x = torch.randn(m, k, dtype=torch.float16)
+        y = triton_w4_matmul(x, w, cfg)
+        assert y.shape == (m, n) and y.dtype == torch.float16
+        out[f"M{m}_N{n}_K{k}_G{g}_{cfg}"] = err(y, x, w)
+
+    # Through the kernel seam, with an act-order permutation and a leading batch dim.
+    w = quantize_rtn(torch.randn(48, 256), 64)
+    w = W4Weight(w.codes, w.scales, w.offsets, 64, torch.randperm(256))
+    x = torch.randn(2, 3, 256, dtype=torch.float16)
+    y = w4_linear(x, w, kernel="triton")
+    ref = w4_linear(x.double(), W4Weight(w.codes, w.scales.double(), w.offsets.double(), 64, w.perm))
+    out["seam_perm"] = float((y.double() - ref).norm() / ref.norm())
+    print(json.dumps(out))
+""")
+
+
+def _interp_ok_for_bf16() -> str:
+    return ("the Triton interpreter (numpy has no bfloat16) returns wrong values for tl.dot on "
+            "bf16 operands and for casts to bf16; bf16 is checked on the GPU by "
+            "`python -m hierviz.kernel_bench`")
+
+
+def test_triton_kernel_matches_reference_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(errs) == 14
+    # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
+    bad = {k: v for k, v in errs.items() if not v < 3e-3}
+    assert not bad, bad
+
+
+@pytest.mark.skip(reason=_interp_ok_for_bf16())
+def test_triton_bf16_under_interpreter() -> None:  # pragma: no cover - documented skip
+    pass
+
+
+@pytest.mark.skip(reason="tl.inline_asm_elementwise (the PTX unpack used on GPUs) raises "
+                         "NotImplementedError('inline_asm not supported in interpreter mode'); "
+                         "the tests run the plain-Triton unpack (use_asm is ignored when "
+                         "interpreting) and the GPU bench checks the asm path against the reference")
+def test_triton_inline_asm_under_interpreter() -> None:  # pragma: no cover - documented skip
+    pass
+
+
+def test_triton_module_imports_without_gpu_and_registers() -> None:
+    import hierviz.quant.triton_w4 as tw
+
+    assert "triton" in KERNELS
+    w = quantize_rtn(torch.randn(8, 64), 32)
+    if not tw.interpreting() and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            w4_linear(torch.randn(1, 64, dtype=torch.float16), w, kernel="triton")
+
+
+def test_repack_codes_layout() -> None:
+    from hierviz.quant.triton_w4 import repack_codes
+    from hierviz.quant.w4 import pack_codes
+
+    q = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    r = repack_codes(pack_codes(q), 64)
+    # byte j of each 64-channel block: channel j low nibble, channel j + 32 high nibble
+    assert torch.equal(r[:, 5] & 0xF, q[:, 5]) and torch.equal(r[:, 5] >> 4, q[:, 37])
+    assert torch.equal(r[:, 32 + 1] & 0xF, q[:, 64 + 1]) and torch.equal(r[:, 33] >> 4, q[:, 97])
+
+
+# ---- int4pack_cpu ---------------------------------------------------------------------------
+
+int4pack = pytest.importorskip("hierviz.quant.int4pack_cpu")
+
+
+@pytest.mark.skipif(not int4pack.available(), reason="torch without _weight_int4pack_mm_for_cpu")
+@pytest.mark.parametrize("m,n,k,g", [(1, 64, 128, 32), (8, 96, 256, 64), (64, 1536, 576, 32),
+                                     (3, 32, 256, 128)])
+def test_int4pack_cpu_matches_reference(m: int, n: int, k: int, g: int) -> None:
+    torch.manual_seed(m + n)
+    w = quantize_rtn(torch.randn(n, k), g)
+    # GPTQ-style offsets (-scale * zero) as well as Q4_1 mins from quantize_rtn
+    if g == 64:
+        w = W4Weight(w.codes, w.scales, -w.scales * torch.randint(0, 16, w.scales.shape), g)
+    x = torch.randn(m, k)
+    y = w4_linear(x, w, kernel="int4pack_cpu")
+    ref = x.double() @ dequantize(w, torch.float64).t()
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+    # packed once, reused
+    cache = w.__dict__["_int4pack_cpu_cache"]
+    first = cache[torch.float32][0]
+    w4_linear(x, w, kernel="int4pack_cpu")
+    assert cache[torch.float32][0] is first
