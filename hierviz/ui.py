@@ -167,33 +167,31 @@ def _save_download(sess: Session) -> Optional[str]:
 # ---- the visualizer tab -----------------------------------------------------------------------
 
 TEACH = {
-    "tree": """**Draft tree.** A tiny EAGLE head (E_M) guesses many continuations at once: each column is one
-token further ahead, each branch another guess. The intermediate model **M** checks the whole tree in
-one forward pass and keeps the longest branch that matches its own choices.
+    "tree": """**1 · Draft tree.** A tiny EAGLE head (E_M) guesses many continuations at once: each column
+is one token further ahead. The intermediate model **M** checks the whole tree in one pass and keeps
+the longest branch that matches its own choices.
 
-- <span class="hv-dot" style="background:#009E73"></span> accepted by M
-- <span class="hv-dot" style="background:#D55E00"></span> checked and rejected
-- <span class="hv-dot" style="background:#C9CED6"></span> branch never reached
-- <span class="hv-dot" style="background:#0072B2"></span> M's own next token (bonus); it is the root of the next tree
+<span class="hv-dot" style="background:#009E73"></span> accepted by M<br>
+<span class="hv-dot" style="background:#D55E00"></span> compared with M's choice, rejected<br>
+<span class="hv-dot" style="background:#C9CED6"></span> grows from a rejected token<br>
+<span class="hv-dot" style="background:#0072B2"></span> M's own next token (bonus): the root of the next tree
 
-The top row reads as the text M proposes. Hover a token for its probability.""",
-    "seq": """**Sequence draft.** M glues its accepted branches and bonus tokens into one straight line until
-it has at least *min draft length* tokens. The big 4-bit target **T** checks only this short line
-instead of a 30-60-token tree. That matters: quantized weights are cheap to read once, but the cost of
-checking grows quickly with the number of tokens checked at once.""",
-    "verdict": """**Target verdict.** T checks the whole line in one forward pass and keeps it up to the first
-token it disagrees with (✗); everything after that is dropped. T always adds one token of its own
-(orange): the correction, or a bonus when all was accepted. So the output is exactly what T alone would
-have written - only faster.""",
-    "output": """**Output.** Each token is tinted by who proposed it; the outlined part is the step you inspect.
-Hover for the step number.""",
-    "latency": """**Where the time goes.** Each bar splits one step into stages. Top: the inspected step. Bottom:
-the race - how long each method needed to write the same number of tokens. EAGLE-2 makes T verify a
-big tree; HierSpec hands that job to the smaller M and gives T a short sequence.""",
-    "stats": """**τ (tau)** is how many tokens one verification buys. *τ target* = output tokens per forward pass
-of T (plain decoding: 1). *τ intermediate* = tokens per tree M checks (accepted branch + its bonus).
-Higher τ means fewer expensive passes. *Accepted at depth d*: how often a tree's accepted branch reached
-depth d, given it reached d-1.""",
+The top row is the text M proposes. Hover a token for its probability.""",
+    "seq": """**2 · Sequence draft → 3 · Target verdict.** M joins its accepted branches and bonus tokens
+into one line of at least *min draft length* tokens. The big 4-bit target **T** checks only this short
+line, not a 30-60-token tree: 4-bit weights are cheap to read, but checking many tokens at once is not.
+
+T keeps the line up to its first disagreement (✗) and drops the rest. It always adds one token of its
+own (orange): a correction, or a bonus if all passed. The result is exactly what T alone would write.""",
+    "output": """**4 · Output.** Each token is tinted by who proposed it; the outlined part is the step you
+inspect. Hover for the step number.""",
+    "latency": """**5 · Where the time goes.** Top: the inspected step, split by stage. Bottom: the race - how long
+each method needed for the same number of tokens. EAGLE-2 makes T verify a big tree; HierSpec hands that
+job to the smaller M and gives T a short line.""",
+    "stats": """**6 · τ (tau)** = tokens gained per verification. *τ target*: output tokens per forward pass of T
+(plain decoding: 1). *τ intermediate*: tokens per tree M checks (accepted branch + bonus). Higher τ,
+fewer expensive passes. *Accepted at depth d*: how often a tree's accepted branch reached depth d,
+given it reached d-1.""",
 }
 
 
@@ -274,27 +272,23 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                 view = gr.Radio([], label="Inspect run", scale=2, elem_id="hv-view")
                 step_sl = gr.Slider(1, 2, value=1, step=1, label="Step", scale=5, interactive=False, elem_id="hv-step")
             with gr.Row(equal_height=False):
-                with gr.Column(scale=4, min_width=480):
+                with gr.Column(scale=3, min_width=480):
                     tree_plot = gr.Plot(label="Draft tree(s)", elem_id="hv-tree", elem_classes=["hv-tree"])
-                with gr.Column(scale=1, min_width=220):
+                with gr.Column(scale=1, min_width=260):
                     _teach("tree")
             with gr.Row(equal_height=False):
-                with gr.Column(scale=4, min_width=480):
-                    seq_html = gr.HTML(sequence_html(None), label="Sequence draft", elem_id="hv-seq")
-                    verdict = gr.HTML(verdict_html(None), label="Target verdict", elem_id="hv-verdict")
-                with gr.Column(scale=1, min_width=220):
-                    _teach("seq")
-                    _teach("verdict")
-            with gr.Row(equal_height=False):
-                with gr.Column(scale=4, min_width=480):
+                with gr.Column(scale=3, min_width=480):
+                    seq_html = gr.HTML(sequence_html(None), elem_id="hv-seq")
+                    verdict = gr.HTML(verdict_html(None), elem_id="hv-verdict")
                     out_html = gr.HTML(output_html(None), elem_id="hv-output")
-                with gr.Column(scale=1, min_width=220):
+                with gr.Column(scale=1, min_width=260):
+                    _teach("seq")
                     _teach("output")
             with gr.Row(equal_height=False):
-                with gr.Column(scale=3, min_width=420):
+                with gr.Column(scale=1, min_width=420):
                     lat_plot = gr.Plot(label="Latency per stage", elem_id="hv-latency")
-                    gr.Markdown(TEACH["latency"], elem_classes=["hv-teach"])
-                with gr.Column(scale=2, min_width=320):
+                    _teach("latency")
+                with gr.Column(scale=1, min_width=360):
                     stats = gr.HTML(stats_html([]), elem_id="hv-stats")
                     _teach("stats")
 
@@ -542,5 +536,6 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
 def launch_kwargs() -> dict:
     """Theme, CSS and limits; Gradio 6 takes these in launch()."""
     css = (ASSETS / "app.css").read_text(encoding="utf-8") if (ASSETS / "app.css").exists() else ""
-    return dict(css=css, theme=gr.themes.Soft(), max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb",
+    return dict(css=css, theme=gr.themes.Soft(font=("ui-sans-serif", "system-ui", "DejaVu Sans", "sans-serif"),
+                                                     font_mono=("DejaVu Sans Mono", "ui-monospace", "monospace")), max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb",
                 show_error=False)

@@ -69,6 +69,9 @@ def sequence_html(step: Optional[Step]) -> str:
     return _box(head + f'<div class="hv-chips">{"".join(parts)}</div>')
 
 
+VERDICT_HEAD = '<div class="hv-head">Target T\'s verdict</div>'
+
+
 def verdict_html(step: Optional[Step]) -> str:
     """What the target did with the draft: accepted prefix, first rejected token, its own token."""
     if step is None:
@@ -76,21 +79,21 @@ def verdict_html(step: Optional[Step]) -> str:
     bonus = step.target_bonus_text
     if step.method == "ar":
         text = step.new_text[0] if step.new_text else bonus
-        return _box(f'<div class="hv-chips">{chip(text, "target_bonus", "target T generated this token")}</div>'
+        return _box(VERDICT_HEAD + f'<div class="hv-chips">{chip(text, "target_bonus", "target T generated this token")}</div>'
                     '<div class="hv-sum">No draft: the target ran one forward pass for one token.</div>')
     if step.method == "eagle2":
         tree = step.trees[0] if step.trees else None
         by_id = {n.id: n for n in tree.nodes} if tree else {}
         acc = [by_id[a] for a in tree.accepted] if tree else []
         chips = [chip(n.text, "tree", f"accepted · depth {n.depth}", "✓") for n in acc]
-        frontier = tree.accepted[-1] if tree and tree.accepted else 0
-        losers = [n for n in tree.nodes if n.parent == frontier] if tree else []
+        on_path = ({0} | set(tree.accepted)) if tree else set()
+        losers = [n for n in tree.nodes if n.parent in on_path and n.id not in on_path] if tree else []
         chips.append(chip(bonus, "target_bonus", "the target's own token after the accepted path", "+"))
         size = len(tree.nodes) if tree else 0
         summary = (f'The target checked all <b>{size}</b> tree tokens in one forward pass, accepted a path of '
-                   f'<b>{len(acc)}</b>, rejected the {len(losers)} candidate{"s" if len(losers) != 1 else ""} after it '
+                   f'<b>{len(acc)}</b> (rejecting {len(losers)} alternative{"s" if len(losers) != 1 else ""} along the way) '
                    f'and added its own token → <b>{len(step.new_tokens)}</b> new token{"s" if len(step.new_tokens) != 1 else ""}.')
-        return _box(f'<div class="hv-chips">{"".join(chips)}</div><div class="hv-sum">{summary}</div>')
+        return _box(VERDICT_HEAD + f'<div class="hv-chips">{"".join(chips)}</div><div class="hv-sum">{summary}</div>')
     seq = step.sequence
     n = max(0, min(step.target_accepted, len(seq)))
     chips = []
@@ -113,7 +116,7 @@ def verdict_html(step: Optional[Step]) -> str:
                    f'<b>{token_label(seq[n].text, 16)}</b> and wrote <b>{token_label(bonus, 16)}</b> instead → '
                    f'<b>{len(step.new_tokens)}</b> new token{"s" if len(step.new_tokens) != 1 else ""} '
                    f'from one target forward pass.')
-    return _box(f'<div class="hv-chips">{"".join(chips)}</div><div class="hv-sum">{summary}</div>')
+    return _box(VERDICT_HEAD + f'<div class="hv-chips">{"".join(chips)}</div><div class="hv-sum">{summary}</div>')
 
 
 def output_html(trace: Optional[Trace], upto: Optional[int] = None, highlight: Optional[int] = None) -> str:
@@ -146,7 +149,9 @@ def output_html(trace: Optional[Trace], upto: Optional[int] = None, highlight: O
         flush()
     if not steps:
         parts.append('<span class="hv-muted">(no tokens yet)</span>')
-    return _box(f'<div class="hv-text">{"".join(parts)}</div>', "hv-output")
+    n_tok = sum(len(s.new_tokens) for s in steps)
+    head = f'<div class="hv-head">Output: {n_tok} token{"s" if n_tok != 1 else ""} after step {len(steps)}</div>'
+    return _box(head + f'<div class="hv-text">{"".join(parts)}</div>', "hv-output")
 
 
 def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
@@ -165,11 +170,11 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
     by_method = {m: s for m, s in cols}
     rows = [
         ("tokens", lambda s: str(s["new_tokens"])),
-        ("time (ms, decoding)", lambda s: f'{s["total_ms"]:.0f}'),
+        ("decode time (ms)", lambda s: f'{s["total_ms"]:.0f}'),
         ("<b>tokens / s</b>", lambda s: f'<b>{s["tokens_per_s"]:.1f}</b>'),
-        ("τ target: tokens per target forward", lambda s: _fmt(s["tau_target"])),
-        ("τ intermediate: tokens per M tree", lambda s: _fmt(s["tau_intermediate"])),
-        ("mean sequence-draft length", lambda s: _fmt(s["mean_sequence_len"] or None, 1)),
+        ("τ target (tokens / T pass)", lambda s: _fmt(s["tau_target"])),
+        ("τ intermediate (tokens / M tree)", lambda s: _fmt(s["tau_intermediate"])),
+        ("mean sequence draft", lambda s: _fmt(s["mean_sequence_len"] or None, 1)),
     ]
     head = "".join(f"<th>{esc(method_label(m))}</th>" for m, _ in cols)
     body = "".join(f"<tr><td>{name}</td>" + "".join(f"<td>{f(s)}</td>" for _, s in cols) + "</tr>"

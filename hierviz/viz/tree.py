@@ -41,15 +41,16 @@ class PlacedNode:
 
 
 def node_status(tree: DraftTree) -> dict[int, str]:
-    """accepted ('tree'), 'rejected' (a child of the last accepted node or of the root: the
-    verifier checked it against its own token and it lost), or 'discarded' (never reached)."""
+    """'tree' (on the accepted path), 'rejected' (its parent is the root or an accepted node, so
+    the verifier compared it with its own token at that spot and it lost), or 'discarded' (it
+    grows from a rejected token, so it could never count)."""
     accepted = set(tree.accepted)
-    frontier = tree.accepted[-1] if tree.accepted else ROOT
+    on_path = accepted | {ROOT}
     out = {}
     for n in tree.nodes:
         if n.id in accepted:
             out[n.id] = "tree"
-        elif n.parent == frontier:
+        elif n.parent in on_path:
             out[n.id] = "rejected"
         else:
             out[n.id] = "discarded"
@@ -123,7 +124,7 @@ STATUS_NAMES = {
     "root": "root (last accepted token)",
     "tree": "accepted by the verifier",
     "rejected": "checked and rejected",
-    "discarded": "branch never reached",
+    "discarded": "grows from a rejected token",
     "intermediate_bonus": "M's bonus token",
     "target_bonus": "T's bonus token",
 }
@@ -163,7 +164,9 @@ def tree_figure(trees: list[DraftTree], title: str = "") -> go.Figure:
         prev_bonus = next((p for p in placed if p.id == BONUS), None)
         x0 = max(p.x for p in placed) + 1 + GAP_COLS
     n_rows = int(max(p.y for _, p in all_nodes)) + 1
-    width = int(x0 * COL_PX) + 40
+    # the right edge is the end of the widest chip in the last columns, not the last column itself
+    x_end = max(p.x + _chip_px(p.text) / COL_PX for _, p in all_nodes) + 0.1
+    width = int((x_end + 0.1) * COL_PX) + 20
     height = n_rows * ROW_PX + 90
 
     pos = {(ti, p.id): p for ti, p in all_nodes}
@@ -225,10 +228,10 @@ def tree_figure(trees: list[DraftTree], title: str = "") -> go.Figure:
                                     font=dict(size=12, color="#555")))
     fig.update_layout(
         title=dict(text=title, x=0.01, font_size=15) if title else None,
-        width=max(width, 420), height=height, autosize=False,
+        width=width, height=height, autosize=False,
         margin=dict(l=10, r=10, t=60 if title else 36, b=10),
         plot_bgcolor="white", paper_bgcolor="white", annotations=annotations,
-        xaxis=dict(visible=False, range=[-0.1, x0 - GAP_COLS + 0.2], fixedrange=True),
+        xaxis=dict(visible=False, range=[-0.1, x_end], fixedrange=True),
         yaxis=dict(visible=False, range=[n_rows - 0.4, -1.3], fixedrange=True),
         legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font_size=12),
         hoverlabel=dict(font_size=13),
