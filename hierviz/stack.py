@@ -12,7 +12,6 @@ installed package (the offline SmolLM2 GGUF). Presets live in assets/stacks/.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,7 +26,8 @@ from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead, load_eagle_weights
 from hierviz.models.llama import Transformer, Weight, WeightsError
 from hierviz.models.loading import load_weights
-from hierviz.quant.w4 import W4Weight, quantize_rtn
+from hierviz.quant.errors import CheckpointError
+from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn
 from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +142,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None)
             e_t = EagleHead(*load_eagle_weights(_resolve(spec["e_t"]["path"], base)), target)
         tok_src = _resolve(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
-    except (WeightsError, ModelConfigError, StackError) as e:
+    except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
         raise StackError(f"stack {spec.get('name', p.stem)!r}: {e}") from None
     except OSError as e:
         raise StackError(f"stack {spec.get('name', p.stem)!r}: cannot read a file: {e}") from None
@@ -176,17 +176,17 @@ def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
 
 # ---- a tiny random stack: loads instantly, for tests and UI development ------------------------
 
-def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
-    vocab = ByteTokenizer.vocab_size
+def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int = 0) -> Models:
+    """Random tiny T (4 layers, W4 RTN g32), M (two of T's layers, dense) and random EAGLE heads."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std=0.15):
         return torch.randn(*shape, generator=g) * std
 
-    def model_weights(layers: int, h: int, inter: int, kv: int) -> dict[str, torch.Tensor]:
+    def model_weights(layers: int, h: int, inter: int, kv: int, prefix: str = "model.layers") -> dict[str, torch.Tensor]:
         w = {"model.embed_tokens.weight": rnd(vocab, h, std=0.5), "model.norm.weight": torch.ones(h)}
         for i in range(layers):
-            p = f"model.layers.{i}"
+            p = f"{prefix}.{i}"
             w.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
                       f"{p}.self_attn.q_proj.weight": rnd(h, h), f"{p}.self_attn.k_proj.weight": rnd(kv, h),
                       f"{p}.self_attn.v_proj.weight": rnd(kv, h), f"{p}.self_attn.o_proj.weight": rnd(h, h),
@@ -195,40 +195,34 @@ def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stac
         return w
 
     h, heads, kvh, inter = 64, 4, 2, 128
+    kv = kvh * h // heads
     cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
                num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
-    t_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=4))
-    t_w = _quantize_dense(model_weights(4, h, inter, kvh * h // heads), 32)
-    target = Transformer(t_cfg, t_w, device=device)
+    t_w = _quantize_dense(model_weights(4, h, inter, kv), 32)
+    target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
     # the intermediate reuses two of the target's layers (dequantized), so it agrees with it often
-    from hierviz.quant.w4 import dequantize
-    m_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=2))
     m_w = {"model.embed_tokens.weight": t_w["model.embed_tokens.weight"], "model.norm.weight": torch.ones(h)}
     for new, old in ((0, 0), (1, 3)):
         for k, v in t_w.items():
             if k.startswith(f"model.layers.{old}."):
                 m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = dequantize(v) if isinstance(v, W4Weight) else v
-    inter_m = Transformer(m_cfg, m_w, device=device)
+    inter_m = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=2)), m_w, device=device)
     head_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=1))
 
     def head(base: Transformer) -> EagleHead:
-        w = {k.replace("model.layers.0.", "layers.0."): v for k, v in model_weights(1, h, inter, kvh * h // heads).items()
-             if k.startswith("model.layers.0.")}
+        w = {k: v for k, v in model_weights(1, h, inter, kv, prefix="layers").items() if k.startswith("layers.0.")}
         w["fc.weight"] = rnd(h, 2 * h)
         return EagleHead(head_cfg, w, base)
 
-    models = Models(target, inter_m, head(inter_m), head(target))
+    return Models(target, inter_m, head(inter_m), head(target))
+
+
+def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
+    """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work)."""
+    models = tiny_models(ByteTokenizer.vocab_size, device, seed)
     meta = {"stack": "tiny-random", "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
             "target": "random 4-layer W4 (RTN g32)", "intermediate": "2 of the target's layers",
             "e_m": "random", "e_t": "random", "device": str(device), "dtype": "float32", "w4_kernel": "reference",
             "draft_vocab": "full"}
     return Stack("tiny-random", models, ByteTokenizer(), meta)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -61,6 +61,19 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     raise WeightsError(f"{folder} holds no *.safetensors or pytorch_model.bin")
 
 
+def _is_native_w4(folder: Path) -> bool:
+    """hierviz's own W4 safetensors layout (the GGUF conversion cache) carries a metadata tag."""
+    f = folder / "model.safetensors"
+    if not f.exists():
+        return False
+    from safetensors import safe_open
+    try:
+        with safe_open(str(f), framework="pt") as h:
+            return "hierviz" in (h.metadata() or {})
+    except Exception:
+        return False   # unreadable: let the regular reader report it
+
+
 def is_gptq(config: dict[str, Any], folder: Path) -> bool:
     qc = config.get("quantization_config") or {}
     return qc.get("quant_method") == "gptq" or (folder / "quantize_config.json").exists()
@@ -83,7 +96,7 @@ def load_weights(name_or_path: str | Path) -> tuple[ModelConfig, dict[str, Weigh
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
     cfg = ModelConfig.from_dict(raw)
-    if (src / "hierviz_w4.json").exists():
+    if _is_native_w4(src):
         from hierviz.quant.gguf import load_w4_safetensors
         _, weights = load_w4_safetensors(src)
     elif is_gptq(raw, src):

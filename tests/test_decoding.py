@@ -1,0 +1,202 @@
+"""Every decoder reproduces the target's own greedy output token for token, and samples from
+the target's distribution when temperature > 0."""
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hierviz.decoding.decoders import DECODERS, Models, cache_margin
+from hierviz.decoding.settings import DecodeSettings
+from hierviz.decoding.tree import Tree
+from hierviz.decoding.verify import Sampler, verify_sequence_sampling, verify_tree_sampling
+from hierviz.engine import generate, output_tokens
+from hierviz.models.llama import Transformer
+from hierviz.quant.w4 import W4Weight, dequantize
+from hierviz.stack import Stack, tiny_models, tiny_random_stack
+
+METHODS = ("ar", "spec", "eagle2", "hierspec")
+
+
+@pytest.fixture(scope="module")
+def stack() -> Stack:
+    torch.set_num_threads(1)   # tiny models: threads only add overhead
+    return tiny_random_stack()
+
+
+@pytest.fixture(scope="module")
+def oracle_stack(stack) -> Stack:
+    """The intermediate is an exact dense copy of the target: the target accepts whole
+    sequence drafts, which exercises the fully-accepted paths (M has two pending tokens)."""
+    t = stack.models.target
+    w = {}
+    for name, p in t.named_parameters():
+        w[name] = p.data
+    dense = {"model.embed_tokens.weight": t.embed.data, "model.norm.weight": t.norm.weight.data}
+    for i, layer in enumerate(t.layers):
+        pre = f"model.layers.{i}"
+        dense[f"{pre}.input_layernorm.weight"] = layer.input_norm.weight.data
+        dense[f"{pre}.post_attention_layernorm.weight"] = layer.post_norm.weight.data
+        for lin, names in ((layer.qkv, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                           (layer.o, ("self_attn.o_proj",)), (layer.gate_up, ("mlp.gate_proj", "mlp.up_proj")),
+                           (layer.down, ("mlp.down_proj",))):
+            full = dequantize(lin.w4[0]) if lin.weight is None else lin.weight.data
+            for n, part in zip(names, torch.split(full, lin.splits, 0)):
+                dense[f"{pre}.{n}.weight"] = part
+    m = Transformer(t.cfg, dense)
+    from hierviz.models.eagle import EagleHead
+    e_m = EagleHead(stack.models.e_m.cfg, _head_weights(stack.models.e_m), m)
+    return Stack("oracle", Models(t, m, e_m, stack.models.e_t), stack.tokenizer, stack.meta)
+
+
+def _head_weights(head) -> dict[str, torch.Tensor]:
+    layer = head.layer
+    w = {"fc.weight": head.fc.weight.data, "layers.0.post_attention_layernorm.weight": layer.post_norm.weight.data}
+    for lin, names in ((layer.qkv, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                       (layer.o, ("self_attn.o_proj",)), (layer.gate_up, ("mlp.gate_proj", "mlp.up_proj")),
+                       (layer.down, ("mlp.down_proj",))):
+        for n, part in zip(names, torch.split(lin.weight.data, lin.splits, 0)):
+            w[f"layers.0.{n}.weight"] = part
+    return w
+
+
+def _all_equal(stack: Stack, prompt: str, s: DecodeSettings) -> dict[str, list[int]]:
+    outs = {m: output_tokens(generate(stack, m, prompt, s)) for m in METHODS}
+    for m in METHODS:
+        assert outs[m] == outs["ar"], f"{m} differs from AR on {prompt!r} with {s}"
+    return outs
+
+
+def test_default_settings_all_methods_identical(stack):
+    outs = _all_equal(stack, "The quick brown fox", DecodeSettings(max_new_tokens=48))
+    assert len(outs["ar"]) == 48
+
+
+def test_full_acceptance_paths(oracle_stack):
+    s = DecodeSettings(max_new_tokens=40, min_draft_len=5, m_depth=2, m_topk=3, m_tree_size=5, spec_k=4)
+    _all_equal(oracle_stack, "abc", s)
+    tr = generate(oracle_stack, "hierspec", "abc", s)
+    assert tr.stats()["tau_target"] > 3.0    # the oracle intermediate is accepted wholesale
+
+
+@hsettings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=20),
+       depth=st.integers(1, 4), topk=st.integers(1, 6), size=st.integers(1, 25), min_draft=st.integers(1, 8),
+       spec_k=st.integers(1, 6), n=st.integers(1, 30))
+def test_property_all_methods_match_ar(stack, prompt, depth, topk, size, min_draft, spec_k, n):
+    if not prompt.strip():
+        prompt = "x" + prompt
+    size = min(size, topk + (depth - 1) * topk * topk)
+    s = DecodeSettings(max_new_tokens=n, m_depth=depth, m_topk=topk, m_tree_size=size, t_depth=depth + 1,
+                       t_topk=topk, t_tree_size=min(size * 2, topk + depth * topk * topk), min_draft_len=min_draft,
+                       spec_k=spec_k)
+    outs = _all_equal(stack, prompt, s)
+    assert len(outs["ar"]) <= n
+
+
+def test_trace_shapes(stack):
+    s = DecodeSettings(max_new_tokens=20, min_draft_len=4, m_depth=3, m_topk=4, m_tree_size=10)
+    tr = generate(stack, "hierspec", "hello", s)
+    assert tr.steps[0].index == 0 and tr.finish_reason in ("length", "eos")
+    for step in tr.steps[1:]:
+        assert len(step.sequence) >= s.min_draft_len
+        assert step.target_accepted <= len(step.sequence)
+        assert step.new_tokens[:step.target_accepted] == [x.token for x in step.sequence][:len(step.new_tokens)][:step.target_accepted]
+        for t in step.trees:
+            assert len(t.nodes) <= s.m_tree_size
+            ids = {n.id for n in t.nodes}
+            assert all(n.parent == 0 or n.parent in ids for n in t.nodes)
+        assert set(step.timings_ms) <= {"draft", "intermediate_verify", "target_verify", "overhead"}
+        assert step.forwards["target"] == 1
+    st_ = tr.stats()
+    assert st_["new_tokens"] == 20
+    assert abs(sum(st_["stage_ms"].values()) - st_["total_ms"]) < 1e-6
+
+
+# ---- sampling: distributions, not tokens -------------------------------------------------------
+
+def test_tree_sampling_matches_target_distribution():
+    """Multi-candidate tree verification emits tokens distributed exactly as p."""
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    logits = p.log()[None].repeat(4, 1)
+    tree = Tree(root=0, tokens=[1, 4, 0], parents=[-1, -1, -1], depths=[1, 1, 1], scores=[-0.1, -0.2, -0.3],
+                logprobs=[-0.1, -0.2, -0.3])
+    sampler = Sampler(temperature=1.0, seed=0)
+    n = 8000
+    counts = Counter()
+    for _ in range(n):
+        path, bonus, dists = verify_tree_sampling(tree, logits, sampler)
+        counts[tree.tokens[path[0]] if path else bonus] += 1
+    _chi2_ok(counts, p, n)
+
+
+def test_sequence_sampling_matches_target_distribution():
+    p = torch.tensor([0.1, 0.6, 0.3])
+    q = torch.tensor([0.5, 0.2, 0.3])
+    sampler = Sampler(temperature=1.0, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    n = 10000
+    counts = Counter()
+    logits = p.log()[None].repeat(2, 1)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        k, bonus = verify_sequence_sampling([d], [q], logits, sampler)
+        counts[d if k == 1 else bonus] += 1
+    _chi2_ok(counts, p, n)
+
+
+def _chi2_ok(counts: Counter, p: torch.Tensor, n: int, alpha: float = 1e-4) -> None:
+    from scipy.stats import chi2
+    exp = (p * n).tolist()
+    keep = [i for i, e in enumerate(exp) if e >= 5]
+    obs = [counts.get(i, 0) for i in keep]
+    e = [exp[i] for i in keep]
+    rest_o = n - sum(obs)
+    rest_e = n - sum(e)
+    stat = sum((o - x) ** 2 / x for o, x in zip(obs, e)) + ((rest_o - rest_e) ** 2 / rest_e if rest_e >= 5 else 0)
+    dof = len(keep) - (0 if rest_e >= 5 else 1)
+    pval = chi2.sf(stat, max(dof, 1))
+    assert pval > alpha, f"chi-square p={pval:.2e} counts={dict(counts)} expected={exp}"
+
+
+def test_end_to_end_sampling_matches_target(stack):
+    """Joint distribution of the first two generated tokens, per method, on a tiny vocab model,
+    against the target's exact distribution (enumerated)."""
+    vocab = 8
+    models = tiny_models(vocab, seed=3)
+    prompt = [1, 5, 3, 7]
+    temp = 1.0
+    s = DecodeSettings(max_new_tokens=2, temperature=temp, m_depth=2, m_topk=2, m_tree_size=4, t_depth=2,
+                       t_topk=3, t_tree_size=6, min_draft_len=2, spec_k=2)
+    # exact P(t1, t2) from the target, batched over t1
+    t = models.target
+    with torch.no_grad():
+        l1 = t.logits(t(torch.tensor(prompt), torch.arange(len(prompt))))[-1]
+        p1 = torch.softmax(l1 / temp, -1)
+        seqs = torch.tensor([prompt + [a] for a in range(vocab)])
+        l2 = t.logits(t(seqs, torch.arange(len(prompt) + 1)))[:, -1]
+        p2 = torch.softmax(l2 / temp, -1)
+    joint = (p1[:, None] * p2).flatten()
+    n = 700
+    max_len = len(prompt) + 2 + cache_margin(s)
+    for method in ("spec", "eagle2", "hierspec"):
+        counts = Counter()
+        for seed in range(n):
+            sampler = Sampler(temp, 1.0, seed)
+            gen = DECODERS[method](models, prompt, s, sampler, str, max_len)
+            with torch.no_grad():
+                toks = next(gen).new_tokens + next(gen).new_tokens
+            counts[toks[0] * vocab + toks[1]] += 1
+        _chi2_ok(counts, joint, n)
+
+
+def test_top_p_filter_keeps_nucleus():
+    s = Sampler(temperature=1.0, top_p=0.5)
+    p = s.probs(torch.tensor([0.4, 0.3, 0.2, 0.1]).log())
+    assert torch.allclose(p, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]), atol=1e-6)
