@@ -285,23 +285,26 @@ def read_gguf(path: PathLike) -> tuple[dict[str, Any], dict[str, Union[torch.Ten
 
 def save_w4_safetensors(folder: PathLike, config: dict[str, Any],
                         weights: dict[str, Union[torch.Tensor, W4Weight]]) -> Path:
-    """Write config.json + model.safetensors; a W4Weight `name` becomes name.codes/.scales/.offsets[/.perm]."""
+    """Write config.json + model.safetensors + hierviz_w4.json; a W4Weight `name` becomes name.codes/.scales/.offsets[/.perm]."""
     from safetensors.torch import save_file
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
+        # clone: safetensors refuses tensors that share storage (views, tied or fused weights)
         if isinstance(w, W4Weight):
-            tensors[name + ".codes"] = w.codes.contiguous()
-            tensors[name + ".scales"] = w.scales.contiguous()
-            tensors[name + ".offsets"] = w.offsets.contiguous()
+            tensors[name + ".codes"] = w.codes.contiguous().clone()
+            tensors[name + ".scales"] = w.scales.contiguous().clone()
+            tensors[name + ".offsets"] = w.offsets.contiguous().clone()
             if w.perm is not None:
-                tensors[name + ".perm"] = w.perm.to(torch.int64).contiguous()
+                tensors[name + ".perm"] = w.perm.to(torch.int64).contiguous().clone()
         else:
             tensors[name] = w.detach().contiguous().clone()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", "hierviz": NATIVE_FORMAT})
     with open(folder / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+    # the marker hierviz.models.loading looks for to recognise a native W4 folder
+    (folder / "hierviz_w4.json").write_text(json.dumps({"format": NATIVE_FORMAT}), encoding="utf-8")
     return folder
 
 
