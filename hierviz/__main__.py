@@ -1,0 +1,3 @@
+from hierviz.cli import main
+
+raise SystemExit(main())

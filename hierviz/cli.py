@@ -1,0 +1,97 @@
+"""`python -m hierviz <command>`: generate, bench, profile, whatif, train."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+from hierviz.decoding.settings import DecodeSettings
+
+# subcommands implemented in their own modules, each exposing main(argv) -> int
+DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
+             "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench"}
+
+
+def add_settings_args(p: argparse.ArgumentParser) -> None:
+    d = DecodeSettings()
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--m-depth", type=int, default=d.m_depth, help="E_M tree depth (HierSpec)")
+    p.add_argument("--m-topk", type=int, default=d.m_topk, help="E_M tree top-k (HierSpec)")
+    p.add_argument("--m-tree-size", type=int, default=d.m_tree_size, help="E_M tree size (HierSpec)")
+    p.add_argument("--min-draft-len", type=int, default=d.min_draft_len, help="HierSpec minimum sequence draft")
+    p.add_argument("--t-depth", type=int, default=d.t_depth, help="E_T tree depth (EAGLE-2)")
+    p.add_argument("--t-topk", type=int, default=d.t_topk, help="E_T tree top-k (EAGLE-2)")
+    p.add_argument("--t-tree-size", type=int, default=d.t_tree_size, help="E_T tree size (EAGLE-2)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens the intermediate drafts per round (spec)")
+    p.add_argument("--stack", default=None,
+                   help="preset name or stack JSON (default: smollm2-offline, the offline SmolLM2 stack; "
+                        "'tiny-random' loads instantly with random weights)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def settings_from_args(a: argparse.Namespace) -> DecodeSettings:
+    return DecodeSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+                          m_depth=a.m_depth, m_topk=a.m_topk, m_tree_size=a.m_tree_size,
+                          min_draft_len=a.min_draft_len, t_depth=a.t_depth, t_topk=a.t_topk,
+                          t_tree_size=a.t_tree_size, spec_k=a.spec_k)
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m hierviz generate",
+                                description="Generate text with one decoding method and print it.")
+    p.add_argument("--method", choices=["ar", "spec", "eagle2", "hierspec"], default="hierspec")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--trace", default=None, help="write the trace JSON here")
+    p.add_argument("--stats", action="store_true", help="print tokens/s and acceptance to stderr")
+    add_settings_args(p)
+    a = p.parse_args(argv)
+    from hierviz.engine import EngineError, generate, load_stack
+    from hierviz.stack import StackError
+    try:
+        stack = load_stack(a.stack, a.device)
+        trace = generate(stack, a.method, a.prompt, settings_from_args(a))
+    except (EngineError, StackError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(trace.output_text)
+    if a.trace:
+        try:
+            trace.save(a.trace)
+        except OSError as e:
+            print(f"error: cannot write trace: {e}", file=sys.stderr)
+            return 2
+    if a.stats:
+        s = trace.stats()
+        print(f"[{a.method}] {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, tau_target {s['tau_target']:.2f}, "
+              f"tau_intermediate {s['tau_intermediate']}, per-depth {s['per_depth_acceptance']}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ["generate", *DELEGATED]
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m hierviz {" + ",".join(commands) + "} ...\n\n"
+              "  generate      generate text with ar / spec / eagle2 / hierspec (writes a trace with --trace)\n"
+              "  bench         side-by-side benchmark on Spec-Bench-format questions\n"
+              "  profile       forward latency vs verified tokens, fp16 vs W4A16\n"
+              "  whatif        real-scale projection with replayed acceptance\n"
+              "  train         train the offline stack's intermediate model and EAGLE heads\n"
+              "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "generate":
+        return cmd_generate(rest)
+    if cmd in DELEGATED:
+        try:
+            mod = importlib.import_module(DELEGATED[cmd])
+        except ModuleNotFoundError as e:
+            print(f"error: the {cmd!r} command is not available in this build ({e})", file=sys.stderr)
+            return 2
+        return int(mod.main(rest) or 0)
+    print(f"error: unknown command {cmd!r}; choose one of {', '.join(commands)}", file=sys.stderr)
+    return 2
