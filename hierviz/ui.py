@@ -24,7 +24,8 @@ import gradio as gr
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json, save_comparison
 from hierviz.viz.latency import latency_figure
-from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_html, verdict_html
+from hierviz.viz.panels import (PREFILL_TEXT, is_prefill, legend_html, output_html, sequence_html, stats_html,
+                                verdict_html)
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.tree import tree_figure
 
@@ -124,6 +125,8 @@ def status_html(text: str, kind: str = "info") -> str:
 
 def _tree_title(trace: Trace, i: int) -> str:
     st = trace.steps[i]
+    if is_prefill(st):
+        return f"Step {i + 1}: prefill"
     if st.method == "hierspec":
         n = len(st.trees)
         return f"Step {i + 1}: {n} tree{'s' if n != 1 else ''} drafted by E_M and checked by the intermediate M"
@@ -141,7 +144,8 @@ def render_panels(sess: Session, step: Optional[int] = None) -> dict[str, Any]:
     last = len(main.steps) - 1
     i = last if step is None or step < 0 else min(step, last)
     st = main.steps[i]
-    return dict(tree=tree_figure(st.trees, _tree_title(main, i)), seq=sequence_html(st), verdict=verdict_html(st),
+    empty = PREFILL_TEXT if is_prefill(st) else "No draft tree in this step: the target decodes one token at a time."
+    return dict(tree=tree_figure(st.trees, _tree_title(main, i), empty), seq=sequence_html(st), verdict=verdict_html(st),
                 output=output_html(main, i, i), latency=latency_figure(main, i, sess.others(main)),
                 stats=stats_html(sess.runs, {main.meta.get("method", ""): i}))
 
@@ -242,15 +246,15 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                 temperature = gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
                 gr.Markdown("**HierSpec: E_M tree, checked by M**")
                 with gr.Row():
-                    m_depth = gr.Number(d.m_depth, label="depth", precision=0, minimum=1, maximum=32)
-                    m_topk = gr.Number(d.m_topk, label="top-k", precision=0, minimum=1, maximum=64)
-                    m_size = gr.Number(d.m_tree_size, label="size", precision=0, minimum=1, maximum=512)
+                    m_depth = gr.Number(d.m_depth, label="depth", precision=0)
+                    m_topk = gr.Number(d.m_topk, label="top-k", precision=0)
+                    m_size = gr.Number(d.m_tree_size, label="size", precision=0)
                 min_draft = gr.Slider(1, 32, value=d.min_draft_len, step=1, label="Min sequence-draft length for T")
                 gr.Markdown("**EAGLE-2 baseline: E_T tree, checked by T**")
                 with gr.Row():
-                    t_depth = gr.Number(d.t_depth, label="depth", precision=0, minimum=1, maximum=32)
-                    t_topk = gr.Number(d.t_topk, label="top-k", precision=0, minimum=1, maximum=64)
-                    t_size = gr.Number(d.t_tree_size, label="size", precision=0, minimum=1, maximum=512)
+                    t_depth = gr.Number(d.t_depth, label="depth", precision=0)
+                    t_topk = gr.Number(d.t_topk, label="top-k", precision=0)
+                    t_size = gr.Number(d.t_tree_size, label="size", precision=0)
                 with_ar = gr.Checkbox(True, label="Also run plain autoregressive decoding (for the speedup)")
             with gr.Accordion("Replay a recorded trace", open=True):
                 shipped = shipped_traces()
@@ -404,7 +408,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
     def scrub(sess: Session, step_v: float) -> dict:
         main = sess.run()
         if main is None or not main.steps:
-            return {}
+            return {tree_plot: gr.skip()}  # Gradio needs at least one key
         i = max(0, min(int(step_v) - 1, len(main.steps) - 1))
         sess.step = i
         sess.follow = i == len(main.steps) - 1
@@ -415,7 +419,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
 
     def switch_view(sess: Session, method: Optional[str]) -> dict:
         if not method or method == sess.view:
-            return {}
+            return {tree_plot: gr.skip()}
         sess.view, sess.step, sess.follow = method, -1, True
         return {**panel_updates(sess), **nav_updates(sess)}
 
@@ -438,7 +442,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
 
     def load_file(path: Optional[str]) -> dict:
         if not path:
-            return {}
+            return {status: gr.skip()}
         name = Path(path).name
         try:
             size = Path(path).stat().st_size
@@ -483,7 +487,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
     # show something good on first open: the first recorded trace, if any
     def on_open() -> dict:
         if not shipped:
-            return {}
+            return {status: gr.skip()}
         out = load_file(shipped[0][1])
         if status in out:
             out[status] = status_html("Showing a recorded trace. Press Run for a live one, or Replay to animate it.")

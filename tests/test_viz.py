@@ -243,8 +243,8 @@ def test_sample_traces_are_valid_and_consistent(runs, tmp_path):
 
 
 def test_shipped_traces_load():
-    from hierviz.ui import TRACE_DIR
-    files = sorted(TRACE_DIR.glob("*.json"))
+    from pathlib import Path
+    files = sorted((Path(__file__).resolve().parent.parent / "assets" / "traces").glob("*.json"))
     assert files
     for f in files:
         runs = comparison_from_json(f.read_bytes())

@@ -28,6 +28,15 @@ def _box(inner: str, cls: str = "") -> str:
     return f'<div class="hv-panel {cls}">{inner}</div>'
 
 
+def is_prefill(step: Step) -> bool:
+    """The engine's step 0 is the prefill round: every model reads the prompt, T picks token 1."""
+    return step.index == 0 and not step.trees and not step.sequence
+
+
+PREFILL_TEXT = ("Step 1 is the prefill: every model reads the prompt once and the target picks the first "
+                "token. Drafting starts at step 2.")
+
+
 def legend_html() -> str:
     items = [("tree", "drafted by an EAGLE head and accepted"), ("intermediate_bonus", "intermediate M's own token"),
              ("target_bonus", "target T's own token"), ("rejected", "rejected"),
@@ -41,6 +50,8 @@ def sequence_html(step: Optional[Step]) -> str:
     """The sequence draft d the target verified, chips coloured by provenance, grouped by tree."""
     if step is None:
         return _box('<p class="hv-muted">Run a prompt or load a trace to see the sequence draft.</p>')
+    if is_prefill(step):
+        return _box(f'<p class="hv-muted">{esc(PREFILL_TEXT)}</p>')
     if step.method == "eagle2":
         n = sum(len(t.nodes) for t in step.trees)
         return _box(f'<p class="hv-muted">EAGLE-2 has no sequence draft: the target verifies the whole '
@@ -77,6 +88,10 @@ def verdict_html(step: Optional[Step]) -> str:
     if step is None:
         return _box('<p class="hv-muted">The target\'s verdict appears here.</p>')
     bonus = step.target_bonus_text
+    if is_prefill(step) and step.method != "ar":
+        text = step.new_text[0] if step.new_text else bonus
+        return _box(VERDICT_HEAD + f'<div class="hv-chips">{chip(text, "target_bonus", "the target picked the first token")}</div>'
+                    '<div class="hv-sum">Prefill: the target read the prompt and wrote the first token itself.</div>')
     if step.method == "ar":
         text = step.new_text[0] if step.new_text else bonus
         return _box(VERDICT_HEAD + f'<div class="hv-chips">{chip(text, "target_bonus", "target T generated this token")}</div>'

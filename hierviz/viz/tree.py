@@ -140,12 +140,14 @@ def _hover(p: PlacedNode, tree_idx: int) -> str:
     return "<br>".join(l for l in lines if l)
 
 
-def tree_figure(trees: list[DraftTree], title: str = "") -> go.Figure:
+def tree_figure(trees: list[DraftTree], title: str = "",
+                empty: str = "No draft tree in this step (autoregressive or sequence drafting).") -> go.Figure:
     """All trees of a step, left to right, as one figure with a fixed pixel size."""
     fig = go.Figure()
     if not trees:
-        fig.update_layout(height=160, xaxis_visible=False, yaxis_visible=False,
-                          annotations=[dict(text="No draft tree in this step (autoregressive or sequence drafting).",
+        fig.update_layout(height=170, xaxis_visible=False, yaxis_visible=False,
+                          title=dict(text=title, x=0.01, font_size=15) if title else None,
+                          annotations=[dict(text=empty,
                                             showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
                                             font_size=15)],
                           margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white")

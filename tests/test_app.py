@@ -1,0 +1,148 @@
+"""The Gradio app through gradio_client: a short live run on the tiny-random stack, scrubbing,
+stopping, and every bad input answered by a message in the status box."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+gradio_client = pytest.importorskip("gradio_client")
+
+HAS_ENGINE = importlib.util.find_spec("hierviz.engine") is not None
+needs_engine = pytest.mark.skipif(not HAS_ENGINE, reason="hierviz.engine is not in this checkout yet: live runs need it")
+
+# prompt, stack, max_new, temperature, E_M depth/top-k/size, min draft, E_T depth/top-k/size, with AR
+SMALL = ["hello there", "tiny-random", 6, 0.0, 2, 4, 8, 3, 2, 4, 8, False]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    from hierviz.ui import build_app, launch_kwargs
+    demo = build_app("tiny-random")
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture()
+def client(app_url):
+    return gradio_client.Client(app_url, verbose=False)
+
+
+def status_of(outputs) -> str:
+    return outputs[0]
+
+
+@needs_engine
+def test_live_run_streams_every_panel(client):
+    job = client.submit(*SMALL, api_name="/run")
+    statuses = []
+    for out in job:
+        statuses.append(status_of(out))
+    final = job.outputs()[-1]
+    assert "Done." in status_of(final), statuses
+    assert any("Running HierSpec: step" in s for s in statuses)
+    assert any("Running EAGLE-2" in s for s in statuses)
+    assert "Traceback" not in "".join(statuses)
+    status, download, step, view, tree, seq, verdict, output, latency, stats = final
+    fig = json.loads(tree["plot"])
+    assert tree["type"] == "plotly" and fig["layout"]["annotations"]          # node chips
+    assert "Sequence draft" in seq and "hv-chip" in seq
+    assert "Target T&#x27;s verdict" in verdict or "Target T's verdict" in verdict
+    assert "Output:" in output
+    lat = json.loads(latency["plot"])
+    assert any(t["type"] == "bar" for t in lat["data"])
+    assert "HierSpec" in stats and "EAGLE-2" in stats and "tokens / s" in stats
+    assert step["maximum"] >= 1 and view["choices"][0][1] == "hierspec"
+    runs = json.loads(open(download["value"]["path"] if isinstance(download.get("value"), dict) else download["value"]).read())
+    assert [r["meta"]["method"] for r in runs["runs"]] == ["hierspec", "eagle2"]
+    # scrub back to the first step (same client = same session state)
+    scrub = client.predict(1, api_name="/scrub")
+    assert json.loads(scrub[0]["plot"])["layout"]["title"]["text"] == "Step 1: prefill"
+    assert "prefill" in scrub[1]
+    scrub = client.predict(2, api_name="/scrub")
+    assert "Step 2:" in json.loads(scrub[0]["plot"])["layout"]["title"]["text"]
+
+
+@needs_engine
+def test_stop_ends_the_run_cleanly(client):
+    job = client.submit("hello", "tiny-random", 200, 0.0, 2, 4, 8, 3, 2, 4, 8, True, api_name="/run")
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        outs = job.outputs()
+        if outs and "step" in status_of(outs[-1]):
+            break
+        time.sleep(0.2)
+    assert "Stopping" in client.predict(api_name="/stop")
+    final = job.result(timeout=120)
+    assert "Stopped." in status_of(final)
+    runs = [c[1] for c in final[3]["choices"]]
+    assert runs == ["hierspec"]              # the EAGLE-2 and AR runs never started
+
+
+@pytest.mark.parametrize("args, message", [
+    (["   "] + SMALL[1:], "prompt is empty"),
+    (SMALL[:4] + [0] + SMALL[5:], "E_M tree depth must be between 1 and 32"),
+    (SMALL[:6] + [500] + SMALL[7:], "exceeds"),
+    (SMALL[:4] + [None] + SMALL[5:], "must be a number"),
+])
+def test_bad_run_inputs_show_a_message(client, args, message):
+    final = client.predict(*args, api_name="/run")
+    assert "hv-status-error" in status_of(final) and message in status_of(final)
+
+
+@needs_engine
+def test_unknown_stack_is_reported(client):
+    final = client.predict("hi", "no-such-stack", *SMALL[2:], api_name="/run")
+    assert "hv-status-error" in status_of(final) and "Traceback" not in status_of(final)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ('{"version": 99, "meta": {}, "steps": []}', "unsupported trace schema version"),
+    ('{"version": 1, "meta": {"method": "hierspec"}, "steps": [{"index": 0}]}', "missing field"),
+    ("[1, 2, 3]", "must be a JSON object"),
+])
+def test_malformed_trace_upload_shows_the_error(client, tmp_path, content, message):
+    f = tmp_path / "bad.json"
+    f.write_text(content)
+    out = client.predict(gradio_client.handle_file(str(f)), api_name="/load_trace")
+    assert "Could not read bad.json" in status_of(out) and message in status_of(out)
+
+
+def test_good_trace_upload_renders_panels(client, tmp_path):
+    from hierviz.trace import save_comparison
+    from hierviz.viz import sample
+    f = tmp_path / "good.json"
+    save_comparison(sample.comparison(0, 24), f)
+    out = client.predict(gradio_client.handle_file(str(f)), api_name="/load_trace")
+    assert "Loaded good.json" in status_of(out)
+    assert "hv-chip" in out[5] and "HierSpec" in out[9]
+    assert out[2]["maximum"] > 1
+
+
+def test_sessions_do_not_share_state(app_url, tmp_path):
+    from hierviz.trace import save_comparison
+    from hierviz.viz import sample
+    a = gradio_client.Client(app_url, verbose=False)
+    b = gradio_client.Client(app_url, verbose=False)
+    f = tmp_path / "a.json"
+    save_comparison(sample.comparison(0, 24), f)
+    a.predict(gradio_client.handle_file(str(f)), api_name="/load_trace")
+    assert "Step 2:" in json.loads(a.predict(2, api_name="/scrub")[0]["plot"])["layout"]["title"]["text"]
+    # b never loaded anything: its panels stay as they were (a skip), never a's trace
+    assert "Step 2" not in str(b.predict(2, api_name="/scrub"))
