@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hierviz.quant.gptq import gptq_linear_to_w4, load_gptq_weights, save_gptq_checkpoint
-from hierviz.quant.quantize import GPTQResult, HessianAccumulator, gptq_quantize, rtn_quantize
+from hierviz.quant.quantize import GPTQResult, HessianAccumulator, gptq_quantize, quantize_weights, rtn_quantize
 from hierviz.quant.w4 import dequantize_unpermuted, w4_linear
 
 
@@ -126,3 +126,29 @@ def test_bad_arguments():
         rtn_quantize(w, 48)
     with pytest.raises(ValueError, match="Hessian shape"):
         gptq_quantize(w, torch.eye(32), 32)
+
+
+def test_quantize_weights_with_hooks_to_checkpoint(tmp_path):
+    """The model-level path: hooks collect Hessians, GPTQ for hooked layers, RTN for the rest,
+    and the packed result loads through the ordinary GPTQ loader."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+    sd = {"model.up.weight": net[0].weight.detach(), "model.up.bias": net[0].bias.detach(),
+          "model.down.weight": net[2].weight.detach(), "model.norm.weight": torch.ones(32)}
+    acc = HessianAccumulator(64)
+    handle = net[0].register_forward_pre_hook(acc.pre_hook)
+    with torch.no_grad():
+        net(correlated_inputs(512, 64))
+    handle.remove()
+    floats, packed = quantize_weights(sd, ["model.up", "model.down"], {"model.up": acc.hessian},
+                                      group_size=32, checkpoint_format="gptq")
+    assert set(floats) == {"model.norm.weight"} and set(packed) == {"model.up", "model.down"}
+    folder = save_gptq_checkpoint(tmp_path / "q", {"model_type": "llama"}, floats, packed,
+                                  {"bits": 4, "group_size": 32, "desc_act": True, "sym": False,
+                                   "checkpoint_format": "gptq"})
+    _, weights = load_gptq_weights(folder)
+    assert weights["model.up.weight"].perm is not None          # act-order on the GPTQ layer
+    assert weights["model.down.weight"].perm is None            # RTN layer
+    err = (dequantize_unpermuted(weights["model.down.weight"]) - sd["model.down.weight"]).abs().max()
+    assert err < 0.1 * sd["model.down.weight"].abs().max()
+    assert torch.equal(weights["model.up.bias"], sd["model.up.bias"].half())

@@ -15,14 +15,15 @@ from the already error-corrected weights. Act-order quantizes columns by decreas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
 from .gptq import gptq_linear_to_w4, pack_gptq_linear
 from .w4 import W4Weight
 
-__all__ = ["GPTQResult", "HessianAccumulator", "gptq_quantize", "rtn_quantize", "find_params"]
+__all__ = ["GPTQResult", "HessianAccumulator", "gptq_quantize", "rtn_quantize", "find_params",
+           "quantize_weights"]
 
 MAXQ = 15
 
@@ -62,6 +63,10 @@ class HessianAccumulator:
         x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
         self.H += 2.0 * (x.t() @ x)
         self.n += x.shape[0]
+
+    def pre_hook(self, module: Any, args: tuple) -> None:
+        """Use as `module.register_forward_pre_hook(acc.pre_hook)` to collect a layer's inputs."""
+        self.add_batch(args[0])
 
     @property
     def hessian(self) -> torch.Tensor:
@@ -185,3 +190,31 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int =
     g_idx = torch.empty(k, dtype=torch.int64)
     g_idx[perm] = torch.arange(k) // gs
     return GPTQResult(intcodes, zeros.to(torch.int64), scales, g_idx, group_size)
+
+
+def quantize_weights(weights: Mapping[str, torch.Tensor], modules: Iterable[str],
+                     hessians: Optional[Mapping[str, torch.Tensor]] = None, *, group_size: int = 128,
+                     sym: bool = False, act_order: bool = True, checkpoint_format: str = "gptq_v2",
+                     damp_percent: float = 0.01) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Quantize the linear layers `modules` (HF module names, e.g. "model.layers.0.mlp.up_proj")
+    of a float state dict -> (float_weights, packed) ready for gptq.save_gptq_checkpoint.
+
+    A module with a Hessian in `hessians` is GPTQ-quantized, one without falls back to RTN.
+    Biases (`<module>.bias`) travel inside the packed dict as AutoGPTQ stores them.
+    """
+    modules = list(modules)
+    hessians = hessians or {}
+    min_zero = 1 if checkpoint_format == "gptq" else 0   # v1 cannot store a zero point of 0
+    floats = {k: v for k, v in weights.items()
+              if not any(k in (f"{m}.weight", f"{m}.bias") for m in modules)}
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for m in modules:
+        if f"{m}.weight" not in weights:
+            raise KeyError(f"no weight {m}.weight to quantize")
+        w = weights[f"{m}.weight"]
+        if m in hessians:
+            r = gptq_quantize(w, hessians[m], group_size, sym, act_order, damp_percent, min_zero=min_zero)
+        else:
+            r = rtn_quantize(w, group_size, sym, min_zero=min_zero)
+        packed[m] = r.pack(checkpoint_format, bias=weights.get(f"{m}.bias"))
+    return floats, packed
