@@ -36,3 +36,41 @@ def make_tiny_hf(folder: Path, arch: str = "llama", seed: int = 0, vocab: int = 
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def make_tiny_tokenizer(folder: Path, vocab: int = 97) -> None:
+    """A word-level HF tokenizer with `vocab` entries (ids 0..2 = pad/bos/eos) and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab):
+        words[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(str(folder))
+
+
+def make_tiny_head(folder: Path, base_cfg, seed: int = 0, bias: bool = True) -> None:
+    """A random EAGLE head for `base_cfg` (a hierviz ModelConfig) in SafeAILab's layout."""
+    import json
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    h, inter = base_cfg.hidden_size, base_cfg.intermediate_size
+    kv = base_cfg.num_kv_heads * base_cfg.head_dim
+
+    def r(*s):
+        return (torch.randn(*s, generator=g) * 0.2).contiguous()
+    sd = {"fc.weight": r(h, 2 * h), "layers.0.self_attn.q_proj.weight": r(h, h), "layers.0.self_attn.k_proj.weight": r(kv, h),
+          "layers.0.self_attn.v_proj.weight": r(kv, h), "layers.0.self_attn.o_proj.weight": r(h, h),
+          "layers.0.mlp.gate_proj.weight": r(inter, h), "layers.0.mlp.up_proj.weight": r(inter, h),
+          "layers.0.mlp.down_proj.weight": r(h, inter), "layers.0.post_attention_layernorm.weight": torch.ones(h)}
+    if bias:
+        sd["fc.bias"] = r(h)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": base_cfg.vocab_size, "hidden_size": h, "intermediate_size": inter,
+        "num_attention_heads": base_cfg.num_heads, "num_key_value_heads": base_cfg.num_kv_heads,
+        "rms_norm_eps": base_cfg.rms_eps, "num_hidden_layers": 1, "bias": bias}))
