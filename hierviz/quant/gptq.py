@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .errors import CheckpointError
-from .w4 import W4Weight, pack_codes
+from .w4 import W4Weight
 
 __all__ = [
     "CheckpointError", "GPTQ_FORMATS", "gptq_linear_to_w4", "pack_gptq_linear",
@@ -127,7 +127,9 @@ def gptq_linear_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     else:
         q = q.index_select(0, perm)
         perm_out = perm
-    codes = pack_codes(q.t().contiguous())     # [N, K/2] in (permuted) input order
+    # Pack pairs along K while q is still [K, N] (row slices: much faster than w4.pack_codes on
+    # the transposed view); same layout: even k in the low nibble.
+    codes = (q[0::2] | (q[1::2] << 4)).to(torch.uint8).t().contiguous()   # [N, K/2]
     s = scales.to(torch.float32)
     offsets = -(s * z.to(torch.float32))
     return W4Weight(codes, s.t().contiguous(), offsets.t().contiguous(), gs, perm_out)
