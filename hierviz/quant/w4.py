@@ -116,21 +116,40 @@ def _matmul_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     return x @ dequantize(w, x.dtype).t()
 
 
+def _matmul_dequant_cached(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """Dequantize once and keep the float matrix: 4-bit storage, float compute (a baseline that
+    shows what the W4 kernels save or cost)."""
+    cache = w.__dict__.setdefault("_dense_cache", {})
+    dense = cache.get(x.dtype)
+    if dense is None:
+        dense = cache[x.dtype] = dequantize(w, x.dtype)
+    return x @ dense.t()
+
+
 W4Kernel = Callable[[torch.Tensor, W4Weight], torch.Tensor]
-KERNELS: dict[str, W4Kernel] = {"reference": _matmul_reference}
+KERNELS: dict[str, W4Kernel] = {"reference": _matmul_reference, "dequant_cached": _matmul_dequant_cached}
+# kernels that live in their own modules register themselves on import
+_KERNEL_MODULES = {"int4pack_cpu": "hierviz.quant.int4pack_cpu", "triton": "hierviz.quant.triton_w4"}
 
 
 def register_kernel(name: str, fn: W4Kernel) -> None:
     KERNELS[name] = fn
 
 
+def get_kernel(name: str) -> W4Kernel:
+    """The kernel registered under `name`, importing its module on first use."""
+    if name not in KERNELS and name in _KERNEL_MODULES:
+        import importlib
+        importlib.import_module(_KERNEL_MODULES[name])
+    if name not in KERNELS:
+        raise ValueError(f"W4 kernel {name!r} is not available here; available: {sorted(KERNELS)}")
+    return KERNELS[name]
+
+
 def w4_linear(x: torch.Tensor, w: W4Weight, kernel: str = "reference") -> torch.Tensor:
     """y = x @ W.T for x [..., K]."""
     if w.perm is not None:
         x = x.index_select(-1, w.perm)
-    try:
-        fn = KERNELS[kernel]
-    except KeyError:
-        raise ValueError(f"unknown W4 kernel {kernel!r}; available: {sorted(KERNELS)}") from None
+    fn = KERNELS.get(kernel) or get_kernel(kernel)
     shape = x.shape
     return fn(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], w.out_features)
