@@ -101,22 +101,28 @@ def tune_candidates(m: int):
     from hierviz.quant.triton_w4 import Config
 
     out = []
+    shapes = [(64, 4), (128, 4), (128, 8), (256, 8)]  # (block_n, num_warps)
     if m <= 16:
-        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (128, 4, 6),
-                                  (256, 8, 3), (256, 8, 4)]:
-            for split in (1, 2, 4, 8):
-                out.append(Config(bn, 16, split, warps, stages))
-        out.append(Config(128, 16, 2, 4, 4, use_asm=False))
+        for bn, warps in shapes:
+            for pf in (1, 2):
+                for split in (1, 2, 4, 8):
+                    out.append(Config(bn, 16, split, warps, 1, prefetch=pf))
+        out.append(Config(128, 16, 4, 8, 1, use_asm=False))
         if m <= 2:
-            for bn, warps in [(32, 4), (64, 4), (128, 8)]:
+            for bn, warps in [(64, 4), (128, 4), (128, 8)]:
                 for split in (2, 4, 8):
-                    out.append(Config(bn, 16, split, warps, 4, gemv=True))
+                    out.append(Config(bn, 16, split, warps, 1, gemv=True))
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
-        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)]:
-            for split in ((1, 2) if m <= 64 else (1,)):
-                out.append(Config(bn, bm, split, warps, stages))
-        out.append(Config(128, bm, 1, 4, 3, use_asm=False))
+        for bn, warps in shapes:
+            out.append(Config(bn, bm, 1, warps, 1, prefetch=1))
+            out.append(Config(bn, bm, 1, warps, 1, prefetch=2))
+            if m <= 32:
+                out.append(Config(bn, bm, 2, warps, 1, prefetch=1))
+        # smaller token tiles (several M blocks re-read the weights from L2)
+        out.append(Config(128, bm // 2, 1, 8, 1, prefetch=1))
+        out.append(Config(128, bm // 2, 2 if m <= 32 else 1, 8, 1, prefetch=2))
+        out.append(Config(128, bm, 1, 8, 1, use_asm=False))
     return out
 
 
@@ -229,6 +235,12 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
                 [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(xbf, ws)], rep_ms)
         except Exception as e:
             row["triton_error"] = repr(e)[:300]
+        if m == 1 and not dry:  # launch overhead, for the record: plain launches, no graph
+            import triton.testing
+            row["triton_eager_us"] = 1000 * triton.testing.do_bench(
+                lambda: triton_w4_matmul(x16[0], ws[0], cfg), return_mode="median")
+            row["cublas_fp16_eager_us"] = 1000 * triton.testing.do_bench(
+                lambda: x16[0] @ dense[0].t(), return_mode="median")
         row["floor_us"] = floor_us
         rows.append(row)
         print("bench", row, flush=True)

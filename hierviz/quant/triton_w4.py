@@ -57,6 +57,7 @@ class Config:
     num_stages: int
     use_asm: bool = True   # inline-PTX unpack; ignored (False) under the interpreter
     gemv: bool = False     # CUDA-core kernel, one token per program (block_m unused)
+    prefetch: int = 1      # K blocks loaded ahead of the one being multiplied (1 or 2)
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
@@ -82,7 +83,7 @@ def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     split = max(1, min(cfg.split_k, n_kblocks))
     if split != cfg.split_k:
         cfg = Config(cfg.block_n, cfg.block_m, split, cfg.num_warps, cfg.num_stages,
-                     cfg.use_asm, cfg.gemv)
+                     cfg.use_asm, cfg.gemv, cfg.prefetch)
     return cfg
 
 
@@ -219,10 +220,26 @@ if HAVE_TRITON:
         return lo.to(dt), hi.to(dt)
 
     @triton.jit
+    def _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b, N, rn, n_mask, m_mask,
+                    SUB: tl.constexpr, G: tl.constexpr):
+        """Codes, scales, offsets and the two x halves of K block b (SUB input channels)."""
+        HALF: tl.constexpr = SUB // 2
+        codes = tl.load(c_ptrs + b * HALF, mask=n_mask[:, None], other=0)
+        g = (b * SUB) // G
+        s = tl.load(s_ptr + g * N + rn, mask=n_mask, other=0.0)
+        o = tl.load(o_ptr + g * N + rn, mask=n_mask, other=0.0)
+        xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
+        xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
+        return codes, s, o, xl, xh
+
+    # M and the split sizes change with every call shape; specializing on them (M == 1,
+    # divisibility by 16) would compile the same kernel several times over.
+    @triton.jit(do_not_specialize=["M", "blocks_per_split", "n_blocks"])
     def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
-                   M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
+                   M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr):
+                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
+                   DIST: tl.constexpr):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -233,22 +250,41 @@ if HAVE_TRITON:
         rh = tl.arange(0, HALF)
         n_mask = rn < N
         m_mask = rm < M
-        rn_safe = tl.where(n_mask, rn, 0)  # keeps loads unmasked along n (ragged last block)
-        c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
+        # Masks, not clamped indices: clamping hides contiguity from Triton and turns the
+        # 16-byte vector loads into byte loads. stride_c is its own argument so Triton sees
+        # that it is a multiple of 16.
+        c_ptrs = c_ptr + rn[:, None].to(tl.int64) * stride_c + rh[None, :]
         x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for b in range(b_start, b_end):
-            codes = tl.load(c_ptrs + b * HALF)
-            g = (b * SUB) // G
-            s = tl.load(s_ptr + g * N + rn_safe)
-            o = tl.load(o_ptr + g * N + rn_safe)
-            xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
-            xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
-            wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
-            acc = tl.dot(wl, xl, acc)
-            acc = tl.dot(wh, xh, acc)
+        # Triton's pipeliner leaves these loads synchronous (their values reach the dot through
+        # the unpack), so prefetch by hand: block b+1 is in flight while block b is unpacked
+        # and multiplied. The last prefetch re-reads block b_end-1 (a cache hit, unused).
+        codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
+                                          n_mask, m_mask, SUB, G)
+        if DIST == 1:
+            for b in range(b_start, b_end):
+                nxt = tl.minimum(b + 1, b_end - 1)
+                codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
+                                                       rn, n_mask, m_mask, SUB, G)
+                wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
+                acc = tl.dot(wl, xl, acc)
+                acc = tl.dot(wh, xh, acc)
+                codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
+        else:  # two blocks in flight
+            codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs,
+                                                   tl.minimum(b_start + 1, b_end - 1), N,
+                                                   rn, n_mask, m_mask, SUB, G)
+            for b in range(b_start, b_end):
+                nxt = tl.minimum(b + 2, b_end - 1)
+                codes3, s3, o3, xl3, xh3 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
+                                                       rn, n_mask, m_mask, SUB, G)
+                wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
+                acc = tl.dot(wl, xl, acc)
+                acc = tl.dot(wh, xh, acc)
+                codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
+                codes2, s2, o2, xl2, xh2 = codes3, s3, o3, xl3, xh3
         y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
         if ATOMIC:
@@ -256,9 +292,9 @@ if HAVE_TRITON:
         else:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "blocks_per_split", "n_blocks"])
     def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
-                        M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
+                        M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
                         SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                         ATOMIC: tl.constexpr):
         # CUDA-core variant for one token per program (M = 1, 2): no tensor cores, fp32 FMAs.
@@ -271,24 +307,27 @@ if HAVE_TRITON:
         rn = pid_n * BN + tl.arange(0, BN)
         rh = tl.arange(0, HALF)
         n_mask = rn < N
-        rn_safe = tl.where(n_mask, rn, 0)
-        c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
+        c_ptrs = c_ptr + rn[:, None].to(tl.int64) * stride_c + rh[None, :]
         x_row = x_ptr + row * stride_xm + rh
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
         acc = tl.zeros((BN,), dtype=tl.float32)
-        for b in range(b_start, b_end):
-            codes = tl.load(c_ptrs + b * HALF).to(tl.int32)
-            g = (b * SUB) // G
-            s = tl.load(s_ptr + g * N + rn_safe).to(tl.float32)
-            o = tl.load(o_ptr + g * N + rn_safe).to(tl.float32)
-            xl = tl.load(x_row + b * SUB).to(tl.float32)
-            xh = tl.load(x_row + b * SUB + HALF).to(tl.float32)
+        ones = tl.full((1,), 1, tl.int1)
+        codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_row[:, None], b_start, N,
+                                          rn, n_mask, ones, SUB, G)
+        for b in range(b_start, b_end):  # prefetch one block ahead, as in _w4_kernel
+            nxt = tl.minimum(b + 1, b_end - 1)
+            codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_row[:, None], nxt, N,
+                                                   rn, n_mask, ones, SUB, G)
+            q = codes.to(tl.int32)
             # 0x4B000000 | q is the fp32 of 2**23 + q: exact, and no int->float conversion.
-            ql = ((codes & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            qh = ((codes >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            p = tl.sum(ql * xl[None, :] + qh * xh[None, :], axis=1)
-            acc += p * s + o * (tl.sum(xl, axis=0) + tl.sum(xh, axis=0))
+            ql = ((q & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            qh = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            xlf = tl.reshape(xl, (HALF,)).to(tl.float32)
+            xhf = tl.reshape(xh, (HALF,)).to(tl.float32)
+            p = tl.sum(ql * xlf[None, :] + qh * xhf[None, :], axis=1)
+            acc += p * s.to(tl.float32) + o.to(tl.float32) * (tl.sum(xlf, axis=0) + tl.sum(xhf, axis=0))
+            codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
         y_ptrs = y_ptr + row * stride_ym + rn
         if ATOMIC:
             tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
@@ -328,16 +367,16 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype)
     if cfg.gemv:
         grid = (triton.cdiv(n, cfg.block_n), split, m)
-        _w4_gemv_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k, x.stride(0),
+        _w4_gemv_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k // 2, x.stride(0),
                               y.stride(0), per, n_blocks, SUB=p.sub, G=w.group_size,
                               BN=cfg.block_n, ATOMIC=atomic,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    _w4_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
+    _w4_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k // 2, x.stride(0), y.stride(0),
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
-                     IS_BF16=x.dtype == torch.bfloat16,
+                     IS_BF16=x.dtype == torch.bfloat16, DIST=cfg.prefetch,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
