@@ -236,7 +236,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                 run_btn = gr.Button("Run", variant="primary", elem_id="hv-run")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="hv-stop")
             status = gr.HTML(status_html("Ready. Press Run, or load a recorded trace below."), elem_id="hv-status")
-            with gr.Accordion("Settings", open=False):
+            with gr.Accordion("Settings", open=False, elem_id="hv-settings"):
                 choices = stack_choices()
                 stack = gr.Dropdown(choices, value=stack_default or default_stack(), label="Model stack",
                                     allow_custom_value=True, elem_id="hv-stack",
@@ -246,16 +246,17 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                 temperature = gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
                 gr.Markdown("**HierSpec: E_M tree, checked by M**")
                 with gr.Row():
-                    m_depth = gr.Number(d.m_depth, label="depth", precision=0)
-                    m_topk = gr.Number(d.m_topk, label="top-k", precision=0)
-                    m_size = gr.Number(d.m_tree_size, label="size", precision=0)
+                    m_depth = gr.Number(d.m_depth, label="depth", precision=0, elem_id="hv-m-depth")
+                    m_topk = gr.Number(d.m_topk, label="top-k", precision=0, elem_id="hv-m-topk")
+                    m_size = gr.Number(d.m_tree_size, label="size", precision=0, elem_id="hv-m-size")
                 min_draft = gr.Slider(1, 32, value=d.min_draft_len, step=1, label="Min sequence-draft length for T")
                 gr.Markdown("**EAGLE-2 baseline: E_T tree, checked by T**")
                 with gr.Row():
-                    t_depth = gr.Number(d.t_depth, label="depth", precision=0)
-                    t_topk = gr.Number(d.t_topk, label="top-k", precision=0)
-                    t_size = gr.Number(d.t_tree_size, label="size", precision=0)
-                with_ar = gr.Checkbox(True, label="Also run plain autoregressive decoding (for the speedup)")
+                    t_depth = gr.Number(d.t_depth, label="depth", precision=0, elem_id="hv-t-depth")
+                    t_topk = gr.Number(d.t_topk, label="top-k", precision=0, elem_id="hv-t-topk")
+                    t_size = gr.Number(d.t_tree_size, label="size", precision=0, elem_id="hv-t-size")
+                with_ar = gr.Checkbox(True, label="Also run plain autoregressive decoding (for the speedup)",
+                                      elem_id="hv-with-ar")
             with gr.Accordion("Replay a recorded trace", open=True):
                 shipped = shipped_traces()
                 trace_pick = gr.Dropdown(shipped, value=shipped[0][1] if shipped else None, label="Recorded traces",

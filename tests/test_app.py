@@ -146,3 +146,26 @@ def test_sessions_do_not_share_state(app_url, tmp_path):
     assert "Step 2:" in json.loads(a.predict(2, api_name="/scrub")[0]["plot"])["layout"]["title"]["text"]
     # b never loaded anything: its panels stay as they were (a skip), never a's trace
     assert "Step 2" not in str(b.predict(2, api_name="/scrub"))
+
+
+def test_gpu_work_is_one_concurrency_group():
+    from hierviz.ui import build_app
+    demo = build_app("tiny-random")
+    fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
+    runs = [f for f in fns if f.name == "run_live"]
+    assert runs and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in runs)
+    # nothing else may join the GPU group: scrubbing, replay and uploads never wait for a run
+    assert all(f.concurrency_id != "gpu" for f in fns if f.name != "run_live")
+
+
+def test_tabs_are_pluggable():
+    import gradio as gr
+
+    from hierviz import ui
+    ui.register_tab("Profile", lambda: gr.Markdown("profile goes here"))
+    try:
+        demo = ui.build_app("tiny-random")
+        labels = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
+        assert labels == ["Visualizer", "Profile", "How it works"]
+    finally:
+        ui.TAB_BUILDERS.clear()
