@@ -1,0 +1,62 @@
+"""`python -m hierviz bench` writes a well-formed summary on a tiny stack."""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from hierviz.bench import BenchError, main, read_questions
+
+QUESTIONS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench_question.jsonl")
+
+
+@pytest.fixture()
+def questions(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "again"]},
+        {"question_id": 2, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+        {"question_id": 3, "category": "qa", "turns": ["What is 2+2?"]}]) + "\n")
+    return p
+
+
+def test_bench_summary_is_well_formed(questions, tmp_path):
+    out = tmp_path / "out"
+    rc = main(["--questions", str(questions), "--stack", "tiny-random", "--max-new-tokens", "8",
+               "--methods", "ar,eagle2,hierspec", "--out", str(out), "--m-topk", "4", "--t-topk", "4",
+               "--m-tree-size", "8", "--t-tree-size", "12"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["methods"]) == {"ar", "eagle2", "hierspec"}
+    for name, m in s["methods"].items():
+        for key in ("tokens_per_s", "speedup_vs_ar", "tau_target", "tau_intermediate", "per_depth_acceptance",
+                    "outputs_identical_to_ar", "per_category"):
+            assert key in m, (name, key)
+        assert m["outputs_identical_to_ar"] is True
+        assert set(m["per_category"]) == {"writing", "qa"}
+    assert s["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert s["methods"]["hierspec"]["tau_intermediate"] >= 1.0
+    lines = (out / "hierspec.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["choices"][0]["new_tokens"][0] <= 8
+    assert (out / "summary.md").read_text().startswith("| method")
+    assert "plotly" in (out / "chart.html").read_text()
+
+
+def test_limit_is_per_category():
+    if not os.path.exists(QUESTIONS):
+        pytest.skip("shared Spec-Bench questions not present")
+    qs = read_questions(QUESTIONS, limit=2)
+    cats = {q["category"] for q in qs}
+    assert len(cats) == 13 and len(qs) == 26
+
+
+def test_bad_questions_file(tmp_path, capsys):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"question_id": 1}\n')
+    with pytest.raises(BenchError, match="not a Spec-Bench question line"):
+        read_questions(p)
+    assert main(["--questions", str(p), "--stack", "tiny-random", "--out", str(tmp_path / "o")]) == 2
+    assert "error:" in capsys.readouterr().err
