@@ -180,7 +180,8 @@ the longest branch that matches its own choices.
 <span class="hv-dot" style="background:#C9CED6"></span> grows from a rejected token<br>
 <span class="hv-dot" style="background:#0072B2"></span> M's own next token (bonus): the root of the next tree
 
-The top row is the text M proposes. Hover a token for its probability.""",
+The top row is the text M proposes. Hover a token for its probability. In the EAGLE-2 run the
+picture is the same, but E_T drafts and the big target T checks the tree itself.""",
     "seq": """**2 · Sequence draft → 3 · Target verdict.** M joins its accepted branches and bonus tokens
 into one line of at least *min draft length* tokens. The big 4-bit target **T** checks only this short
 line, not a 30-60-token tree: 4-bit weights are cheap to read, but checking many tokens at once is not.
@@ -339,7 +340,9 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
         engine = importlib.import_module("hierviz.engine")
         new = Session(view="hierspec", source="live run")
         try:
-            yield {status: status_html(f"Loading the model stack '{stack_v}'…"), sess_state: new}
+            # clear the panels of the previous run or trace, so nothing stale is on screen
+            yield {status: status_html(f"Loading the model stack '{stack_v}'…"), sess_state: new,
+                   **panel_updates(new), **nav_updates(new)}
             stack_obj = get_stack(str(stack_v))
             methods = [m for m in RUN_ORDER if m != "ar" or ar_v]
             for method in methods:

@@ -130,3 +130,18 @@ def test_malformed_trace_upload_shows_an_error(page, tmp_path):
     # the app stays usable: a recorded trace still loads
     pg.click("text=Load recorded trace")
     pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Loaded')", timeout=30_000)
+
+
+def test_replay_and_switch_run(page):
+    pg = page
+    pg.click("#hv-play")
+    pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Replaying HierSpec: step 2')",
+                         timeout=30_000)
+    pg.click("text=■ Stop replay")
+    pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Replay stopped')",
+                         timeout=30_000)
+    pg.locator("#hv-view").get_by_text("EAGLE-2").click()
+    pg.wait_for_function("() => document.querySelector('#hv-tree').innerText.includes('EAGLE-2 tree drafted by E_T')",
+                         timeout=30_000)
+    assert "has no sequence draft" in pg.inner_text("#hv-seq")
+    pg.screenshot(path=str(ARTIFACTS / "browser-eagle2-view.png"), full_page=False)

@@ -61,7 +61,7 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.3,
                         subplot_titles=("This step (ms)", "Time to write the same number of tokens (ms)"))
     if main is None or not main.steps:
-        fig.update_layout(height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
+        fig.update_layout(template="none", height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
         fig.add_annotation(text="Latency bars appear once a run has steps.", showarrow=False, x=0.5, y=0.5,
                            xref="paper", yref="paper", font_size=14)
         return fig
@@ -85,8 +85,9 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
                                  textfont=dict(size=13)), row=row_idx, col=1)
         fig.update_xaxes(range=[0, max(totals) * 1.3 if max(totals) > 0 else 1], row=row_idx, col=1,
                          gridcolor="#eee")
+    fig.update_yaxes(automargin=True, ticksuffix=" ")
     n_rows = len(step_rows) + len(cum_rows)
-    fig.update_layout(barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
+    fig.update_layout(template="none", barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
                       plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
                       legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), bargap=0.35)
     return fig

@@ -21,6 +21,7 @@ COL_PX = 104        # pixels per depth column; the figure width is fixed so labe
 ROW_PX = 24         # pixels per leaf row
 LABEL_CHARS = 9     # longest token label drawn in a node chip
 CHAR_PX = 8.2       # approximate width of one label character at the chosen font size
+MIN_WIDTH = 820     # pixels: the legend needs one line
 GAP_COLS = 0.6      # empty columns between two trees of one round
 BONUS = -1          # pseudo node id of the verifier's bonus token
 ROOT = 0
@@ -168,15 +169,17 @@ def tree_figure(trees: list[DraftTree], title: str = "",
     n_rows = int(max(p.y for _, p in all_nodes)) + 1
     # the right edge is the end of the widest chip in the last columns, not the last column itself
     x_end = max(p.x + _chip_px(p.text) / COL_PX for _, p in all_nodes) + 0.1
-    width = int((x_end + 0.1) * COL_PX) + 20
+    # at least MIN_WIDTH so the legend fits on one line; the range grows with it (COL_PX stays exact)
+    width = max(int((x_end + 0.1) * COL_PX) + 20, MIN_WIDTH)
+    x_end = (width - 20) / COL_PX - 0.1
     height = n_rows * ROW_PX + 90
 
     pos = {(ti, p.id): p for ti, p in all_nodes}
     unit = 1.0 / COL_PX  # data units per pixel along x
 
     def elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
-        xs = a.x + _chip_px(a.text) * unit
-        xm = b.x - 10 * unit
+        xs = round(a.x + _chip_px(a.text) * unit, 3)     # rounded: keeps the streamed JSON small
+        xm = round(b.x - 10 * unit, 3)
         return [xs, xm, xm, b.x, None], [a.y, a.y, b.y, b.y, None]
 
     edge_groups: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
@@ -208,7 +211,7 @@ def tree_figure(trees: list[DraftTree], title: str = "",
         if not group:
             continue
         fig.add_trace(go.Scatter(
-            x=[p.x + _chip_px(p.text) * unit / 2 for _, p in group], y=[p.y for _, p in group], mode="markers",
+            x=[round(p.x + _chip_px(p.text) * unit / 2, 3) for _, p in group], y=[p.y for _, p in group], mode="markers",
             marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
             hovertext=[_hover(p, ti) for ti, p in group], hoverinfo="text", name=STATUS_NAMES[status],
             showlegend=False))
@@ -232,7 +235,7 @@ def tree_figure(trees: list[DraftTree], title: str = "",
         title=dict(text=title, x=0.01, font_size=15) if title else None,
         width=width, height=height, autosize=False,
         margin=dict(l=10, r=10, t=60 if title else 36, b=10),
-        plot_bgcolor="white", paper_bgcolor="white", annotations=annotations,
+        template="none", plot_bgcolor="white", paper_bgcolor="white", annotations=annotations,
         xaxis=dict(visible=False, range=[-0.1, x_end], fixedrange=True),
         yaxis=dict(visible=False, range=[n_rows - 0.4, -1.3], fixedrange=True),
         legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font_size=12),
