@@ -101,35 +101,28 @@ def tune_candidates(m: int):
     from hierviz.quant.triton_w4 import Config
 
     out = []
-    shapes = [(64, 4), (128, 4), (128, 8), (256, 8)]  # (block_n, num_warps)
+    # (prefetch in registers, L2 prefetch mode, L2 distance)
+    fetch = [(0, 0, 0), (0, 1, 2), (0, 1, 4), (0, 2, 3)]
     if m <= 16:
-        for bn, warps in shapes:
-            for pf in (1, 2):
-                for split in (1, 2, 4, 8):
-                    out.append(Config(bn, 16, split, warps, 1, prefetch=pf))
-        out.append(Config(128, 16, 4, 8, 1, use_asm=False))
-        if m <= 2:
-            for bn, warps in [(64, 4), (128, 4), (128, 8)]:
-                for split in (2, 4, 8):
-                    out.append(Config(bn, 16, split, warps, 1, gemv=True))
+        for bn, warps in [(64, 4), (128, 4), (128, 8)]:
+            for pf, l2, dist in fetch:
+                for split in (4, 8):
+                    out.append(Config(bn, 16, split, warps, 1, prefetch=pf, l2_mode=l2, l2_dist=dist))
+        out.append(Config(64, 16, 8, 4, 1, prefetch=1))  # the previous run's winner
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
-        for bn, warps in shapes:
-            out.append(Config(bn, bm, 1, warps, 1, prefetch=1))
-            out.append(Config(bn, bm, 1, warps, 1, prefetch=2))
-            if m <= 32:
-                out.append(Config(bn, bm, 2, warps, 1, prefetch=1))
-        # smaller token tiles (several M blocks re-read the weights from L2)
-        out.append(Config(128, bm // 2, 1, 8, 1, prefetch=1))
-        out.append(Config(128, bm // 2, 2 if m <= 32 else 1, 8, 1, prefetch=2))
-        out.append(Config(128, bm, 1, 8, 1, use_asm=False))
+        for bn, warps in [(64, 4), (128, 8)]:
+            for pf, l2, dist in fetch[:2] + [(1, 0, 0)]:
+                out.append(Config(bn, bm, 1, warps, 1, prefetch=pf, l2_mode=l2, l2_dist=dist))
+        if m <= 32:
+            out.append(Config(64, bm, 2, 4, 1, prefetch=0, l2_mode=1, l2_dist=2))
     return out
 
 
 # ---- the GPU benchmark ----------------------------------------------------------------------
 
 def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
-              dry: bool = False) -> dict:
+              dry: bool = False, tune_ms: Optional[list[int]] = None) -> dict:
     """dry: run the same code on the CPU under TRITON_INTERPRET=1 (tiny shapes; no timing value)."""
     import triton
 
@@ -183,7 +176,7 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
     best_cfg: dict[int, object] = {}
     if tune:
         t0 = time.time()
-        for m in ms:
+        for m in tune_ms or ms:
             xs = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
             want = xs[0].float() @ ref_w.t()
             best = None
@@ -213,7 +206,9 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
         x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
         xbf = [x.to(torch.bfloat16) for x in x16]
         want = x16[0].float() @ ref_w.t()
-        cfg = best_cfg.get(m) or pick_config(m, n, k, g)
+        # untuned M: the winner of the next tuned M up (same kernel path)
+        up = [t for t in sorted(best_cfg) if t >= m]
+        cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g)
         row: dict = {"M": m, "triton_config": asdict(cfg)}
         row["cublas_fp16_us"] = _graph_time_us(
             [lambda x=x, d=d: x @ d.t() for x, d in zip(x16, dense)], rep_ms)
@@ -349,6 +344,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--shape", default=None, help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU)")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--tune", action="store_true", help="sweep Triton configs per M first")
+    ap.add_argument("--tune-ms", default=None, help="token counts to tune at (default: all of --ms)")
     ap.add_argument("--cpu", action="store_true", help="int4pack_cpu benchmark even with a GPU")
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing budget per measurement")
     ap.add_argument("--dry", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
@@ -356,7 +352,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     use_gpu = (torch.cuda.is_available() or a.dry) and not a.cpu
     k, n, g = (int(v) for v in (a.shape or ("8192,28672,128" if use_gpu else "576,1536,32")).split(","))
     ms = [int(v) for v in (a.ms or ("1,2,4,8,16,32,64,128" if use_gpu else "1,8,64")).split(",")]
-    res = gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry) if use_gpu else cpu_bench(k, n, g, ms)
+    tune_ms = [int(v) for v in a.tune_ms.split(",")] if a.tune_ms else None
+    res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms) if use_gpu
+           else cpu_bench(k, n, g, ms))
     res["command"] = "python -m hierviz.kernel_bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
     a.out.mkdir(parents=True, exist_ok=True)
     name = "kernel_bench.json" if use_gpu else "kernel_bench_cpu.json"

@@ -57,7 +57,9 @@ class Config:
     num_stages: int
     use_asm: bool = True   # inline-PTX unpack; ignored (False) under the interpreter
     gemv: bool = False     # CUDA-core kernel, one token per program (block_m unused)
-    prefetch: int = 1      # K blocks loaded ahead of the one being multiplied (1 or 2)
+    prefetch: int = 1      # K blocks held in registers ahead of the one multiplied (0, 1, 2)
+    l2_mode: int = 0       # 0: none; 1: cp.async.bulk.prefetch.L2 per row; 2: prefetch.global.L2
+    l2_dist: int = 2       # how many K blocks ahead the L2 prefetch runs
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
@@ -83,7 +85,7 @@ def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     split = max(1, min(cfg.split_k, n_kblocks))
     if split != cfg.split_k:
         cfg = Config(cfg.block_n, cfg.block_m, split, cfg.num_warps, cfg.num_stages,
-                     cfg.use_asm, cfg.gemv, cfg.prefetch)
+                     cfg.use_asm, cfg.gemv, cfg.prefetch, cfg.l2_mode, cfg.l2_dist)
     return cfg
 
 
@@ -234,12 +236,28 @@ if HAVE_TRITON:
 
     # M and the split sizes change with every call shape; specializing on them (M == 1,
     # divisibility by 16) would compile the same kernel several times over.
-    @triton.jit(do_not_specialize=["M", "blocks_per_split", "n_blocks"])
+    @triton.jit
+    def _prefetch_rows(row_ptrs, MODE: tl.constexpr, NBYTES: tl.constexpr):
+        """Ask L2 for NBYTES at each row pointer (Hopper bulk prefetch, or per 32-byte sector)."""
+        if MODE == 1:
+            nbytes = tl.full(row_ptrs.shape, NBYTES, tl.int32)
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                "=r,l,r", [row_ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        elif MODE == 2:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+                "=r,l", [row_ptrs], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1+32]; mov.u32 $0, 0;",
+                "=r,l", [row_ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit(do_not_specialize=["M", "blocks_per_split", "n_blocks", "l2_dist"])
     def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
                    M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
-                   DIST: tl.constexpr):
+                   DIST: tl.constexpr, L2_MODE: tl.constexpr, l2_dist):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -261,10 +279,26 @@ if HAVE_TRITON:
         # Triton's pipeliner leaves these loads synchronous (their values reach the dot through
         # the unpack), so prefetch by hand: block b+1 is in flight while block b is unpacked
         # and multiplied. The last prefetch re-reads block b_end-1 (a cache hit, unused).
-        codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
-                                          n_mask, m_mask, SUB, G)
-        if DIST == 1:
+        # L2 prefetch: one pointer per weight row (clamped in range), advanced to the start
+        # of block b + l2_dist; the loads of block b then hit L2 instead of waiting on DRAM.
+        rows = c_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_c
+        if DIST == 0:
             for b in range(b_start, b_end):
+                if L2_MODE != 0:
+                    _prefetch_rows(rows + tl.minimum(b + l2_dist, n_blocks - 1) * HALF,
+                                   L2_MODE, HALF)
+                codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b, N, rn,
+                                                  n_mask, m_mask, SUB, G)
+                wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
+                acc = tl.dot(wl, xl, acc)
+                acc = tl.dot(wh, xh, acc)
+        elif DIST == 1:
+            codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
+                                              n_mask, m_mask, SUB, G)
+            for b in range(b_start, b_end):
+                if L2_MODE != 0:
+                    _prefetch_rows(rows + tl.minimum(b + l2_dist, n_blocks - 1) * HALF,
+                                   L2_MODE, HALF)
                 nxt = tl.minimum(b + 1, b_end - 1)
                 codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
                                                        rn, n_mask, m_mask, SUB, G)
@@ -273,6 +307,8 @@ if HAVE_TRITON:
                 acc = tl.dot(wh, xh, acc)
                 codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
         else:  # two blocks in flight
+            codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
+                                              n_mask, m_mask, SUB, G)
             codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs,
                                                    tl.minimum(b_start + 1, b_end - 1), N,
                                                    rn, n_mask, m_mask, SUB, G)
@@ -377,6 +413,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, DIST=cfg.prefetch,
+                     L2_MODE=0 if interp else cfg.l2_mode, l2_dist=cfg.l2_dist,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
