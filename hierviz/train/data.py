@@ -1,0 +1,223 @@
+"""Training data: our own prompts (prompts.py) answered by the target model itself.
+
+    python -m hierviz.train.data --target T.gguf --tokenizer TOKDIR --out data.pt \
+        --num-prompts 8000 --max-new-tokens 256 --batch-size 1024 \
+        --questions spec_bench_question.jsonl mt_bench_question.jsonl --draft-vocab 8192
+
+Each prompt is wrapped in the tokenizer's chat template exactly as the engine does
+(`encode_chat`) and answered by T (transformers LlamaForCausalLM built from T's dequantized
+weights, batched `generate`), greedily or sampled according to --modes. The output holds prompt
++ response tokens per sample, a held-out split, the prompt/benchmark overlap check and, with
+--draft-vocab V, the V most frequent tokens of the training responses (an FR-Spec draft vocabulary).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hierviz.train.common import (base_dtype, TokenData, build_hf, command_line, env_info, load_base, load_tokenizer, log,
+                                  pick_device, seed_all, write_json)
+from hierviz.train.prompts import build_prompts, overlap_report
+
+DEFAULT_MODES = "greedy:0.5,t0.7:0.25,t1.0:0.25"
+
+
+def parse_modes(spec: str) -> list[tuple[str, float]]:
+    out = []
+    for part in spec.split(","):
+        name, _, w = part.partition(":")
+        if name != "greedy" and not (name.startswith("t") and _isfloat(name[1:])):
+            raise ValueError(f"bad mode {name!r}: use greedy or tX.Y (sampling temperature)")
+        out.append((name, float(w or 1)))
+    return out
+
+
+def _isfloat(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def assign_modes(n: int, modes: list[tuple[str, float]], seed: int) -> list[str]:
+    import random
+    rng = random.Random(seed)
+    total = sum(w for _, w in modes)
+    counts = [int(round(n * w / total)) for _, w in modes]
+    counts[0] += n - sum(counts)
+    out = [m for (m, _), c in zip(modes, counts) for _ in range(c)]
+    rng.shuffle(out)
+    return out
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], mode: str, max_new: int, eos_ids: list[int], pad_id: int,
+                   top_p: float, device) -> list[list[int]]:
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    am = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):   # left padding
+        ids[i, L - len(p):] = torch.tensor(p)
+        am[i, L - len(p):] = 1
+    kw = dict(do_sample=False) if mode == "greedy" else dict(do_sample=True, temperature=float(mode[1:]), top_p=top_p,
+                                                            top_k=0)
+    out = model.generate(input_ids=ids.to(device), attention_mask=am.to(device), max_new_tokens=max_new,
+                         eos_token_id=eos_ids, pad_token_id=pad_id, min_new_tokens=1, **kw)
+    resp = out[:, L:].cpu().tolist()
+    eos = set(eos_ids)
+    result = []
+    for r in resp:
+        cut = next((j + 1 for j, t in enumerate(r) if t in eos), len(r))
+        result.append(r[:cut])
+    return result
+
+
+def draft_vocab(data: TokenData, size: int, always: list[int]) -> tuple[list[int], dict]:
+    """Top-`size` tokens by frequency in the training responses (+ `always`), and coverage figures."""
+    cnt: collections.Counter = collections.Counter()
+    for i in data.indices("train"):
+        s = data.sample(i)[int(data.prompt_lens[i]):]
+        cnt.update(s.tolist())
+    ids = [t for t in always if t is not None]
+    for t, _ in cnt.most_common():
+        if len(ids) >= size:
+            break
+        if t not in ids:
+            ids.append(t)
+    keep = set(ids)
+
+    def coverage(idx):
+        tot = hit = 0
+        for i in idx:
+            s = data.sample(i)[int(data.prompt_lens[i]):].tolist()
+            tot += len(s)
+            hit += sum(t in keep for t in s)
+        return hit / max(tot, 1)
+    return ids, {"size": len(ids), "distinct_response_tokens": len(cnt),
+                 "coverage_train_responses": round(coverage(data.indices("train")), 4),
+                 "coverage_heldout_responses": round(coverage(data.indices("heldout")), 4)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hierviz.train.data", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, help="target model: .gguf file or HF/GPTQ folder")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer folder, or 'byte' for tiny test models")
+    ap.add_argument("--out", required=True, help="output .pt file")
+    ap.add_argument("--num-prompts", type=int, default=8000)
+    ap.add_argument("--samples-per-prompt", type=int, default=1)
+    ap.add_argument("--modes", default=DEFAULT_MODES, help="comma list of greedy|tTEMP:weight")
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--heldout-every", type=int, default=50, help="every Nth prompt goes to the held-out split")
+    ap.add_argument("--questions", nargs="*", default=[], help="benchmark JSONL files the prompts must not overlap")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="also write the top-V frequent tokens (FR-Spec)")
+    ap.add_argument("--draft-vocab-out", default=None)
+    ap.add_argument("--time-budget", type=float, default=0, help="stop starting new batches after this many seconds")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report", default=None, help="JSON report path (default: OUT with .json)")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    seed_all(a.seed)
+    device = pick_device(a.device)
+
+    prompts = build_prompts(a.num_prompts, a.seed)
+    check = overlap_report([p for _, p in prompts], a.questions) if a.questions else None
+    if check:
+        log(f"overlap check vs {check['question_files']}: exact {check['exact_matches']}, "
+            f"shared {check['ngram']}-grams {check['prompts_sharing_an_ngram']}")
+        if check["exact_matches"] or check["prompts_sharing_an_ngram"]:
+            raise SystemExit(f"training prompts overlap the benchmark questions: {check['examples']}")
+
+    cfg, weights = load_base(a.target)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
+    tok = load_tokenizer(a.tokenizer, eos_ids)
+    eos_ids = sorted(set(eos_ids) | set(tok.eos_ids))
+    pad_id = cfg.get("pad_token_id")
+    pad_id = int(pad_id) if pad_id is not None else eos_ids[0]
+    dtype = base_dtype(device)
+    model = build_hf(cfg, weights, device, dtype).eval()
+    log(f"target loaded: {cfg.get('num_hidden_layers')} layers on {device} ({time.time() - t0:.1f}s)")
+
+    items = []   # (prompt index, mode)
+    modes = parse_modes(a.modes)
+    for s in range(a.samples_per_prompt):
+        for i, m in enumerate(assign_modes(len(prompts), modes, a.seed + s)):
+            items.append((i, m))
+    enc = [tok.encode_chat(p) for _, p in prompts]
+    by_mode: dict[str, list[int]] = collections.defaultdict(list)
+    for k, (i, m) in enumerate(items):
+        by_mode[m].append(k)
+    batches = []
+    for m, ks in by_mode.items():
+        ks.sort(key=lambda k: len(enc[items[k][0]]))
+        batches.append([ks[j:j + a.batch_size] for j in range(0, len(ks), a.batch_size)])
+    order = [b for group in _round_robin(batches) for b in [group]]
+
+    tokens, offsets, plens, mlist, split, cats = [], [0], [], [], [], []
+    n_resp = 0
+    gen_t0 = time.time()
+    for bi, ks in enumerate(order):
+        if a.time_budget and time.time() - gen_t0 > a.time_budget:
+            log(f"time budget reached after {bi} of {len(order)} batches")
+            break
+        m = items[ks[0]][1]
+        torch.manual_seed(a.seed * 1000 + bi)
+        resps = generate_batch(model, [enc[items[k][0]] for k in ks], m, a.max_new_tokens, eos_ids, pad_id, a.top_p,
+                               device)
+        for k, r in zip(ks, resps):
+            i = items[k][0]
+            seq = enc[i] + r
+            tokens.extend(seq)
+            offsets.append(offsets[-1] + len(seq))
+            plens.append(len(enc[i]))
+            mlist.append(m)
+            split.append("heldout" if i % a.heldout_every == 0 else "train")
+            cats.append(prompts[i][0])
+            n_resp += len(r)
+        el = time.time() - gen_t0
+        log(f"batch {bi + 1}/{len(order)} ({m}, {len(ks)} prompts): {n_resp} response tokens, "
+            f"{n_resp / max(el, 1e-9):.0f} tok/s")
+    gen_s = time.time() - gen_t0
+    meta = {"command": command_line("hierviz.train.data", argv), "target": str(a.target), "seed": a.seed,
+            "prompt_source": "hierviz/train/prompts.py templates x topic lists (written for this project)",
+            "overlap_check": check, "modes": a.modes, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
+            "samples": len(mlist), "prompt_tokens": int(sum(plens)), "response_tokens": n_resp,
+            "heldout_samples": split.count("heldout"), "categories": dict(collections.Counter(cats)),
+            "mode_counts": dict(collections.Counter(mlist)), "generation_seconds": round(gen_s, 1),
+            "env": env_info(device)}
+    data = TokenData(torch.tensor(tokens, dtype=torch.int32), torch.tensor(offsets, dtype=torch.long),
+                     torch.tensor(plens, dtype=torch.int32), mlist, split, meta)
+    if a.draft_vocab:
+        ids, stats = draft_vocab(data, a.draft_vocab, eos_ids)
+        meta["draft_vocab"] = stats
+        out = a.draft_vocab_out or str(Path(a.out).with_name("draft_vocab.json"))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(ids))
+        log(f"draft vocabulary: {stats}")
+    data.save(a.out)
+    write_json(a.report or str(Path(a.out).with_suffix(".json")), meta)
+    log(f"wrote {a.out}: {len(mlist)} samples, {n_resp} response + {sum(plens)} prompt tokens in {gen_s:.0f}s")
+    return 0
+
+
+def _round_robin(lists: list[list]) -> list:
+    out = []
+    for j in range(max((len(x) for x in lists), default=0)):
+        for x in lists:
+            if j < len(x):
+                out.append(x[j])
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

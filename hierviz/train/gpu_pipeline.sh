@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole offline-stack training run, as executed on the device GPU (one H200):
+#   bash hierviz/train/gpu_pipeline.sh TARGET.gguf TOKENIZER_DIR WORK_DIR OUT_DIR
+# Budgets (seconds) come from the environment: DATA_S, DISTILL_S, EAGLE_S; sizes from
+# NUM_PROMPTS, GEN_BATCH, MAX_NEW, LAYERS. Every stage logs to OUT_DIR/log.txt and leaves its
+# products in OUT_DIR as it finishes, so a run cut short still returns what it made.
+set -uo pipefail
+T=$1; TOK=$2; W=$3; OUT=$4
+mkdir -p "$W" "$OUT"
+Q="${QUESTIONS:-../shared/data/spec_bench_question.jsonl ../shared/data/mt_bench_question.jsonl}"
+export PYTHONUNBUFFERED=1
+{
+python -c "import sys; from hierviz.train.common import export_float; export_float(sys.argv[1], sys.argv[2])" "$T" "$W/target" || exit 1
+SRC=$T; T=$W/target   # exact dequantized copy of the GGUF target (fp32), fast to reload
+echo "target $SRC exported to $T"
+python -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
+  --num-prompts "${NUM_PROMPTS:-8000}" --samples-per-prompt "${SAMPLES_PER_PROMPT:-1}" --max-new-tokens "${MAX_NEW:-256}" \
+  --batch-size "${GEN_BATCH:-1024}" --time-budget "${DATA_S:-90}" --questions $Q \
+  --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" --report "$W/data.json" || exit 1
+cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
+python -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/smollm2-m8-gptq" \
+  --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
+  --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --report "$W/distill.json" || exit 2
+cp "$W/distill.json" "$OUT/"
+tar -C "$W" -cf "$OUT/M.tar" smollm2-m8-gptq
+python -m hierviz.train.eagle_train --target "$T" --intermediate "$W/smollm2-m8-gptq" --data "$W/data.pt" \
+  --out-t "$W/smollm2-eagle-t" --out-m "$W/smollm2-m8-eagle" --steps "${EAGLE_STEPS:-4000}" \
+  --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
+cp "$W/eagle.json" "$OUT/"
+tar -C "$W" -cf "$OUT/heads.tar" smollm2-eagle-t smollm2-m8-eagle
+} 2>&1 | tee -a "$OUT/log.txt"
