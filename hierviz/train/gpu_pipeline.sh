@@ -9,21 +9,22 @@ T=$1; TOK=$2; W=$3; OUT=$4
 mkdir -p "$W" "$OUT"
 Q="${QUESTIONS:-../shared/data/spec_bench_question.jsonl ../shared/data/mt_bench_question.jsonl}"
 export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 {
-python -c "import sys; from hierviz.train.common import export_float; export_float(sys.argv[1], sys.argv[2])" "$T" "$W/target" || exit 1
+$PY -c "import sys; from hierviz.train.common import export_float; export_float(sys.argv[1], sys.argv[2])" "$T" "$W/target" || exit 1
 SRC=$T; T=$W/target   # exact dequantized copy of the GGUF target (fp32), fast to reload
 echo "target $SRC exported to $T"
-python -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
+$PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
   --num-prompts "${NUM_PROMPTS:-8000}" --samples-per-prompt "${SAMPLES_PER_PROMPT:-1}" --max-new-tokens "${MAX_NEW:-256}" \
   --batch-size "${GEN_BATCH:-1024}" --time-budget "${DATA_S:-90}" --questions $Q \
   --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" --report "$W/data.json" || exit 1
 cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
-python -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/smollm2-m8-gptq" \
+$PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/smollm2-m8-gptq" \
   --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --report "$W/distill.json" || exit 2
 cp "$W/distill.json" "$OUT/"
 tar -C "$W" -cf "$OUT/M.tar" smollm2-m8-gptq
-python -m hierviz.train.eagle_train --target "$T" --intermediate "$W/smollm2-m8-gptq" --data "$W/data.pt" \
+$PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/smollm2-m8-gptq" --data "$W/data.pt" \
   --out-t "$W/smollm2-eagle-t" --out-m "$W/smollm2-m8-eagle" --steps "${EAGLE_STEPS:-4000}" \
   --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
 cp "$W/eagle.json" "$OUT/"
