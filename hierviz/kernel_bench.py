@@ -101,21 +101,20 @@ def tune_candidates(m: int):
     from hierviz.quant.triton_w4 import Config
 
     out = []
-    # (prefetch in registers, L2 prefetch mode, L2 distance)
-    fetch = [(0, 0, 0), (0, 1, 2), (0, 1, 4), (0, 2, 3)]
     if m <= 16:
-        for bn, warps in [(64, 4), (128, 4), (128, 8)]:
-            for pf, l2, dist in fetch:
+        for bn in (64, 128):
+            for pf in (0, 1):
                 for split in (4, 8):
-                    out.append(Config(bn, 16, split, warps, 1, prefetch=pf, l2_mode=l2, l2_dist=dist))
-        out.append(Config(64, 16, 8, 4, 1, prefetch=1))  # the previous run's winner
+                    out.append(Config(bn, 16, split, 4, 1, prefetch=pf))
+        out.append(Config(64, 16, 8, 4, 1, prefetch=1, tiled=False))  # the previous winner
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
-        for bn, warps in [(64, 4), (128, 8)]:
-            for pf, l2, dist in fetch[:2] + [(1, 0, 0)]:
-                out.append(Config(bn, bm, 1, warps, 1, prefetch=pf, l2_mode=l2, l2_dist=dist))
+        out.append(Config(128, bm, 1, 8, 1, prefetch=1))
+        out.append(Config(64, bm, 1, 4, 1, prefetch=1))
+        out.append(Config(128 if m <= 64 else 64, bm, 1, 8 if m <= 64 else 4, 1, prefetch=1,
+                          tiled=False))  # the previous winners
         if m <= 32:
-            out.append(Config(64, bm, 2, 4, 1, prefetch=0, l2_mode=1, l2_dist=2))
+            out.append(Config(64, bm, 2, 4, 1, prefetch=1))
     return out
 
 

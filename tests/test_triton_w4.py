@@ -47,6 +47,8 @@ _SCRIPT = textwrap.dedent("""
         (1, 24, 512, 512, Config(16, 16, 2, 4, 2)),     # G=512 -> 128-wide sub-blocks
         (4, 40, 512, 32, Config(32, 16, 3, 4, 2, prefetch=2)),  # two blocks in flight
         (6, 40, 512, 64, Config(32, 16, 2, 4, 1, prefetch=0, l2_mode=1)),  # no register prefetch
+        (3, 100, 256, 64, Config(64, 16, 2, 4, 1, tiled=False)),  # row-major codes
+        (40, 130, 256, 32, Config(64, 32, 1, 4, 1, tiled=False, prefetch=0)),
         (17, 24, 256, 128, Config(16, 32, 1, 4, 2, prefetch=2)),  # 2 blocks, prefetch 2
         (1, 40, 256, 32, Config(32, 16, 2, 4, 2, gemv=True)),   # CUDA-core GEMV variant
         (2, 37, 512, 128, Config(16, 16, 1, 4, 2, gemv=True)),
@@ -83,7 +85,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(errs) == 17
+    assert len(errs) == 19
     # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
     bad = {k: v for k, v in errs.items() if not v < 3e-3}
     assert not bad, bad
@@ -121,6 +123,17 @@ def test_repack_codes_layout() -> None:
     # byte j of each 64-channel block: channel j low nibble, channel j + 32 high nibble
     assert torch.equal(r[:, 5] & 0xF, q[:, 5]) and torch.equal(r[:, 5] >> 4, q[:, 37])
     assert torch.equal(r[:, 32 + 1] & 0xF, q[:, 64 + 1]) and torch.equal(r[:, 33] >> 4, q[:, 97])
+
+
+def test_tile_codes_layout() -> None:
+    from hierviz.quant.triton_w4 import tile_codes
+
+    codes = torch.randint(0, 256, (70, 64), dtype=torch.uint8)  # N=70, K=128, sub=32
+    t = tile_codes(codes, 32).flatten()
+    assert t.numel() == 128 * 64  # padded to 2 row tiles
+    # row 65 (tile 1, row 1), K block 2, byte 3
+    assert t[(1 * 4 + 2) * 64 * 16 + 1 * 16 + 3] == codes[65, 2 * 16 + 3]
+    assert t[(1 * 4 + 0) * 64 * 16 + 63 * 16 + 15] == 0  # padding row 127
 
 
 # ---- int4pack_cpu ---------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Config:
     prefetch: int = 1      # K blocks held in registers ahead of the one multiplied (0, 1, 2)
     l2_mode: int = 0       # 0: none; 1: cp.async.bulk.prefetch.L2 per row; 2: prefetch.global.L2
     l2_dist: int = 2       # how many K blocks ahead the L2 prefetch runs
+    tiled: bool = True     # tile-major codes (tile_codes) instead of row-major
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
@@ -85,7 +86,7 @@ def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     split = max(1, min(cfg.split_k, n_kblocks))
     if split != cfg.split_k:
         cfg = Config(cfg.block_n, cfg.block_m, split, cfg.num_warps, cfg.num_stages,
-                     cfg.use_asm, cfg.gemv, cfg.prefetch, cfg.l2_mode, cfg.l2_dist)
+                     cfg.use_asm, cfg.gemv, cfg.prefetch, cfg.l2_mode, cfg.l2_dist, cfg.tiled)
     return cfg
 
 
@@ -113,6 +114,25 @@ def repack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
     return (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
 
 
+TILE_ROWS = 64  # rows per tile of the tiled layout
+
+
+def tile_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
+    """Row-major repacked codes [N, K/2] -> tile-major: for each 64-row block, K block by K
+    block, a contiguous [64, sub/2] tile (N padded to a multiple of 64 with zero rows).
+
+    A program's load of one K block is then one contiguous 4 KB stretch instead of 64 pieces
+    of sub/2 bytes, K/2 bytes apart: the DRAM reads of concurrently running programs stay
+    within pages."""
+    n, kh = codes.shape
+    half = sub // 2
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
+    if n_pad != n:
+        codes = torch.cat([codes, codes.new_zeros(n_pad - n, kh)])
+    t = codes.view(n_pad // TILE_ROWS, TILE_ROWS, kh // half, half).permute(0, 2, 1, 3)
+    return t.contiguous().view(n_pad, kh)
+
+
 @dataclass
 class Packed:
     codes: torch.Tensor
@@ -121,16 +141,18 @@ class Packed:
     sub: int
 
 
-def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
+def packed(w: W4Weight, dtype: torch.dtype, tiled: bool = True) -> Packed:
     """The kernel's layout of w for activations of `dtype` (built once, cached on w)."""
     cache = w.__dict__.setdefault(_CACHE_ATTR, {})
-    key = (dtype, w.codes.device)
+    key = (dtype, w.codes.device, tiled)
     hit = cache.get(key)
     if hit is None:
         sub = _sub_block(w.group_size)
-        codes = cache.get("codes")
+        ckey = "codes_tiled" if tiled else "codes"
+        codes = cache.get(ckey)
         if codes is None or codes.device != w.codes.device:
-            codes = cache["codes"] = repack_codes(w.codes, sub)
+            codes = repack_codes(w.codes, sub)
+            codes = cache[ckey] = tile_codes(codes, sub) if tiled else codes
         hit = cache[key] = Packed(codes, w.scales.t().to(dtype).contiguous(),
                                   w.offsets.t().to(dtype).contiguous(), sub)
     return hit
@@ -222,11 +244,21 @@ if HAVE_TRITON:
         return lo.to(dt), hi.to(dt)
 
     @triton.jit
+    def _code_offsets(rn, rh, stride_c, HALF: tl.constexpr, TILED: tl.constexpr):
+        """Byte offsets of K block 0 for rows rn, bytes rh (row-major or tile-major codes)."""
+        if TILED:
+            return ((rn[:, None] // 64).to(tl.int64) * (stride_c * 64)
+                    + (rn[:, None] % 64) * HALF + rh[None, :])
+        else:
+            return rn[:, None].to(tl.int64) * stride_c + rh[None, :]
+
+    @triton.jit
     def _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b, N, rn, n_mask, m_mask,
-                    SUB: tl.constexpr, G: tl.constexpr):
+                    SUB: tl.constexpr, G: tl.constexpr, TILED: tl.constexpr):
         """Codes, scales, offsets and the two x halves of K block b (SUB input channels)."""
         HALF: tl.constexpr = SUB // 2
-        codes = tl.load(c_ptrs + b * HALF, mask=n_mask[:, None], other=0)
+        BSTRIDE: tl.constexpr = HALF * 64 if TILED else HALF  # bytes between K blocks
+        codes = tl.load(c_ptrs + b * BSTRIDE, mask=n_mask[:, None], other=0)
         g = (b * SUB) // G
         s = tl.load(s_ptr + g * N + rn, mask=n_mask, other=0.0)
         o = tl.load(o_ptr + g * N + rn, mask=n_mask, other=0.0)
@@ -257,7 +289,7 @@ if HAVE_TRITON:
                    M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
-                   DIST: tl.constexpr, L2_MODE: tl.constexpr, l2_dist):
+                   DIST: tl.constexpr, L2_MODE: tl.constexpr, l2_dist, TILED: tl.constexpr):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -271,7 +303,7 @@ if HAVE_TRITON:
         # Masks, not clamped indices: clamping hides contiguity from Triton and turns the
         # 16-byte vector loads into byte loads. stride_c is its own argument so Triton sees
         # that it is a multiple of 16.
-        c_ptrs = c_ptr + rn[:, None].to(tl.int64) * stride_c + rh[None, :]
+        c_ptrs = c_ptr + _code_offsets(rn, rh, stride_c, HALF, TILED)
         x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
@@ -288,34 +320,34 @@ if HAVE_TRITON:
                     _prefetch_rows(rows + tl.minimum(b + l2_dist, n_blocks - 1) * HALF,
                                    L2_MODE, HALF)
                 codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b, N, rn,
-                                                  n_mask, m_mask, SUB, G)
+                                                  n_mask, m_mask, SUB, G, TILED)
                 wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
                 acc = tl.dot(wl, xl, acc)
                 acc = tl.dot(wh, xh, acc)
         elif DIST == 1:
             codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
-                                              n_mask, m_mask, SUB, G)
+                                              n_mask, m_mask, SUB, G, TILED)
             for b in range(b_start, b_end):
                 if L2_MODE != 0:
                     _prefetch_rows(rows + tl.minimum(b + l2_dist, n_blocks - 1) * HALF,
                                    L2_MODE, HALF)
                 nxt = tl.minimum(b + 1, b_end - 1)
                 codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
-                                                       rn, n_mask, m_mask, SUB, G)
+                                                       rn, n_mask, m_mask, SUB, G, TILED)
                 wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
                 acc = tl.dot(wl, xl, acc)
                 acc = tl.dot(wh, xh, acc)
                 codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
         else:  # two blocks in flight
             codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
-                                              n_mask, m_mask, SUB, G)
+                                              n_mask, m_mask, SUB, G, TILED)
             codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs,
                                                    tl.minimum(b_start + 1, b_end - 1), N,
-                                                   rn, n_mask, m_mask, SUB, G)
+                                                   rn, n_mask, m_mask, SUB, G, TILED)
             for b in range(b_start, b_end):
                 nxt = tl.minimum(b + 2, b_end - 1)
                 codes3, s3, o3, xl3, xh3 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
-                                                       rn, n_mask, m_mask, SUB, G)
+                                                       rn, n_mask, m_mask, SUB, G, TILED)
                 wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
                 acc = tl.dot(wl, xl, acc)
                 acc = tl.dot(wh, xh, acc)
@@ -332,7 +364,7 @@ if HAVE_TRITON:
     def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
                         M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
                         SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                        ATOMIC: tl.constexpr):
+                        ATOMIC: tl.constexpr, TILED: tl.constexpr):
         # CUDA-core variant for one token per program (M = 1, 2): no tensor cores, fp32 FMAs.
         # Per group: p[n] = sum_k q[n, k] x[k], then y[n] += s[n, g] p[n] + o[n, g] sum_k x[k],
         # so scales and offsets cost O(BN) per group instead of O(BN * G).
@@ -343,18 +375,18 @@ if HAVE_TRITON:
         rn = pid_n * BN + tl.arange(0, BN)
         rh = tl.arange(0, HALF)
         n_mask = rn < N
-        c_ptrs = c_ptr + rn[:, None].to(tl.int64) * stride_c + rh[None, :]
+        c_ptrs = c_ptr + _code_offsets(rn, rh, stride_c, HALF, TILED)
         x_row = x_ptr + row * stride_xm + rh
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
         acc = tl.zeros((BN,), dtype=tl.float32)
         ones = tl.full((1,), 1, tl.int1)
         codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_row[:, None], b_start, N,
-                                          rn, n_mask, ones, SUB, G)
+                                          rn, n_mask, ones, SUB, G, TILED)
         for b in range(b_start, b_end):  # prefetch one block ahead, as in _w4_kernel
             nxt = tl.minimum(b + 1, b_end - 1)
             codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_row[:, None], nxt, N,
-                                                   rn, n_mask, ones, SUB, G)
+                                                   rn, n_mask, ones, SUB, G, TILED)
             q = codes.to(tl.int32)
             # 0x4B000000 | q is the fp32 of 2**23 + q: exact, and no int->float conversion.
             ql = ((q & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -390,8 +422,8 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     n = w.out_features
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, weight has {w.in_features}")
-    p = packed(w, x.dtype)
     cfg = config or pick_config(m, n, k, w.group_size)
+    p = packed(w, x.dtype, cfg.tiled)
     x = x.contiguous()
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
@@ -405,7 +437,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
         grid = (triton.cdiv(n, cfg.block_n), split, m)
         _w4_gemv_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k // 2, x.stride(0),
                               y.stride(0), per, n_blocks, SUB=p.sub, G=w.group_size,
-                              BN=cfg.block_n, ATOMIC=atomic,
+                              BN=cfg.block_n, ATOMIC=atomic, TILED=cfg.tiled,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
@@ -413,7 +445,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, DIST=cfg.prefetch,
-                     L2_MODE=0 if interp else cfg.l2_mode, l2_dist=cfg.l2_dist,
+                     L2_MODE=0 if interp else cfg.l2_mode, l2_dist=cfg.l2_dist, TILED=cfg.tiled,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
