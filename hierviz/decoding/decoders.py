@@ -5,6 +5,7 @@ prefill round that produces the first token.
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,10 +32,16 @@ class Models:
 
 
 class StageTimer:
-    """Wall time per stage in ms; synchronises CUDA around each stage so times are real."""
+    """Wall time per stage in ms; synchronises CUDA around each stage so times are real.
+
+    `StageTimer.sync = False` (or HIERVIZ_TIMING_SYNC=0) turns the syncs off for benchmarks:
+    a round then syncs only where the algorithm reads a decision back, and stage times
+    become host dispatch times."""
+
+    sync = os.environ.get("HIERVIZ_TIMING_SYNC", "1") != "0"
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda" and StageTimer.sync
         self.ms: dict[str, float] = {}
         self.t0 = self._now()
 
@@ -95,7 +102,7 @@ def _verify_tree_on(state: BaseState, tree: Tree, sampler: Sampler):
     Returns (path, bonus, per-emitted-token distributions or None)."""
     start = state.processed
     p = len(state.pending)
-    h = state.run_pending(tree.tokens, tree.depths, tree.ancestor_mask(state.model.device))
+    h = state.run_pending(tree.tokens, tree.depths, tree.ancestor_mask())   # CPU mask: run_pending places it
     logits = state.model.logits(h[p - 1:])
     if sampler.greedy:
         path, bonus = verify_tree_greedy(tree, logits)

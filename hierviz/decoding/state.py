@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from hierviz.models import cuda_graphs
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import KVCache, Transformer, block_mask, causal_mask
 
@@ -20,7 +21,10 @@ from hierviz.models.llama import KVCache, Transformer, block_mask, causal_mask
 class BaseState:
     def __init__(self, model: Transformer, max_len: int) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(max_len)
+        # On CUDA a static-shape runner (CUDA graphs) owns the KV cache; forwards it cannot
+        # take (long prefills) fall back to the dynamic path on the same cache.
+        self.runner = cuda_graphs.lease(model, max_len, self)
+        self.cache: KVCache = self.runner.cache if self.runner is not None else model.new_cache(max_len)
         self.tokens: list[int] = []
         self.features = torch.zeros(max_len, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         self.forwards = 0
@@ -50,6 +54,11 @@ class BaseState:
         s = len(extra)
         start = self.cache.length
         dev = self.model.device
+        if self.runner is not None:
+            hidden = self._run_static(pending + extra, start, p, extra_depths, extra_block)
+            if hidden is not None:
+                self.forwards += 1
+                return hidden
         positions = torch.arange(start, start + p + s, device=dev)
         if extra_depths is not None:
             positions[p:] = start + p - 1 + torch.tensor(extra_depths, device=dev)
@@ -64,6 +73,19 @@ class BaseState:
         hidden = self.model(self._tensor(pending + extra), positions, self.cache, mask)
         self.forwards += 1
         return hidden
+
+    def _run_static(self, ids: list[int], start: int, p: int, extra_depths: Optional[list[int]],
+                    extra_block: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """run_pending through the static runner: the same positions and mask, built on the host."""
+        n = len(ids)
+        if extra_depths is not None:
+            positions = list(range(start, start + p)) + [start + p - 1 + d for d in extra_depths]
+        else:
+            positions = list(range(start, start + n))
+        block = torch.ones(n, n, dtype=torch.bool).tril()
+        if extra_block is not None:
+            block[p:, p:] = extra_block.cpu()
+        return self.runner.run(ids, positions, start, start, block)
 
     def commit_path(self, start: int, hidden: torch.Tensor, kept: list[int], new_tokens: list[int]) -> None:
         """After run_pending from cache length `start`: keep forward rows `kept` (ascending,
@@ -100,9 +122,29 @@ class HeadState:
     def __init__(self, head: EagleHead, base: BaseState, max_len: int) -> None:
         self.head = head
         self.base = base
-        self.cache: KVCache = head.new_cache(max_len)
+        self.runner = cuda_graphs.lease(head, max_len, self, window_extra=cuda_graphs.HEAD_WINDOW)
+        self.cache: KVCache = self.runner.cache if self.runner is not None else head.new_cache(max_len)
         self.last_hidden: Optional[torch.Tensor] = None
         self.forwards = 0
+
+    def forward(self, tokens: list[int], features: torch.Tensor, positions: list[int],
+                mask: Optional[torch.Tensor] = None, visible_upto: Optional[int] = None) -> torch.Tensor:
+        """One head forward appending len(tokens) pairs to the cache. mask: bool [T, cache.length + T]
+        on the CPU (None = causal); its columns before `visible_upto` must all be True (the static
+        path treats them so). Returns the predicted features [T, H]."""
+        start = self.cache.length
+        t = len(tokens)
+        self.forwards += 1
+        if self.runner is not None:
+            wstart = start if visible_upto is None else visible_upto
+            window = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask[:, wstart:]
+            out = self.runner.run(tokens, positions, start, wstart, window, features)
+            if out is not None:
+                return out
+        dev = self.head.device
+        return self.head(torch.tensor(tokens, dtype=torch.long, device=dev), features,
+                         torch.tensor(positions, dtype=torch.long, device=dev), self.cache,
+                         None if mask is None else mask.to(dev))
 
     def rollback(self, n_tokens: int) -> None:
         """Pair t stays valid while token t+1 is still accepted."""
@@ -121,10 +163,7 @@ class HeadState:
         start = self.cache.length
         stop = n_tok - 1                     # pairs t = start .. n_tok-2
         if stop > start:
-            dev = self.head.device
-            toks = torch.tensor(base.tokens[start + 1:stop + 1], dtype=torch.long, device=dev)
-            out = self.head(toks, base.features[start:stop], torch.arange(start, stop, device=dev), self.cache)
-            self.forwards += 1
+            out = self.forward(base.tokens[start + 1:stop + 1], base.features[start:stop], list(range(start, stop)))
             self.last_hidden = out[-1]
         if self.last_hidden is None:
             raise RuntimeError("EAGLE head has no pair for the root; the prompt must have at least one token")

@@ -105,10 +105,9 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
                 mask[j, committed + slot[a]] = True
                 a = par[a]
         parent_hidden = torch.stack([hid_of[par[c]] for c in frontier])
-        toks = torch.tensor([tok[c] for c in frontier], dtype=torch.long, device=dev)
-        pos = torch.full((n,), root_pos - 1 + (d - 1), dtype=torch.long, device=dev)
-        out = head.head(toks, parent_hidden, pos, head.cache, mask.to(dev))
-        head.forwards += 1
+        # HeadState.forward takes the static (CUDA-graph) path on a GPU; columns before
+        # `committed` are all visible, which is what that path needs to know
+        out = head.forward([tok[c] for c in frontier], parent_hidden, [root_pos - 1 + (d - 1)] * n, mask, committed)
         for j, c in enumerate(frontier):
             hid_of[c] = out[j]
         parent_scores = torch.tensor([score[c] for c in frontier], device=dev)

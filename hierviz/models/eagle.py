@@ -52,18 +52,20 @@ class EagleHead(nn.Module):
         return KVCache(1, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor] = None,
+                slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [T] (token_{t+1}), features [T, H] (feature_t), positions [T] (= t).
         Returns the predicted next features [T, H]. Without a cache, inputs may be batched
         ([B, T], [B, T, H]) and attention is causal (training)."""
         emb = (self.embed if self.embed is not None else self.base.embed)[tokens]
         x = self.fc(torch.cat((emb, features.to(emb.dtype)), -1))
         t = x.shape[-2]
-        if cache is not None and cache.length + t > cache.max_len:
+        if cache is not None and slots is None and cache.length + t > cache.max_len:
             raise ValueError(f"EAGLE KV cache full: {cache.length} + {t} > {cache.max_len}")
         cos, sin = self.base.rope(positions) if _same_rope(self.cfg, self.base.cfg) else _rope(self.cfg, positions, self.dtype)
-        x = self.layer(x, cos, sin, 0, cache, attn_mask)
-        if cache is not None:
+        # slots: static-shape mode (hierviz.models.cuda_graphs); the caller sets cache.length
+        x = self.layer(x, cos, sin, 0, cache, attn_mask, slots)
+        if cache is not None and slots is None:
             cache.length += t
         return x
 
@@ -90,9 +92,16 @@ def _same_rope(a: ModelConfig, b: ModelConfig) -> bool:
     return a.rope_theta == b.rope_theta and a.rope_scaling == b.rope_scaling and a.head_dim == b.head_dim
 
 
+_INV_FREQ: dict = {}
+
+
 def _rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
     from hierviz.models.config import rope_frequencies
-    inv = rope_frequencies(cfg).to(positions.device)
+    # cached per device: a host-to-device copy inside a CUDA-graph capture is not allowed
+    key = (cfg.rope_theta, cfg.head_dim, repr(cfg.rope_scaling), str(positions.device))
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        inv = _INV_FREQ[key] = rope_frequencies(cfg).to(positions.device)
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat((freqs, freqs), -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

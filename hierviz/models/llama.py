@@ -144,7 +144,8 @@ class DecoderLayer(nn.Module):
         self.down = Linear([get(f"{mlp}.down_proj.weight")], [None], w4_kernel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor],
+                slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         cfg = self.cfg
         lead, t = x.shape[:-2], x.shape[-2]      # lead = () when decoding, (B,) for batched training
         h = x if self.input_norm is None else self.input_norm(x)
@@ -152,7 +153,15 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(*lead, t, cfg.num_heads, cfg.head_dim).transpose(-3, -2), cos, sin)
         k = apply_rope(k.view(*lead, t, cfg.num_kv_heads, cfg.head_dim).transpose(-3, -2), cos, sin)
         v = v.view(*lead, t, cfg.num_kv_heads, cfg.head_dim).transpose(-3, -2)
-        if cache is not None:
+        if cache is not None and slots is not None:
+            # Static-shape path (hierviz.models.cuda_graphs): scatter the new keys/values at
+            # cache slots given as a tensor and attend over the whole preallocated cache; the
+            # caller's attn_mask [T, max_len] hides unused slots. No Python ints depend on the
+            # cache length, so the forward can be captured once in a CUDA graph and replayed.
+            cache.k[layer].index_copy_(1, slots, k)
+            cache.v[layer].index_copy_(1, slots, v)
+            k, v = cache.k[layer], cache.v[layer]
+        elif cache is not None:
             start = cache.length
             cache.k[layer, :, start:start + t] = k
             cache.v[layer, :, start:start + t] = v
@@ -216,21 +225,24 @@ class Transformer(nn.Module):
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache] = None,
-                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens, positions [T]; attn_mask [T, cache.length + T] bool or None (causal).
         Appends T entries to the cache. Returns hidden states [T, H] after the final norm.
-        Without a cache, tokens may be batched [B, T] (training)."""
-        return self.run_layers(self.embed[tokens], positions, cache, attn_mask)
+        Without a cache, tokens may be batched [B, T] (training).
+        With `slots` [T] (static-shape mode, see hierviz.models.cuda_graphs) the entries go to
+        those cache slots instead, attn_mask is [T, cache.max_len] and cache.length is left
+        for the caller to set."""
+        return self.run_layers(self.embed[tokens], positions, cache, attn_mask, slots)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache],
-                   attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                   attn_mask: Optional[torch.Tensor], slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         t = x.shape[-2]
-        if cache is not None and cache.length + t > cache.max_len:
+        if cache is not None and slots is None and cache.length + t > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length} + {t} tokens > {cache.max_len}")
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, cache, attn_mask)
-        if cache is not None:
+            x = layer(x, cos, sin, i, cache, attn_mask, slots)
+        if cache is not None and slots is None:
             cache.length += t
         return self.norm(x)
 

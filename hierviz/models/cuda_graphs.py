@@ -1,0 +1,230 @@
+"""Static-shape forwards, replayed from CUDA graphs on a GPU (the engine's fast path).
+
+A batch-1 forward of a small model is launch-bound: SmolLM2-135M runs ~450 kernels per
+token, and Python dispatch costs more than the GPU work. A CUDA graph replays all of them
+with one launch, but only if every forward of a given size has the same shapes and reads
+and writes the same addresses. So the static path:
+
+  * pads the T new tokens up to a bucket (BUCKETS) and keeps one graph per bucket;
+  * writes the new keys/values with `index_copy_` at slots start + arange(bucket) (a tensor,
+    not a Python slice), so the cache length is data, not shape; padded rows land in scratch
+    slots past the live region, which the next forward overwrites or the mask hides;
+  * attends over the whole preallocated cache with a [bucket, max_len] boolean mask built
+    *inside* the graph from two scalars and a small window:
+        column c visible  <=>  c < wstart  or  window[row, c - wstart]
+    (wstart = start for the base models, where window = causal/tree block; an EAGLE head
+    drafting a tree sets wstart = the committed pairs and the window covers the tree nodes
+    of earlier depths, of which each row sees only its ancestors);
+  * copies the few input numbers (tokens, positions, start, wstart, window) host-to-device
+    from pinned staging buffers, without a host sync.
+
+The same code runs without graphs on the CPU when forced (`force_static(True)`), which is how
+CI checks that it computes what the dynamic path computes. Forwards larger than the largest
+bucket (a long prompt's prefill) and windows too wide for a bucket return None and the
+caller uses the dynamic path on the same cache.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+HEAD_WINDOW = 128        # extra window columns for an EAGLE head's tree-drafting masks
+LEN_ROUND = 256          # live cache lengths are rounded up, so runs of similar length share graphs
+
+_force = False
+_lock = threading.Lock()
+
+
+def force_static(on: bool) -> None:
+    """Use the static-shape path on any device (without graphs off CUDA): for tests."""
+    global _force
+    _force = on
+
+
+def static_enabled(device: torch.device) -> bool:
+    """Static path on CUDA unless HIERVIZ_STATIC=0; elsewhere only when forced."""
+    if _force:
+        return True
+    return device.type == "cuda" and os.environ.get("HIERVIZ_STATIC", "1") != "0"
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    """CUDA graphs on top of the static path (HIERVIZ_CUDA_GRAPHS=0 runs it eagerly, for debugging)."""
+    return device.type == "cuda" and os.environ.get("HIERVIZ_CUDA_GRAPHS", "1") != "0"
+
+
+def bucket_for(t: int) -> Optional[int]:
+    for b in BUCKETS:
+        if t <= b:
+            return b
+    return None
+
+
+@dataclass
+class _Bucket:
+    ints_dev: torch.Tensor       # [2b + 2] int64: tokens | positions | start | wstart
+    ints_host: torch.Tensor
+    win_dev: torch.Tensor        # [b, b + window_extra] bool
+    win_host: torch.Tensor
+    copied: Optional[torch.cuda.Event]
+    graph: Optional["torch.cuda.CUDAGraph"] = None
+    out: Optional[torch.Tensor] = None
+
+
+class StaticRunner:
+    """Static-shape forwards of one model (a Transformer or an EagleHead) over one KV cache it
+    owns. Leased to one decoding state at a time (see `lease`)."""
+
+    def __init__(self, model, live_len: int, window_extra: int, graphs: bool) -> None:
+        self.model = model
+        self.is_head = not hasattr(model, "layers")          # EagleHead takes features too
+        self.live_len = live_len
+        self.window_extra = window_extra
+        self.graphs = graphs
+        self.device = model.device
+        total = live_len + BUCKETS[-1] + window_extra         # scratch past the live region
+        self.cache = model.new_cache(total)
+        self.cols = torch.arange(total, device=self.device)
+        self.ar = torch.arange(BUCKETS[-1] + window_extra, device=self.device)
+        self.feat = (torch.zeros(BUCKETS[-1], model.cfg.hidden_size, dtype=model.dtype, device=self.device)
+                     if self.is_head else None)
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.in_use = False
+
+    # ---- buffers and the captured function -----------------------------------------------
+
+    def _bucket(self, b: int) -> _Bucket:
+        bk = self._buckets.get(b)
+        if bk is None:
+            pin = self.device.type == "cuda"
+            w = b + self.window_extra
+            bk = _Bucket(torch.zeros(2 * b + 2, dtype=torch.long, device=self.device),
+                         torch.zeros(2 * b + 2, dtype=torch.long, pin_memory=pin),
+                         torch.zeros(b, w, dtype=torch.bool, device=self.device),
+                         torch.zeros(b, w, dtype=torch.bool, pin_memory=pin),
+                         torch.cuda.Event() if pin else None)
+            self._buckets[b] = bk
+        return bk
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The static forward for bucket b: reads only the bucket's device buffers."""
+        bk = self._buckets[b]
+        ints = bk.ints_dev
+        tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
+        slots = start + self.ar[:b]
+        mask = (self.cols < wstart).unsqueeze(0).expand(b, -1).clone()
+        mask.index_copy_(1, wstart + self.ar[:bk.win_dev.shape[1]], bk.win_dev)
+        if self.is_head:
+            return self.model(tok, self.feat[:b], pos, self.cache, mask, slots)
+        return self.model(tok, pos, self.cache, mask, slots)
+
+    def _upload(self, bk: _Bucket) -> None:
+        if bk.copied is not None:
+            bk.ints_dev.copy_(bk.ints_host, non_blocking=True)
+            bk.win_dev.copy_(bk.win_host, non_blocking=True)
+            bk.copied.record()
+        else:
+            bk.ints_dev.copy_(bk.ints_host)
+            bk.win_dev.copy_(bk.win_host)
+
+    def _capture(self, b: int) -> None:
+        """Warm up (compiles kernels, builds the W4 kernels' weight layouts), then capture.
+        The warm-up runs write only scratch slots: start = wstart = live_len."""
+        bk = self._buckets[b]
+        if bk.copied is not None:
+            bk.copied.synchronize()
+        bk.ints_host.zero_()
+        bk.ints_host[2 * b] = bk.ints_host[2 * b + 1] = self.live_len
+        bk.win_host.zero_()
+        self._upload(bk)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bk.out = self._forward(b)
+        bk.graph = graph
+
+    # ---- the one entry point ----------------------------------------------------------------
+
+    def run(self, tokens: Sequence[int], positions: Sequence[int], start: int, wstart: int,
+            window: torch.Tensor, features: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Forward T new tokens written at cache slots start..start+T-1.
+
+        window: bool [T, start + T - wstart] on the CPU: which of the columns wstart.. each new
+        token sees (columns < wstart are all visible). features [T, H] for an EAGLE head.
+        Returns hidden states [T, H] (a fresh tensor), or None when this forward does not fit
+        a bucket (the caller then takes the dynamic path). Sets cache.length = start + T."""
+        t = len(tokens)
+        w = start + t - wstart
+        b = bucket_for(t)
+        if b is None or w > b + self.window_extra or wstart > start or start + t > self.live_len:
+            return None
+        with torch.no_grad():
+            bk = self._bucket(b)
+            if bk.copied is not None:
+                bk.copied.synchronize()    # the previous upload from these pinned buffers is done
+            ih = bk.ints_host
+            ih.zero_()
+            ih[:t] = torch.as_tensor(list(tokens), dtype=torch.long)
+            ih[b:b + t] = torch.as_tensor(list(positions), dtype=torch.long)
+            ih[2 * b] = start
+            ih[2 * b + 1] = wstart
+            wh = bk.win_host
+            wh.zero_()
+            wh[:t, :w] = window
+            for r in range(t, b):          # padded rows see only their own (scratch) slot: no empty rows
+                wh[r, start - wstart + r] = True
+            self._upload(bk)
+            if features is not None:
+                self.feat[:t].copy_(features)
+            if self.graphs:
+                if bk.graph is None:
+                    self._capture(b)
+                bk.graph.replay()
+                out = bk.out
+            else:
+                out = self._forward(b)
+            self.cache.length = start + t
+            return out[:t].clone()     # the static output is overwritten by the next replay
+
+
+def lease(model, max_len: int, owner: object, window_extra: int = 0) -> Optional[StaticRunner]:
+    """A runner (and its KV cache) for `owner` (a decoding state) while it lives, or None when
+    the static path is off for this device. Runners are pooled on the model and reused by
+    later states, so graphs are captured once per model, length class and bucket."""
+    if not static_enabled(model.device):
+        return None
+    live = -(-max_len // LEN_ROUND) * LEN_ROUND
+    with _lock:
+        pool: list[StaticRunner] = model.__dict__.setdefault("_static_runners", [])
+        runner = next((r for r in pool if not r.in_use and r.live_len == live and r.window_extra == window_extra),
+                      None)
+        if runner is None:
+            runner = StaticRunner(model, live, window_extra, graphs_enabled(model.device))
+            pool.append(runner)
+        runner.in_use = True
+    runner.cache.length = 0
+    weakref.finalize(owner, _release, runner)
+    return runner
+
+
+def _release(runner: StaticRunner) -> None:
+    with _lock:
+        runner.in_use = False
+
+
+def drop_runners(model) -> None:
+    """Free a model's pooled runners (their caches and graphs)."""
+    with _lock:
+        model.__dict__.pop("_static_runners", None)

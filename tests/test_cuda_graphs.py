@@ -1,0 +1,132 @@
+"""The static-shape path (hierviz.models.cuda_graphs) computes what the dynamic path computes.
+
+On a GPU that path is replayed from CUDA graphs; here it runs eagerly on the CPU (forced), so
+CI checks its padding, slot writes, in-graph masks and head windows."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hierviz.decoding.settings import DecodeSettings
+from hierviz.decoding.state import BaseState, HeadState
+from hierviz.decoding.tree import draft_tree
+from hierviz.engine import generate, output_tokens
+from hierviz.models import cuda_graphs
+from hierviz.stack import tiny_random_stack
+
+
+@pytest.fixture(scope="module")
+def stack():
+    torch.set_num_threads(1)
+    return tiny_random_stack()
+
+
+@pytest.fixture
+def static():
+    cuda_graphs.force_static(True)
+    yield
+    cuda_graphs.force_static(False)
+
+
+def _states(model, static_on: bool) -> BaseState:
+    cuda_graphs.force_static(static_on)
+    try:
+        return BaseState(model, 200)
+    finally:
+        cuda_graphs.force_static(False)
+
+
+def test_bucket_for() -> None:
+    assert cuda_graphs.bucket_for(1) == 1
+    assert cuda_graphs.bucket_for(3) == 4
+    assert cuda_graphs.bucket_for(97) == 128
+    assert cuda_graphs.bucket_for(129) is None
+
+
+def test_static_forward_matches_dynamic(stack) -> None:
+    """Prefill, a causal sequence and a tree: same hidden states, same cache contents."""
+    t = stack.models.target
+    dyn, sta = _states(t, False), _states(t, True)
+    assert dyn.runner is None and sta.runner is not None
+    prompt = list(range(10, 40))
+    depths = [1, 1, 2, 2, 3]
+    anc = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 1, 0, 1]],
+                       dtype=torch.bool)
+    with torch.no_grad():
+        for st in (dyn, sta):
+            st.tokens = list(prompt)
+        for steps in range(3):
+            outs = []
+            for st in (dyn, sta):
+                start = st.processed
+                if steps == 0:
+                    h = st.run_pending()
+                elif steps == 1:
+                    h = st.run_pending([5, 6, 7])
+                else:
+                    h = st.run_pending([11, 12, 13, 14, 15], depths, anc)
+                outs.append(h)
+                st.commit_prefix(start, h, h.shape[0] - (0 if steps == 0 else 2), [41 + steps])
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+            la, lb = t.logits(outs[0]), t.logits(outs[1])
+            torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+        n = dyn.cache.length
+        assert sta.cache.length == n
+        torch.testing.assert_close(sta.cache.k[:, :, :n], dyn.cache.k[:, :, :n])
+
+
+def test_static_head_tree_matches_dynamic(stack) -> None:
+    """EAGLE-2 drafting through the head's static window path builds the same tree."""
+    m, e = stack.models.intermediate, stack.models.e_m
+    trees = []
+    for static_on in (False, True):
+        cuda_graphs.force_static(static_on)
+        try:
+            base = BaseState(m, 200)
+            head = HeadState(e, base, 200)
+        finally:
+            cuda_graphs.force_static(False)
+        assert (head.runner is not None) == static_on
+        with torch.no_grad():
+            base.tokens = list(range(50, 70))
+            base.catch_up()
+            trees.append(draft_tree(head, 4, 5, 16))
+    a, b = trees
+    assert a.tokens == b.tokens and a.parents == b.parents
+    assert a.scores == pytest.approx(b.scores, abs=1e-4)
+
+
+def test_runner_falls_back_for_long_forwards(stack, static) -> None:
+    st = BaseState(stack.models.target, 400)
+    st.tokens = list(range(3, 3 + 150))          # > largest bucket: dynamic path on the runner's cache
+    with torch.no_grad():
+        h = st.run_pending()
+    assert h.shape[0] == 150 and st.cache.length == 150
+
+
+@pytest.mark.parametrize("method", ["ar", "spec", "eagle2", "hierspec"])
+def test_decoders_static_equal_dynamic_ar(stack, method) -> None:
+    s = DecodeSettings(max_new_tokens=24, m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4,
+                       t_tree_size=12, min_draft_len=4, spec_k=3)
+    want = output_tokens(generate(stack, "ar", "Static shapes", s))
+    cuda_graphs.force_static(True)
+    try:
+        got = output_tokens(generate(stack, method, "Static shapes", s))
+    finally:
+        cuda_graphs.force_static(False)
+    assert got == want
+
+
+def test_runners_are_pooled(stack, static) -> None:
+    t = stack.models.target
+    a = BaseState(t, 100)
+    r = a.runner
+    del a
+    b = BaseState(t, 120)            # same length class: the released runner comes back
+    assert b.runner is r
+    c = BaseState(t, 100)            # b still holds it: a second runner
+    assert c.runner is not r
