@@ -73,6 +73,8 @@ def page(app_url):
         pg.set_default_timeout(60_000)
         pg.goto(app_url)
         pg.wait_for_selector("#hv-tree .js-plotly-plot")
+        # the page opens on a recorded trace (demo.load); wait for it so clicks act on a loaded session
+        pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('recorded trace')")
         yield pg
         browser.close()
 
@@ -135,7 +137,7 @@ def test_malformed_trace_upload_shows_an_error(page, tmp_path):
 def test_replay_and_switch_run(page):
     pg = page
     pg.click("#hv-play")
-    pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Replaying HierSpec: step 2')",
+    pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Replaying HierSpec: step')",
                          timeout=30_000)
     pg.click("text=■ Stop replay")
     pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Replay stopped')",
