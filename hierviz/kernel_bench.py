@@ -2,6 +2,7 @@
 
     python -m hierviz.kernel_bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
     python -m hierviz.kernel_bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
+    (KERNEL_BENCH_THREADS=N sets torch's CPU threads for the --cpu run)
 
 On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
 group 128, synthetic codes), every M in --ms, all three kernels side by side in one process,
@@ -98,23 +99,22 @@ def tinygemm_pack(w: W4Weight, swap_nibbles: bool) -> tuple[torch.Tensor, torch.
 # ---- Triton tuning candidates ---------------------------------------------------------------
 
 def tune_candidates(m: int):
+    """The launch configurations --tune times at M (see docs/kernels.md)."""
     from hierviz.quant.triton_w4 import Config
 
     out = []
     if m <= 16:
-        for bn in (64, 128):
-            for pf in (0, 1):
-                for split in (4, 8):
-                    out.append(Config(bn, 16, split, 4, 1, prefetch=pf))
-        out.append(Config(64, 16, 8, 4, 1, prefetch=1, tiled=False))  # the previous winner
+        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (128, 4, 6),
+                                  (256, 8, 3), (256, 8, 4)]:
+            for split in (1, 2, 4, 8):
+                out.append(Config(bn, 16, split, warps, stages))
+        out.append(Config(128, 16, 2, 4, 4, use_asm=False))
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
-        out.append(Config(128, bm, 1, 8, 1, prefetch=1))
-        out.append(Config(64, bm, 1, 4, 1, prefetch=1))
-        out.append(Config(128 if m <= 64 else 64, bm, 1, 8 if m <= 64 else 4, 1, prefetch=1,
-                          tiled=False))  # the previous winners
-        if m <= 32:
-            out.append(Config(64, bm, 2, 4, 1, prefetch=1))
+        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)]:
+            for split in ((1, 2) if m <= 64 else (1,)):
+                out.append(Config(bn, bm, split, warps, stages))
+        out.append(Config(128, bm, 1, 4, 3, use_asm=False))
     return out
 
 
@@ -261,6 +261,8 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
     from hierviz.quant.int4pack_cpu import int4pack_cpu_matmul
 
     torch.manual_seed(0)
+    if os.environ.get("KERNEL_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["KERNEL_BENCH_THREADS"]))
     w = quantize_rtn(torch.randn(n, k), g)
     dense = dequantize(w, torch.float32)
     rows = []
@@ -274,7 +276,9 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
                "reference_us": _cpu_time_us(lambda: x @ dequantize(w, torch.float32).t())}
         rows.append(row)
         print("cpu", row, flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     info = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "load_average_1min": load,
             "torch": torch.__version__, "shape": {"K": k, "N": n, "G": g}, "timing": "wall-clock median"}
     return {"info": info, "rows": rows}
 

@@ -1,24 +1,26 @@
 """W4A16 Triton kernel "triton": y = x @ W.T for the W4 format of hierviz.quant.w4.
 
-One kernel body, two ways of running it, picked by M (the number of tokens):
+One kernel body, two ways of running it, picked by M (the number of tokens; see TUNED):
   * small M (<= 16): "GEMV-like". The product is computed transposed, acc[n, m] = W @ x.T, so
-    the big weight tile is the MMA's M side (64..256 rows) and the few tokens are its N side
-    (16, the smallest tile). Split-K spreads one output tile over several programs (atomic
-    adds into a zeroed output) so the ~200 column blocks of a large layer fill 132 SMs.
-  * large M: the same transposed tile with 32..128 tokens per tile, no split-K.
-Both are limited by reading the 4-bit weights once, plus the ALU work of unpacking them; on a
-GPU the unpack is a few PTX instructions per 8 values (the fp16/bf16 "magic number" trick:
-OR a nibble into the mantissa of 1024.0 (fp16) or 128.0 (bf16) and subtract), done by
-inline assembly. The Triton interpreter (TRITON_INTERPRET=1) cannot run inline assembly, so
-the same trick written in plain Triton ops is the other variant; the tests run that one.
+    the big weight tile is the MMA's M side (128 rows) and the few tokens are its N side (16,
+    the smallest tile). Split-K (4 programs per output tile, atomic adds into a zeroed output)
+    makes 224 x 4 programs for a 28672-row layer, enough to fill 132 SMs.
+  * larger M: the same transposed tile with 32..128 tokens per tile, split-K 2 or none.
+The unpack on a GPU is inline PTX, 14 instructions per 8 values: prmt/lop3 put a nibble into
+the mantissa of 1024.0 (fp16) or 128.0 (bf16), one packed subtract or FMA removes the bias,
+one packed FMA applies scale and offset; no int->float conversions. The Triton interpreter
+(TRITON_INTERPRET=1) cannot run inline assembly, so under it the same trick written in plain
+Triton ops runs instead; the tests run that one, the GPU benchmark checks both.
 
-Kernel-specific layout, built once per W4Weight and cached on it (`_triton_w4_cache`):
+Kernel-specific layout, built once per W4Weight and activation dtype, cached on it
+(`_triton_w4_cache`; the W4Weight fields keep their meaning):
   codes  uint8 [N, K/2]: within each block of SUB input channels (SUB = group size, or 128
          for groups larger than 256), byte j holds channel j (low nibble) and channel
          j + SUB/2 (high nibble). Then the low nibbles of a tile multiply one contiguous half
          of x and the high nibbles the other half: no interleaving in registers.
   scales, offsets  [K/G, N] in the activation dtype (transposed: one contiguous row of N per
          group, so a program's per-group loads are coalesced).
+Measured figures, what limits them, and the variants that measured slower: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -56,19 +58,15 @@ class Config:
     num_warps: int
     num_stages: int
     use_asm: bool = True   # inline-PTX unpack; ignored (False) under the interpreter
-    gemv: bool = False     # CUDA-core kernel, one token per program (block_m unused)
-    prefetch: int = 1      # K blocks held in registers ahead of the one multiplied (0, 1, 2)
-    l2_mode: int = 0       # 0: none; 1: cp.async.bulk.prefetch.L2 per row; 2: prefetch.global.L2
-    l2_dist: int = 2       # how many K blocks ahead the L2 prefetch runs
-    tiled: bool = True     # tile-major codes (tile_codes) instead of row-major
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
-# see docs/kernels.md. Keyed by the largest M each entry serves.
+# see docs/kernels.md. Keyed by the largest M each entry serves: the first is the small-M
+# (GEMV-like, split-K) path, the others the tiled path.
 TUNED: dict[int, Config] = {
-    16: Config(block_n=128, block_m=16, split_k=2, num_warps=4, num_stages=4),
-    32: Config(block_n=128, block_m=32, split_k=1, num_warps=4, num_stages=4),
-    64: Config(block_n=128, block_m=64, split_k=1, num_warps=4, num_stages=3),
+    16: Config(block_n=128, block_m=16, split_k=4, num_warps=8, num_stages=4),
+    32: Config(block_n=64, block_m=32, split_k=2, num_warps=4, num_stages=4),
+    64: Config(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=3),
     1 << 30: Config(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3),
 }
 
@@ -86,7 +84,7 @@ def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     split = max(1, min(cfg.split_k, n_kblocks))
     if split != cfg.split_k:
         cfg = Config(cfg.block_n, cfg.block_m, split, cfg.num_warps, cfg.num_stages,
-                     cfg.use_asm, cfg.gemv, cfg.prefetch, cfg.l2_mode, cfg.l2_dist, cfg.tiled)
+                     cfg.use_asm)
     return cfg
 
 
@@ -114,25 +112,6 @@ def repack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
     return (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
 
 
-TILE_ROWS = 64  # rows per tile of the tiled layout
-
-
-def tile_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
-    """Row-major repacked codes [N, K/2] -> tile-major: for each 64-row block, K block by K
-    block, a contiguous [64, sub/2] tile (N padded to a multiple of 64 with zero rows).
-
-    A program's load of one K block is then one contiguous 4 KB stretch instead of 64 pieces
-    of sub/2 bytes, K/2 bytes apart: the DRAM reads of concurrently running programs stay
-    within pages."""
-    n, kh = codes.shape
-    half = sub // 2
-    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
-    if n_pad != n:
-        codes = torch.cat([codes, codes.new_zeros(n_pad - n, kh)])
-    t = codes.view(n_pad // TILE_ROWS, TILE_ROWS, kh // half, half).permute(0, 2, 1, 3)
-    return t.contiguous().view(n_pad, kh)
-
-
 @dataclass
 class Packed:
     codes: torch.Tensor
@@ -141,18 +120,16 @@ class Packed:
     sub: int
 
 
-def packed(w: W4Weight, dtype: torch.dtype, tiled: bool = True) -> Packed:
+def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
     """The kernel's layout of w for activations of `dtype` (built once, cached on w)."""
     cache = w.__dict__.setdefault(_CACHE_ATTR, {})
-    key = (dtype, w.codes.device, tiled)
+    key = (dtype, w.codes.device)
     hit = cache.get(key)
     if hit is None:
         sub = _sub_block(w.group_size)
-        ckey = "codes_tiled" if tiled else "codes"
-        codes = cache.get(ckey)
+        codes = cache.get("codes")
         if codes is None or codes.device != w.codes.device:
-            codes = repack_codes(w.codes, sub)
-            codes = cache[ckey] = tile_codes(codes, sub) if tiled else codes
+            codes = cache["codes"] = repack_codes(w.codes, sub)
         hit = cache[key] = Packed(codes, w.scales.t().to(dtype).contiguous(),
                                   w.offsets.t().to(dtype).contiguous(), sub)
     return hit
@@ -244,52 +221,10 @@ if HAVE_TRITON:
         return lo.to(dt), hi.to(dt)
 
     @triton.jit
-    def _code_offsets(rn, rh, stride_c, HALF: tl.constexpr, TILED: tl.constexpr):
-        """Byte offsets of K block 0 for rows rn, bytes rh (row-major or tile-major codes)."""
-        if TILED:
-            return ((rn[:, None] // 64).to(tl.int64) * (stride_c * 64)
-                    + (rn[:, None] % 64) * HALF + rh[None, :])
-        else:
-            return rn[:, None].to(tl.int64) * stride_c + rh[None, :]
-
-    @triton.jit
-    def _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b, N, rn, n_mask, m_mask,
-                    SUB: tl.constexpr, G: tl.constexpr, TILED: tl.constexpr):
-        """Codes, scales, offsets and the two x halves of K block b (SUB input channels)."""
-        HALF: tl.constexpr = SUB // 2
-        BSTRIDE: tl.constexpr = HALF * 64 if TILED else HALF  # bytes between K blocks
-        codes = tl.load(c_ptrs + b * BSTRIDE, mask=n_mask[:, None], other=0)
-        g = (b * SUB) // G
-        s = tl.load(s_ptr + g * N + rn, mask=n_mask, other=0.0)
-        o = tl.load(o_ptr + g * N + rn, mask=n_mask, other=0.0)
-        xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
-        xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
-        return codes, s, o, xl, xh
-
-    # M and the split sizes change with every call shape; specializing on them (M == 1,
-    # divisibility by 16) would compile the same kernel several times over.
-    @triton.jit
-    def _prefetch_rows(row_ptrs, MODE: tl.constexpr, NBYTES: tl.constexpr):
-        """Ask L2 for NBYTES at each row pointer (Hopper bulk prefetch, or per 32-byte sector)."""
-        if MODE == 1:
-            nbytes = tl.full(row_ptrs.shape, NBYTES, tl.int32)
-            tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-                "=r,l,r", [row_ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-        elif MODE == 2:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-                "=r,l", [row_ptrs], dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1+32]; mov.u32 $0, 0;",
-                "=r,l", [row_ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit(do_not_specialize=["M", "blocks_per_split", "n_blocks", "l2_dist"])
     def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
-                   M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
+                   M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
-                   DIST: tl.constexpr, L2_MODE: tl.constexpr, l2_dist, TILED: tl.constexpr):
+                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -300,107 +235,28 @@ if HAVE_TRITON:
         rh = tl.arange(0, HALF)
         n_mask = rn < N
         m_mask = rm < M
-        # Masks, not clamped indices: clamping hides contiguity from Triton and turns the
-        # 16-byte vector loads into byte loads. stride_c is its own argument so Triton sees
-        # that it is a multiple of 16.
-        c_ptrs = c_ptr + _code_offsets(rn, rh, stride_c, HALF, TILED)
+        rn_safe = tl.where(n_mask, rn, 0)  # keeps loads unmasked along n (ragged last block)
+        c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
         x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        # Triton's pipeliner leaves these loads synchronous (their values reach the dot through
-        # the unpack), so prefetch by hand: block b+1 is in flight while block b is unpacked
-        # and multiplied. The last prefetch re-reads block b_end-1 (a cache hit, unused).
-        # L2 prefetch: one pointer per weight row (clamped in range), advanced to the start
-        # of block b + l2_dist; the loads of block b then hit L2 instead of waiting on DRAM.
-        rows = c_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_c
-        if DIST == 0:
-            for b in range(b_start, b_end):
-                if L2_MODE != 0:
-                    _prefetch_rows(rows + tl.minimum(b + l2_dist, n_blocks - 1) * HALF,
-                                   L2_MODE, HALF)
-                codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b, N, rn,
-                                                  n_mask, m_mask, SUB, G, TILED)
-                wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
-                acc = tl.dot(wl, xl, acc)
-                acc = tl.dot(wh, xh, acc)
-        elif DIST == 1:
-            codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
-                                              n_mask, m_mask, SUB, G, TILED)
-            for b in range(b_start, b_end):
-                if L2_MODE != 0:
-                    _prefetch_rows(rows + tl.minimum(b + l2_dist, n_blocks - 1) * HALF,
-                                   L2_MODE, HALF)
-                nxt = tl.minimum(b + 1, b_end - 1)
-                codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
-                                                       rn, n_mask, m_mask, SUB, G, TILED)
-                wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
-                acc = tl.dot(wl, xl, acc)
-                acc = tl.dot(wh, xh, acc)
-                codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
-        else:  # two blocks in flight
-            codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, b_start, N, rn,
-                                              n_mask, m_mask, SUB, G, TILED)
-            codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs,
-                                                   tl.minimum(b_start + 1, b_end - 1), N,
-                                                   rn, n_mask, m_mask, SUB, G, TILED)
-            for b in range(b_start, b_end):
-                nxt = tl.minimum(b + 2, b_end - 1)
-                codes3, s3, o3, xl3, xh3 = _load_block(c_ptrs, s_ptr, o_ptr, x_ptrs, nxt, N,
-                                                       rn, n_mask, m_mask, SUB, G, TILED)
-                wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
-                acc = tl.dot(wl, xl, acc)
-                acc = tl.dot(wh, xh, acc)
-                codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
-                codes2, s2, o2, xl2, xh2 = codes3, s3, o3, xl3, xh3
+        for b in range(b_start, b_end):
+            codes = tl.load(c_ptrs + b * HALF)
+            g = (b * SUB) // G
+            s = tl.load(s_ptr + g * N + rn_safe)
+            o = tl.load(o_ptr + g * N + rn_safe)
+            xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
+            xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
+            wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
+            acc = tl.dot(wl, xl, acc)
+            acc = tl.dot(wh, xh, acc)
         y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
         if ATOMIC:
             tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
         else:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit(do_not_specialize=["M", "blocks_per_split", "n_blocks"])
-    def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
-                        M, N, stride_c, stride_xm, stride_ym, blocks_per_split, n_blocks,
-                        SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                        ATOMIC: tl.constexpr, TILED: tl.constexpr):
-        # CUDA-core variant for one token per program (M = 1, 2): no tensor cores, fp32 FMAs.
-        # Per group: p[n] = sum_k q[n, k] x[k], then y[n] += s[n, g] p[n] + o[n, g] sum_k x[k],
-        # so scales and offsets cost O(BN) per group instead of O(BN * G).
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        row = tl.program_id(2)
-        HALF: tl.constexpr = SUB // 2
-        rn = pid_n * BN + tl.arange(0, BN)
-        rh = tl.arange(0, HALF)
-        n_mask = rn < N
-        c_ptrs = c_ptr + _code_offsets(rn, rh, stride_c, HALF, TILED)
-        x_row = x_ptr + row * stride_xm + rh
-        b_start = pid_k * blocks_per_split
-        b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
-        acc = tl.zeros((BN,), dtype=tl.float32)
-        ones = tl.full((1,), 1, tl.int1)
-        codes, s, o, xl, xh = _load_block(c_ptrs, s_ptr, o_ptr, x_row[:, None], b_start, N,
-                                          rn, n_mask, ones, SUB, G, TILED)
-        for b in range(b_start, b_end):  # prefetch one block ahead, as in _w4_kernel
-            nxt = tl.minimum(b + 1, b_end - 1)
-            codes2, s2, o2, xl2, xh2 = _load_block(c_ptrs, s_ptr, o_ptr, x_row[:, None], nxt, N,
-                                                   rn, n_mask, ones, SUB, G, TILED)
-            q = codes.to(tl.int32)
-            # 0x4B000000 | q is the fp32 of 2**23 + q: exact, and no int->float conversion.
-            ql = ((q & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            qh = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            xlf = tl.reshape(xl, (HALF,)).to(tl.float32)
-            xhf = tl.reshape(xh, (HALF,)).to(tl.float32)
-            p = tl.sum(ql * xlf[None, :] + qh * xhf[None, :], axis=1)
-            acc += p * s.to(tl.float32) + o.to(tl.float32) * (tl.sum(xlf, axis=0) + tl.sum(xhf, axis=0))
-            codes, s, o, xl, xh = codes2, s2, o2, xl2, xh2
-        y_ptrs = y_ptr + row * stride_ym + rn
-        if ATOMIC:
-            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
-        else:
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
     # triton.jit kernels read module-level globals as constexprs only when they are marked so.
     _ASM_F16_C = tl.constexpr(_ASM_F16)
@@ -422,8 +278,8 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     n = w.out_features
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, weight has {w.in_features}")
+    p = packed(w, x.dtype)
     cfg = config or pick_config(m, n, k, w.group_size)
-    p = packed(w, x.dtype, cfg.tiled)
     x = x.contiguous()
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
@@ -433,19 +289,11 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     # available everywhere (nor in the interpreter), so bf16 accumulates in fp32 first.
     acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
     y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype)
-    if cfg.gemv:
-        grid = (triton.cdiv(n, cfg.block_n), split, m)
-        _w4_gemv_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k // 2, x.stride(0),
-                              y.stride(0), per, n_blocks, SUB=p.sub, G=w.group_size,
-                              BN=cfg.block_n, ATOMIC=atomic, TILED=cfg.tiled,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    _w4_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k // 2, x.stride(0), y.stride(0),
+    _w4_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
-                     IS_BF16=x.dtype == torch.bfloat16, DIST=cfg.prefetch,
-                     L2_MODE=0 if interp else cfg.l2_mode, l2_dist=cfg.l2_dist, TILED=cfg.tiled,
+                     IS_BF16=x.dtype == torch.bfloat16,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
