@@ -1,0 +1,373 @@
+"""`python -m hierviz profile`: forward latency against the number of verified tokens.
+
+    python -m hierviz profile --shape llama3-70b --out runs/profile
+    python -m hierviz profile --shape assets/configs/llama3-8b.json --tokens 1,8,64 --out DIR
+    python -m hierviz profile --device cpu --shape smollm2 --tokens 1,4 --out DIR   # tiny CPU run
+
+What it measures (DESIGN.md 2): one forward of T new tokens (T = 1..128, as when verifying a
+draft of T tokens) over a KV cache that already holds `--context` tokens, at a real model's
+shapes with synthetic weights, for dense fp16 weights and for W4A16 weights (the engine's
+Triton kernel; torch's `_weight_int4pack_mm` "tinygemm" for one layer, bf16). Two scopes:
+one decoder layer, and the whole model (all layers + final norm + LM head on every row). The
+forward is the engine's own static-shape decoder layer (hierviz.models.llama), replayed from a
+CUDA graph so launch overhead stays out. The bandwidth floor of each series is its weight
+bytes over the measured device-to-device copy rate (bytes read + written). Where a whole
+model does not fit in GPU memory (fp16 Llama-3-70B: 140 GB), its curve is one layer's times
+the layer count plus the LM head, marked `estimated`.
+
+Writes DIR/profile.json (schema below, `SCHEMA`) and DIR/profile.html (plotly).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from hierviz.models.config import ModelConfig
+from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm, Weight
+from hierviz.models.config import rope_frequencies
+from hierviz.quant.w4 import W4Weight, register_kernel
+
+SCHEMA = "hierviz.profile/1"
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"llama3-8b": "llama3-8b.json", "llama3-70b": "llama3-70b.json", "smollm2": "smollm2-135m.json"}
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+NO_GPU = ("no CUDA GPU found: `python -m hierviz profile` measures GPU forward latency. "
+          "The curve recorded on an H200 is assets/profile/h200.json (the app's Profile tab shows it); "
+          "`--device cpu` runs a small CPU version of the same measurement.")
+
+
+def load_shape(shape: str) -> tuple[str, ModelConfig]:
+    """A preset name (llama3-8b, llama3-70b, smollm2) or a path to a config.json."""
+    if shape in SHAPES:
+        return shape, ModelConfig.from_file(ROOT / "assets" / "configs" / SHAPES[shape])
+    p = Path(shape).expanduser()
+    if not p.exists():
+        raise ValueError(f"unknown shape {shape!r}: not one of {', '.join(SHAPES)} and not a config.json file")
+    return p.stem, ModelConfig.from_file(p)
+
+
+# ---- synthetic weights -----------------------------------------------------------------------
+
+def _w4(n: int, k: int, g: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> W4Weight:
+    """Random codes with GPTQ-like scales/offsets, made on the device directly."""
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    scales = torch.rand(n, k // g, device=device, generator=gen) * 0.02 + 0.002
+    return W4Weight(codes, scales.to(dtype), (-8.0 * scales).to(dtype), g)
+
+
+def _dense(n: int, k: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+
+
+def _layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device: str,
+                   gen: torch.Generator) -> dict[str, Weight]:
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    q = cfg.num_heads * cfg.head_dim
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    w: dict[str, Weight] = {"p.input_layernorm.weight": torch.ones(h, dtype=dtype, device=device),
+                            "p.post_attention_layernorm.weight": torch.ones(h, dtype=dtype, device=device)}
+    for name, (n, k) in shapes.items():
+        w[f"p.{name}.weight"] = (_dense(n, k, dtype, device, gen) if fmt == "dense"
+                                 else _w4(n, k, g, dtype, device, gen))
+    return w
+
+
+def _tinygemm(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """torch's `_weight_int4pack_mm` (bf16 only); operands built once, cached on w."""
+    hit = w.__dict__.get("_tinygemm")
+    if hit is None:
+        from hierviz.kernel_bench import tinygemm_pack
+        hit = w.__dict__["_tinygemm"] = tinygemm_pack(w, swap_nibbles=False)
+    return torch.ops.aten._weight_int4pack_mm(x, hit[0], w.group_size, hit[1])
+
+
+register_kernel("tinygemm", _tinygemm)
+
+
+def _free_codes(layer: DecoderLayer) -> None:
+    """After the Triton kernel built its own code layout, drop the original codes (keeping
+    their shape through a zero-stride view), so a 70B model is held once, not twice."""
+    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        for w in lin.w4:
+            if w.__dict__.get("_triton_w4_cache"):
+                w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
+
+
+def build_layer(cfg: ModelConfig, fmt: str, kernel: str, g: int, dtype: torch.dtype, device: str,
+                seed: int) -> DecoderLayer:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = _layer_weights(cfg, fmt, g, dtype, device, gen)
+    return DecoderLayer(cfg, w.__getitem__, "p", kernel)
+
+
+def layer_bytes(layer: DecoderLayer) -> int:
+    """Bytes a forward must read: weights (W4 codes + scales + offsets) and norms."""
+    total = 0
+    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        if lin.weight is not None:
+            total += lin.weight.numel() * lin.weight.element_size()
+        for w in lin.w4:
+            total += w.codes.shape[0] * w.codes.shape[1] + 2 * w.scales.numel() * w.scales.element_size()
+    for norm in (layer.input_norm, layer.post_norm):
+        total += norm.weight.numel() * norm.weight.element_size()
+    return total
+
+
+class Stack:
+    """Layers (+ final norm + LM head when `head`), run the engine's static-shape way:
+    T new rows written at cache slots context..context+T-1, mask over the whole cache."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], head: Optional[Linear], dtype: torch.dtype,
+                 device: str, context: int, max_t: int) -> None:
+        self.cfg, self.layers, self.head = cfg, layers, head
+        self.norm = RMSNorm(torch.ones(cfg.hidden_size, dtype=dtype, device=device), cfg.rms_eps)
+        self.cache = KVCache(len(layers), cfg.num_kv_heads, cfg.head_dim, context + max_t, dtype, device)
+        self.cache.k.normal_()
+        self.cache.v.normal_()
+        self.inv_freq = rope_frequencies(cfg).to(device)
+        self.context, self.dtype, self.device = context, dtype, device
+
+    def inputs(self, t: int) -> tuple:
+        x = torch.randn(t, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        pos = torch.arange(self.context, self.context + t, device=self.device)
+        slots = pos.clone()
+        mask = torch.zeros(t, self.cache.max_len, dtype=torch.bool, device=self.device)
+        mask[:, :self.context] = True
+        mask[:, self.context:self.context + t] = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        return x, emb.cos().to(self.dtype), emb.sin().to(self.dtype), mask, slots
+
+    def forward(self, x, cos, sin, mask, slots) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, self.cache, mask, slots)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+def _time_cuda_us(fn: Callable[[], object], rep_ms: float) -> float:
+    import triton.testing
+    fn()                      # compile kernels and build weight layouts outside the capture
+    torch.cuda.synchronize()
+    return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
+def _time_cpu_us(fn: Callable[[], object], min_s: float = 0.05, max_reps: int = 20) -> float:
+    fn()
+    times = []
+    t_end = time.perf_counter() + min_s
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device (or RAM) copy rate in bytes/s, counting bytes read plus bytes written."""
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    if device == "cuda":
+        import triton.testing
+        ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+        s = ms * 1e-3
+    else:
+        s = _time_cpu_us(lambda: b.copy_(a)) * 1e-6
+    return 2 * n / s
+
+
+# ---- the measurement --------------------------------------------------------------------------
+
+def _fits(nbytes: int, device: str) -> bool:
+    if device != "cuda":
+        return nbytes < (2 << 30)
+    free, _ = torch.cuda.mem_get_info()
+    return nbytes < 0.85 * free
+
+
+def _formats(device: str, only: Optional[list[str]]) -> list[dict]:
+    if device == "cuda":
+        fmts = [dict(name="fp16", fmt="dense", kernel="reference", dtype=torch.float16, model=True),
+                dict(name="w4a16-triton", fmt="w4", kernel="triton", dtype=torch.float16, model=True),
+                dict(name="w4a16-tinygemm", fmt="w4", kernel="tinygemm", dtype=torch.bfloat16, model=False)]
+    else:
+        from hierviz.quant.int4pack_cpu import available
+        fmts = [dict(name="fp32", fmt="dense", kernel="reference", dtype=torch.float32, model=True),
+                dict(name="w4-int4pack_cpu" if available() else "w4-reference", fmt="w4",
+                     kernel="int4pack_cpu" if available() else "reference", dtype=torch.float32, model=True)]
+    return [f for f in fmts if not only or f["name"] in only]
+
+
+def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda", context: int = 512,
+            group_size: int = 128, whole_model: bool = True, formats: Optional[list[str]] = None,
+            rep_ms: float = 60.0, log: Callable[[str], None] = print) -> dict:
+    """Measure; returns the profile dict (see SCHEMA in the module docstring)."""
+    cuda = device == "cuda"
+    timer = (lambda fn, rep=rep_ms: _time_cuda_us(fn, rep)) if cuda else (lambda fn, rep=0: _time_cpu_us(fn))
+    bw = copy_bandwidth(device)
+    max_t = max(tokens)
+    info = {"schema": SCHEMA, "shape": shape,
+            "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                   "num_kv_heads", "head_dim", "vocab_size")},
+            "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "context": context, "group_size": group_size, "tokens": list(tokens),
+            "copy_bandwidth_GBps": bw / 1e9, "series": [], "notes": []}
+    if cuda:
+        import triton
+        info["versions"]["triton"] = triton.__version__
+    log(f"[profile] {shape} on {info['device']}: copy bandwidth {bw / 1e9:.0f} GB/s; tokens {tokens}")
+
+    def series(fmt: dict, scope: str, layers: int, nbytes: int, us: list[float], estimated: bool = False,
+               note: str = "") -> None:
+        row = {"format": fmt["name"], "dtype": str(fmt["dtype"]).replace("torch.", ""), "kernel": fmt["kernel"],
+               "scope": scope, "layers": layers, "weight_bytes": nbytes, "floor_us": 1e6 * nbytes / bw,
+               "us": us, "estimated": estimated, "note": note}
+        info["series"].append(row)
+        log(f"[profile] {fmt['name']:15s} {scope:5s} floor {row['floor_us']:9.1f} us | " +
+            " ".join(f"T={t}:{u:.1f}" for t, u in zip(tokens, us)))
+
+    for fmt in _formats(device, formats):
+        dtype = fmt["dtype"]
+        g = group_size if fmt["fmt"] == "w4" else 0
+        try:
+            layer = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, dtype, device, seed=1)
+        except Exception as e:  # e.g. a kernel that does not support this shape
+            info["notes"].append(f"{fmt['name']}: cannot build a layer: {e}")
+            log(f"[profile] {fmt['name']}: skipped ({e})")
+            continue
+        one = layer_bytes(layer)
+        try:
+            st = Stack(cfg, [layer], None, dtype, device, context, max_t)
+            layer_us = []
+            for t in tokens:
+                args = st.inputs(t)
+                layer_us.append(timer(lambda: st.forward(*args)))
+            if fmt["kernel"] == "triton":
+                _free_codes(layer)
+        except Exception as e:
+            info["notes"].append(f"{fmt['name']}: one-layer forward failed: {e}")
+            log(f"[profile] {fmt['name']}: one-layer forward failed ({e})")
+            continue
+        series(fmt, "layer", 1, one, layer_us)
+        if not (whole_model and fmt["model"]):
+            continue
+        # whole model: all layers + final norm + dense LM head (kept in the activation dtype, as
+        # GPTQ/AWQ checkpoints keep it) applied to every row, as tree/sequence verification does
+        gen = torch.Generator(device=device).manual_seed(2)
+        head = Linear([_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen)], [None])
+        head_bytes = cfg.vocab_size * cfg.hidden_size * head.weight.element_size() + cfg.hidden_size * 2
+        total = one * cfg.num_layers + head_bytes
+        if _fits(one * (cfg.num_layers + 2) + head_bytes, device):   # + 2 layers of build transients
+            layers = [layer]
+            try:
+                for i in range(1, cfg.num_layers):
+                    lay = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, dtype, device, seed=10 + i)
+                    if fmt["kernel"] == "triton":
+                        from hierviz.quant.triton_w4 import packed
+                        for lin in (lay.qkv, lay.o, lay.gate_up, lay.down):
+                            for w in lin.w4:
+                                packed(w, dtype)
+                        _free_codes(lay)
+                    layers.append(lay)
+                st = Stack(cfg, layers, head, dtype, device, context, max_t)
+                model_us = []
+                for t in tokens:
+                    args = st.inputs(t)
+                    model_us.append(timer(lambda: st.forward(*args), rep_ms * 3))
+                series(fmt, "model", cfg.num_layers, total, model_us)
+            except torch.cuda.OutOfMemoryError:
+                info["notes"].append(f"{fmt['name']}: whole model ran out of memory; estimated from one layer")
+                layers = None
+                model_us = None
+            finally:
+                st = None
+                layers = None
+                if cuda:
+                    torch.cuda.empty_cache()
+            if model_us is not None:
+                continue
+        # estimate: one layer x layer count + the LM head measured alone
+        hs = Stack(cfg, [], head, dtype, device, context, max_t)
+        head_us = [timer(lambda a=hs.inputs(t): hs.forward(*a)) for t in tokens]
+        est = [u * cfg.num_layers + h for u, h in zip(layer_us, head_us)]
+        note = (f"estimated: {total / 1e9:.0f} GB of weights do not fit this device; "
+                f"one layer's time x {cfg.num_layers} + the LM head measured alone")
+        info["notes"].append(f"{fmt['name']} whole model: {note}")
+        series(fmt, "model", cfg.num_layers, total, est, estimated=True, note=note)
+        del hs, head
+        if cuda:
+            torch.cuda.empty_cache()
+    return info
+
+
+def write_outputs(info: dict, out: Path) -> tuple[Path, Optional[Path]]:
+    out.mkdir(parents=True, exist_ok=True)
+    j = out / "profile.json"
+    j.write_text(json.dumps(info, indent=1))
+    try:
+        from hierviz.viz.profile_fig import profile_figure
+        html = out / "profile.html"
+        profile_figure(info).write_html(str(html), include_plotlyjs="cdn")
+    except ImportError:
+        html = None
+    return j, html
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hierviz profile",
+                                 description="Forward latency vs number of verified tokens, fp16 vs W4A16, "
+                                             "at real model shapes with synthetic weights.")
+    ap.add_argument("--shape", default="llama3-8b", help=f"{' | '.join(SHAPES)} | path to a config.json")
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--out", required=True, help="output folder (profile.json, profile.html)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--context", type=int, default=512, help="tokens already in the KV cache")
+    ap.add_argument("--group-size", type=int, default=0, help="W4 group size (default: 128 where it divides "
+                                                               "the layer widths, else 32)")
+    ap.add_argument("--formats", default=None,
+                    help="subset, comma-separated (cuda: fp16,w4a16-triton,w4a16-tinygemm; cpu: fp32,w4-...)")
+    ap.add_argument("--layer-only", action="store_true", help="skip the whole-model curves")
+    ap.add_argument("--rep-ms", type=float, default=60.0, help="timing budget per point (GPU)")
+    a = ap.parse_args(argv)
+    try:
+        tokens = [int(x) for x in a.tokens.split(",") if x.strip()]
+        if not tokens or min(tokens) < 1 or max(tokens) > 1024:
+            raise ValueError
+    except ValueError:
+        print("error: --tokens takes comma-separated counts between 1 and 1024, e.g. 1,2,4,8", file=sys.stderr)
+        return 2
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: {NO_GPU}", file=sys.stderr)
+        return 2
+    try:
+        shape, cfg = load_shape(a.shape)
+    except Exception as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    formats = [f.strip() for f in a.formats.split(",")] if a.formats else None
+    g = a.group_size or next((g for g in (128, 64, 32) if all(
+        d % g == 0 for d in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))), 32)
+    with torch.no_grad():
+        info = profile(cfg, shape, tokens, a.device, a.context, g, not a.layer_only, formats, a.rep_ms)
+    info["command"] = "python -m hierviz profile " + " ".join(argv if argv is not None else sys.argv[1:])
+    j, html = write_outputs(info, Path(a.out))
+    print(f"wrote {j}" + (f" and {html}" if html else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
