@@ -1,0 +1,239 @@
+"""Engine speed and exactness on a GPU, side by side in one run.
+
+    python -m hierviz.engine_bench --out DIR [--tokens 128]
+
+1. Exactness: on tiny random models (fp32), every decoder through the static/CUDA-graph path
+   must emit the tokens of AR through the dynamic path (the CPU test suite checks the static
+   path without graphs; this checks the graphs).
+2. AR speed at SmolLM2-135M's shapes with synthetic weights (assets/configs/smollm2-135m.json):
+   our engine with CUDA graphs vs our engine eager vs a plain transformers LlamaForCausalLM
+   greedy `generate` loop built from the same fp16 weights (what DESIGN.md 7 calls ~40-50
+   tokens/s on the H200), plus W4A16 (RTN g32, Triton kernel) for the target.
+3. One round of EAGLE-2 and of HierSpec at the same shapes (6-layer intermediate, random EAGLE
+   heads: acceptance is ~0 with random heads, so only the per-round costs mean anything).
+Writes DIR/engine.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
+from hierviz.decoding.settings import DecodeSettings
+from hierviz.decoding.verify import Sampler
+from hierviz.models.config import ModelConfig
+from hierviz.models.eagle import EagleHead
+from hierviz.models.llama import Transformer
+from hierviz.quant.w4 import quantize_rtn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def smollm2_weights(cfg: ModelConfig, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights with HF names at the config's shapes (std 0.02, norms 1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device=device) * 0.02
+
+    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h) * 10, "model.norm.weight": torch.ones(h, device=device)}
+    for l in range(cfg.num_layers):
+        p = f"model.layers.{l}"
+        w.update({f"{p}.input_layernorm.weight": torch.ones(h, device=device),
+                  f"{p}.post_attention_layernorm.weight": torch.ones(h, device=device),
+                  f"{p}.self_attn.q_proj.weight": r(q, h), f"{p}.self_attn.k_proj.weight": r(kv, h),
+                  f"{p}.self_attn.v_proj.weight": r(kv, h), f"{p}.self_attn.o_proj.weight": r(h, q),
+                  f"{p}.mlp.gate_proj.weight": r(i, h), f"{p}.mlp.up_proj.weight": r(i, h),
+                  f"{p}.mlp.down_proj.weight": r(h, i)})
+    return w
+
+
+def w4_of(weights: dict[str, torch.Tensor], group: int = 32) -> dict:
+    return {k: quantize_rtn(v, group) if k.startswith("model.layers.") and k.endswith("_proj.weight") else v
+            for k, v in weights.items()}
+
+
+def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: DecodeSettings,
+                static: bool) -> tuple[list[int], float, int]:
+    """(tokens after the prefill's first, seconds for them, rounds). static=False: dynamic path."""
+    old = os.environ.get("HIERVIZ_STATIC")
+    os.environ["HIERVIZ_STATIC"] = "1" if static else "0"
+    try:
+        max_len = len(prompt) + n + cache_margin(s) + 16
+        gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len)
+        with torch.no_grad():
+            first = next(gen).new_tokens
+            out: list[int] = []
+            rounds = 0
+            if models.target.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while len(out) < n:
+                out += next(gen).new_tokens
+                rounds += 1
+            if models.target.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        gen.close()
+        return first + out[:n], dt, rounds
+    finally:
+        if old is None:
+            os.environ.pop("HIERVIZ_STATIC", None)
+        else:
+            os.environ["HIERVIZ_STATIC"] = old
+
+
+def exactness_tiny(device: str) -> dict:
+    from hierviz.stack import tiny_models
+    models = tiny_models(259, device)
+    s = DecodeSettings(m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
+                       min_draft_len=4, spec_k=3)
+    prompt = list(range(40, 60))
+    want, _, _ = run_decoder(models, "ar", prompt, 48, s, static=False)
+    res = {}
+    for m in DECODERS:
+        got, _, _ = run_decoder(models, m, prompt, 48, s, static=True)
+        res[m] = got == want
+    return res
+
+
+def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
+                dtype: torch.dtype) -> tuple[list[int], float]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    raw = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
+    model = LlamaForCausalLM(LlamaConfig(**raw)).to(device=device, dtype=dtype).eval()
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    model.tie_weights()
+    ids = torch.tensor([prompt], device=device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    toks = out[0, len(prompt):].tolist()
+    del model
+    # generate's time includes the prefill; one forward of the prompt is small next to n steps
+    return toks, dt
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hierviz.engine_bench")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args(argv)
+    dev = a.device
+    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "tokens": a.tokens}
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / "engine.json").write_text(json.dumps(res, indent=1))
+
+    res["exact_tiny_fp32"] = exactness_tiny(dev)
+    print("[engine] tiny fp32, static/graphs vs AR dynamic, identical:", res["exact_tiny_fp32"], flush=True)
+    save()
+
+    cfg_path = ROOT / "assets" / "configs" / "smollm2-135m.json"
+    cfg = ModelConfig.from_file(cfg_path)
+    dense = smollm2_weights(cfg, dev)
+    dtype = torch.float16 if dev == "cuda" else torch.float32
+    kernel = "triton" if dev == "cuda" else "reference"
+    prompt = [1] + list(range(100, 163))           # 64 prompt tokens
+    n = a.tokens
+    StageTimer.sync = False                        # benchmark mode: sync only where decisions are read
+    t_fp16 = Transformer(cfg, dense, dtype=dtype, device=dev)
+    t_w4 = Transformer(cfg, w4_of(dense), w4_kernel=kernel, dtype=dtype, device=dev)
+    s = DecodeSettings(max_new_tokens=n)
+    rows = {}
+    toks = {}
+    for name, model, static in (("ours fp16, CUDA graphs", t_fp16, True), ("ours fp16, eager", t_fp16, False),
+                                ("ours W4A16 triton, CUDA graphs", t_w4, True),
+                                ("ours W4A16 triton, eager", t_w4, False)):
+        run_decoder(Models(model), "ar", prompt, 8, s, static)        # warm-up: kernels, graphs
+        out, dt, _ = run_decoder(Models(model), "ar", prompt, n, s, static)
+        rows[name] = n / dt
+        toks[name] = out
+        print(f"[engine] AR {name:34s} {n / dt:8.1f} tokens/s", flush=True)
+        res["ar_tokens_per_s"] = rows
+        save()
+    StageTimer.sync = True
+    out, dt, _ = run_decoder(Models(t_w4), "ar", prompt, n, s, True)
+    rows["ours W4A16 triton, CUDA graphs, trace-mode syncs"] = n / dt
+    print(f"[engine] AR W4A16 graphs with per-stage syncs      {n / dt:8.1f} tokens/s", flush=True)
+    StageTimer.sync = False
+
+    def agree(a_: list[int], b_: list[int]) -> int:
+        k = 0
+        while k < min(len(a_), len(b_)) and a_[k] == b_[k]:
+            k += 1
+        return k
+
+    res["identical_prefix"] = {
+        "fp16 graphs vs fp16 eager": agree(toks["ours fp16, CUDA graphs"], toks["ours fp16, eager"]),
+        "w4 graphs vs w4 eager": agree(toks["ours W4A16 triton, CUDA graphs"], toks["ours W4A16 triton, eager"]),
+    }
+    if not a.skip_hf:
+        try:
+            hf_toks, hf_dt = hf_generate(cfg_path, dense, prompt, n, dev, dtype)
+            rows["transformers LlamaForCausalLM.generate fp16"] = n / hf_dt
+            res["identical_prefix"]["ours fp16 graphs vs transformers"] = agree(toks["ours fp16, CUDA graphs"][:n],
+                                                                                hf_toks)
+            print(f"[engine] AR transformers generate fp16              {n / hf_dt:8.1f} tokens/s", flush=True)
+        except Exception as e:  # transformers API drift: report, keep the rest
+            res["hf_error"] = repr(e)
+            print("[engine] transformers loop failed:", repr(e), flush=True)
+    print("[engine] identical prefix lengths:", res["identical_prefix"], flush=True)
+    save()
+
+    # per-round costs of the speculative methods at these shapes (random heads)
+    keep = [0, 6, 12, 18, 24, 29]
+    m_w = {"model.embed_tokens.weight": dense["model.embed_tokens.weight"], "model.norm.weight": dense["model.norm.weight"]}
+    for new, old in enumerate(keep):
+        for k, v in dense.items():
+            if k.startswith(f"model.layers.{old}."):
+                m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = v
+    m_cfg = ModelConfig.from_dict(dict(json.loads(cfg_path.read_text()), num_hidden_layers=len(keep)))
+    inter = Transformer(m_cfg, m_w, dtype=dtype, device=dev)
+    h_cfg = ModelConfig.from_dict(dict(json.loads(cfg_path.read_text()), num_hidden_layers=1))
+    hw = {k.replace("model.layers.0.", "layers.0."): v for k, v in smollm2_weights(
+        ModelConfig.from_dict(dict(json.loads(cfg_path.read_text()), num_hidden_layers=1)), dev, seed=5).items()
+          if k.startswith("model.layers.0.")}
+    hw["fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size, device=dev) * 0.02
+    models = Models(t_w4, inter, EagleHead(h_cfg, hw, inter), EagleHead(h_cfg, hw, t_w4))
+    spec_rows = {}
+    for m in ("ar", "eagle2", "hierspec"):
+        try:
+            run_decoder(models, m, prompt, 8, s, True)
+            out, dt, rounds = run_decoder(models, m, prompt, 32, s, True)
+            spec_rows[m] = {"ms_per_round": 1000 * dt / rounds, "tokens_per_round": len(out[1:]) / rounds,
+                            "tokens_per_s": (len(out) - 1) / dt}
+            print(f"[engine] {m:8s} W4 target: {spec_rows[m]}", flush=True)
+        except Exception as e:
+            spec_rows[m] = {"error": repr(e)}
+            print(f"[engine] {m} failed: {e!r}", flush=True)
+    res["rounds_random_heads"] = spec_rows
+    save()
+    print("\n| AR, SmolLM2-135M shapes, synthetic weights | tokens/s |\n|---|---|")
+    for k, v in rows.items():
+        print(f"| {k} | {v:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
