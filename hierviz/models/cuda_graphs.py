@@ -172,6 +172,9 @@ class StaticRunner:
             return None
         with torch.no_grad():
             bk = self._bucket(b)
+            if self.graphs and bk.graph is None:
+                # capture first: its warm-up overwrites the input buffers (scratch-slot inputs)
+                self._capture(b)
             if bk.copied is not None:
                 bk.copied.synchronize()    # the previous upload from these pinned buffers is done
             ih = bk.ints_host
@@ -189,8 +192,6 @@ class StaticRunner:
             if features is not None:
                 self.feat[:t].copy_(features)
             if self.graphs:
-                if bk.graph is None:
-                    self._capture(b)
                 bk.graph.replay()
                 out = bk.out
             else:
