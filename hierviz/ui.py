@@ -530,7 +530,8 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
         with gr.Tabs():
             with gr.Tab("Visualizer", id="viz"):
                 visualizer_tab(stack_default)
-            for title, builder in TAB_BUILDERS:
+            from hierviz.ui_profile import profile_tab
+            for title, builder in [("Profile", profile_tab), *TAB_BUILDERS]:
                 with gr.Tab(title):
                     builder()
             with gr.Tab("How it works", id="about"):

@@ -1,0 +1,80 @@
+"""The app's Profile tab: forward latency against the number of verified tokens, fp16 vs W4A16.
+
+Shows the curves `python -m hierviz profile` recorded on the H200 (assets/profile/*.json) and, on
+a machine with a GPU, measures one decoder layer live on this device."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import gradio as gr
+
+from hierviz.viz.profile_fig import profile_figure
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "assets" / "profile"
+LIVE_SHAPES = ("smollm2", "llama3-8b", "llama3-70b")
+
+EXPLAIN = """**Why HierSpec exists, in one chart.** Each curve is the time of one forward pass against how many
+tokens it verifies at once. With **fp16** weights the pass is *memory-bound* — it costs the time to read the
+weights — until ~150-200 tokens. **4-bit (W4A16)** weights are 4x smaller, so one token is much cheaper, but
+the kernel also unpacks nibbles and the pass turns *compute-bound* far sooner: the orange curve rises after a
+few dozen tokens and crosses fp16. An EAGLE-2 tree of 60 tokens sits right there; a HierSpec sequence of 6-8
+tokens stays on the flat part. The dotted lines are each format's bandwidth floor (weight bytes / measured copy
+bandwidth)."""
+
+
+def recorded_profiles() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PROFILE_DIR.glob("*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if d.get("schema") == "hierviz.profile/1":
+            out[f"{d.get('shape', p.stem)} on {d.get('device', '?')} ({p.name})"] = p
+    return out
+
+
+def _show(label: str):
+    files = recorded_profiles()
+    if label not in files:
+        return gr.update(), "Choose a recorded profile."
+    d = json.loads(files[label].read_text())
+    return profile_figure(d), f"Recorded with `{d.get('command', '?')}` — {d.get('device', '?')}, " \
+                              f"copy bandwidth {d.get('copy_bandwidth_GBps', 0):.0f} GB/s."
+
+
+def _measure(shape: str):
+    import torch
+    if not torch.cuda.is_available():
+        return gr.update(), "No GPU on this machine: the chart shows the H200 recording instead."
+    from hierviz import profile as prof
+    try:
+        name, cfg = prof.load_shape(shape)
+        with torch.no_grad():
+            d = prof.profile(cfg, name, [1, 2, 4, 8, 16, 32, 64, 128], "cuda", whole_model=False, rep_ms=20.0,
+                             log=lambda s: None)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return gr.update(), "The GPU ran out of memory for this shape; try a smaller one."
+    except Exception as e:   # a measurement must never take the app down
+        return gr.update(), f"Measurement failed: {type(e).__name__}: {e}"
+    return profile_figure(d), f"Measured now on {d['device']} (one decoder layer of {name})."
+
+
+def profile_tab() -> None:
+    files = recorded_profiles()
+    labels = list(files)
+    first: Optional[str] = next((l for l in labels if "70b" in l), labels[0] if labels else None)
+    with gr.Row():
+        with gr.Column(scale=3):
+            plot = gr.Plot(label="forward latency vs verified tokens", value=_show(first)[0] if first else None)
+            note = gr.Markdown(_show(first)[1] if first else "No recorded profile is shipped.")
+        with gr.Column(scale=2):
+            gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
+            choice = gr.Dropdown(labels, value=first, label="recorded profile")
+            shape = gr.Dropdown(list(LIVE_SHAPES), value="llama3-8b", label="measure one layer on this GPU")
+            go_btn = gr.Button("Measure on this device")
+    choice.change(_show, choice, [plot, note], api_visibility="private")
+    go_btn.click(_measure, shape, [plot, note], concurrency_id="gpu", concurrency_limit=1, api_visibility="private")

@@ -1,0 +1,25 @@
+"""The Profile tab shows the shipped H200 recordings and explains itself on a machine without a GPU."""
+import pytest
+
+from hierviz.ui_profile import _measure, _show, recorded_profiles
+
+
+def test_shipped_profiles_render():
+    files = recorded_profiles()
+    assert any("llama3-70b" in k for k in files), files
+    for label in files:
+        fig, note = _show(label)
+        assert fig.data and "Recorded with" in note
+
+
+def test_unknown_choice_is_a_message():
+    _, note = _show("nope")
+    assert "Choose" in note
+
+
+def test_measure_without_gpu_explains():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _, note = _measure("smollm2")
+    assert "No GPU" in note
