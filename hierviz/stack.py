@@ -6,7 +6,9 @@ A stack is a small JSON file:
    "intermediate": {"path": P, "share_embeddings": true?},  # embeddings/LM head taken from T
    "e_m": {"path": P}, "e_t": {"path": P},
    "tokenizer": P?,                                          # default: the target's folder
-   "draft_vocab": P?}                                        # FR-Spec token list for the heads
+   "draft_vocab": P?,                                        # FR-Spec token list for the heads
+   "intermediate_draft_vocab": bool?,                        # M predicts over that list too
+   "w4_kernel"/"w4_kernel_cuda": name?, "dtype"/"dtype_cuda": name?}
 Paths may be relative to the stack file, or "pypi:<package>/<file>" for a file shipped inside an
 installed package (the offline SmolLM2 GGUF). Presets live in assets/stacks/.
 """
@@ -153,11 +155,16 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None)
         for h in (e_m, e_t):
             if h is not None:
                 h.set_draft_vocab(ids)
+        if inter is not None and spec.get("intermediate_draft_vocab"):
+            # M only drafts for T, so it may predict over the frequent-token vocabulary too:
+            # T's verification keeps the output lossless whatever M proposes
+            inter.restrict_output_vocab(ids)
     meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
             "e_m": (spec.get("e_m") or {}).get("path"), "e_t": (spec.get("e_t") or {}).get("path"),
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
-            "draft_vocab": spec.get("draft_vocab") or "full"}
+            "draft_vocab": spec.get("draft_vocab") or "full",
+            "intermediate_vocab": "draft" if spec.get("intermediate_draft_vocab") and spec.get("draft_vocab") else "full"}
     return Stack(spec.get("name", p.stem), models, tokenizer, meta)
 
 

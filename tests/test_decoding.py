@@ -200,3 +200,20 @@ def test_top_p_filter_keeps_nucleus():
     s = Sampler(temperature=1.0, top_p=0.5)
     p = s.probs(torch.tensor([0.4, 0.3, 0.2, 0.1]).log())
     assert torch.allclose(p, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]), atol=1e-6)
+
+
+def test_reduced_vocabularies_stay_lossless():
+    """FR-Spec: heads draft over a token subset and M predicts over it too; T keeps the full
+    vocabulary, so every method still reproduces AR exactly."""
+    models = tiny_models(259, seed=7)
+    vocab = torch.arange(3, 140)
+    models.e_m.set_draft_vocab(vocab)
+    models.e_t.set_draft_vocab(vocab)
+    models.intermediate.restrict_output_vocab(vocab)
+    from hierviz.tokenizer import ByteTokenizer
+    stack = Stack("reduced", models, ByteTokenizer(), {})
+    s = DecodeSettings(max_new_tokens=30, m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
+                       min_draft_len=4)
+    _all_equal(stack, "hello there", s)
+    logits = models.intermediate.logits(torch.zeros(2, 64))
+    assert torch.isinf(logits[:, 200]).all() and torch.isfinite(logits[:, vocab]).all()

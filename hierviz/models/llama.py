@@ -247,7 +247,26 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[.., V] float32. With an output vocabulary set, only those rows of the LM head are
+        computed and every other token gets -inf (argmax / softmax stay in global token ids)."""
+        if self.output_vocab is None:
+            return self.lm_head(hidden).float()
+        out = torch.full((*hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), device=hidden.device)
+        out[..., self.output_vocab] = (hidden @ self._vocab_rows.t()).float()
+        return out
+
+    output_vocab: Optional[torch.Tensor] = None
+
+    def restrict_output_vocab(self, token_ids: Optional[torch.Tensor]) -> None:
+        """Let this model predict only `token_ids` (FR-Spec style). Only for models whose outputs
+        are drafts (the intermediate): a verifier of record (the target) keeps the full vocabulary."""
+        if token_ids is None:
+            self.output_vocab = None
+            return
+        if self.lm_head.weight is None:
+            raise WeightsError("a reduced output vocabulary needs a dense LM head")
+        self.output_vocab = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        self._vocab_rows = self.lm_head.weight.data[self.output_vocab]
 
 
 def _getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):
