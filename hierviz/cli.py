@@ -31,6 +31,10 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
                    help="preset name or stack JSON (default: smollm2-offline, the offline SmolLM2 stack; "
                         "'tiny-random' loads instantly with random weights)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="activation dtype (default: the stack's choice for the device)")
+    p.add_argument("--w4-kernel", default=None,
+                   help="W4A16 kernel: reference, dequant_cached, int4pack_cpu (CPU), triton (CUDA)")
 
 
 def settings_from_args(a: argparse.Namespace) -> DecodeSettings:
@@ -52,7 +56,7 @@ def cmd_generate(argv: list[str]) -> int:
     from hierviz.engine import EngineError, generate, load_stack
     from hierviz.stack import StackError
     try:
-        stack = load_stack(a.stack, a.device)
+        stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
         trace = generate(stack, a.method, a.prompt, settings_from_args(a))
     except (EngineError, StackError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

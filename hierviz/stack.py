@@ -108,8 +108,13 @@ def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
     return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device), folder
 
 
-def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None) -> Stack:
-    """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json."""
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
+               w4_kernel: Optional[str] = None) -> Stack:
+    """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json.
+    dtype / w4_kernel override the stack file's choice for this device."""
     name_or_path = name_or_path or DEFAULT_STACK
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if name_or_path == "tiny-random":
@@ -128,9 +133,11 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None)
     if not isinstance(spec, dict) or "target" not in spec:
         raise StackError(f"stack file {p} has no 'target'")
     base = p.parent
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-        spec.get("dtype_cuda" if dev.type == "cuda" else "dtype", "float32")]
-    kernel = spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel", "reference")
+    dtype_name = dtype or spec.get("dtype_cuda" if dev.type == "cuda" else "dtype", "float32")
+    if dtype_name not in DTYPES:
+        raise StackError(f"unknown dtype {dtype_name!r}; choose one of {', '.join(DTYPES)}")
+    dtype = DTYPES[dtype_name]
+    kernel = w4_kernel or spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel", "reference")
     try:
         target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
         inter = e_m = e_t = None
