@@ -228,14 +228,17 @@ def trace_from_dict(d: Any) -> Trace:
                  _opt(d, "output_text", str, "trace", ""), _opt(d, "finish_reason", str, "trace", ""), SCHEMA_VERSION)
 
 
-def trace_from_json(text: str | bytes) -> Trace:
+def _parse(text: str | bytes) -> Any:
     if len(text) > MAX_TRACE_BYTES:
         raise TraceError(f"trace is {len(text) / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
     try:
-        d = json.loads(text)
+        return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TraceError(f"not valid JSON: {e}") from None
-    return trace_from_dict(d)
+
+
+def trace_from_json(text: str | bytes) -> Trace:
+    return trace_from_dict(_parse(text))
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -258,12 +261,7 @@ def save_comparison(traces: list[Trace], path: str | Path) -> None:
 
 def comparison_from_json(text: str | bytes) -> list[Trace]:
     """Reads either a single trace or a {"runs": [...]} comparison file."""
-    if len(text) > MAX_TRACE_BYTES:
-        raise TraceError(f"trace is {len(text) / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
-    try:
-        d = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceError(f"not valid JSON: {e}") from None
+    d = _parse(text)
     if isinstance(d, dict) and "runs" in d:
         if d.get("version") != SCHEMA_VERSION:
             raise TraceError(f"unsupported trace schema version {d.get('version')!r}")

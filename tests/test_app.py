@@ -154,18 +154,19 @@ def test_gpu_work_is_one_concurrency_group():
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     runs = [f for f in fns if f.name == "run_live"]
     assert runs and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in runs)
-    # nothing else may join the GPU group: scrubbing, replay and uploads never wait for a run
-    assert all(f.concurrency_id != "gpu" for f in fns if f.name != "run_live")
+    # only GPU work joins the group (runs, the Profile tab's live measurement): scrubbing,
+    # replay and uploads never wait for a run
+    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("run_live", "_measure"))
 
 
 def test_tabs_are_pluggable():
     import gradio as gr
 
     from hierviz import ui
-    ui.register_tab("Profile", lambda: gr.Markdown("profile goes here"))
+    ui.register_tab("What-if", lambda: gr.Markdown("what-if goes here"))
     try:
         demo = ui.build_app("tiny-random")
         labels = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
-        assert labels == ["Visualizer", "Profile", "How it works"]
+        assert labels == ["Visualizer", "Profile", "What-if", "How it works"]
     finally:
         ui.TAB_BUILDERS.clear()

@@ -2,7 +2,6 @@
 the target's distribution when temperature > 0."""
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 
@@ -18,7 +17,7 @@ from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import Sampler, verify_sequence_sampling, verify_tree_sampling
 from hierviz.engine import generate, output_tokens
 from hierviz.models.llama import Transformer
-from hierviz.quant.w4 import W4Weight, dequantize
+from hierviz.quant.w4 import dequantize
 from hierviz.stack import Stack, tiny_models, tiny_random_stack
 
 METHODS = ("ar", "spec", "eagle2", "hierspec")

@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hierviz.models.eagle import EagleHead, load_eagle_weights
 from hierviz.models.llama import Transformer, WeightsError
+from hierviz.quant.errors import CheckpointError
 from hierviz.models.loading import load_weights
 from tests.tiny import make_tiny_hf
 
@@ -90,5 +91,5 @@ def test_corrupt_head_file_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
                                                       "num_attention_heads": 4}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle at all")
-    with pytest.raises(WeightsError, match="cannot read EAGLE head weights"):
+    with pytest.raises(CheckpointError, match="corrupt or unsafe PyTorch weights file"):
         load_eagle_weights(tmp_path)

@@ -64,7 +64,7 @@ def test_corrupt_weights_file(folders, tmp_path):
     bad = folders / "corrupt"
     shutil.copytree(folders / "inter", bad, dirs_exist_ok=True)
     (bad / "model.safetensors").write_bytes(b"\x00\x01garbage")
-    with pytest.raises(StackError, match="cannot read weights"):
+    with pytest.raises(StackError, match="corrupt or truncated safetensors file"):
         load_stack(write_stack(folders, intermediate={"path": "corrupt"}), "cpu")
 
 

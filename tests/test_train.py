@@ -62,7 +62,6 @@ def test_data_file(trained):
 
 
 def test_intermediate_loads_in_engine_like_training(trained):
-    from hierviz.models.config import ModelConfig
     from hierviz.models.llama import Transformer
     from hierviz.models.loading import load_weights
     from hierviz.quant.gptq import load_gptq_weights

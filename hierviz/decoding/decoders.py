@@ -87,11 +87,10 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
     for st, name in zip(states, stage_names):
         st.tokens = list(prompt)
         with timer.stage(name):
-            start = st.processed
-            h = st.run_pending()
-            st.commit_prefix(start, h, h.shape[0], [])
             if first is None:
-                first = sampler.pick(st.model.logits(h[-1:])[0])
+                first = sampler.pick(st.next_logits())
+            else:
+                st.consume_pending()
     for st in states:
         st.tokens.append(first)
     return first
@@ -137,10 +136,7 @@ def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sam
     while True:
         timer = StageTimer(t.model.device)
         with timer.stage("target_verify"):
-            start = t.processed
-            h = t.run_pending()
-            t.commit_prefix(start, h, h.shape[0], [])
-            tok = sampler.pick(t.model.logits(h[-1:])[0])
+            tok = sampler.pick(t.next_logits())
             t.tokens.append(tok)
         yield _step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
                     target_bonus=tok, target_bonus_text=text(tok))
@@ -164,10 +160,7 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
         q: list[torch.Tensor] = []
         with timer.stage("draft"):
             for _ in range(s.spec_k):
-                start = m.processed
-                h = m.run_pending()
-                m.commit_prefix(start, h, h.shape[0], [])
-                logits = m.model.logits(h[-1:])[0]
+                logits = m.next_logits()
                 if sampler.greedy:
                     nxt = int(logits.argmax())
                 else:

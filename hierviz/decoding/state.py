@@ -108,14 +108,24 @@ class BaseState:
         if self.cache.length > n_tokens:
             self.cache.truncate(n_tokens)
 
+    def consume_pending(self) -> torch.Tensor:
+        """Run every pending token and keep them all; returns their hidden states (no logits)."""
+        start = self.cache.length
+        hidden = self.run_pending()
+        self.commit_prefix(start, hidden, hidden.shape[0], [])
+        return hidden
+
+    def next_logits(self) -> torch.Tensor:
+        """Run every pending token, keep them all; returns the logits [V] after the last one."""
+        return self.model.logits(self.consume_pending()[-1:])[0]
+
     def catch_up(self) -> None:
         """Run all pending tokens but the last through the model, so that features exist for
         every token before the root (an EAGLE head needs the feature before the root)."""
         if len(self.pending) > 1:
-            start = self.cache.length
             root = self.tokens.pop()
-            hidden = self.run_pending()
-            self.commit_prefix(start, hidden, hidden.shape[0], [root])
+            self.consume_pending()
+            self.tokens.append(root)
 
 
 class HeadState:

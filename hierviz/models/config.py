@@ -71,16 +71,23 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        try:
-            d = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise ModelConfigError(f"no config.json at {p}") from None
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_config_json(path))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """config.json of a folder (or the file itself) as a dict, with a clear error."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ModelConfigError(f"{p.parent} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ModelConfigError(f"{p} is not a JSON object")
+    return d
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:

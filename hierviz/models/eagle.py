@@ -7,14 +7,14 @@ base model's frozen LM head.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
-from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.config import ModelConfig, read_config_json
+from hierviz.quant.gptq import load_state_dict_folder
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, _getter
 
 
@@ -110,30 +110,11 @@ def _rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
 def load_eagle_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """config.json + model.safetensors or pytorch_model.bin in SafeAILab's key layout."""
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise ModelConfigError(f"EAGLE head folder {folder} has no config.json")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    raw = read_config_json(folder)
     raw.setdefault("model_type", "llama")
     raw = dict(raw, num_hidden_layers=1)
     cfg = ModelConfig.from_dict(raw)
-    st = folder / "model.safetensors"
-    bin_ = folder / "pytorch_model.bin"
-    try:
-        if st.exists():
-            from safetensors.torch import load_file
-            weights = load_file(str(st))
-        elif bin_.exists():
-            weights = torch.load(str(bin_), map_location="cpu", weights_only=True)
-        else:
-            raise WeightsError(f"EAGLE head folder {folder} has neither model.safetensors nor pytorch_model.bin")
-    except WeightsError:
-        raise
-    except Exception as e:  # corrupt file: safetensors/pickle raise many types
-        raise WeightsError(f"cannot read EAGLE head weights in {folder}: {e}") from None
+    weights = load_state_dict_folder(folder)   # safetensors, else pytorch_model.bin with weights_only
     # some exports prefix keys with "model."
     weights = {k[6:] if k.startswith("model.") else k: v for k, v in weights.items()}
     for key in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"):

@@ -3,14 +3,13 @@ GPTQ (AutoGPTQ / GPTQModel) folders and GGUF files all become (ModelConfig, weig
 with float tensors and `W4Weight`s under HF parameter names."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.models.llama import Weight, WeightsError
+from hierviz.quant.gptq import load_state_dict_folder
 
 
 def resolve_source(name_or_path: str) -> Path:
@@ -29,36 +28,6 @@ def resolve_source(name_or_path: str) -> Path:
     except Exception as e:  # offline, unknown repo, gated repo ...
         raise WeightsError(f"cannot get {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
                            "with HF_HUB_OFFLINE=1 only local folders work") from None
-
-
-def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, sharded model-0000x-of-0000y.safetensors (via the index), or a
-    pytorch_model.bin loaded with weights_only=True."""
-    from safetensors.torch import load_file
-    index = folder / "model.safetensors.index.json"
-    try:
-        if index.exists():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            out: dict[str, torch.Tensor] = {}
-            for s in shards:
-                if not (folder / s).exists():
-                    raise WeightsError(f"shard {s} listed in {index.name} is missing from {folder}")
-                out.update(load_file(str(folder / s)))
-            return out
-        files = sorted(folder.glob("*.safetensors"))
-        if files:
-            out = {}
-            for f in files:
-                out.update(load_file(str(f)))
-            return out
-        for name in ("pytorch_model.bin", "model.bin"):
-            if (folder / name).exists():
-                return torch.load(str(folder / name), map_location="cpu", weights_only=True)
-    except WeightsError:
-        raise
-    except Exception as e:  # truncated / corrupt files raise many exception types
-        raise WeightsError(f"cannot read weights in {folder}: {type(e).__name__}: {e}") from None
-    raise WeightsError(f"{folder} holds no *.safetensors or pytorch_model.bin")
 
 
 def _is_native_w4(folder: Path) -> bool:
@@ -88,13 +57,7 @@ def load_weights(name_or_path: str | Path) -> tuple[ModelConfig, dict[str, Weigh
         return ModelConfig.from_dict(raw), weights, src.parent
     if not src.is_dir():
         raise WeightsError(f"{src} is neither a model folder nor a .gguf file")
-    cfg_path = src / "config.json"
-    if not cfg_path.exists():
-        raise ModelConfigError(f"{src} has no config.json")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    raw = read_config_json(src)
     cfg = ModelConfig.from_dict(raw)
     if _is_native_w4(src):
         from hierviz.quant.gguf import load_w4_safetensors
@@ -103,5 +66,5 @@ def load_weights(name_or_path: str | Path) -> tuple[ModelConfig, dict[str, Weigh
         from hierviz.quant.gptq import load_gptq_weights
         _, weights = load_gptq_weights(src)
     else:
-        weights = dict(read_safetensors_folder(src))
+        weights = dict(load_state_dict_folder(src))
     return cfg, weights, src

@@ -62,13 +62,14 @@ def load_base(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         from hierviz.quant.gguf import read_gguf
         cfg, weights, _ = read_gguf(p)
         return dict(cfg), float_weights(weights)
-    from hierviz.models.loading import is_gptq, read_safetensors_folder
+    from hierviz.models.loading import is_gptq
+    from hierviz.quant.gptq import load_state_dict_folder
     raw = json.loads((p / "config.json").read_text())
     if is_gptq(raw, p):
         from hierviz.quant.gptq import load_gptq_weights
         cfg, weights = load_gptq_weights(p)
         return cfg, float_weights(weights)
-    return raw, float_weights(read_safetensors_folder(p))
+    return raw, float_weights(load_state_dict_folder(p))
 
 
 def export_float(src: str | Path, folder: str | Path) -> Path:
