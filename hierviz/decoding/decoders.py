@@ -16,8 +16,9 @@ import torch
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.state import BaseState, HeadState
 from hierviz.decoding.tree import Tree, draft_tree
-from hierviz.decoding.verify import (Sampler, verify_sequence_greedy, verify_sequence_sampling,
-                                     verify_tree_greedy, verify_tree_sampling)
+from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, forced_tree_path,
+                                     verify_sequence_greedy, verify_sequence_sampling, verify_tree_greedy,
+                                     verify_tree_sampling)
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
 from hierviz.trace import DraftTree, SeqToken, Step, TreeNode
@@ -96,14 +97,20 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
     return first
 
 
-def _verify_tree_on(state: BaseState, tree: Tree, sampler: Sampler):
+def _verify_tree_on(state: BaseState, tree: Tree, sampler: Sampler, oracle: Optional[AcceptOracle] = None,
+                    level: str = "target"):
     """Run pending + tree through the verifier, decide, compact its cache.
-    Returns (path, bonus, per-emitted-token distributions or None)."""
+    Returns (path, bonus, per-emitted-token distributions or None).
+    oracle (what-if replay only): forces the accepted path length; the forward and the
+    compaction run exactly as they would for that decision."""
     start = state.processed
     p = len(state.pending)
     h = state.run_pending(tree.tokens, tree.depths, tree.ancestor_mask())   # CPU mask: run_pending places it
     logits = state.model.logits(h[p - 1:])
-    if sampler.greedy:
+    if oracle is not None:
+        path, bonus = forced_tree_path(tree, logits, oracle.tree(level, tree))
+        dists = None
+    elif sampler.greedy:
         path, bonus = verify_tree_greedy(tree, logits)
         dists = None
     else:
@@ -113,12 +120,14 @@ def _verify_tree_on(state: BaseState, tree: Tree, sampler: Sampler):
 
 
 def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
-                        sampler: Sampler) -> tuple[int, int]:
+                        sampler: Sampler, oracle: Optional[AcceptOracle] = None) -> tuple[int, int]:
     start = state.processed
     p = len(state.pending)
     h = state.run_pending(draft)
     logits = state.model.logits(h[p - 1:])
-    if sampler.greedy:
+    if oracle is not None:   # what-if replay: forced accepted count, same forward and truncation
+        n, bonus = forced_sequence(draft, logits, oracle.sequence("target", draft))
+    elif sampler.greedy:
         n, bonus = verify_sequence_greedy(draft, logits)
     else:
         n, bonus = verify_sequence_sampling(draft, q, logits, sampler)
@@ -127,7 +136,7 @@ def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[tor
 
 
 def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
-              max_len: int) -> Iterator[Step]:
+              max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     t = BaseState(models.target, max_len)
     timer = StageTimer(t.model.device)
     tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
@@ -144,7 +153,7 @@ def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sam
 
 
 def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
-                max_len: int) -> Iterator[Step]:
+                max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     if models.intermediate is None:
         raise ValueError("sequence speculative decoding needs an intermediate (draft) model in the stack")
     t = BaseState(models.target, max_len)
@@ -170,7 +179,7 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
                 m.tokens.append(nxt)
                 draft.append(nxt)
         with timer.stage("target_verify"):
-            n, bonus = _verify_sequence_on(t, draft, q, sampler)
+            n, bonus = _verify_sequence_on(t, draft, q, sampler, oracle)
         m.rollback(base_len + n)
         m.tokens.append(bonus)
         seq = [SeqToken(x, text(x), "draft") for x in draft]
@@ -181,7 +190,7 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
 
 
 def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
-                  max_len: int) -> Iterator[Step]:
+                  max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     if models.e_t is None:
         raise ValueError("EAGLE-2 needs an EAGLE head for the target (E_T) in the stack")
     t = BaseState(models.target, max_len)
@@ -196,7 +205,7 @@ def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler:
         with timer.stage("draft"):
             tree = draft_tree(e, s.t_depth, s.t_topk, s.t_tree_size)
         with timer.stage("target_verify"):
-            path, bonus, _ = _verify_tree_on(t, tree, sampler)
+            path, bonus, _ = _verify_tree_on(t, tree, sampler, oracle, "target")
         toks = [tree.tokens[j] for j in path]
         yield _step(i, "eagle2", timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
                     trees=[_tree_to_trace(tree, path, bonus, "target", text)], target_accepted=len(path),
@@ -206,7 +215,7 @@ def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler:
 
 
 def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
-                    max_len: int) -> Iterator[Step]:
+                    max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     if models.intermediate is None or models.e_m is None:
         raise ValueError("HierSpec needs an intermediate model and its EAGLE head (E_M) in the stack")
     t = BaseState(models.target, max_len)
@@ -230,7 +239,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             with timer.stage("draft"):
                 tree = draft_tree(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):
-                path, bonus, dists = _verify_tree_on(m, tree, sampler)
+                path, bonus, dists = _verify_tree_on(m, tree, sampler, oracle, "intermediate")
             toks = [tree.tokens[j] for j in path] + [bonus]
             draft += toks
             if dists is not None:
@@ -240,7 +249,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
             trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text))
         with timer.stage("target_verify"):
-            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler)
+            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle)
         m.rollback(base_len + n)
         e.rollback(base_len + n)
         m.tokens.append(bonus_t)

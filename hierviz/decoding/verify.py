@@ -119,3 +119,40 @@ def verify_sequence_sampling(draft: list[int], q: list[torch.Tensor], logits: to
         return i, sampler.sample(residual / residual.sum())
     return len(draft), sampler.sample(p[len(draft)])
 
+
+
+# ---- forced decisions (what-if replay, hierviz.whatif) ----------------------------------------
+# The what-if projection runs the real decoding loops on synthetic-weight models, whose own
+# argmax decisions mean nothing. An "oracle" then dictates only HOW MANY draft tokens the
+# verifier accepts; everything else (the forward over the same tokens, the logits readback,
+# cache compaction, rollback) runs unchanged. The normal path never passes an oracle.
+
+class AcceptOracle:
+    """Interface: the forced accepted length for one verification.
+    level: "intermediate" (M verifies an E_M tree), "target" (T verifies a tree or a sequence)."""
+
+    def tree(self, level: str, tree: Tree) -> int:
+        raise NotImplementedError
+
+    def sequence(self, level: str, draft: list[int]) -> int:
+        raise NotImplementedError
+
+
+def forced_tree_path(tree: Tree, logits: torch.Tensor, n: int) -> tuple[list[int], int]:
+    """Accept a root path of length min(n, deepest node): the path to the best-scoring node at
+    that depth (EAGLE-2's most likely branch). Bonus = the verifier's argmax after it, read
+    back like the greedy verifier does."""
+    best = logits.argmax(-1).tolist()
+    depth = min(max(0, n), max(tree.depths, default=0))
+    if depth == 0:
+        return [], best[0]
+    end = max((i for i, d in enumerate(tree.depths) if d == depth), key=lambda i: (tree.scores[i], -i))
+    path = tree.path_to(end)
+    return path, best[path[-1] + 1]
+
+
+def forced_sequence(draft: list[int], logits: torch.Tensor, n: int) -> tuple[int, int]:
+    """Accept the first min(n, len(draft)) draft tokens; bonus = the verifier's argmax there."""
+    best = logits.argmax(-1).tolist()
+    n = min(max(0, n), len(draft))
+    return n, best[n]

@@ -1,0 +1,600 @@
+"""`python -m hierviz whatif`: real-scale projection with replayed acceptance (issue 6).
+
+Latency does not depend on weight values, acceptance does not depend on the GPU. So this
+builds synthetic-weight models of real shapes (target W4A16, intermediate dense, EAGLE heads
+of matching shape), runs the REAL decoders of hierviz.decoding.decoders — the same forwards,
+kernels, CUDA graphs, cache compaction and rollback — and forces only the accept/reject
+decisions through an AcceptOracle (hierviz.decoding.verify): replayed from a recorded trace or
+drawn from per-depth acceptance rates (seeded). Every figure it writes is labelled
+"projected with replayed acceptance".
+
+    python -m hierviz whatif --target llama3-70b --intermediate llama3-8b \
+        --acceptance assets/traces/h200-smollm2-python-tips.json --out runs/whatif
+    python -m hierviz whatif --tiny --acceptance-rates 0.9,0.8,0.7 --out /tmp/w   # CPU, seconds
+    python -m hierviz whatif --tiny --sweep --out /tmp/w                          # sensitivity
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hierviz.decoding.decoders import DECODERS, Models, cache_margin
+from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.decoding.tree import Tree
+from hierviz.decoding.verify import AcceptOracle, Sampler
+from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.eagle import EagleHead
+from hierviz.models.llama import Transformer
+from hierviz.profile import _dense, _free_codes, _layer_weights, load_shape
+from hierviz.trace import Step, Trace, TraceError, comparison_from_json
+
+SCHEMA = "hierviz.whatif/1"
+LABEL = "projected with replayed acceptance"
+METHODS = ("ar", "spec", "eagle2", "hierspec")
+# Default rates when neither a trace nor rates are given. They are an assumption, not a
+# measurement: per-depth conditional acceptance chosen so that EAGLE-2 accepts ~3.3 draft
+# tokens per round at depth 5 (tau ~ 4.3 with the bonus token), the regime the EAGLE-2 paper
+# reports for LLaMA-3-Instruct on MT-bench; see docs/whatif.md.
+DEFAULT_RATES = (0.9, 0.8, 0.75, 0.7, 0.65, 0.6)
+DEFAULT_SEQ_RATE = 0.85   # T accepting each of M's draft tokens (Llama-3-8B drafting for 70B): assumption
+SHARPEN = 12.0            # see SharpHead
+CPU_LIMIT_BYTES = 4e9
+
+
+class WhatIfError(ValueError):
+    """A request that cannot run; the message is fit to show a user."""
+
+
+# ---- synthetic models -------------------------------------------------------------------------
+
+def tiny_config(big: bool) -> ModelConfig:
+    """CPU-sized stand-ins keeping the structure (GQA, untied head, shared vocabulary)."""
+    h, layers = (128, 4) if big else (64, 2)
+    return ModelConfig(vocab_size=512, hidden_size=h, intermediate_size=2 * h, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=h // 4, rope_theta=500000.0, max_position=4096)
+
+
+def _group(cfg: ModelConfig, g: int) -> int:
+    """W4 group size: the requested one where it divides every input dimension, else 32."""
+    ok = all(k % g == 0 for k in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))
+    return g if ok else 32
+
+
+def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str, kernel: str, seed: int,
+                    group: int = 128) -> Transformer:
+    """A Transformer of this shape with random weights; fmt "w4" (codes + scales as GPTQ
+    would store them) or "dense". Layer weights come from hierviz.profile's builder."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    g = _group(cfg, group)
+    w: dict[str, Any] = {"model.embed_tokens.weight": _dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
+                         "model.norm.weight": torch.ones(cfg.hidden_size, dtype=dtype, device=device)}
+    if not cfg.tie_embeddings:
+        w["lm_head.weight"] = _dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen)   # fp16, as GPTQ keeps it
+    for i in range(cfg.num_layers):
+        for k, v in _layer_weights(cfg, fmt, g, dtype, device, gen).items():
+            w[f"model.layers.{i}.{k[2:]}"] = v
+    return Transformer(cfg, w, w4_kernel=kernel if fmt == "w4" else "reference", dtype=dtype, device=device)
+
+
+class SharpHead(EagleHead):
+    """An EAGLE head with random weights drafts from near-uniform distributions, so EAGLE-2's
+    rerank keeps only shallow trees and a replayed path of depth 4 would not exist. Trained
+    heads are confident; this standardises the draft logits and scales them so the best branch
+    dominates and trees reach their full depth. Same matmuls, one extra elementwise op."""
+
+    def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        logits = self.base.logits(hidden)
+        z = (logits - logits.mean(-1, keepdim=True)) / logits.std(-1, keepdim=True).clamp_min(1e-6)
+        return torch.log_softmax(z * SHARPEN, -1), None
+
+
+def synthetic_head(base: Transformer, seed: int) -> SharpHead:
+    cfg = dataclasses.replace(base.cfg, num_layers=1)
+    gen = torch.Generator(device=base.device).manual_seed(seed)
+    dev = str(base.device)
+    w: dict[str, Any] = {f"layers.0.{k[2:]}": v for k, v in _layer_weights(cfg, "dense", 128, base.dtype, dev, gen).items()
+                         if not k.startswith("p.input_layernorm")}
+    w["fc.weight"] = _dense(cfg.hidden_size, 2 * cfg.hidden_size, base.dtype, dev, gen)
+    return SharpHead(cfg, w, base)
+
+
+def model_bytes(cfg: ModelConfig, fmt: str) -> float:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    per_layer = 2 * h * cfg.num_heads * cfg.head_dim + 2 * h * kv + 3 * h * i
+    return per_layer * cfg.num_layers * (0.53 if fmt == "w4" else 2.0) + 2 * 2.0 * cfg.vocab_size * h
+
+
+def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
+                 seed: int = 0) -> Models:
+    if t_cfg.vocab_size != m_cfg.vocab_size:
+        raise WhatIfError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
+                          "HierSpec needs a shared tokenizer")
+    target = synthetic_model(t_cfg, "w4", dtype, device, kernel, seed)
+    inter = synthetic_model(m_cfg, "dense", dtype, device, kernel, seed + 1)
+    return Models(target, inter, synthetic_head(inter, seed + 2), synthetic_head(target, seed + 3))
+
+
+# ---- forced acceptance ------------------------------------------------------------------------
+
+def accepted_lengths(steps: list[Step]) -> list[dict[str, Any]]:
+    """Per decode round (prefill excluded): the accepted tree path lengths (verifier M for
+    HierSpec, T for EAGLE-2) and the target's accepted count for sequence drafts."""
+    out = []
+    for s in steps:
+        if s.index == 0:
+            continue
+        row: dict[str, Any] = {"trees": [len(t.accepted) for t in s.trees]}
+        if s.method in ("hierspec", "spec"):
+            row["target"] = s.target_accepted
+        out.append(row)
+    return out
+
+
+class ReplayOracle(AcceptOracle):
+    """Replays a trace's accepted lengths in order, per level; wraps around when the what-if
+    asks for more rounds than the trace has (counted in `wrapped`)."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.trees = [n for r in rows for n in r["trees"]]
+        self.seq = [r["target"] for r in rows if "target" in r]
+        self.i_tree = self.i_seq = 0
+        self.wrapped = 0
+
+    def _next(self, q: list[int], attr: str) -> int:
+        i = getattr(self, attr)
+        if not q:
+            return 0
+        if i and i % len(q) == 0:
+            self.wrapped += 1
+        setattr(self, attr, i + 1)
+        return q[i % len(q)]
+
+    def tree(self, level: str, tree: Tree) -> int:
+        return self._next(self.trees, "i_tree")
+
+    def sequence(self, level: str, draft: list[int]) -> int:
+        return self._next(self.seq, "i_seq")
+
+
+class RatesOracle(AcceptOracle):
+    """Tree level: depth d is accepted (given d-1 was) with probability rates[d-1] (the last
+    rate repeats). Sequence level: each of M's draft tokens with probability seq_rate."""
+
+    def __init__(self, rates: list[float], seq_rate: float, seed: int, m_rates: Optional[list[float]] = None) -> None:
+        self.rates, self.m_rates, self.seq_rate = list(rates), list(m_rates or rates), seq_rate
+        self.rng = random.Random(seed)
+
+    def _run(self, rates: list[float], most: int) -> int:
+        n = 0
+        while n < most and self.rng.random() < rates[min(n, len(rates) - 1)]:
+            n += 1
+        return n
+
+    def tree(self, level: str, tree: Tree) -> int:
+        return self._run(self.m_rates if level == "intermediate" else self.rates, max(tree.depths, default=0))
+
+    def sequence(self, level: str, draft: list[int]) -> int:
+        return self._run([self.seq_rate], len(draft))
+
+
+def load_acceptance_trace(path: str) -> dict[str, list[dict[str, Any]]]:
+    """Accepted lengths per method from a trace or comparison file, plus each run's settings."""
+    try:
+        runs = comparison_from_json(Path(path).read_bytes())
+    except OSError as e:
+        raise WhatIfError(f"cannot read acceptance trace {path}: {e.strerror}") from None
+    except TraceError as e:
+        raise WhatIfError(f"acceptance trace {path}: {e}") from None
+    out: dict[str, Any] = {}
+    for t in runs:
+        m = t.meta.get("method") or (t.steps[0].method if t.steps else None)
+        if m and m not in out:
+            out[m] = {"rows": accepted_lengths(t.steps), "settings": t.meta.get("settings", {}),
+                      "tokens": sum(len(s.new_tokens) for s in t.steps), "stack": t.meta.get("stack")}
+    return out
+
+
+# ---- running one method -----------------------------------------------------------------------
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[AcceptOracle],
+            prompt: list[int]) -> dict[str, Any]:
+    """Decode until max_new_tokens tokens exist; time the decode rounds (prefill excluded)."""
+    max_len = len(prompt) + s.max_new_tokens + cache_margin(s)
+    gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
+    dev = models.target.device
+    steps: list[Step] = []
+    made = 0
+    with torch.no_grad():
+        steps.append(next(gen))        # prefill round
+        made += len(steps[0].new_tokens)
+        _sync(dev)
+        t0 = time.perf_counter()
+        while made < s.max_new_tokens:
+            st = next(gen)
+            made += len(st.new_tokens)
+            steps.append(st)
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    gen.close()
+    decode = steps[1:]
+    tokens = sum(len(x.new_tokens) for x in decode)
+    stages: dict[str, float] = {}
+    forwards: dict[str, int] = {}
+    for x in decode:
+        for k, v in x.timings_ms.items():
+            stages[k] = stages.get(k, 0.0) + v
+        for k, v in x.forwards.items():
+            forwards[k] = forwards.get(k, 0) + v
+    return {"tokens": tokens, "rounds": len(decode), "decode_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
+            "ms_per_token": 1000.0 * wall / max(1, tokens), "tokens_per_round": tokens / max(1, len(decode)),
+            "prefill_ms": steps[0].step_ms, "stages_ms": stages,
+            "stages_ms_per_token": {k: v / max(1, tokens) for k, v in stages.items()},
+            "forwards": forwards, "accepted": accepted_lengths(steps)}
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise WhatIfError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
+        raise WhatIfError(f"{what} must be probabilities between 0 and 1, got {text!r}")
+    return vals
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise WhatIfError(f"{what} must be comma-separated whole numbers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise WhatIfError(f"{what} must be positive, got {text!r}")
+    return vals
+
+
+def parser() -> argparse.ArgumentParser:
+    d = DecodeSettings()
+    ap = argparse.ArgumentParser(prog="python -m hierviz whatif", description=(
+        "Real-scale projection: synthetic-weight models of real shapes, the real decoding loops and "
+        f"kernels, forced acceptance. Every figure is {LABEL}."))
+    ap.add_argument("--target", default="llama3-70b", help="shape: llama3-8b, llama3-70b, smollm2 or a config.json")
+    ap.add_argument("--intermediate", default="llama3-8b", help="shape of the intermediate model M")
+    ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
+    ap.add_argument("--acceptance-rates", default=None,
+                    help=f"per-depth tree acceptance rates, e.g. 0.9,0.8,0.7 (default {','.join(map(str, DEFAULT_RATES))})")
+    ap.add_argument("--m-acceptance-rates", default=None, help="rates for E_M trees verified by M (default: same)")
+    ap.add_argument("--seq-rate", type=float, default=DEFAULT_SEQ_RATE,
+                    help="rates mode: probability T accepts each token of M's sequence draft")
+    ap.add_argument("--methods", default="ar,eagle2,hierspec")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="default: the trace's length when replaying, else 128")
+    ap.add_argument("--prompt-len", type=int, default=128, help="synthetic prompt length (tokens)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                    help="default: float16 on CUDA, float32 on CPU")
+    ap.add_argument("--w4-kernel", default=None, help="default: triton on CUDA, reference on CPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes instead of --target/--intermediate (CPU tests)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    ap.add_argument("--no-stage-sync", action="store_true",
+                    help="no CUDA sync around stages: end-to-end times without sync overhead, stage times = dispatch")
+    for name, default, hlp in (("m-depth", None, "E_M tree depth"), ("m-topk", None, "E_M top-k"),
+                               ("m-tree-size", None, "E_M tree size"), ("min-draft-len", None, "HierSpec min draft"),
+                               ("t-depth", None, "E_T tree depth"), ("t-topk", None, "E_T top-k"),
+                               ("t-tree-size", None, "E_T tree size"), ("spec-k", None, "spec draft length")):
+        ap.add_argument(f"--{name}", type=int, default=default,
+                        help=f"{hlp} (default: the trace's settings when replaying, else {getattr(d, name.replace('-', '_'))})")
+    ap.add_argument("--sweep", action="store_true",
+                    help="sensitivity study: speedup vs acceptance scale, E_T tree size and min draft length")
+    ap.add_argument("--sweep-scales", default="0.6,0.8,0.9,1.0,1.1")
+    ap.add_argument("--sweep-tree-sizes", default="24,60")
+    ap.add_argument("--sweep-min-draft", default="4,6,8")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+def _settings(a: argparse.Namespace, base: dict[str, Any], max_new: int) -> DecodeSettings:
+    s = DecodeSettings(**{k: v for k, v in base.items() if k in DecodeSettings.__dataclass_fields__})
+    for f in ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size", "spec_k"):
+        if getattr(a, f) is not None:
+            setattr(s, f, getattr(a, f))
+    s.max_new_tokens, s.temperature, s.seed = max_new, 0.0, a.seed
+    try:
+        return s.validate()
+    except SettingsError as e:
+        raise WhatIfError(str(e)) from None
+
+
+def _environment(a: argparse.Namespace) -> tuple[str, torch.dtype, str]:
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev not in ("cpu", "cuda"):
+        raise WhatIfError(f"unknown device {dev!r}; use cuda or cpu")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise WhatIfError("no CUDA GPU found: use --device cpu --tiny for the CPU version")
+    dtype_name = a.dtype or ("float16" if dev == "cuda" else "float32")
+    kernel = a.w4_kernel or ("triton" if dev == "cuda" else "reference")
+    return dev, getattr(torch, dtype_name), kernel
+
+
+def _shapes(a: argparse.Namespace, dev: str) -> tuple[dict[str, str], ModelConfig, ModelConfig]:
+    if a.tiny:
+        return {"target": "tiny-target", "intermediate": "tiny-intermediate"}, tiny_config(True), tiny_config(False)
+    try:
+        (t_name, t_cfg), (m_name, m_cfg) = load_shape(a.target), load_shape(a.intermediate)
+    except (ModelConfigError, OSError) as e:
+        raise WhatIfError(f"cannot read a shape config: {e}") from None
+    except ValueError as e:
+        raise WhatIfError(str(e)) from None
+    need = model_bytes(t_cfg, "w4") + model_bytes(m_cfg, "dense")
+    if dev == "cpu" and need > CPU_LIMIT_BYTES:
+        raise WhatIfError(f"{t_name} + {m_name} need ~{need / 1e9:.0f} GB of weights: too big for a CPU run "
+                          "(use --tiny, small config.json shapes, or --device cuda)")
+    return {"target": t_name, "intermediate": m_name}, t_cfg, m_cfg
+
+
+def _oracle_factory(a: argparse.Namespace, trace: Optional[dict[str, Any]], scale: float = 1.0):
+    """A fresh oracle per run (same seed per method: every run of a method draws the same luck)."""
+    rates = [min(1.0, r * scale) for r in _floats(a.acceptance_rates, "--acceptance-rates")] if a.acceptance_rates \
+        else [min(1.0, r * scale) for r in DEFAULT_RATES]
+    m_rates = [min(1.0, r * scale) for r in _floats(a.m_acceptance_rates, "--m-acceptance-rates")] \
+        if a.m_acceptance_rates else None
+    seq = min(1.0, a.seq_rate * scale)
+
+    def make(method: str) -> Optional[AcceptOracle]:
+        if method == "ar":
+            return None
+        if trace is not None:
+            return ReplayOracle(trace[method]["rows"])
+        return RatesOracle(rates, seq, hash_seed(a.seed, method), m_rates)
+    return make, {"rates": rates, "m_rates": m_rates or rates, "seq_rate": seq}
+
+
+def hash_seed(seed: int, method: str) -> int:
+    """A stable per-method seed (Python's str hash is salted per process)."""
+    return seed * 1000 + METHODS.index(method)
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise WhatIfError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
+        raise WhatIfError("give either --acceptance (a trace) or --acceptance-rates, not both")
+    if not 0.0 <= a.seq_rate <= 1.0:
+        raise WhatIfError(f"--seq-rate must be between 0 and 1, got {a.seq_rate}")
+    if a.prompt_len < 1:
+        raise WhatIfError("--prompt-len must be at least 1")
+    if a.max_new_tokens is not None and a.max_new_tokens < 2:
+        raise WhatIfError("--max-new-tokens must be at least 2")
+    trace = None
+    base_settings: dict[str, Any] = {}
+    if a.acceptance:
+        if a.sweep:
+            raise WhatIfError("--sweep varies acceptance rates: use --acceptance-rates (or the defaults), not a trace")
+        trace = load_acceptance_trace(a.acceptance)
+        missing = [m for m in methods if m != "ar" and m not in trace]
+        if missing:
+            raise WhatIfError(f"the trace has no run of {', '.join(missing)} (it has {', '.join(trace) or 'none'}): "
+                              "drop those from --methods or use --acceptance-rates")
+        spec = next((trace[m] for m in methods if m in trace), None)
+        base_settings = spec["settings"] if spec else {}
+    max_new = a.max_new_tokens or (max(trace[m]["tokens"] for m in methods if m in trace)
+                                   if trace and any(m in trace for m in methods) else 128)
+    s = _settings(a, base_settings, max_new)
+    dev, dtype, kernel = _environment(a)
+    if a.threads is not None:
+        if a.threads < 1:
+            raise WhatIfError("--threads must be at least 1")
+        torch.set_num_threads(a.threads)
+    names, t_cfg, m_cfg = _shapes(a, dev)
+    if a.prompt_len + max_new + cache_margin(s) > t_cfg.max_position:
+        raise WhatIfError(f"prompt ({a.prompt_len}) + new tokens ({max_new}) + draft room exceed the "
+                          f"{t_cfg.max_position}-token context of the target shape")
+    from hierviz.decoding.decoders import StageTimer
+    StageTimer.sync = not a.no_stage_sync
+    torch.manual_seed(a.seed)
+    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed)
+    prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
+    make, rates_info = _oracle_factory(a, trace)
+    warm = dataclasses.replace(s, max_new_tokens=min(16, max_new))
+    for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
+        run_one(models, m, warm, make(m), prompt)
+    for layer in models.target.layers:   # Triton keeps its own code layout: hold the 70B codes once
+        _free_codes(layer)
+    results = {m: run_one(models, m, s, make(m), prompt) for m in methods}
+    info: dict[str, Any] = {
+        "schema": SCHEMA, "label": LABEL, "shapes": names,
+        "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
+        "formats": {"target": f"W4A16 synthetic codes, group {_group(t_cfg, 128)}, kernel {kernel}",
+                    "intermediate": f"dense {str(dtype).replace('torch.', '')}", "heads": "EAGLE-1/2 layout, synthetic"},
+        "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
+        "acceptance": ({"mode": "trace", "source": a.acceptance,
+                        "source_stack": {m: trace[m]["stack"] for m in trace}} if trace else
+                       {"mode": "rates", **rates_info, "seed": a.seed}),
+        "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync,
+        "methods": results, "machine": _machine(dev)}
+    if trace:
+        info["replay"] = {m: _replay_check(trace[m]["rows"], results[m]["accepted"]) for m in results if m in trace}
+    info["speedup_vs_ar"] = ({m: r["tokens_per_s"] / results["ar"]["tokens_per_s"] for m, r in results.items()}
+                             if "ar" in results else {})
+    if "hierspec" in results and "eagle2" in results:
+        info["hierspec_vs_eagle2"] = results["hierspec"]["tokens_per_s"] / results["eagle2"]["tokens_per_s"]
+    if a.sweep:
+        info["sweep"] = run_sweep(a, models, s, prompt, results)
+    return info
+
+
+def _replay_check(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict[str, Any]:
+    n = min(len(want), len(got))
+    same = sum(1 for i in range(n) if want[i] == got[i])
+    return {"rounds_in_trace": len(want), "rounds_run": len(got), "rounds_identical": same,
+            "exact": len(want) == len(got) and same == n}
+
+
+def _machine(dev: str) -> dict[str, Any]:
+    m = {"platform": platform.platform(), "torch": torch.__version__}
+    if dev == "cuda":
+        m["gpu"] = torch.cuda.get_device_name()
+    return m
+
+
+def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: list[int],
+              base: dict[str, Any]) -> dict[str, Any]:
+    """AR once; EAGLE-2 per (scale, E_T tree size); HierSpec per (scale, min draft length)."""
+    scales = [float(x) for x in a.sweep_scales.split(",")] if a.sweep_scales else [1.0]
+    if any(x <= 0 for x in scales):
+        raise WhatIfError("--sweep-scales must be positive")
+    sizes = _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
+    drafts = _ints(a.sweep_min_draft, "--sweep-min-draft")
+    ar = base["ar"] if "ar" in base else run_one(models, "ar", s, None, prompt)
+    rows = []
+    for sc in scales:
+        make, rinfo = _oracle_factory(a, None, sc)
+        for size in sizes:
+            st = _settings_copy(s, t_tree_size=size)
+            r = run_one(models, "eagle2", st, make("eagle2"), prompt)
+            rows.append({"method": "eagle2", "scale": sc, "t_tree_size": size, "rates": rinfo["rates"],
+                         "tokens_per_s": r["tokens_per_s"], "tokens_per_round": r["tokens_per_round"],
+                         "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
+        for md in drafts:
+            st = _settings_copy(s, min_draft_len=md)
+            r = run_one(models, "hierspec", st, make("hierspec"), prompt)
+            rows.append({"method": "hierspec", "scale": sc, "min_draft_len": md, "rates": rinfo["rates"],
+                         "seq_rate": rinfo["seq_rate"], "tokens_per_s": r["tokens_per_s"],
+                         "tokens_per_round": r["tokens_per_round"],
+                         "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
+    verdicts = []
+    for sc in scales:
+        e = [r for r in rows if r["scale"] == sc and r["method"] == "eagle2"]
+        h = [r for r in rows if r["scale"] == sc and r["method"] == "hierspec"]
+        be, bh = max(e, key=lambda r: r["tokens_per_s"]), max(h, key=lambda r: r["tokens_per_s"])
+        verdicts.append({"scale": sc, "best_eagle2": be["speedup_vs_ar"], "best_eagle2_tree_size": be["t_tree_size"],
+                         "best_hierspec": bh["speedup_vs_ar"], "best_min_draft_len": bh["min_draft_len"],
+                         "winner": "hierspec" if bh["tokens_per_s"] > be["tokens_per_s"] else "eagle2"})
+    return {"label": LABEL, "ar_tokens_per_s": ar["tokens_per_s"], "rows": rows, "verdicts": verdicts}
+
+
+def _settings_copy(s: DecodeSettings, **kw: Any) -> DecodeSettings:
+    try:
+        return dataclasses.replace(s, **kw).validate()
+    except SettingsError as e:
+        raise WhatIfError(str(e)) from None
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+
+def _title(info: dict[str, Any]) -> str:
+    sh = info["shapes"]
+    where = info["machine"].get("gpu", info["device"])
+    return f"{sh['target']} (W4A16) / {sh['intermediate']} on {where} — {LABEL}"
+
+
+def chart_html(info: dict[str, Any]) -> str:
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+    ms = info["methods"]
+    names = list(ms)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"tokens/s ({LABEL})", f"ms per token by stage ({LABEL})"))
+    fig.add_trace(go.Bar(x=names, y=[ms[m]["tokens_per_s"] for m in names], showlegend=False,
+                         text=[f"{info['speedup_vs_ar'].get(m, 0):.2f}x" for m in names]), 1, 1)
+    stages = sorted({k for m in names for k in ms[m]["stages_ms_per_token"]})
+    for st in stages:
+        fig.add_trace(go.Bar(name=st, x=names, y=[ms[m]["stages_ms_per_token"].get(st, 0.0) for m in names]), 1, 2)
+    fig.update_layout(barmode="stack", title=_title(info), template="plotly_white")
+    return fig.to_html(include_plotlyjs="cdn", full_html=True)
+
+
+def sweep_html(info: dict[str, Any]) -> str:
+    import plotly.graph_objects as go
+    sw = info["sweep"]
+    fig = go.Figure()
+    for key, method in (("t_tree_size", "eagle2"), ("min_draft_len", "hierspec")):
+        for v in sorted({r[key] for r in sw["rows"] if r["method"] == method}):
+            pts = [r for r in sw["rows"] if r["method"] == method and r[key] == v]
+            fig.add_trace(go.Scatter(x=[r["scale"] for r in pts], y=[r["speedup_vs_ar"] for r in pts],
+                                     mode="lines+markers", name=f"{method} {key}={v}",
+                                     line={"dash": "dot" if method == "eagle2" else "solid"}))
+    fig.update_layout(title=f"Speedup vs AR against acceptance scale — {_title(info)}",
+                      xaxis_title="acceptance-rate scale (x the base per-depth rates)",
+                      yaxis_title=f"speedup vs AR ({LABEL})", template="plotly_white")
+    return fig.to_html(include_plotlyjs="cdn", full_html=True)
+
+
+def markdown(info: dict[str, Any]) -> str:
+    lines = [f"# What-if: {_title(info)}", "",
+             "| method | tokens/s | speedup vs AR | tokens/round | " +
+             " | ".join(f"{k} ms/tok" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, r in info["methods"].items():
+        st = r["stages_ms_per_token"]
+        lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {info['speedup_vs_ar'].get(m, float('nan')):.2f}x | "
+                     f"{r['tokens_per_round']:.2f} | " +
+                     " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
+    lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels.")
+    if "sweep" in info:
+        lines += ["", "| scale | best EAGLE-2 | (tree size) | best HierSpec | (min draft) | winner |", "|---|---|---|---|---|---|"]
+        for v in info["sweep"]["verdicts"]:
+            lines.append(f"| {v['scale']} | {v['best_eagle2']:.2f}x | {v['best_eagle2_tree_size']} | "
+                         f"{v['best_hierspec']:.2f}x | {v['best_min_draft_len']} | {v['winner']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(info: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    sweep = info.pop("sweep", None)
+    (out / "whatif.json").write_text(json.dumps(info, indent=1))
+    if sweep is not None:
+        (out / "sweep.json").write_text(json.dumps({**{k: info[k] for k in ("schema", "shapes", "device", "machine",
+                                                                             "settings", "w4_kernel", "tiny")},
+                                                    **sweep}, indent=1))
+        info["sweep"] = sweep
+    (out / "whatif.md").write_text(markdown(info))
+    try:
+        (out / "whatif.html").write_text(chart_html(info))
+        if sweep is not None:
+            (out / "sweep.html").write_text(sweep_html(info))
+    except ImportError:   # plotly is optional on a headless GPU box
+        print("note: plotly is not installed; charts skipped", file=sys.stderr)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    try:
+        info = run_whatif(a)
+    except (WhatIfError, SettingsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except torch.cuda.OutOfMemoryError:
+        print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
+        return 2
+    write_outputs(info, Path(a.out))
+    print(markdown(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
