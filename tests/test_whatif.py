@@ -1,0 +1,115 @@
+"""The what-if projection (hierviz.whatif) at tiny shapes on the CPU: forced acceptance replays a
+trace's accepted lengths exactly through the real decoders; rates mode is seeded; bad
+arguments exit with code 2 and a one-line error."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hierviz.decoding.settings import DecodeSettings
+from hierviz.whatif import RatesOracle, build_models, main, run_one, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["--tiny", "--device", "cpu", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    """--threads 1 sets torch's global thread count: give it back to the other test modules."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def engine_trace(tmp_path_factory) -> Path:
+    """A HierSpec + EAGLE-2 comparison recorded by the engine on the tiny random stack."""
+    from hierviz.engine import generate
+    from hierviz.stack import tiny_random_stack
+    from hierviz.trace import save_comparison
+    stack = tiny_random_stack()
+    s = DecodeSettings(max_new_tokens=24)
+    path = tmp_path_factory.mktemp("trace") / "tiny.json"
+    save_comparison([generate(stack, m, "replay me", s) for m in ("hierspec", "eagle2")], path)
+    return path
+
+
+def _replay(trace: Path, out: Path, methods: str) -> dict:
+    assert main(FAST + ["--acceptance", str(trace), "--methods", methods, "--out", str(out)]) == 0
+    return json.loads((out / "whatif.json").read_text())
+
+
+def _lengths(trace: Path) -> dict[str, list]:
+    from hierviz.trace import comparison_from_json
+    from hierviz.whatif import accepted_lengths
+    return {t.meta["method"]: accepted_lengths(t.steps) for t in comparison_from_json(trace.read_bytes())}
+
+
+def test_replays_engine_trace_exactly(engine_trace: Path, tmp_path: Path) -> None:
+    info = _replay(engine_trace, tmp_path, "ar,eagle2,hierspec")
+    want = _lengths(engine_trace)
+    for m in ("eagle2", "hierspec"):
+        assert info["methods"][m]["accepted"] == want[m]          # per round, per level
+        assert info["replay"][m]["exact"]
+    assert info["label"] == "projected with replayed acceptance"
+    assert set(info["speedup_vs_ar"]) == {"ar", "eagle2", "hierspec"}
+    assert "projected with replayed acceptance" in (tmp_path / "whatif.md").read_text()
+
+
+def test_replays_deep_trees_of_the_recorded_h200_trace(tmp_path: Path) -> None:
+    """The shipped H200 trace accepts paths up to the full tree depth: the synthetic heads'
+    trees must reach that depth for the replay to stay exact."""
+    trace = ROOT / "assets" / "traces" / "h200-smollm2-python-tips.json"
+    info = _replay(trace, tmp_path, "eagle2,hierspec")
+    want = _lengths(trace)
+    assert max(n for r in want["eagle2"] for n in r["trees"]) >= 3
+    for m in ("eagle2", "hierspec"):
+        assert info["methods"][m]["accepted"] == want[m]
+
+
+def test_rates_mode_is_seeded() -> None:
+    torch.manual_seed(0)
+    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference")
+    s = DecodeSettings(max_new_tokens=20)
+    prompt = list(range(3, 40))
+    runs = [run_one(models, "hierspec", s, RatesOracle([0.9, 0.7], 0.8, seed), prompt)["accepted"]
+            for seed in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    e = run_one(models, "eagle2", s, RatesOracle([1.0], 1.0, 0), prompt)
+    assert all(r["trees"] == [s.t_depth] for r in e["accepted"])   # rate 1: every tree fully accepted
+
+
+def test_sweep_writes_verdicts(tmp_path: Path) -> None:
+    assert main(FAST + ["--sweep", "--sweep-scales", "0.5,1.0", "--sweep-tree-sizes", "24",
+                        "--sweep-min-draft", "6", "--max-new-tokens", "12", "--out", str(tmp_path)]) == 0
+    sw = json.loads((tmp_path / "sweep.json").read_text())
+    assert [v["scale"] for v in sw["verdicts"]] == [0.5, 1.0]
+    assert all(v["winner"] in ("eagle2", "hierspec") for v in sw["verdicts"])
+    assert sw["label"] == "projected with replayed acceptance"
+
+
+@pytest.mark.parametrize("args, msg", [
+    (FAST + ["--methods", "ar,bogus"], "unknown method"),
+    (FAST + ["--acceptance-rates", "0.5,1.5"], "between 0 and 1"),
+    (FAST + ["--acceptance-rates", "a,b"], "comma-separated numbers"),
+    (FAST + ["--acceptance", "/nonexistent/trace.json"], "cannot read acceptance trace"),
+    (FAST + ["--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json"), "--acceptance-rates", "0.5"],
+     "not both"),
+    (["--device", "cpu", "--target", "llama3-70b"], "too big for a CPU run"),
+    (["--device", "cpu", "--target", "no-such-shape"], "unknown shape"),
+    (FAST + ["--t-tree-size", "0"], "tree size"),
+    (FAST + ["--sweep", "--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json")], "--sweep"),
+])
+def test_bad_arguments(args: list[str], msg: str, tmp_path: Path, capsys) -> None:
+    assert main(args + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_trace_without_the_method(engine_trace: Path, tmp_path: Path, capsys) -> None:
+    assert main(FAST + ["--acceptance", str(engine_trace), "--methods", "spec", "--out", str(tmp_path)]) == 2
+    assert "no run of spec" in capsys.readouterr().err
