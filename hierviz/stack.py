@@ -27,7 +27,7 @@ from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead, load_eagle_weights
 from hierviz.models.llama import Transformer, Weight, WeightsError
-from hierviz.models.loading import load_weights
+from hierviz.models.loading import load_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
 from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn
 from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -146,9 +146,10 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         if spec.get("e_m"):
             if inter is None:
                 raise StackError("e_m needs an intermediate model in the stack")
-            e_m = EagleHead(*load_eagle_weights(_resolve(spec["e_m"]["path"], base)), inter)
+            # resolve_source: a head may be a hub id (yuhuili/EAGLE-...) as well as a local folder
+            e_m = EagleHead(*load_eagle_weights(resolve_source(_resolve(spec["e_m"]["path"], base))), inter)
         if spec.get("e_t"):
-            e_t = EagleHead(*load_eagle_weights(_resolve(spec["e_t"]["path"], base)), target)
+            e_t = EagleHead(*load_eagle_weights(resolve_source(_resolve(spec["e_t"]["path"], base))), target)
         tok_src = _resolve(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
     except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
