@@ -35,7 +35,7 @@ from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
 from hierviz.profile import _dense, _free_codes, _layer_weights, load_shape
-from hierviz.trace import Step, Trace, TraceError, comparison_from_json
+from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
 LABEL = "projected with replayed acceptance"
@@ -362,11 +362,11 @@ def _oracle_factory(a: argparse.Namespace, trace: Optional[dict[str, Any]], scal
             return None
         if trace is not None:
             return ReplayOracle(trace[method]["rows"])
-        return RatesOracle(rates, seq, hash_seed(a.seed, method), m_rates)
+        return RatesOracle(rates, seq, _method_seed(a.seed, method), m_rates)
     return make, {"rates": rates, "m_rates": m_rates or rates, "seq_rate": seq}
 
 
-def hash_seed(seed: int, method: str) -> int:
+def _method_seed(seed: int, method: str) -> int:
     """A stable per-method seed (Python's str hash is salted per process)."""
     return seed * 1000 + METHODS.index(method)
 
@@ -404,6 +404,10 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     max_new = a.max_new_tokens or (max(trace[m]["tokens"] for m in methods if m in trace)
                                    if trace and any(m in trace for m in methods) else 128)
     s = _settings(a, base_settings, max_new)
+    if a.sweep:   # check the sweep's lists before building (possibly 70B-sized) models
+        _scales(a.sweep_scales)
+        _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
+        _ints(a.sweep_min_draft, "--sweep-min-draft")
     dev, dtype, kernel = _environment(a)
     if a.threads is not None:
         if a.threads < 1:
@@ -461,12 +465,20 @@ def _machine(dev: str) -> dict[str, Any]:
     return m
 
 
+def _scales(text: str) -> list[float]:
+    try:
+        scales = [float(x) for x in text.split(",") if x.strip()] or [1.0]
+    except ValueError:
+        raise WhatIfError(f"--sweep-scales must be comma-separated numbers, got {text!r}") from None
+    if any(not x > 0 for x in scales):
+        raise WhatIfError("--sweep-scales must be positive")
+    return scales
+
+
 def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: list[int],
               base: dict[str, Any]) -> dict[str, Any]:
     """AR once; EAGLE-2 per (scale, E_T tree size); HierSpec per (scale, min draft length)."""
-    scales = [float(x) for x in a.sweep_scales.split(",")] if a.sweep_scales else [1.0]
-    if any(x <= 0 for x in scales):
-        raise WhatIfError("--sweep-scales must be positive")
+    scales = _scales(a.sweep_scales)
     sizes = _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
     drafts = _ints(a.sweep_min_draft, "--sweep-min-draft")
     ar = base["ar"] if "ar" in base else run_one(models, "ar", s, None, prompt)
@@ -513,8 +525,8 @@ def _title(info: dict[str, Any]) -> str:
 
 
 def chart_html(info: dict[str, Any]) -> str:
-    from plotly.subplots import make_subplots
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
     ms = info["methods"]
     names = list(ms)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(f"tokens/s ({LABEL})", f"ms per token by stage ({LABEL})"))

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hierviz.stack import DEFAULT_STACK, PRESET_DIR, StackError, load_stack, preset_names
+from hierviz.stack import (
+    DEFAULT_STACK,
+    PRESET_DIR,
+    StackError,
+    load_stack,
+    preset_names,
+)
 from tests.tiny import make_tiny_head, make_tiny_hf, make_tiny_tokenizer
 
 PRESETS = {
@@ -80,8 +86,8 @@ def _sharded_standin(folder: Path, seed: int) -> Path:
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_loads_with_local_standins(name: str, tmp_path: Path) -> None:
-    from hierviz.engine import generate, output_tokens
     from hierviz.decoding.settings import DecodeSettings
+    from hierviz.engine import generate, output_tokens
     from hierviz.models.config import ModelConfig
     target = _gptq_standin(tmp_path / "t", seed=1)
     inter = _sharded_standin(tmp_path / "m", seed=2)

@@ -102,6 +102,8 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     (["--device", "cpu", "--target", "llama3-70b"], "too big for a CPU run"),
     (["--device", "cpu", "--target", "no-such-shape"], "unknown shape"),
     (FAST + ["--t-tree-size", "0"], "tree size"),
+    (FAST + ["--sweep", "--sweep-scales", "x", "--max-new-tokens", "4"], "--sweep-scales"),
+    (FAST + ["--sweep", "--sweep-tree-sizes", "0"], "--sweep-tree-sizes"),
     (FAST + ["--sweep", "--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json")], "--sweep"),
 ])
 def test_bad_arguments(args: list[str], msg: str, tmp_path: Path, capsys) -> None:
