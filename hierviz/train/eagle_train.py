@@ -26,22 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hierviz.models.llama import RMSNorm
 from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, env_info,
                                   hf_config_dict, load_base, log, pick_device, seed_all, valid_mask,
                                   with_shared_embeddings, write_json)
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
 
 
 class _Attn(nn.Module):
@@ -86,7 +74,9 @@ class _Layer(nn.Module):
         heads = cfg["num_attention_heads"]
         self.self_attn = _Attn(h, heads, cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads)
         self.mlp = _MLP(h, cfg["intermediate_size"])
-        self.post_attention_layernorm = _RMSNorm(h, cfg.get("rms_norm_eps", 1e-5))
+        # the engine's norm, made trainable (the engine freezes its parameters)
+        self.post_attention_layernorm = RMSNorm(torch.ones(h), cfg.get("rms_norm_eps", 1e-5))
+        self.post_attention_layernorm.weight.requires_grad_(True)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(x, cos, sin)      # layer 0 of an EAGLE head: no input_layernorm
