@@ -256,3 +256,9 @@ def test_random_seeds_build_valid_trees():
         t = sample.build_tree(random.Random(seed), sample._Vocab(), "r", [" a", " b", " c"], 4, 5, 20, 0.7, "target")
         assert len(t.nodes) == 20
         trace_from_json(Trace({"method": "eagle2"}, [Step(0, "eagle2", [1], ["x"], ["target_bonus"], {}, [t])]).to_json())
+
+
+def test_plotly_labels_keep_quotes_but_escape_markup():
+    from hierviz.viz.style import plotly_label
+    assert plotly_label('"') == '"'
+    assert plotly_label("<b>") == "&lt;b&gt;"

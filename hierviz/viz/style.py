@@ -77,3 +77,9 @@ def esc(text: str) -> str:
 
 def token_label(text: str, limit: int = 12) -> str:
     return esc(visible_token(text, limit))
+
+
+def plotly_label(text: str, limit: int = 12) -> str:
+    """Token text for plotly annotations/hovers: plotly decodes &lt; &gt; &amp; but shows
+    &quot; and &#x27; literally, so quotes stay as they are (no attribute context there)."""
+    return html.escape(visible_token(text, limit), quote=False)

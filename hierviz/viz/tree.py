@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from hierviz.trace import DraftTree, Step
-from hierviz.viz.style import COLORS, token_label, visible_token
+from hierviz.viz.style import COLORS, plotly_label, visible_token
 
 COL_PX = 104        # pixels per depth column; the figure width is fixed so labels never overlap
 ROW_PX = 24         # pixels per leaf row
@@ -132,7 +132,7 @@ STATUS_NAMES = {
 
 
 def _hover(p: PlacedNode, tree_idx: int) -> str:
-    lines = [f"<b>{token_label(p.text, 40)}</b>", f"token id {p.token}", STATUS_NAMES[p.status]]
+    lines = [f"<b>{plotly_label(p.text, 40)}</b>", f"token id {p.token}", STATUS_NAMES[p.status]]
     if p.score is not None:
         lines += [f"depth {p.depth}",
                   f"p(token | parent) = {math.exp(p.logprob):.3f}" if p.logprob is not None and p.logprob <= 0 else "",
@@ -221,7 +221,7 @@ def tree_figure(trees: list[DraftTree], title: str = "",
         for ti, p in group:
             annotations.append(dict(
                 x=p.x, y=p.y, xanchor="left", yanchor="middle", showarrow=False,
-                text=token_label(p.text, LABEL_CHARS),
+                text=plotly_label(p.text, LABEL_CHARS),
                 font=dict(size=13, color="#222" if dark_text else "white", family="DejaVu Sans Mono, monospace"),
                 bgcolor=COLORS[status], borderpad=3,
                 bordercolor="#222" if p.id == BONUS else COLORS[status], borderwidth=1.5 if p.id == BONUS else 0))
