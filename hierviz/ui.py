@@ -485,8 +485,10 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
 
     play_evt = play_btn.click(replay, [sess_state, speed], [status, step_sl, *panels], show_progress="hidden",
                               api_visibility="private")
-    pause_btn.click(lambda: status_html("Replay stopped.", "warn"), None, [status], cancels=[play_evt], queue=False,
-                    api_visibility="private")
+    # the message is sent only after the cancellation went through, so a late step update from
+    # the cancelled replay cannot overwrite it
+    pause_btn.click(None, None, None, cancels=[play_evt], queue=False, api_visibility="private").then(
+        lambda: status_html("Replay stopped.", "warn"), None, [status], queue=False, api_visibility="private")
 
     # show something good on first open: the first recorded trace, if any
     def on_open() -> dict:
