@@ -144,3 +144,12 @@ def test_cli_generate_writes_trace(tmp_path, capsys):
                  "--method", "eagle2", "--trace", str(out)]) == 0
     tr = load_trace(out)
     assert tr.meta["method"] == "eagle2" and sum(len(s.new_tokens) for s in tr.steps) == 6
+
+
+def test_deep_wide_head_tree_fits_or_is_refused_up_front(tiny):
+    """The EAGLE head's cache holds (depth-1) x top-k frontier nodes: such a tree runs, and one
+    that cannot fit the context is refused before the run with a clear message."""
+    tr = generate(tiny, "eagle2", "hi", DecodeSettings(max_new_tokens=4, t_depth=20, t_topk=40, t_tree_size=100))
+    assert sum(len(s.new_tokens) for s in tr.steps) == 4
+    with pytest.raises(EngineError, match="draft/tree room .* does not fit"):
+        generate(tiny, "eagle2", "hi", DecodeSettings(max_new_tokens=4, t_depth=32, t_topk=64, t_tree_size=100))

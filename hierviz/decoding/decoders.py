@@ -264,5 +264,7 @@ DECODERS = {"ar": decode_ar, "spec": decode_spec, "eagle2": decode_eagle2, "hier
 
 
 def cache_margin(s: DecodeSettings) -> int:
-    """Slots a round may use beyond the accepted tokens (drafts and trees not yet compacted)."""
-    return max(s.t_tree_size, s.m_tree_size + s.min_draft_len + s.m_depth + 1, s.spec_k) + 8
+    """Slots a round may use beyond the accepted tokens (drafts and trees not yet compacted).
+    An EAGLE head's cache also holds every expanded frontier node of its tree: (depth-1) x top-k."""
+    return max(s.t_tree_size, s.m_tree_size + s.min_draft_len + s.m_depth + 1, s.spec_k,
+               (s.t_depth - 1) * s.t_topk, (s.m_depth - 1) * s.m_topk + s.min_draft_len + s.m_depth + 1) + 8
