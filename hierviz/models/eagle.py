@@ -74,12 +74,7 @@ class EagleHead(nn.Module):
         if token_ids is None:
             self.draft_vocab = self._draft_head = None
             return
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-        self.draft_vocab = ids
-        head = self.base.lm_head
-        if head.weight is None:
-            raise WeightsError("a reduced draft vocabulary needs a dense LM head")
-        self._draft_head = head.weight.data[ids]
+        self.draft_vocab, self._draft_head = self.base.lm_head_rows(token_ids)
 
     def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs over the draft vocabulary and the ids they index (None = full vocabulary)."""

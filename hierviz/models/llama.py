@@ -263,10 +263,14 @@ class Transformer(nn.Module):
         if token_ids is None:
             self.output_vocab = None
             return
+        self.output_vocab, self._vocab_rows = self.lm_head_rows(token_ids)
+
+    def lm_head_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids on this device, the LM head's rows for them): the pieces of a reduced-vocabulary head."""
         if self.lm_head.weight is None:
-            raise WeightsError("a reduced output vocabulary needs a dense LM head")
-        self.output_vocab = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-        self._vocab_rows = self.lm_head.weight.data[self.output_vocab]
+            raise WeightsError("a reduced vocabulary needs a dense LM head")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        return ids, self.lm_head.weight.data[ids]
 
 
 def _getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):
