@@ -109,12 +109,18 @@ def tune_candidates(m: int):
             for split in (1, 2, 4, 8):
                 out.append(Config(bn, 16, split, warps, stages))
         out.append(Config(128, 16, 2, 4, 4, use_asm=False))
+        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (128, 8, 6), (256, 8, 4)]:
+            for split in (1, 2, 4):
+                out.append(Config(bn, 16, split, warps, stages, tma=True))
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
         for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)]:
             for split in ((1, 2) if m <= 64 else (1,)):
                 out.append(Config(bn, bm, split, warps, stages))
         out.append(Config(128, bm, 1, 4, 3, use_asm=False))
+        for bn, warps, stages in [(128, 4, 3), (128, 8, 3), (128, 8, 4)]:
+            for split in ((1, 2) if m <= 64 else (1,)):
+                out.append(Config(bn, bm, split, warps, stages, tma=True))
     return out
 
 

@@ -46,6 +46,8 @@ _SCRIPT = textwrap.dedent("""
         (40, 130, 256, 32, Config(64, 32, 1, 4, 2)),    # 2 M blocks, ragged N block
         (2, 64, 512, 256, Config(64, 16, 3, 4, 2)),     # G=256
         (1, 24, 512, 512, Config(16, 16, 2, 4, 2)),     # G=512 -> 128-wide sub-blocks
+        (3, 200, 256, 64, Config(128, 16, 2, 4, 3, tma=True)),   # TMA codes, rows past N zero-filled
+        (17, 130, 512, 128, Config(64, 32, 1, 4, 3, tma=True)),  # TMA, tiled path
         (1, 96, 256, 128, None), (16, 96, 256, 128, None), (33, 96, 256, 128, None),
         (70, 40, 256, 64, None),                        # the M-picked production configs
     ]
@@ -79,7 +81,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(errs) == 13
+    assert len(errs) == 15
     # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
     bad = {k: v for k, v in errs.items() if not v < 3e-3}
     assert not bad, bad

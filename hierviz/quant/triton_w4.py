@@ -58,6 +58,8 @@ class Config:
     num_warps: int
     num_stages: int
     use_asm: bool = True   # inline-PTX unpack; ignored (False) under the interpreter
+    tma: bool = False      # codes through a TMA tensor descriptor (async copies the pipeliner
+                           # multi-buffers) instead of pointer loads; needs K % 32 == 0
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
@@ -258,6 +260,45 @@ if HAVE_TRITON:
         else:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _w4_kernel_tma(x_ptr, c_desc, s_ptr, o_ptr, y_ptr,
+                       M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
+                       SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                       ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr):
+        # _w4_kernel with the code tile fetched by TMA: rows past N arrive as zeros, and the
+        # copies are asynchronous, so Triton's pipeliner can keep num_stages tiles in flight
+        # (pointer loads feeding the unpack are not pipelined; docs/kernels.md).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        HALF: tl.constexpr = SUB // 2
+        rn = pid_n * BN + tl.arange(0, BN)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rh = tl.arange(0, HALF)
+        n_mask = rn < N
+        m_mask = rm < M
+        rn_safe = tl.where(n_mask, rn, 0)
+        x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for b in range(b_start, b_end):
+            codes = c_desc.load([pid_n * BN, b * HALF])
+            g = (b * SUB) // G
+            s = tl.load(s_ptr + g * N + rn_safe)
+            o = tl.load(o_ptr + g * N + rn_safe)
+            xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
+            xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
+            wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
+            acc = tl.dot(wl, xl, acc)
+            acc = tl.dot(wh, xh, acc)
+        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+        else:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
     # triton.jit kernels read module-level globals as constexprs only when they are marked so.
     _ASM_F16_C = tl.constexpr(_ASM_F16)
     _ASM_BF16_C = tl.constexpr(_ASM_BF16)
@@ -290,7 +331,13 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
     y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    _w4_kernel[grid](x, p.codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
+    kernel, codes = _w4_kernel, p.codes
+    if cfg.tma and k % 32 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        kernel = _w4_kernel_tma
+        codes = TensorDescriptor(p.codes, list(p.codes.shape), list(p.codes.stride()),
+                                 [cfg.block_n, p.sub // 2])
+    kernel[grid](x, codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16,
