@@ -2,7 +2,8 @@
 # The whole offline-stack training run, as executed on the device GPU (one H200):
 #   bash hierviz/train/gpu_pipeline.sh TARGET.gguf TOKENIZER_DIR WORK_DIR OUT_DIR
 # Budgets (seconds) come from the environment: DATA_S, DISTILL_S, EAGLE_S; sizes from
-# NUM_PROMPTS, GEN_BATCH, MAX_NEW, LAYERS. Every stage logs to OUT_DIR/log.txt and leaves its
+# NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, LAYERS, GROUP; HEADS=m trains only E_M (E_T depends
+# on T alone, so a new M does not need a new E_T). Every stage logs to OUT_DIR/log.txt and leaves its
 # products in OUT_DIR as it finishes, so a run cut short still returns what it made.
 set -uo pipefail
 T=$1; TOK=$2; W=$3; OUT=$4
@@ -16,17 +17,20 @@ SRC=$T; T=$W/target   # exact dequantized copy of the GGUF target (fp32), fast t
 echo "target $SRC exported to $T"
 $PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
   --num-prompts "${NUM_PROMPTS:-8000}" --samples-per-prompt "${SAMPLES_PER_PROMPT:-1}" --max-new-tokens "${MAX_NEW:-256}" \
-  --batch-size "${GEN_BATCH:-1024}" --time-budget "${DATA_S:-90}" --questions $Q \
+  --batch-size "${GEN_BATCH:-1024}" --modes "${MODES:-greedy:0.5,t0.7:0.25,t1.0:0.25}" --time-budget "${DATA_S:-90}" --questions $Q \
   --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" --report "$W/data.json" || exit 1
 cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
-$PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/smollm2-m8-gptq" \
+MDIR=smollm2-m${LAYERS:-8}-gptq
+$PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/$MDIR" \
   --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --report "$W/distill.json" || exit 2
 cp "$W/distill.json" "$OUT/"
-tar -C "$W" -cf "$OUT/M.tar" smollm2-m8-gptq
-$PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/smollm2-m8-gptq" --data "$W/data.pt" \
-  --out-t "$W/smollm2-eagle-t" --out-m "$W/smollm2-m8-eagle" --steps "${EAGLE_STEPS:-4000}" \
+tar -C "$W" -cf "$OUT/M.tar" "$MDIR"
+HEAD_OUT="--out-t $W/smollm2-eagle-t --out-m $W/smollm2-m${LAYERS:-8}-eagle"
+[ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-eagle"
+$PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/$MDIR" --data "$W/data.pt" \
+  $HEAD_OUT --steps "${EAGLE_STEPS:-4000}" \
   --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
 cp "$W/eagle.json" "$OUT/"
-tar -C "$W" -cf "$OUT/heads.tar" smollm2-eagle-t smollm2-m8-eagle
+tar -C "$W" -cf "$OUT/heads.tar" $(cd "$W" && ls -d smollm2-eagle-t smollm2-m*-eagle 2>/dev/null)
 } 2>&1 | tee -a "$OUT/log.txt"
