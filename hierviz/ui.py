@@ -533,7 +533,8 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
             with gr.Tab("Visualizer", id="viz"):
                 visualizer_tab(stack_default)
             from hierviz.ui_profile import profile_tab
-            for title, builder in [("Profile", profile_tab), *TAB_BUILDERS]:
+            from hierviz.ui_whatif import whatif_tab
+            for title, builder in [("Profile", profile_tab), ("What-if", whatif_tab), *TAB_BUILDERS]:
                 with gr.Tab(title):
                     builder()
             with gr.Tab("How it works", id="about"):

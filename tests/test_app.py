@@ -154,19 +154,22 @@ def test_gpu_work_is_one_concurrency_group():
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     runs = [f for f in fns if f.name == "run_live"]
     assert runs and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in runs)
-    # only GPU work joins the group (runs, the Profile tab's live measurement): scrubbing,
-    # replay and uploads never wait for a run
-    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("run_live", "_measure"))
+    # the What-if tab's live run shares the group
+    whatif = [f for f in fns if f.name == "live_run"]
+    assert whatif and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in whatif)
+    # only GPU work joins the group (runs, the Profile tab's live measurement, the live what-if):
+    # scrubbing, replay and uploads never wait for a run
+    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("run_live", "_measure", "live_run"))
 
 
 def test_tabs_are_pluggable():
     import gradio as gr
 
     from hierviz import ui
-    ui.register_tab("What-if", lambda: gr.Markdown("what-if goes here"))
+    ui.register_tab("Extra", lambda: gr.Markdown("a plug-in tab"))
     try:
         demo = ui.build_app("tiny-random")
         labels = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
-        assert labels == ["Visualizer", "Profile", "What-if", "How it works"]
+        assert labels == ["Visualizer", "Profile", "What-if", "Extra", "How it works"]
     finally:
         ui.TAB_BUILDERS.clear()

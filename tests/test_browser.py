@@ -147,3 +147,35 @@ def test_replay_and_switch_run(page):
                          timeout=30_000)
     assert "has no sequence draft" in pg.inner_text("#hv-seq")
     pg.screenshot(path=str(ARTIFACTS / "browser-eagle2-view.png"), full_page=False)
+
+
+def test_whatif_tab_renders_a_plot(page):
+    pg = page
+    pg.get_by_role("tab", name="What-if").click()
+    pg.wait_for_selector("#hv-whatif-run")
+    from hierviz.ui_whatif import recorded_results
+    if recorded_results():      # shipped results open with the tab
+        pg.wait_for_selector("#hv-whatif-a .js-plotly-plot")
+        assert "projected with replayed acceptance" in pg.inner_text("#hv-whatif-a")
+    else:
+        assert "No recorded what-if results" in pg.inner_text("#hv-whatif-table")
+    box = pg.locator("#hv-whatif-max-new input[type=number]")
+    box.fill("8")
+    box.press("Enter")
+    pg.click("#hv-whatif-run")
+    pg.wait_for_function("() => document.querySelector('#hv-whatif-status').innerText.includes('Done')",
+                         timeout=120_000)
+    pg.wait_for_selector("#hv-whatif-live-a .js-plotly-plot")
+    time.sleep(1.0)   # let plotly finish drawing
+    assert "projected with replayed acceptance" in pg.inner_text("#hv-whatif-live-a")
+    assert pg.locator("#hv-whatif-live-a .barlayer .point").count() == 3
+    assert pg.locator("#hv-whatif-live-b .barlayer .point").count() >= 6
+    assert "HierSpec" in pg.inner_text("#hv-whatif-live-table")
+    assert "Traceback" not in pg.content()
+    pg.screenshot(path=str(ARTIFACTS / "browser-whatif.png"), full_page=True)
+    # a bad rate is a message, not a traceback
+    pg.fill("#hv-whatif-rates textarea", "0.9, lots")
+    pg.click("#hv-whatif-run")
+    pg.wait_for_function("() => document.querySelector('#hv-whatif-status').innerText.includes('comma-separated')",
+                         timeout=30_000)
+    assert "Traceback" not in pg.content()
