@@ -59,12 +59,16 @@ def load_shape(shape: str) -> tuple[str, ModelConfig]:
 def _w4(n: int, k: int, g: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> W4Weight:
     """Random codes with GPTQ-like scales/offsets, made on the device directly."""
     codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
-    scales = torch.rand(n, k // g, device=device, generator=gen) * 0.02 + 0.002
-    return W4Weight(codes, scales.to(dtype), (-8.0 * scales).to(dtype), g)
+    # Uniform codes have mean 7.5 and std 4.6: these scales give zero-mean weights of std
+    # ~1/sqrt(k), like a trained layer's, so 80 synthetic layers stay finite in fp16 (larger
+    # weights overflowed to inf by layer 2 of a 70B shape, and NaN features flattened the
+    # what-if's draft trees). Timings do not depend on the values.
+    scales = (torch.rand(n, k // g, device=device, generator=gen) * 0.5 + 0.75) / (4.6 * k ** 0.5)
+    return W4Weight(codes, scales.to(dtype), (-7.5 * scales).to(dtype), g)
 
 
 def _dense(n: int, k: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
-    return (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+    return (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * k ** -0.5).to(dtype)
 
 
 def _layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device: str,

@@ -41,7 +41,7 @@ MAX_TRACE_BYTES = 20 * 2**20
 # one GPU; a CPU gets only the tiny stand-ins.
 TINY = "tiny shapes (CPU-sized stand-ins: plumbing only)"
 LIVE_SHAPES = {
-    "SmolLM2-135M target / 8-layer M (the offline stack's shapes)": ("smollm2", "assets/configs/smollm2-m8.json"),
+    "SmolLM2-135M target / 10-layer M (the offline stack's shapes)": ("smollm2", "assets/configs/smollm2-m10.json"),
     "Llama-3-8B target / Llama-3.2-1B-shaped M": ("llama3-8b", "assets/configs/llama3.2-1b.json"),
 }
 RATES_SOURCE = "per-depth acceptance rates (below)"

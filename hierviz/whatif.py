@@ -20,6 +20,7 @@ import dataclasses
 import json
 import platform
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -422,6 +423,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(a.seed)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed)
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
+    _check_finite(models, prompt)
     make, rates_info = _oracle_factory(a, trace)
     warm = dataclasses.replace(s, max_new_tokens=min(16, max_new))
     for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
@@ -449,6 +451,19 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     if a.sweep:
         info["sweep"] = run_sweep(a, models, s, prompt, results)
     return info
+
+
+def _check_finite(models: Models, prompt: list[int]) -> None:
+    """Synthetic weights must keep activations finite: NaN features give the heads flat
+    distributions, EAGLE-2's rerank then keeps shallow trees, and the projection is wrong
+    without any error (seen with over-scaled weights at 70B shape in fp16)."""
+    toks = torch.tensor(prompt[:8], device=models.target.device)
+    for name, model in (("target", models.target), ("intermediate", models.intermediate)):
+        with torch.no_grad():
+            logits = model.logits(model(toks, torch.arange(len(toks), device=toks.device)))
+        if not bool(torch.isfinite(logits).all()):
+            raise WhatIfError(f"the synthetic {name} produced non-finite logits in {model.dtype}: "
+                              "its weights are scaled wrongly for this shape")
 
 
 def _replay_check(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict[str, Any]:
@@ -580,7 +595,9 @@ def write_outputs(info: dict[str, Any], out: Path) -> None:
     (out / "whatif.json").write_text(json.dumps(info, indent=1))
     if sweep is not None:
         (out / "sweep.json").write_text(json.dumps({**{k: info[k] for k in ("schema", "shapes", "device", "machine",
-                                                                             "settings", "w4_kernel", "tiny")},
+                                                                             "settings", "w4_kernel", "tiny")
+                                                       if k in info},
+                                                    **({"command": info["command"]} if "command" in info else {}),
                                                     **sweep}, indent=1))
         info["sweep"] = sweep
     (out / "whatif.md").write_text(markdown(info))
@@ -603,6 +620,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except torch.cuda.OutOfMemoryError:
         print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
         return 2
+    info["command"] = "python -m hierviz whatif " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_outputs(info, Path(a.out))
     print(markdown(info))
     return 0

@@ -115,3 +115,40 @@ def test_bad_arguments(args: list[str], msg: str, tmp_path: Path, capsys) -> Non
 def test_trace_without_the_method(engine_trace: Path, tmp_path: Path, capsys) -> None:
     assert main(FAST + ["--acceptance", str(engine_trace), "--methods", "spec", "--out", str(tmp_path)]) == 2
     assert "no run of spec" in capsys.readouterr().err
+
+
+def test_synthetic_weights_stay_finite_at_wide_shapes_in_fp16() -> None:
+    """Synthetic W4 layers of a wide (70B-like hidden 8192 / MLP 28672) shape kept finite in
+    fp16: over-scaled weights overflowed by layer 2 and silently flattened EAGLE-2's trees."""
+    from hierviz.models.config import ModelConfig
+    from hierviz.whatif import synthetic_model
+    cfg = ModelConfig(vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=3, num_heads=64,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=64)
+    m = synthetic_model(cfg, "w4", torch.float16, "cpu", "reference", 0)
+    toks = torch.arange(6)
+    with torch.no_grad():
+        logits = m.logits(m(toks, torch.arange(6)))
+    assert torch.isfinite(logits).all()
+
+
+def test_non_finite_synthetic_model_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    import hierviz.whatif as w
+    real = w.synthetic_model
+
+    def broken(cfg, fmt, *args, **kw):
+        m = real(cfg, fmt, *args, **kw)
+        if fmt == "w4":
+            m.norm.weight.data.fill_(float("nan"))
+        return m
+    monkeypatch.setattr(w, "synthetic_model", broken)
+    assert main(FAST + ["--out", str(tmp_path)]) == 2
+    assert "non-finite" in capsys.readouterr().err
+
+
+def test_command_is_recorded(tmp_path: Path) -> None:
+    args = FAST + ["--max-new-tokens", "8", "--sweep", "--sweep-scales", "1.0", "--sweep-min-draft", "4",
+                   "--sweep-tree-sizes", "8", "--out", str(tmp_path)]
+    assert main(args) == 0
+    for name in ("whatif.json", "sweep.json"):
+        cmd = json.loads((tmp_path / name).read_text())["command"]
+        assert cmd.startswith("python -m hierviz whatif --tiny") and "--sweep" in cmd
