@@ -9,7 +9,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -33,34 +33,58 @@ class Models:
 
 
 class StageTimer:
-    """Wall time per stage in ms; synchronises CUDA around each stage so times are real.
+    """Time per stage in ms.
 
-    `StageTimer.sync = False` (or HIERVIZ_TIMING_SYNC=0) turns the syncs off for benchmarks:
-    a round then syncs only where the algorithm reads a decision back, and stage times
-    become host dispatch times."""
+    On CUDA (trace mode, the default) stages are timed with CUDA events: an event is recorded at
+    every stage boundary and the round synchronises once, in `finish`, to read them, so timing
+    adds no host synchronisation inside a round. A stage's time is the GPU timeline between its
+    two events, which includes any time the GPU waited for the host inside the stage.
+    `StageTimer.sync = False` (or HIERVIZ_TIMING_SYNC=0) is the no-sync mode for benchmarks:
+    no events, no syncs; stage times become host dispatch times. HIERVIZ_TIMING_EVENTS=0 falls
+    back to a device synchronize around every stage (the pre-event behaviour). On the CPU,
+    plain wall time."""
 
     sync = os.environ.get("HIERVIZ_TIMING_SYNC", "1") != "0"
+    events = os.environ.get("HIERVIZ_TIMING_EVENTS", "1") != "0"
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda" and StageTimer.sync
+        self.use_events = self.cuda and StageTimer.events
         self.ms: dict[str, float] = {}
-        self.t0 = self._now()
+        self.marks: list[tuple[str, Any, Any]] = []
+        self.t0 = self._mark()
 
-    def _now(self) -> float:
+    def _mark(self) -> Any:
+        if self.use_events:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
     @contextmanager
     def stage(self, name: str):
-        t = self._now()
+        t = self._mark()
         try:
             yield
         finally:
-            self.ms[name] = self.ms.get(name, 0.0) + (self._now() - t) * 1000.0
+            end = self._mark()
+            if self.use_events:
+                self.marks.append((name, t, end))
+            else:
+                self.ms[name] = self.ms.get(name, 0.0) + (end - t) * 1000.0
 
     def finish(self) -> dict[str, float]:
-        total = (self._now() - self.t0) * 1000.0
+        end = self._mark()
+        if self.use_events:
+            end.synchronize()
+            for name, a, b in self.marks:
+                self.ms[name] = self.ms.get(name, 0.0) + a.elapsed_time(b)
+            self.marks.clear()
+            total = self.t0.elapsed_time(end)
+        else:
+            total = (end - self.t0) * 1000.0
         out = dict(self.ms)
         out["overhead"] = max(0.0, total - sum(out.values()))
         return out
