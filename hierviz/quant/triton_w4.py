@@ -6,7 +6,7 @@ One kernel body, two ways of running it, picked by M (the number of tokens; see 
     the smallest tile). Split-K (4 programs per output tile, atomic adds into a zeroed output)
     makes 448 x 4 programs for a 28672-row layer, enough to fill 132 SMs.
   * larger M: the same transposed tile with 32..128 tokens per tile, split-K 2 or none.
-On Hopper the small-M and M <= 32 entries fetch the code tiles through a TMA descriptor
+On Hopper the entries up to M = 64 fetch the code tiles through a TMA descriptor
 (`_w4_kernel_tma`): asynchronous copies that Triton's pipeliner multi-buffers, where pointer
 loads feeding the unpack were not pipelined (58 vs 66 us at M = 1 on the H200).
 The unpack on a GPU is inline PTX, 14 instructions per 8 values: prmt/lop3 put a nibble into
@@ -71,7 +71,7 @@ class Config:
 TUNED: dict[int, Config] = {
     16: Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True),
     32: Config(block_n=128, block_m=32, split_k=1, num_warps=8, num_stages=3, tma=True),
-    64: Config(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=3),
+    64: Config(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, tma=True),
     1 << 30: Config(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3),
 }
 
