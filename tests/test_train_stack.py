@@ -23,7 +23,7 @@ def stack():
 def test_default_stack_loads_offline(stack):
     m = stack.models
     assert m.intermediate is not None and m.e_m is not None and m.e_t is not None
-    assert m.intermediate.cfg.num_layers == 8 and m.target.cfg.num_layers == 30
+    assert m.intermediate.cfg.num_layers == 10 and m.target.cfg.num_layers == 30
     assert m.intermediate.embed.data_ptr() == m.target.embed.data_ptr() or \
         bool((m.intermediate.embed == m.target.embed).all())
     assert m.e_m.draft_vocab is not None and m.e_m.draft_vocab.numel() == 8192
