@@ -98,7 +98,8 @@ def recorded_results() -> dict[str, Path]:
     out: dict[str, Path] = {}
     if not WHATIF_DIR.is_dir():
         return out
-    for p in sorted(WHATIF_DIR.glob("*.json")):
+    # sweeps first (they show where each method wins), then by name
+    for p in sorted(WHATIF_DIR.glob("*.json"), key=lambda q: ("sweep" not in q.name, q.name)):
         try:
             d = _read_json(p, MAX_RESULT_BYTES)
         except (OSError, ValueError):
