@@ -7,7 +7,7 @@ One kernel body, two ways of running it, picked by M (the number of tokens; see 
     makes 448 x 4 programs for a 28672-row layer, enough to fill 132 SMs.
   * larger M: the same transposed tile with 32..128 tokens per tile, split-K 2 or none.
 On Hopper the entries up to M = 64 fetch the code tiles through a TMA descriptor
-(`_w4_kernel_tma`): asynchronous copies that Triton's pipeliner multi-buffers, where pointer
+(`_w4_kernel` with TMA=True): asynchronous copies that Triton's pipeliner multi-buffers, where pointer
 loads feeding the unpack were not pipelined (58 vs 66 us at M = 1 on the H200).
 The unpack on a GPU is inline PTX, 14 instructions per 8 values: prmt/lop3 put a nibble into
 the mantissa of 1024.0 (fp16) or 128.0 (bf16), one packed subtract or FMA removes the bias,
@@ -229,8 +229,12 @@ if HAVE_TRITON:
     def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
                    M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr):
+                   ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
+                   TMA: tl.constexpr = False):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
+        # TMA: c_ptr is a tensor descriptor of the codes; each tile arrives by an asynchronous
+        # copy (rows past N as zeros) that Triton's pipeliner can keep num_stages deep, where
+        # pointer loads feeding the unpack are not pipelined (docs/kernels.md).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -241,52 +245,17 @@ if HAVE_TRITON:
         n_mask = rn < N
         m_mask = rm < M
         rn_safe = tl.where(n_mask, rn, 0)  # keeps loads unmasked along n (ragged last block)
-        c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
+        if not TMA:
+            c_ptrs = c_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + rh[None, :]
         x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for b in range(b_start, b_end):
-            codes = tl.load(c_ptrs + b * HALF)
-            g = (b * SUB) // G
-            s = tl.load(s_ptr + g * N + rn_safe)
-            o = tl.load(o_ptr + g * N + rn_safe)
-            xl = tl.load(x_ptrs + b * SUB, mask=m_mask[None, :], other=0.0)
-            xh = tl.load(x_ptrs + b * SUB + HALF, mask=m_mask[None, :], other=0.0)
-            wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
-            acc = tl.dot(wl, xl, acc)
-            acc = tl.dot(wh, xh, acc)
-        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
-        mask = n_mask[:, None] & m_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
-        else:
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _w4_kernel_tma(x_ptr, c_desc, s_ptr, o_ptr, y_ptr,
-                       M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
-                       SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                       ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr):
-        # _w4_kernel with the code tile fetched by TMA: rows past N arrive as zeros, and the
-        # copies are asynchronous, so Triton's pipeliner can keep num_stages tiles in flight
-        # (pointer loads feeding the unpack are not pipelined; docs/kernels.md).
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        HALF: tl.constexpr = SUB // 2
-        rn = pid_n * BN + tl.arange(0, BN)
-        rm = pid_m * BM + tl.arange(0, BM)
-        rh = tl.arange(0, HALF)
-        n_mask = rn < N
-        m_mask = rm < M
-        rn_safe = tl.where(n_mask, rn, 0)
-        x_ptrs = x_ptr + rm[None, :] * stride_xm + rh[:, None]
-        b_start = pid_k * blocks_per_split
-        b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for b in range(b_start, b_end):
-            codes = c_desc.load([pid_n * BN, b * HALF])
+            if TMA:
+                codes = c_ptr.load([pid_n * BN, b * HALF])
+            else:
+                codes = tl.load(c_ptrs + b * HALF)
             g = (b * SUB) // G
             s = tl.load(s_ptr + g * N + rn_safe)
             o = tl.load(o_ptr + g * N + rn_safe)
@@ -342,16 +311,15 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
     y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    kernel, codes = _w4_kernel, p.codes
-    if cfg.tma and k % 32 == 0 and _has_tma(x.device):
+    codes, tma = p.codes, cfg.tma and k % 32 == 0 and _has_tma(x.device)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        kernel = _w4_kernel_tma
         codes = TensorDescriptor(p.codes, list(p.codes.shape), list(p.codes.stride()),
                                  [cfg.block_n, p.sub // 2])
-    kernel[grid](x, codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
+    _w4_kernel[grid](x, codes, p.scales, p.offsets, y, m, n, k, x.stride(0), y.stride(0),
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
-                     IS_BF16=x.dtype == torch.bfloat16,
+                     IS_BF16=x.dtype == torch.bfloat16, TMA=tma,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
