@@ -440,7 +440,11 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
         return sess
 
     def loaded(sess: Session, msg: str) -> dict:
+        # the prompt box shows the loaded trace's prompt, so Run compares live on the same text
+        main = sess.run()
+        shown = main.meta.get("prompt") if main is not None else None
         return {status: status_html(msg, "ok"), sess_state: sess,
+                prompt: gr.Textbox(value=shown) if isinstance(shown, str) and shown else gr.skip(),
                 download: gr.DownloadButton(value=sess.download, interactive=sess.download is not None),
                 **panel_updates(sess), **nav_updates(sess)}
 
@@ -458,7 +462,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
             return {status: status_html(f"Could not read {name}: {e}", "error")}
         return loaded(sess, f"Loaded {name}: " + ", ".join(_run_label(t) for t in sess.runs) + ". Press Replay.")
 
-    replay_outputs = [status, sess_state, download, step_sl, view, *panels]
+    replay_outputs = [status, sess_state, download, step_sl, view, *panels, prompt]
     upload.upload(load_file, [upload], replay_outputs, show_progress="hidden", api_name="load_trace")
 
     def load_shipped(path: Optional[str]) -> dict:

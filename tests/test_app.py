@@ -133,6 +133,9 @@ def test_good_trace_upload_renders_panels(client, tmp_path):
     assert "Loaded good.json" in status_of(out)
     assert "hv-chip" in out[5] and "HierSpec" in out[9]
     assert out[2]["maximum"] > 1
+    prompt = sample.comparison(0, 24)[0].meta["prompt"]
+    shown = out[-1].get("value") if isinstance(out[-1], dict) else out[-1]
+    assert prompt and shown == prompt          # the prompt box shows the loaded trace's prompt
 
 
 def test_sessions_do_not_share_state(app_url, tmp_path):
