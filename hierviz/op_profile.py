@@ -1,0 +1,158 @@
+"""`python -m hierviz.op_profile`: where one decode step's time goes, operator by operator.
+
+    python -m hierviz.op_profile --shape llama3-70b --layers 8 --out DIR        # on a GPU
+    python -m hierviz.op_profile --shape smollm2 --layers 2 --device cpu --out DIR
+
+Why: the engine's Llama-3-70B W4A16 one-token step takes ~36 ms on an H200 against a 9 ms
+weight-read floor, and a 12% faster W4 GEMM did not move it (docs/kernels.md, docs/whatif.md).
+This command builds a synthetic-weight model of the shape (the what-if's builder, `--layers`
+of them so a big shape fits quickly), runs decode steps through the engine's own decoding
+state (`BaseState`: the static-shape path on CUDA, run eagerly here because kernels inside a
+CUDA graph are invisible to the profiler), and prints the operators by self device time
+(CUDA) or self CPU time, per step and per layer, next to the step's wall time with and
+without CUDA graphs. Writes DIR/op_profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SCHEMA = "hierviz.op_profile/1"
+
+
+def _self_time_us(evt: Any, cuda: bool) -> float:
+    if cuda:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(evt, name):
+                return float(getattr(evt, name))
+        return 0.0
+    return float(evt.self_cpu_time_total)
+
+
+def _step_ms(state: Any, steps: int, cuda: bool) -> float:
+    """Wall time of one decode step (a token appended, one forward, its logits read back)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state.tokens.append(int(state.next_logits().argmax()))
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1000.0 / steps
+
+
+def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, steps: int,
+        prompt_len: int, top: int) -> dict[str, Any]:
+    import dataclasses
+
+    from hierviz.decoding.state import BaseState
+    from hierviz.models import cuda_graphs
+    from hierviz.profile import load_shape
+    from hierviz.whatif import synthetic_model
+
+    name, cfg = load_shape(shape)
+    if layers < 1:
+        raise ValueError("--layers must be at least 1")
+    cfg = dataclasses.replace(cfg, num_layers=min(layers, cfg.num_layers))
+    cuda = device == "cuda"
+    model = synthetic_model(cfg, "w4", dtype, device, kernel, 0)
+    prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
+    max_len = prompt_len + 4 * steps + 16
+
+    def fresh_state() -> BaseState:
+        st = BaseState(model, max_len)
+        st.tokens = list(prompt)
+        st.tokens.append(int(st.next_logits().argmax()))
+        return st
+
+    out: dict[str, Any] = {"schema": SCHEMA, "shape": name, "layers": cfg.num_layers, "device": device,
+                           "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "steps": steps,
+                           "prompt_tokens": prompt_len,
+                           "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__}
+    if cuda:   # reference: the same step replayed from CUDA graphs, as the engine runs it
+        st = fresh_state()
+        _step_ms(st, 3, cuda)
+        out["step_ms_graphs"] = _step_ms(st, steps, cuda)
+    os.environ["HIERVIZ_CUDA_GRAPHS"] = "0"      # profiled run: same static path, eager launches
+    try:
+        cuda_graphs.drop_runners(model)
+        st = fresh_state()
+        _step_ms(st, 3, cuda)
+        out["step_ms_eager"] = _step_ms(st, steps, cuda)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            _step_ms(st, steps, cuda)
+    finally:
+        os.environ.pop("HIERVIZ_CUDA_GRAPHS", None)
+    rows = []
+    for evt in prof.key_averages():
+        us = _self_time_us(evt, cuda)
+        if us > 0:
+            rows.append({"op": evt.key, "calls_per_step": evt.count / steps, "us_per_step": us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    for r in rows:
+        r["share"] = r["us_per_step"] / total if total else 0.0
+        r["us_per_layer"] = r["us_per_step"] / cfg.num_layers
+    out["timing"] = "self device time (CUDA kernels)" if cuda else "self CPU time"
+    out["profiled_us_per_step"] = total
+    out["ops"] = rows[:top]
+    return out
+
+
+def table(info: dict[str, Any]) -> str:
+    lines = [f"# {info['shape']} x {info['layers']} layers, W4A16 ({info['w4_kernel']}), {info['dtype']} on "
+             f"{info.get('gpu') or info['device']}: {info['timing']}",
+             "",
+             f"step wall time: eager {info['step_ms_eager']:.2f} ms"
+             + (f", CUDA graphs {info['step_ms_graphs']:.2f} ms" if "step_ms_graphs" in info else "")
+             + f"; profiled op time {info['profiled_us_per_step'] / 1000:.2f} ms per step",
+             "",
+             "| op | calls / step | us / step | us / layer | share |",
+             "|---|---|---|---|---|"]
+    for r in info["ops"]:
+        lines.append(f"| `{r['op'][:80]}` | {r['calls_per_step']:.1f} | {r['us_per_step']:.1f} | "
+                     f"{r['us_per_layer']:.2f} | {100 * r['share']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hierviz.op_profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama3-70b", help="llama3-8b | llama3-70b | smollm2 | a config.json")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers to build (the shape's count at most)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                    help="default: float16 on CUDA, float32 on CPU")
+    ap.add_argument("--w4-kernel", default=None, help="default: triton on CUDA, reference on CPU")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--top", type=int, default=25, help="operators to keep in the table")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA GPU here; use --device cpu", file=sys.stderr)
+        return 2
+    if a.steps < 1 or a.prompt_len < 1:
+        print("error: --steps and --prompt-len must be at least 1", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, a.dtype or ("float16" if a.device == "cuda" else "float32"))
+    kernel = a.w4_kernel or ("triton" if a.device == "cuda" else "reference")
+    try:
+        info = run(a.shape, a.layers, a.device, dtype, kernel, a.steps, a.prompt_len, a.top)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "op_profile.json").write_text(json.dumps(info, indent=1))
+    print(table(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
