@@ -111,3 +111,25 @@ def test_heads_load_in_engine_like_training(trained):
     rep = json.loads((trained / "eagle.json").read_text())
     assert set(rep["heads"]) == {"e_t", "e_m"}
     assert len(rep["heads"]["e_t"]["heldout_top1_by_depth"]["greedy"]) == 3
+
+
+def test_derived_prompts_stage(tmp_path):
+    """--derived: the target's own training answers become passages of long prompts, which the
+    target then answers greedily; they land in the data with their own categories."""
+    from hierviz.train import data
+    from hierviz.train.common import TokenData
+    from hierviz.train.prompts import DERIVED_TEMPLATES, derived_prompts
+    target = _tiny_target(tmp_path / "target")
+    qs = ["--questions", *map(str, QUESTIONS)] if QUESTIONS else []
+    assert data.main(["--target", str(target), "--tokenizer", "byte", "--out", str(tmp_path / "d.pt"),
+                      "--num-prompts", "12", "--max-new-tokens", "10", "--batch-size", "12", "--heldout-every", "4",
+                      "--device", "cpu", "--derived", "6", "--derived-min-tokens", "4", *qs]) == 0
+    d = TokenData.load(tmp_path / "d.pt")
+    info = d.meta["derived"]
+    assert info["built"] == 6 and len(d) == 12 + info["built"] - info["dropped_for_overlap"]
+    assert all(k.startswith("derived-") for k in info["kinds"])
+    assert sum(v for k, v in d.meta["categories"].items() if k.startswith("derived-")) == 6 - info["dropped_for_overlap"]
+    # every kind of derived task embeds the passage
+    ps = derived_prompts([f"passage number {i}." for i in range(len(DERIVED_TEMPLATES))], 0)
+    assert len({c for c, _ in ps}) == len(DERIVED_TEMPLATES)
+    assert all(f"passage number {i}." in p for i, (_, p) in enumerate(ps))

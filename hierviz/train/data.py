@@ -9,6 +9,10 @@ Each prompt is wrapped in the tokenizer's chat template exactly as the engine do
 weights, batched `generate`), greedily or sampled according to --modes. The output holds prompt
 + response tokens per sample, a held-out split, the prompt/benchmark overlap check and, with
 --draft-vocab V, the V most frequent tokens of the training responses (an FR-Spec draft vocabulary).
+With --derived N, a second stage reuses up to N of the target's training answers as passages for
+long prompts (summarize / answer from / extract / translate / rewrite / check this text;
+prompts.derived_prompts), which the benchmark categories have and the templates lack; the same
+overlap rule applies (hits are dropped) and the target answers them greedily.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 
 from hierviz.train.common import (base_dtype, TokenData, build_hf, command_line, env_info, load_base, load_tokenizer, log,
                                   pick_device, seed_all, write_json)
-from hierviz.train.prompts import build_prompts, overlap_report
+from hierviz.train.prompts import build_prompts, derived_prompts, overlap_report, overlapping_prompts
 
 DEFAULT_MODES = "greedy:0.5,t0.7:0.25,t1.0:0.25"
 
@@ -121,6 +125,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=0, help="also write the top-V frequent tokens (FR-Spec)")
     ap.add_argument("--draft-vocab-out", default=None)
     ap.add_argument("--time-budget", type=float, default=0, help="stop starting new batches after this many seconds")
+    ap.add_argument("--derived", type=int, default=0,
+                    help="also build up to N long prompts on the target's own training answers (summarize / answer "
+                         "from / extract / translate / rewrite / check this text) and answer them greedily")
+    ap.add_argument("--derived-min-tokens", type=int, default=60, help="shortest answer used as a passage")
+    ap.add_argument("--derived-budget", type=float, default=0, help="seconds for the derived stage (0: no limit)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None, help="JSON report path (default: OUT with .json)")
@@ -154,39 +163,70 @@ def main(argv: Optional[list[str]] = None) -> int:
         for i, m in enumerate(assign_modes(len(prompts), modes, a.seed + s)):
             items.append((i, m))
     enc = [tok.encode_chat(p) for _, p in prompts]
-    by_mode: dict[str, list[int]] = collections.defaultdict(list)
-    for k, (i, m) in enumerate(items):
-        by_mode[m].append(k)
-    batches = []
-    for m, ks in by_mode.items():
-        ks.sort(key=lambda k: len(enc[items[k][0]]))
-        batches.append([ks[j:j + a.batch_size] for j in range(0, len(ks), a.batch_size)])
-    order = [b for group in _round_robin(batches) for b in [group]]
 
     tokens, offsets, plens, mlist, split, cats = [], [0], [], [], [], []
+    responses: list[tuple[int, list[int]]] = []   # (prompt index, response) of training samples
     n_resp = 0
     gen_t0 = time.time()
-    for bi, ks in enumerate(order):
-        if a.time_budget and time.time() - gen_t0 > a.time_budget:
-            log(f"time budget reached after {bi} of {len(order)} batches")
-            break
-        m = items[ks[0]][1]
-        torch.manual_seed(a.seed * 1000 + bi)
-        resps = generate_batch(model, [enc[items[k][0]] for k in ks], m, a.max_new_tokens, eos_ids, pad_id, a.top_p,
-                               device)
-        for k, r in zip(ks, resps):
-            i = items[k][0]
-            seq = enc[i] + r
-            tokens.extend(seq)
-            offsets.append(offsets[-1] + len(seq))
-            plens.append(len(enc[i]))
-            mlist.append(m)
-            split.append("heldout" if i % a.heldout_every == 0 else "train")
-            cats.append(prompts[i][0])
-            n_resp += len(r)
-        el = time.time() - gen_t0
-        log(f"batch {bi + 1}/{len(order)} ({m}, {len(ks)} prompts): {n_resp} response tokens, "
-            f"{n_resp / max(el, 1e-9):.0f} tok/s")
+
+    def run_batches(items: list[tuple[int, str]], enc: list[list[int]], prompts: list[tuple[str, str]],
+                    budget: float, seed_base: int, keep: bool) -> None:
+        """Generate the target's answers for `items`, batched by mode (shortest prompts first),
+        appending every sample; stops starting batches once `budget` seconds have passed."""
+        nonlocal n_resp
+        by_mode: dict[str, list[int]] = collections.defaultdict(list)
+        for k, (i, m) in enumerate(items):
+            by_mode[m].append(k)
+        batches = []
+        for m, ks in by_mode.items():
+            ks.sort(key=lambda k: len(enc[items[k][0]]))
+            batches.append([ks[j:j + a.batch_size] for j in range(0, len(ks), a.batch_size)])
+        order = _round_robin(batches)
+        t_start = time.time()
+        for bi, ks in enumerate(order):
+            if budget and time.time() - t_start > budget:
+                log(f"time budget reached after {bi} of {len(order)} batches")
+                break
+            m = items[ks[0]][1]
+            torch.manual_seed(a.seed * 1000 + seed_base + bi)
+            resps = generate_batch(model, [enc[items[k][0]] for k in ks], m, a.max_new_tokens, eos_ids, pad_id,
+                                   a.top_p, device)
+            for k, r in zip(ks, resps):
+                i = items[k][0]
+                seq = enc[i] + r
+                tokens.extend(seq)
+                offsets.append(offsets[-1] + len(seq))
+                plens.append(len(enc[i]))
+                mlist.append(m)
+                held = i % a.heldout_every == 0
+                split.append("heldout" if held else "train")
+                cats.append(prompts[i][0])
+                n_resp += len(r)
+                if keep and not held:
+                    responses.append((i, r))
+            el = time.time() - gen_t0
+            log(f"batch {bi + 1}/{len(order)} ({m}, {len(ks)} prompts): {n_resp} response tokens, "
+                f"{n_resp / max(el, 1e-9):.0f} tok/s")
+
+    run_batches(items, enc, prompts, a.time_budget, 0, keep=a.derived > 0)
+    derived_info = None
+    if a.derived:
+        # long prompts built on the target's own training answers (prompts.derived_prompts)
+        eos_set = set(eos_ids)
+        texts = [tok.decode([t for t in r if t not in eos_set]) for _, r in responses
+                 if len(r) >= a.derived_min_tokens][:a.derived]
+        dprompts = derived_prompts(texts, a.seed)
+        dropped = 0
+        if a.questions and dprompts:   # the same non-overlap rule; a hit is dropped, not fatal
+            hits = overlapping_prompts([p for _, p in dprompts], a.questions)
+            dropped = len(hits)
+            dprompts = [dp for dp in dprompts if dp[1] not in hits]
+        denc = [tok.encode_chat(p) for _, p in dprompts]
+        ditems = [(i, "greedy") for i in range(len(dprompts))]
+        run_batches(ditems, denc, dprompts, a.derived_budget, 500, keep=False)
+        derived_info = {"asked": a.derived, "built": len(dprompts) + dropped, "dropped_for_overlap": dropped,
+                        "min_passage_tokens": a.derived_min_tokens, "mode": "greedy",
+                        "kinds": dict(collections.Counter(c for c, _ in dprompts))}
     gen_s = time.time() - gen_t0
     meta = {"command": command_line("hierviz.train.data", argv), "target": str(a.target), "seed": a.seed,
             "prompt_source": "hierviz/train/prompts.py templates x topic lists (written for this project)",
@@ -194,6 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "samples": len(mlist), "prompt_tokens": int(sum(plens)), "response_tokens": n_resp,
             "heldout_samples": split.count("heldout"), "categories": dict(collections.Counter(cats)),
             "mode_counts": dict(collections.Counter(mlist)), "generation_seconds": round(gen_s, 1),
+            "derived": derived_info,
             "env": env_info(device)}
     data = TokenData(torch.tensor(tokens, dtype=torch.int32), torch.tensor(offsets, dtype=torch.long),
                      torch.tensor(plens, dtype=torch.int32), mlist, split, meta)

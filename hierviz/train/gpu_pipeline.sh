@@ -2,7 +2,7 @@
 # The whole offline-stack training run, as executed on the device GPU (one H200):
 #   bash hierviz/train/gpu_pipeline.sh TARGET.gguf TOKENIZER_DIR WORK_DIR OUT_DIR
 # Budgets (seconds) come from the environment: DATA_S, DISTILL_S, EAGLE_S; sizes from
-# NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, LAYERS, GROUP; HEADS=m trains only E_M (E_T depends
+# NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, DERIVED (+ DERIVED_S), LAYERS, GROUP; HEADS=m trains only E_M (E_T depends
 # on T alone, so a new M does not need a new E_T). Every stage logs to OUT_DIR/log.txt and leaves its
 # products in OUT_DIR as it finishes, so a run cut short still returns what it made.
 set -uo pipefail
@@ -18,6 +18,7 @@ echo "target $SRC exported to $T"
 $PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
   --num-prompts "${NUM_PROMPTS:-8000}" --samples-per-prompt "${SAMPLES_PER_PROMPT:-1}" --max-new-tokens "${MAX_NEW:-256}" \
   --batch-size "${GEN_BATCH:-1024}" --modes "${MODES:-greedy:0.5,t0.7:0.25,t1.0:0.25}" --time-budget "${DATA_S:-90}" --questions $Q \
+  --derived "${DERIVED:-0}" --derived-budget "${DERIVED_S:-0}" \
   --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" --report "$W/data.json" || exit 1
 cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
 MDIR=smollm2-m${LAYERS:-8}-gptq

@@ -266,6 +266,40 @@ def build_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     return out
 
 
+# ---- derived prompts: T's own answers as passages ---------------------------------------------
+# The template prompts above are short; benchmark prompts are often long (a passage to summarise,
+# a document to answer from, text to translate or rewrite). Derived prompts reuse responses the
+# target already wrote as passages, which costs no corpus and stays in the target's own style.
+DERIVED_TEMPLATES: dict[str, list[str]] = {
+    "summarization": ["Summarize the following text in two sentences.\n\n{p}",
+                      "Write a one-paragraph summary of this text for {a}:\n\n{p}",
+                      "Give a short title and a three-bullet summary of the text below.\n\n{p}"],
+    "qa": ["Read the passage and answer the question.\n\nPassage: {p}\n\nQuestion: What is the main point of the passage?",
+           "Based only on the text below, what advice would you give to {a}?\n\n{p}",
+           "Here is a document:\n\n{p}\n\nWhich statement in the document is the most important, and why?"],
+    "extraction": ["List every concrete fact, number or name mentioned in this text as a bulleted list.\n\n{p}",
+                   "Extract the key terms from the following text and define each in a few words.\n\n{p}"],
+    "translation": ["Translate the following text into {lang}.\n\n{p}"],
+    "rewriting": ["Rewrite the following text so that {a} can understand it.\n\n{p}",
+                  "Make the following text shorter and more formal.\n\n{p}",
+                  "Find and fix any unclear sentences in this text, then give the improved version.\n\n{p}"],
+    "reasoning": ["Is there anything in the following text that could be wrong or misleading? Explain step by step.\n\n{p}"],
+}
+
+
+def derived_prompts(passages: list[str], seed: int = 0) -> list[tuple[str, str]]:
+    """One (category, prompt) per passage: a derived task on that passage, categories in turn."""
+    rng = random.Random(seed)
+    kinds = sorted(DERIVED_TEMPLATES)
+    out = []
+    for i, text in enumerate(passages):
+        kind = kinds[i % len(kinds)]
+        t = rng.choice(DERIVED_TEMPLATES[kind])
+        out.append((f"derived-{kind}", t.format(p=text.strip(), a=rng.choice(AUDIENCES),
+                                                lang=rng.choice(TARGET_LANGS))))
+    return out
+
+
 # ---- the non-overlap check -----------------------------------------------------------------------
 
 def _words(text: str) -> list[str]:
@@ -287,8 +321,8 @@ def question_turns(paths: Iterable[str | Path]) -> list[str]:
     return turns
 
 
-def overlap_report(prompts: list[str], question_files: list[str | Path], n: int = 8) -> dict:
-    """Exact-match and shared word-n-gram counts between training prompts and benchmark turns."""
+def _overlaps(prompts: list[str], question_files: list[str | Path], n: int) -> tuple[list[str], list[str], int]:
+    """(prompts equal to a benchmark turn, prompts sharing a word n-gram with one, number of turns)."""
     turns = question_turns(question_files)
     norm = lambda s: " ".join(_words(s))  # noqa: E731
     turn_set = {norm(t) for t in turns}
@@ -297,6 +331,18 @@ def overlap_report(prompts: list[str], question_files: list[str | Path], n: int 
         bench_grams |= ngrams(t, n)
     exact = [p for p in prompts if norm(p) in turn_set]
     shared = [p for p in prompts if ngrams(p, n) & bench_grams]
-    return {"question_files": [str(Path(q).name) for q in question_files], "benchmark_turns": len(turns),
+    return exact, shared, len(turns)
+
+
+def overlapping_prompts(prompts: list[str], question_files: list[str | Path], n: int = 8) -> set[str]:
+    """The prompts that equal a benchmark turn or share a word n-gram with one."""
+    exact, shared, _ = _overlaps(prompts, question_files, n)
+    return set(exact) | set(shared)
+
+
+def overlap_report(prompts: list[str], question_files: list[str | Path], n: int = 8) -> dict:
+    """Exact-match and shared word-n-gram counts between training prompts and benchmark turns."""
+    exact, shared, n_turns = _overlaps(prompts, question_files, n)
+    return {"question_files": [str(Path(q).name) for q in question_files], "benchmark_turns": n_turns,
             "training_prompts": len(prompts), "ngram": n, "exact_matches": len(exact),
             "prompts_sharing_an_ngram": len(shared), "examples": shared[:5]}
