@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.verify import Sampler
+from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
@@ -65,9 +65,7 @@ def w4_of(weights: dict[str, torch.Tensor], group: int = 32) -> dict:
 def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: DecodeSettings,
                 static: bool) -> tuple[list[int], float, int]:
     """(tokens after the prefill's first, seconds for them, rounds). static=False: dynamic path."""
-    old = os.environ.get("HIERVIZ_STATIC")
-    os.environ["HIERVIZ_STATIC"] = "1" if static else "0"
-    try:
+    with cuda_graphs.path_switches(static=static):
         max_len = len(prompt) + n + cache_margin(s) + 16
         gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len)
         with torch.no_grad():
@@ -85,11 +83,6 @@ def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: Decod
             dt = time.perf_counter() - t0
         gen.close()
         return first + out[:n], dt, rounds
-    finally:
-        if old is None:
-            os.environ.pop("HIERVIZ_STATIC", None)
-        else:
-            os.environ["HIERVIZ_STATIC"] = old
 
 
 def exactness_tiny(device: str) -> dict:

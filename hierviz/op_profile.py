@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -78,8 +77,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
         st = fresh_state()
         _step_ms(st, 3, cuda)
         out["step_ms_graphs"] = _step_ms(st, steps, cuda)
-    os.environ["HIERVIZ_CUDA_GRAPHS"] = "0"      # profiled run: same static path, eager launches
-    try:
+    with cuda_graphs.path_switches(graphs=False):   # profiled run: same static path, eager launches
         cuda_graphs.drop_runners(model)
         st = fresh_state()
         _step_ms(st, 3, cuda)
@@ -87,8 +85,6 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=acts) as prof:
             _step_ms(st, steps, cuda)
-    finally:
-        os.environ.pop("HIERVIZ_CUDA_GRAPHS", None)
     rows = []
     for evt in prof.key_averages():
         us = _self_time_us(evt, cuda)

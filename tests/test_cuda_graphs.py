@@ -130,3 +130,15 @@ def test_runners_are_pooled(stack, static) -> None:
     assert b.runner is r
     c = BaseState(t, 100)            # b still holds it: a second runner
     assert c.runner is not r
+
+
+def test_path_switches_restore_the_environment(monkeypatch) -> None:
+    import os
+    from hierviz.models import cuda_graphs
+    monkeypatch.delenv("HIERVIZ_STATIC", raising=False)
+    monkeypatch.setenv("HIERVIZ_CUDA_GRAPHS", "1")
+    with cuda_graphs.path_switches(static=False, graphs=False):
+        assert os.environ["HIERVIZ_STATIC"] == "0" and os.environ["HIERVIZ_CUDA_GRAPHS"] == "0"
+    assert "HIERVIZ_STATIC" not in os.environ and os.environ["HIERVIZ_CUDA_GRAPHS"] == "1"
+    with cuda_graphs.path_switches(graphs=True):
+        assert "HIERVIZ_STATIC" not in os.environ

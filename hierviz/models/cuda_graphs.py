@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -57,6 +58,25 @@ def static_enabled(device: torch.device) -> bool:
 def graphs_enabled(device: torch.device) -> bool:
     """CUDA graphs on top of the static path (HIERVIZ_CUDA_GRAPHS=0 runs it eagerly, for debugging)."""
     return device.type == "cuda" and os.environ.get("HIERVIZ_CUDA_GRAPHS", "1") != "0"
+
+
+@contextmanager
+def path_switches(static: Optional[bool] = None, graphs: Optional[bool] = None) -> Iterator[None]:
+    """Set HIERVIZ_STATIC / HIERVIZ_CUDA_GRAPHS for runners leased inside the block (None: leave
+    as is), then restore what was there: benchmarks compare the paths in one process."""
+    want = {"HIERVIZ_STATIC": static, "HIERVIZ_CUDA_GRAPHS": graphs}
+    old = {k: os.environ.get(k) for k, v in want.items() if v is not None}
+    for k, v in want.items():
+        if v is not None:
+            os.environ[k] = "1" if v else "0"
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def bucket_for(t: int) -> Optional[int]:
