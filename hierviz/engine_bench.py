@@ -27,7 +27,7 @@ import torch
 from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.verify import Sampler
-from hierviz.models import cuda_graphs
+from hierviz.models import cuda_graphs, fused
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
@@ -63,9 +63,10 @@ def w4_of(weights: dict[str, torch.Tensor], group: int = 32) -> dict:
 
 
 def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: DecodeSettings,
-                static: bool) -> tuple[list[int], float, int]:
-    """(tokens after the prefill's first, seconds for them, rounds). static=False: dynamic path."""
-    with cuda_graphs.path_switches(static=static):
+                static: bool, fused_ops: Optional[bool] = None) -> tuple[list[int], float, int]:
+    """(tokens after the prefill's first, seconds for them, rounds). static=False: dynamic path;
+    fused_ops: the fused layer kernels on (True) / off (False) / as configured (None)."""
+    with cuda_graphs.path_switches(static=static, fused=fused_ops):
         max_len = len(prompt) + n + cache_margin(s) + 16
         gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len)
         with torch.no_grad():
@@ -85,7 +86,9 @@ def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: Decod
         return first + out[:n], dt, rounds
 
 
-def exactness_tiny(device: str) -> dict:
+def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
+    """Every decoder on the static path (graphs on CUDA) against AR on the dynamic path, fp32.
+    fused_ops: with the fused layer kernels forced (they serve fp16/bf16 by default)."""
     from hierviz.stack import tiny_models
     models = tiny_models(259, device)
     s = DecodeSettings(m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
@@ -93,9 +96,13 @@ def exactness_tiny(device: str) -> dict:
     prompt = list(range(40, 60))
     want, _, _ = run_decoder(models, "ar", prompt, 48, s, static=False)
     res = {}
-    for m in DECODERS:
-        got, _, _ = run_decoder(models, m, prompt, 48, s, static=True)
-        res[m] = got == want
+    fused.force(fused_ops)
+    try:
+        for m in DECODERS:
+            got, _, _ = run_decoder(models, m, prompt, 48, s, static=True)
+            res[m] = got == want
+    finally:
+        fused.force(False)
     return res
 
 
@@ -140,6 +147,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     res["exact_tiny_fp32"] = exactness_tiny(dev)
     print("[engine] tiny fp32, static/graphs vs AR dynamic, identical:", res["exact_tiny_fp32"], flush=True)
+    if fused.HAVE_TRITON and dev == "cuda":
+        res["exact_tiny_fp32_fused"] = exactness_tiny(dev, fused_ops=True)
+        print("[engine] tiny fp32, static/graphs with fused layer kernels vs AR dynamic, identical:",
+              res["exact_tiny_fp32_fused"], flush=True)
     save()
 
     cfg_path = ROOT / "assets" / "configs" / "smollm2-135m.json"
@@ -155,11 +166,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     s = DecodeSettings(max_new_tokens=n)
     rows = {}
     toks = {}
-    for name, model, static in (("ours fp16, CUDA graphs", t_fp16, True), ("ours fp16, eager", t_fp16, False),
-                                ("ours W4A16 triton, CUDA graphs", t_w4, True),
-                                ("ours W4A16 triton, eager", t_w4, False)):
-        run_decoder(Models(model), "ar", prompt, 8, s, static)        # warm-up: kernels, graphs
-        out, dt, _ = run_decoder(Models(model), "ar", prompt, n, s, static)
+    for name, model, static, fused_ops in (
+            ("ours fp16, CUDA graphs", t_fp16, True, None), ("ours fp16, eager", t_fp16, False, None),
+            ("ours W4A16 triton, CUDA graphs", t_w4, True, None),
+            ("ours W4A16 triton, CUDA graphs, unfused layer ops", t_w4, True, False),
+            ("ours W4A16 triton, eager", t_w4, False, None)):
+        cuda_graphs.drop_runners(model)      # graphs keep the path they were captured with
+        run_decoder(Models(model), "ar", prompt, 8, s, static, fused_ops)        # warm-up: kernels, graphs
+        out, dt, _ = run_decoder(Models(model), "ar", prompt, n, s, static, fused_ops)
         rows[name] = n / dt
         toks[name] = out
         print(f"[engine] AR {name:34s} {n / dt:8.1f} tokens/s", flush=True)

@@ -32,6 +32,7 @@ from hierviz.decoding.decoders import DECODERS, Models, cache_margin
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
+from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
@@ -213,9 +214,11 @@ def _sync(dev: torch.device) -> None:
 
 
 def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[AcceptOracle],
-            prompt: list[int]) -> dict[str, Any]:
-    """Decode until max_new_tokens tokens exist; time the decode rounds (prefill excluded)."""
-    max_len = len(prompt) + s.max_new_tokens + cache_margin(s)
+            prompt: list[int], max_len: Optional[int] = None) -> dict[str, Any]:
+    """Decode until max_new_tokens tokens exist; time the decode rounds (prefill excluded).
+    max_len: the KV cache length (default: what these settings need); a warm-up passes the
+    timed run's, so both lease the same pooled runners and graphs."""
+    max_len = max_len or len(prompt) + s.max_new_tokens + cache_margin(s)
     gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
     dev = models.target.device
     steps: list[Step] = []
@@ -405,10 +408,11 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     max_new = a.max_new_tokens or (max(trace[m]["tokens"] for m in methods if m in trace)
                                    if trace and any(m in trace for m in methods) else 128)
     s = _settings(a, base_settings, max_new)
+    sweep_settings: list[DecodeSettings] = []
     if a.sweep:   # check the sweep's lists before building (possibly 70B-sized) models
         _scales(a.sweep_scales)
-        _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
-        _ints(a.sweep_min_draft, "--sweep-min-draft")
+        sweep_settings = ([_settings_copy(s, t_tree_size=z) for z in _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")]
+                          + [_settings_copy(s, min_draft_len=d) for d in _ints(a.sweep_min_draft, "--sweep-min-draft")])
     dev, dtype, kernel = _environment(a)
     if a.threads is not None:
         if a.threads < 1:
@@ -426,11 +430,16 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     _check_finite(models, prompt)
     make, rates_info = _oracle_factory(a, trace)
     warm = dataclasses.replace(s, max_new_tokens=min(16, max_new))
+    # one cache length for every run: all lease the same pooled runners, captured in the warm-up
+    cache_len = len(prompt) + max_new + max(cache_margin(x) for x in [s] + sweep_settings)
     for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
-        run_one(models, m, warm, make(m), prompt)
+        run_one(models, m, warm, make(m), prompt, cache_len)
+    for model in (models.target, models.intermediate, models.e_m, models.e_t):
+        if model is not None:     # buckets the short warm-up did not reach: compile and capture them too
+            cuda_graphs.prepare_all(model)
     for layer in models.target.layers:   # Triton keeps its own code layout: hold the 70B codes once
         _free_codes(layer)
-    results = {m: run_one(models, m, s, make(m), prompt) for m in methods}
+    results = {m: run_one(models, m, s, make(m), prompt, cache_len) for m in methods}
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
@@ -449,7 +458,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     if "hierspec" in results and "eagle2" in results:
         info["hierspec_vs_eagle2"] = results["hierspec"]["tokens_per_s"] / results["eagle2"]["tokens_per_s"]
     if a.sweep:
-        info["sweep"] = run_sweep(a, models, s, prompt, results)
+        info["sweep"] = run_sweep(a, models, s, prompt, results, cache_len)
     return info
 
 
@@ -491,24 +500,24 @@ def _scales(text: str) -> list[float]:
 
 
 def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: list[int],
-              base: dict[str, Any]) -> dict[str, Any]:
+              base: dict[str, Any], cache_len: Optional[int] = None) -> dict[str, Any]:
     """AR once; EAGLE-2 per (scale, E_T tree size); HierSpec per (scale, min draft length)."""
     scales = _scales(a.sweep_scales)
     sizes = _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
     drafts = _ints(a.sweep_min_draft, "--sweep-min-draft")
-    ar = base["ar"] if "ar" in base else run_one(models, "ar", s, None, prompt)
+    ar = base["ar"] if "ar" in base else run_one(models, "ar", s, None, prompt, cache_len)
     rows = []
     for sc in scales:
         make, rinfo = _oracle_factory(a, None, sc)
         for size in sizes:
             st = _settings_copy(s, t_tree_size=size)
-            r = run_one(models, "eagle2", st, make("eagle2"), prompt)
+            r = run_one(models, "eagle2", st, make("eagle2"), prompt, cache_len)
             rows.append({"method": "eagle2", "scale": sc, "t_tree_size": size, "rates": rinfo["rates"],
                          "tokens_per_s": r["tokens_per_s"], "tokens_per_round": r["tokens_per_round"],
                          "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
         for md in drafts:
             st = _settings_copy(s, min_draft_len=md)
-            r = run_one(models, "hierspec", st, make("hierspec"), prompt)
+            r = run_one(models, "hierspec", st, make("hierspec"), prompt, cache_len)
             rows.append({"method": "hierspec", "scale": sc, "min_draft_len": md, "rates": rinfo["rates"],
                          "seq_rate": rinfo["seq_rate"], "tokens_per_s": r["tokens_per_s"],
                          "tokens_per_round": r["tokens_per_round"],

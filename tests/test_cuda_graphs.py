@@ -142,3 +142,17 @@ def test_path_switches_restore_the_environment(monkeypatch) -> None:
     assert "HIERVIZ_STATIC" not in os.environ and os.environ["HIERVIZ_CUDA_GRAPHS"] == "1"
     with cuda_graphs.path_switches(graphs=True):
         assert "HIERVIZ_STATIC" not in os.environ
+
+
+def test_prepare_all_runs_every_bucket(stack, static) -> None:
+    """A benchmark's warm-up compiles every bucket up front (here: eager static forwards on the CPU)."""
+    t = stack.models.target
+    cuda_graphs.drop_runners(t)
+    st = BaseState(t, 100)
+    assert cuda_graphs.prepare_all(t) == 1
+    assert sorted(st.runner._buckets) == list(cuda_graphs.BUCKETS)
+    st.tokens = list(range(3, 13))       # the runner still decodes after the scratch-slot forwards
+    with torch.no_grad():
+        h = st.run_pending()
+    assert h.shape[0] == 10 and st.cache.length == 10
+    cuda_graphs.drop_runners(t)

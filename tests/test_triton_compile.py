@@ -20,28 +20,63 @@ ARGS = ["x_ptr", "c_ptr", "s_ptr", "o_ptr", "y_ptr", "M", "N", "K", "stride_xm",
 CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False}
 
 
-def _ptx(arch: int, tma: bool) -> str:
+def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> str:
+    """PTX of a @triton.jit kernel for sm_<arch>: args in signature order (name -> type), then
+    the constexprs in order. Skips the test when this Triton install has no CUDA toolchain."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    sig = {a: "i32" for a in ARGS[5:]}
-    sig.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
-                "c_ptr": f"tensordesc<u8[{CONSTS['BN']}, {CONSTS['SUB'] // 2}]>" if tma else "*u8"})
-    order = ARGS + list(CONSTS) + ["TMA"]
-    sig.update({k: "constexpr" for k in order[len(ARGS):]})
-    consts = {(order.index(k),): v for k, v in {**CONSTS, "TMA": tma}.items()}
-    src = ASTSource(fn=triton_w4._w4_kernel, signature={k: sig[k] for k in order}, constexprs=consts)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 4})
-    return compiled.asm["ptx"]
-
-
-@pytest.mark.parametrize("arch,tma", [(90, False), (90, True), (80, False)])
-def test_kernel_compiles_for_gpu(arch: int, tma: bool) -> None:
+    order = list(args) + list(consts)
+    sig = {**args, **{k: "constexpr" for k in consts}}
+    src = ASTSource(fn=fn, signature={k: sig[k] for k in order},
+                    constexprs={(order.index(k),): v for k, v in consts.items()})
     try:
-        ptx = _ptx(arch, tma)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
     except (ImportError, RuntimeError, FileNotFoundError) as e:   # no ptxas / backend in this install
         if "ptxas" in str(e).lower() or isinstance(e, (ImportError, FileNotFoundError)):
             pytest.skip(f"Triton's CUDA toolchain is not available here: {e}")
         raise
+    ptx = compiled.asm["ptx"]
     assert f".target sm_{arch}" in ptx
+    return ptx
+
+
+def _ptx(arch: int, tma: bool) -> str:
+    args = {a: "i32" for a in ARGS[5:]}
+    args.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
+                 "c_ptr": f"tensordesc<u8[{CONSTS['BN']}, {CONSTS['SUB'] // 2}]>" if tma else "*u8"})
+    return _ptx_of(triton_w4._w4_kernel, {a: args[a] for a in ARGS}, {**CONSTS, "TMA": tma}, arch,
+                   num_stages=4)
+
+
+@pytest.mark.parametrize("arch,tma", [(90, False), (90, True), (80, False)])
+def test_kernel_compiles_for_gpu(arch: int, tma: bool) -> None:
+    ptx = _ptx(arch, tma)
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert "prmt.b32" in ptx          # the inline-PTX unpack made it in
+
+
+def _fused_kernels():
+    """(kernel, args, constexprs) of every hierviz.models.fused kernel at Llama-3-70B's sizes."""
+    from hierviz.models import fused as f
+    h = "*fp16"
+    return [
+        (f._rms_norm_kernel, {"x_ptr": h, "d_ptr": h, "xo_ptr": h, "w_ptr": h, "y_ptr": h, "H": "i32", "eps": "fp32"},
+         {"HAS_DELTA": True, "BLOCK": 8192}),
+        (f._rope_cache_kernel, {"qkv_ptr": h, "cos_ptr": h, "sin_ptr": h, "slots_ptr": "*i64", "q_ptr": h, "k_ptr": h,
+                                "v_ptr": h, "stride_qkv": "i32", "HQ": "i32", "HKV": "i32", "L": "i32"},
+         {"HD": 128, "HALF": 64, "BH": 64, "BHEADS": 16}),
+        (f._attention_kernel, {"q_ptr": h, "k_ptr": h, "v_ptr": h, "mask_ptr": "*u8", "o_ptr": h, "m_ptr": "*fp32",
+                               "l_ptr": "*fp32", "acc_ptr": "*fp32", "T": "i32", "L": "i32", "HQ": "i32",
+                               "scale": "fp32", "blocks_per_split": "i32", "n_blocks": "i32"},
+         {"G": 8, "HD": 128, "BD": 128, "BR": 16, "BL": 64, "SPLIT": True, "IEEE": False}),
+        (f._attention_combine_kernel, {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": h,
+                                       "rows": "i32", "S": "i32"}, {"HD": 128, "BD": 128, "BROWS": 16}),
+        (f._silu_mul_kernel, {"gu_ptr": h, "out_ptr": h, "I": "i32"}, {"BLOCK": 1024}),
+    ]
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_fused_layer_kernels_compile_for_gpu(arch: int) -> None:
+    for fn, args, consts in _fused_kernels():
+        _ptx_of(fn, args, consts, arch)

@@ -61,10 +61,13 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 @contextmanager
-def path_switches(static: Optional[bool] = None, graphs: Optional[bool] = None) -> Iterator[None]:
-    """Set HIERVIZ_STATIC / HIERVIZ_CUDA_GRAPHS for runners leased inside the block (None: leave
-    as is), then restore what was there: benchmarks compare the paths in one process."""
-    want = {"HIERVIZ_STATIC": static, "HIERVIZ_CUDA_GRAPHS": graphs}
+def path_switches(static: Optional[bool] = None, graphs: Optional[bool] = None,
+                  fused: Optional[bool] = None) -> Iterator[None]:
+    """Set HIERVIZ_STATIC / HIERVIZ_CUDA_GRAPHS / HIERVIZ_FUSED (hierviz.models.fused) for runners
+    leased inside the block (None: leave as is), then restore what was there: benchmarks compare
+    the paths in one process. Graphs already captured keep the path they were captured with
+    (`drop_runners` first)."""
+    want = {"HIERVIZ_STATIC": static, "HIERVIZ_CUDA_GRAPHS": graphs, "HIERVIZ_FUSED": fused}
     old = {k: os.environ.get(k) for k, v in want.items() if v is not None}
     for k, v in want.items():
         if v is not None:
@@ -154,16 +157,31 @@ class StaticRunner:
             bk.ints_dev.copy_(bk.ints_host)
             bk.win_dev.copy_(bk.win_host)
 
-    def _capture(self, b: int) -> None:
-        """Warm up (compiles kernels, builds the W4 kernels' weight layouts), then capture.
-        The warm-up runs write only scratch slots: start = wstart = live_len."""
-        bk = self._buckets[b]
+    def _scratch_inputs(self, b: int) -> _Bucket:
+        """Bucket b's inputs set to write only scratch slots (start = wstart = live_len)."""
+        bk = self._bucket(b)
         if bk.copied is not None:
             bk.copied.synchronize()
         bk.ints_host.zero_()
         bk.ints_host[2 * b] = bk.ints_host[2 * b + 1] = self.live_len
         bk.win_host.zero_()
         self._upload(bk)
+        return bk
+
+    def prepare(self, b: int) -> None:
+        """Compile bucket b's kernels (and capture its graph) now rather than on first use."""
+        with torch.no_grad():
+            if self.graphs:
+                if self._bucket(b).graph is None:
+                    self._capture(b)
+            else:
+                self._scratch_inputs(b)
+                self._forward(b)
+
+    def _capture(self, b: int) -> None:
+        """Warm up (compiles kernels, builds the W4 kernels' weight layouts), then capture.
+        The warm-up runs write only scratch slots: start = wstart = live_len."""
+        bk = self._scratch_inputs(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -243,6 +261,18 @@ def lease(model, max_len: int, owner: object, window_extra: int = 0) -> Optional
 def _release(runner: StaticRunner) -> None:
     with _lock:
         runner.in_use = False
+
+
+def prepare_all(model) -> int:
+    """Compile and capture every bucket of the model's pooled runners (a benchmark's warm-up:
+    Triton compiles a kernel variant per tile shape, seconds each, which must not land inside
+    timed decoding). Returns the number of runners prepared."""
+    with _lock:
+        runners = list(model.__dict__.get("_static_runners", []))
+    for r in runners:
+        for b in BUCKETS:
+            r.prepare(b)
+    return len(runners)
 
 
 def drop_runners(model) -> None:

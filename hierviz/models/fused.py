@@ -1,0 +1,297 @@
+"""Fused Triton kernels for a decoder layer's non-GEMM work on the static (CUDA-graph) path.
+
+Why: `python -m hierviz.op_profile --shape llama3-70b --layers 80` on an H200 (W4A16, fp16,
+CUDA graphs) measured 29.8 ms per token, of which the W4 GEMMs are 17.4 ms. The other ~45
+kernels per layer (RMSNorm's fp32 chain, RoPE's cat/neg/mul/add, the cache writes, SDPA's math
+path with its mask conversion and GQA copies, SiLU * up, residual adds) took ~110 us per layer
+plus launch gaps: ~12 ms per token, more than the weight-read floor of the whole model (9.1 ms).
+These kernels do that work in five launches per layer:
+
+  rms_norm / add_rms_norm   one program per token row; optionally adds the residual first
+  rope_to_cache             rotates q and k (HF rotate-half), writes k and v into their cache
+                            slots, leaves q in [T, heads * head_dim], the layout o_proj reads
+  masked_attention          flash-decoding over the preallocated cache with the static path's
+                            boolean mask [T, L]; GQA without copies (one program serves a KV
+                            head's group of query heads); blocks with no visible column are
+                            skipped, so the unused tail of the cache costs a mask read only;
+                            split along L for parallelism, then one combine launch
+  silu_mul                  silu(gate) * up from the fused gate_up output
+
+Arithmetic follows the unfused torch code: the same ops in the activation dtype where torch
+rounds to it (residual add, RoPE, SiLU * up), fp32 where torch upcasts (norm statistics,
+softmax). Used on CUDA for fp16/bf16 (`HIERVIZ_FUSED=0` turns it off); the CPU tests force
+it under TRITON_INTERPRET=1 and compare it with the unfused path.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # must import on machines without triton
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+_force = False
+ATTN_BLOCK_L = 64          # cache columns per attention step
+ATTN_TARGET_PROGRAMS = 128  # split the cache until about this many programs run (132 SMs on an H200)
+
+
+def force(on: bool) -> None:
+    """Use the fused kernels on any device (under TRITON_INTERPRET=1 off CUDA): for tests."""
+    global _force
+    _force = on
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Fused path for this activation: CUDA fp16/bf16 unless HIERVIZ_FUSED=0, or forced."""
+    if not HAVE_TRITON or x.dim() != 2:
+        return False
+    if _force:
+        return True
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get("HIERVIZ_FUSED", "1") != "0")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, d_ptr, xo_ptr, w_ptr, y_ptr, H, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < H
+        x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
+        if HAS_DELTA:
+            x = x + tl.load(d_ptr + row * H + offs, mask=ok, other=0.0)
+            tl.store(xo_ptr + row * H + offs, x, mask=ok)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / H
+        n = (xf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+        tl.store(y_ptr + row * H + offs, w * n, mask=ok)
+
+    @triton.jit
+    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, v_ptr,
+                           stride_qkv, HQ, HKV, L, HD: tl.constexpr, HALF: tl.constexpr,
+                           BH: tl.constexpr, BHEADS: tl.constexpr):
+        t = tl.program_id(0)                       # one token: its HQ query, HKV key, HKV value heads
+        hh = tl.program_id(1) * BHEADS + tl.arange(0, BHEADS)
+        offs = tl.arange(0, BH)
+        ok = (hh < HQ + 2 * HKV)[:, None] & (offs < HALF)[None, :]
+        src = qkv_ptr + t * stride_qkv + hh[:, None] * HD + offs[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0)
+        x2 = tl.load(src + HALF, mask=ok, other=0.0)
+        c1 = tl.load(cos_ptr + t * HD + offs, mask=offs < HALF, other=0.0)[None, :]
+        c2 = tl.load(cos_ptr + t * HD + HALF + offs, mask=offs < HALF, other=0.0)[None, :]
+        s1 = tl.load(sin_ptr + t * HD + offs, mask=offs < HALF, other=0.0)[None, :]
+        s2 = tl.load(sin_ptr + t * HD + HALF + offs, mask=offs < HALF, other=0.0)[None, :]
+        # x * cos + rotate_half(x) * sin, rounded op by op as torch does in this dtype; values pass as they are
+        rot = (hh < HQ + HKV)[:, None]
+        y1 = tl.where(rot, x1 * c1 + (-x2) * s1, x1)
+        y2 = tl.where(rot, x2 * c2 + x1 * s2, x2)
+        slot = tl.load(slots_ptr + t)
+        is_k = (hh >= HQ) & (hh < HQ + HKV)
+        row = tl.where(hh < HQ, t * HQ + hh,
+                       tl.where(is_k, (hh - HQ) * L + slot, (hh - HQ - HKV) * L + slot))
+        dst_q = q_ptr + row[:, None] * HD + offs[None, :]
+        dst_k = k_ptr + row[:, None] * HD + offs[None, :]
+        dst_v = v_ptr + row[:, None] * HD + offs[None, :]
+        is_q2, is_k2, is_v2 = (hh < HQ)[:, None], is_k[:, None], (hh >= HQ + HKV)[:, None]
+        tl.store(dst_q, y1, mask=ok & is_q2)
+        tl.store(dst_q + HALF, y2, mask=ok & is_q2)
+        tl.store(dst_k, y1, mask=ok & is_k2)
+        tl.store(dst_k + HALF, y2, mask=ok & is_k2)
+        tl.store(dst_v, y1, mask=ok & is_v2)
+        tl.store(dst_v + HALF, y2, mask=ok & is_v2)
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+                          T, L, HQ, scale, blocks_per_split, n_blocks,
+                          G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                          BL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        h = tl.program_id(0)                       # KV head
+        rb = tl.program_id(1)                      # block of (token, group member) rows
+        sp = tl.program_id(2)                      # slice of the cache
+        r = rb * BR + tl.arange(0, BR)
+        t = r // G
+        row_ok = t < T
+        qh = h * G + r % G                         # query head of each row
+        orow = t * HQ + qh                         # row of the [T * HQ, HD] output
+        d = tl.arange(0, BD)
+        d_ok = d < HD
+        q = tl.load(q_ptr + orow[:, None] * HD + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BR], float("-inf"), tl.float32)
+        l_i = tl.zeros([BR], tl.float32)
+        acc = tl.zeros([BR, BD], tl.float32)
+        kv = h * L * HD
+        b0 = sp * blocks_per_split
+        b1 = tl.minimum(b0 + blocks_per_split, n_blocks)
+        for b in range(b0, b1):
+            cols = b * BL + tl.arange(0, BL)
+            col_ok = cols < L
+            vis = tl.load(mask_ptr + t[:, None] * L + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
+            if tl.max(vis.to(tl.int32)) > 0:        # skip blocks no row can see (unused cache tail)
+                kv_ok = col_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + kv + cols[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(vis, s * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + kv + cols[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        if SPLIT:
+            part = sp * T * HQ + orow
+            tl.store(m_ptr + part, m_i, mask=row_ok)
+            tl.store(l_ptr + part, l_i, mask=row_ok)
+            tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(o_ptr + orow[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, rows, S,
+                                  HD: tl.constexpr, BD: tl.constexpr, BROWS: tl.constexpr):
+        r = tl.program_id(0) * BROWS + tl.arange(0, BROWS)
+        r_ok = r < rows
+        d = tl.arange(0, BD)
+        ok = r_ok[:, None] & (d < HD)[None, :]
+        m_max = tl.full([BROWS], float("-inf"), tl.float32)
+        for s in range(0, S):
+            m_max = tl.maximum(m_max, tl.load(m_ptr + s * rows + r, mask=r_ok, other=float("-inf")))
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        den = tl.zeros([BROWS], tl.float32)
+        acc = tl.zeros([BROWS, BD], tl.float32)
+        for s in range(0, S):
+            w = tl.exp(tl.load(m_ptr + s * rows + r, mask=r_ok, other=float("-inf")) - m_safe)
+            den += w * tl.load(l_ptr + s * rows + r, mask=r_ok, other=0.0)
+            acc += w[:, None] * tl.load(acc_ptr + (s * rows + r[:, None]) * HD + d[None, :], mask=ok, other=0.0)
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(o_ptr + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < I
+        g = tl.load(gu_ptr + t * 2 * I + offs, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + t * 2 * I + I + offs, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)   # F.silu rounds to the dtype, then * up
+        tl.store(out_ptr + t * I + offs, silu * u, mask=ok)
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * normalize(x) for x [T, H] (RMSNorm of hierviz.models.llama)."""
+    x = x.contiguous()
+    t, hdim = x.shape
+    y = torch.empty_like(x)
+    block = _pow2(hdim)
+    _rms_norm_kernel[(t,)](x, x, x, weight, y, hdim, eps, HAS_DELTA=False, BLOCK=block,
+                           num_warps=_norm_warps(block))
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one launch."""
+    x, delta = x.contiguous(), delta.contiguous()
+    t, hdim = x.shape
+    xo, y = torch.empty_like(x), torch.empty_like(x)
+    block = _pow2(hdim)
+    _rms_norm_kernel[(t,)](x, delta, xo, weight, y, hdim, eps, HAS_DELTA=True, BLOCK=block,
+                           num_warps=_norm_warps(block))
+    return xo, y
+
+
+def rope_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) * hd] -> rotated q [T, Hq * hd]; rotated k and v written into
+    k_cache / v_cache [Hkv, L, hd] at `slots` [T]."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    qkv = qkv.contiguous()
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    half = head_dim // 2
+    heads = num_heads + 2 * num_kv_heads
+    bheads = min(16, _pow2(heads))
+    _rope_cache_kernel[(t, triton.cdiv(heads, bheads))](
+        qkv, cos.contiguous(), sin.contiguous(), slots, q, k_cache, v_cache, qkv.stride(0),
+        num_heads, num_kv_heads, k_cache.shape[1], HD=head_dim, HALF=half, BH=_pow2(half), BHEADS=bheads,
+        num_warps=4)
+    return q
+
+
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                     num_heads: int, head_dim: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd), masked) v for q [T, Hq * hd] over k/v [Hkv, L, hd] with
+    mask [T, L] (True = visible); returns [T, Hq * hd]. Every row must see a column."""
+    t = q.shape[0]
+    hkv, length = k_cache.shape[0], k_cache.shape[1]
+    group = num_heads // hkv
+    rows = t * group
+    br = min(64, max(16, _pow2(rows)))
+    row_blocks = triton.cdiv(rows, br)
+    n_blocks = triton.cdiv(length, ATTN_BLOCK_L)
+    splits = max(1, min(n_blocks, ATTN_TARGET_PROGRAMS // (hkv * row_blocks)))
+    per = triton.cdiv(n_blocks, splits)
+    splits = triton.cdiv(n_blocks, per)
+    out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    mask = mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    bd = max(16, _pow2(head_dim))
+    if splits > 1:
+        m = torch.empty(splits, t * num_heads, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(splits, t * num_heads, head_dim, dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out
+    _attention_kernel[(hkv, row_blocks, splits)](
+        q.contiguous(), k_cache, v_cache, mask, out, m, l, acc, t, length, num_heads,
+        1.0 / math.sqrt(head_dim), per, n_blocks, G=group, HD=head_dim, BD=bd, BR=br, BL=ATTN_BLOCK_L,
+        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
+    if splits > 1:
+        rows_all = t * num_heads
+        brows = min(16, _pow2(rows_all))
+        _attention_combine_kernel[(triton.cdiv(rows_all, brows),)](m, l, acc, out, rows_all, splits,
+                                                                   HD=head_dim, BD=bd, BROWS=brows, num_warps=4)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] = [gate | up]; returns [T, I]."""
+    gate_up = gate_up.contiguous()
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, _pow2(inter))
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,147 @@
+"""Fused layer kernels (hierviz.models.fused) under TRITON_INTERPRET=1, in a subprocess.
+
+Each kernel against the torch code it replaces (fp32 and fp16), then a tiny model on the
+static path with the kernels forced against the unfused path: hidden states, cache contents
+and AR's greedy output. The GPU compile of the kernels is checked in test_triton_compile.py;
+the decoders through them on a GPU by `python -m hierviz.engine_bench` (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("triton")
+
+_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    from hierviz.models import cuda_graphs, fused
+    from hierviz.models.llama import RMSNorm, apply_rope
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    out = {}
+    for dt in (torch.float32, torch.float16):
+        k = str(dt).split(".")[-1]
+        x, d = torch.randn(5, 96, dtype=dt), torch.randn(5, 96, dtype=dt)
+        w = torch.rand(96, dtype=dt) + 0.5
+        out[f"norm_{k}"] = rel(fused.rms_norm(x, w, 1e-5), RMSNorm(w, 1e-5)(x))
+        xo, y = fused.add_rms_norm(x, d, w, 1e-5)
+        out[f"add_norm_{k}"] = max(rel(xo, x + d), rel(y, RMSNorm(w, 1e-5)(x + d)))
+        gu = torch.randn(3, 160, dtype=dt)
+        g, u = gu.split(80, -1)
+        out[f"silu_mul_{k}"] = rel(fused.silu_mul(gu), F.silu(g) * u)
+        # RoPE + cache writes: 6 query heads, 2 KV heads, shared tree positions, scattered slots
+        T, HQ, HKV, HD, L = 4, 6, 2, 32, 40
+        qkv = torch.randn(T, (HQ + 2 * HKV) * HD, dtype=dt)
+        pos = torch.tensor([7, 9, 9, 12])
+        inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
+        fr = pos.float()[:, None] * inv[None]
+        emb = torch.cat((fr, fr), -1)
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        slots = torch.tensor([3, 8, 20, 21])
+        kc, vc = torch.zeros(HKV, L, HD, dtype=dt), torch.zeros(HKV, L, HD, dtype=dt)
+        q = fused.rope_to_cache(qkv, cos, sin, slots, kc, vc, HQ, HKV, HD)
+        qr, kr, vr = qkv.split([HQ * HD, HKV * HD, HKV * HD], -1)
+        qref = apply_rope(qr.view(T, HQ, HD).transpose(0, 1), cos, sin).transpose(0, 1).reshape(T, -1)
+        kref = apply_rope(kr.view(T, HKV, HD).transpose(0, 1), cos, sin)
+        untouched = [i for i in range(L) if i not in slots.tolist()]
+        out[f"rope_{k}"] = max(rel(q, qref), rel(kc[:, slots], kref),
+                               rel(vc[:, slots], vr.view(T, HKV, HD).transpose(0, 1)),
+                               float(kc[:, untouched].abs().sum() + vc[:, untouched].abs().sum()))
+        # attention: one token with 8 query heads on 1 KV head (split along the cache, combine),
+        # GQA groups of 3 and 4 with rows that see scattered columns, a block no row sees
+        for T, HQ, HKV, HD, L in [(1, 8, 1, 128, 300), (5, 9, 3, 64, 200), (20, 8, 2, 64, 150)]:
+            q = torch.randn(T, HQ * HD, dtype=dt)
+            kc, vc = torch.randn(HKV, L, HD, dtype=dt), torch.randn(HKV, L, HD, dtype=dt)
+            mask = torch.zeros(T, L, dtype=torch.bool)
+            mask[:, :37] = True
+            for i in range(T):
+                mask[i, 100 + torch.randint(0, 30, (3,))] = True
+            o = fused.masked_attention(q, kc, vc, mask, HQ, HD)
+            ref = F.scaled_dot_product_attention(q.view(T, HQ, HD).transpose(0, 1).float(), kc.float(),
+                                                 vc.float(), attn_mask=mask, enable_gqa=True)
+            out[f"attention_{k}_T{T}_G{HQ // HKV}"] = rel(o, ref.transpose(0, 1).reshape(T, -1))
+
+    # a tiny model on the static path: fused kernels forced vs the unfused static path
+    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.decoding.state import BaseState
+    from hierviz.engine import generate, output_tokens
+    from hierviz.stack import tiny_random_stack
+    stack = tiny_random_stack()
+    t = stack.models.target
+    cuda_graphs.force_static(True)
+    anc = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 1, 0, 1]],
+                       dtype=torch.bool)
+    hidden, caches = [], []
+    for on in (False, True):
+        fused.force(on)
+        st = BaseState(t, 64)
+        st.tokens = list(range(10, 16))
+        hs = []
+        with torch.no_grad():
+            for step in range(3):
+                start = st.processed
+                if step == 0:
+                    h = st.run_pending()
+                elif step == 1:
+                    h = st.run_pending([5, 6, 7])
+                else:
+                    h = st.run_pending([11, 12, 13, 14, 15], [1, 1, 2, 2, 3], anc)
+                hs.append(h)
+                st.commit_prefix(start, h, h.shape[0] - (0 if step == 0 else 2), [41 + step])
+        hidden.append(torch.cat(hs))
+        caches.append(st.cache.k[:, :, :st.cache.length].clone())
+    out["model_hidden"] = rel(hidden[1], hidden[0])
+    out["model_cache"] = rel(caches[1], caches[0])
+    fused.force(False)
+    cuda_graphs.force_static(False)
+    s = DecodeSettings(max_new_tokens=6)
+    want = output_tokens(generate(stack, "ar", "Hi", s))
+    cuda_graphs.force_static(True)
+    fused.force(True)
+    out["ar_same"] = output_tokens(generate(stack, "ar", "Hi", s)) == want
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("op", ["norm", "add_norm", "silu_mul", "rope"])
+def test_elementwise_kernels_round_like_torch(results, op) -> None:
+    # same operations in the same dtype as the torch code: equal, up to exp's last bit in SiLU
+    assert results[f"{op}_float32"] < 1e-6
+    assert results[f"{op}_float16"] < 1e-3
+
+
+def test_masked_attention_matches_sdpa(results) -> None:
+    cases = [k for k in results if k.startswith("attention_")]
+    assert len(cases) == 6
+    for k in cases:
+        assert results[k] < (1e-5 if "float32" in k else 2e-3), (k, results[k])
+
+
+def test_fused_static_forward_matches_unfused(results) -> None:
+    assert results["model_hidden"] < 1e-5
+    assert results["model_cache"] < 1e-5
+    assert results["ar_same"]
