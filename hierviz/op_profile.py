@@ -35,18 +35,31 @@ def _self_time_us(evt: Any, cuda: bool) -> float:
     return float(evt.self_cpu_time_total)
 
 
-def _step_ms(state: Any, steps: int, cuda: bool) -> float:
-    """Wall time of one decode step (a token appended, one forward, its logits read back)."""
+def _step(state: Any, tokens: int) -> None:
+    """One verification-like step: a forward of `tokens` new tokens (the pending one and a
+    causal draft of tokens - 1), all their logits read back, one token kept."""
+    if tokens == 1:
+        state.tokens.append(int(state.next_logits().argmax()))
+        return
+    start = state.processed
+    draft = [(state.tokens[-1] + 1 + i) % state.model.cfg.vocab_size for i in range(tokens - 1)]
+    hidden = state.run_pending(draft)
+    best = state.model.logits(hidden).argmax(-1).tolist()
+    state.commit_prefix(start, hidden, 1, [best[0]])
+
+
+def _step_ms(state: Any, steps: int, cuda: bool, tokens: int = 1) -> float:
+    """Wall time of one decode step (`_step`)."""
     t0 = time.perf_counter()
     for _ in range(steps):
-        state.tokens.append(int(state.next_logits().argmax()))
+        _step(state, tokens)
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1000.0 / steps
 
 
 def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, steps: int,
-        prompt_len: int, top: int) -> dict[str, Any]:
+        prompt_len: int, top: int, tokens: int = 1) -> dict[str, Any]:
     import dataclasses
 
     from hierviz.decoding.state import BaseState
@@ -61,7 +74,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     cuda = device == "cuda"
     model = synthetic_model(cfg, "w4", dtype, device, kernel, 0)
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
-    max_len = prompt_len + 4 * steps + 16
+    max_len = prompt_len + 4 * steps + tokens + 16
 
     def fresh_state() -> BaseState:
         st = BaseState(model, max_len)
@@ -71,20 +84,20 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
 
     out: dict[str, Any] = {"schema": SCHEMA, "shape": name, "layers": cfg.num_layers, "device": device,
                            "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "steps": steps,
-                           "prompt_tokens": prompt_len,
+                           "prompt_tokens": prompt_len, "tokens_per_forward": tokens,
                            "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__}
     if cuda:   # reference: the same step replayed from CUDA graphs, as the engine runs it
         st = fresh_state()
-        _step_ms(st, 3, cuda)
-        out["step_ms_graphs"] = _step_ms(st, steps, cuda)
+        _step_ms(st, 3, cuda, tokens)
+        out["step_ms_graphs"] = _step_ms(st, steps, cuda, tokens)
     with cuda_graphs.path_switches(graphs=False):   # profiled run: same static path, eager launches
         cuda_graphs.drop_runners(model)
         st = fresh_state()
-        _step_ms(st, 3, cuda)
-        out["step_ms_eager"] = _step_ms(st, steps, cuda)
+        _step_ms(st, 3, cuda, tokens)
+        out["step_ms_eager"] = _step_ms(st, steps, cuda, tokens)
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=acts) as prof:
-            _step_ms(st, steps, cuda)
+            _step_ms(st, steps, cuda, tokens)
     rows = []
     for evt in prof.key_averages():
         us = _self_time_us(evt, cuda)
@@ -103,7 +116,8 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
 
 def table(info: dict[str, Any]) -> str:
     lines = [f"# {info['shape']} x {info['layers']} layers, W4A16 ({info['w4_kernel']}), {info['dtype']} on "
-             f"{info.get('gpu') or info['device']}: {info['timing']}",
+             f"{info.get('gpu') or info['device']}, {info.get('tokens_per_forward', 1)} token(s) per forward: "
+             f"{info['timing']}",
              "",
              f"step wall time: eager {info['step_ms_eager']:.2f} ms"
              + (f", CUDA graphs {info['step_ms_graphs']:.2f} ms" if "step_ms_graphs" in info else "")
@@ -127,19 +141,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--w4-kernel", default=None, help="default: triton on CUDA, reference on CPU")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled")
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens per forward (>1: a sequence verification with all logits read)")
     ap.add_argument("--top", type=int, default=25, help="operators to keep in the table")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA GPU here; use --device cpu", file=sys.stderr)
         return 2
-    if a.steps < 1 or a.prompt_len < 1:
-        print("error: --steps and --prompt-len must be at least 1", file=sys.stderr)
+    if a.steps < 1 or a.prompt_len < 1 or not 1 <= a.tokens <= 128:
+        print("error: --steps and --prompt-len must be at least 1, --tokens 1..128", file=sys.stderr)
         return 2
     dtype = getattr(torch, a.dtype or ("float16" if a.device == "cuda" else "float32"))
     kernel = a.w4_kernel or ("triton" if a.device == "cuda" else "reference")
     try:
-        info = run(a.shape, a.layers, a.device, dtype, kernel, a.steps, a.prompt_len, a.top)
+        info = run(a.shape, a.layers, a.device, dtype, kernel, a.steps, a.prompt_len, a.top, a.tokens)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

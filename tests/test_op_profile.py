@@ -24,7 +24,20 @@ def test_op_profile_on_cpu(tmp_path, capsys) -> None:
     assert "| op | calls / step |" in capsys.readouterr().out
 
 
+def test_op_profile_sequence_forwards(tmp_path) -> None:
+    """--tokens N: each step verifies N tokens (logits of all read back) and keeps one."""
+    n = torch.get_num_threads()
+    try:
+        assert main(["--shape", "smollm2", "--layers", "1", "--device", "cpu", "--steps", "2", "--tokens", "5",
+                     "--prompt-len", "8", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    info = json.loads((tmp_path / "op_profile.json").read_text())
+    assert info["tokens_per_forward"] == 5 and info["step_ms_eager"] > 0
+
+
 def test_op_profile_bad_arguments(tmp_path, capsys) -> None:
     assert main(["--shape", "nope", "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert "unknown shape" in capsys.readouterr().err
     assert main(["--layers", "0", "--shape", "smollm2", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert main(["--tokens", "0", "--shape", "smollm2", "--device", "cpu", "--out", str(tmp_path)]) == 2
