@@ -132,7 +132,7 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
     import triton
 
     from hierviz.quant import triton_w4
-    from hierviz.quant.triton_w4 import pick_config, triton_w4_matmul
+    from hierviz.quant.triton_w4 import sm_count, pick_config, triton_w4_matmul
 
     global _graph_time_us
     if dry:
@@ -213,7 +213,7 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
         want = x16[0].float() @ ref_w.t()
         # untuned M: the winner of the next tuned M up (same kernel path)
         up = [t for t in sorted(best_cfg) if t >= m]
-        cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g)
+        cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g, sm_count(torch.device(dev)))
         row: dict = {"M": m, "triton_config": asdict(cfg)}
         row["cublas_fp16_us"] = _graph_time_us(
             [lambda x=x, d=d: x @ d.t() for x, d in zip(x16, dense)], rep_ms)

@@ -152,3 +152,14 @@ def test_int4pack_cpu_matches_reference(m: int, n: int, k: int, g: int) -> None:
     first = cache[torch.bfloat16][0]
     w4_linear(x, w, kernel="int4pack_cpu")
     assert cache[torch.bfloat16][0] is first
+
+
+def test_pick_config_splits_k_for_narrow_layers() -> None:
+    """Tiles tuned on a 28672-wide layer leave SMs idle on narrow ones: K is split further."""
+    from hierviz.quant.triton_w4 import TUNED, pick_config
+    wide = pick_config(64, 28672, 8192, 128, sms=132)
+    assert wide == TUNED[64]                                  # 224 tiles: as tuned
+    down = pick_config(64, 8192, 28672, 128, sms=132)         # 64 tiles of 128 rows
+    assert down.split_k == 5 and down.tma == TUNED[64].tma and down.block_n == TUNED[64].block_n
+    assert pick_config(1, 28672, 8192, 128, sms=132) == TUNED[16]
+    assert pick_config(64, 256, 256, 128, sms=132).split_k == 2  # never more splits than K blocks

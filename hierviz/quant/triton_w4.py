@@ -27,6 +27,7 @@ Measured figures, what limits them, and the variants that measured slower: docs/
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -76,21 +77,37 @@ TUNED: dict[int, Config] = {
 }
 
 
-def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
-    """The configuration used for an [m, k] x [n, k]^T product (small-M vs tiled path)."""
+def pick_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config:
+    """The configuration used for an [m, k] x [n, k]^T product (small-M vs tiled path).
+
+    TUNED was measured on a wide layer (N = 28672). A narrow one (o_proj / down_proj, N = 8192,
+    or an 8B model's 4096) leaves most of the `sms` multiprocessors idle with the same tiles
+    (64 programs at M = 64 on 132 SMs: a 70B tree verification ran its W4 GEMMs at ~3x the
+    one-token time), so K is split further until about two programs per SM exist."""
     for bound in sorted(TUNED):
         if m <= bound:
             cfg = TUNED[bound]
             break
-    # Split-K only pays when the column blocks alone leave SMs idle; never split finer
-    # than the number of K blocks.
-    blocks = _sub_block(group_size)
-    n_kblocks = k // blocks
-    split = max(1, min(cfg.split_k, n_kblocks))
-    if split != cfg.split_k:
-        cfg = Config(cfg.block_n, cfg.block_m, split, cfg.num_warps, cfg.num_stages,
-                     cfg.use_asm)
-    return cfg
+    n_kblocks = k // _sub_block(group_size)
+    tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    split = cfg.split_k
+    if tiles * split < sms:
+        split = -(-2 * sms // tiles)
+    split = max(1, min(split, n_kblocks))      # never finer than the number of K blocks
+    return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (132 for the H200 the configs were tuned on, off CUDA)."""
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNTS:
+        _SM_COUNTS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNTS[i]
 
 
 # ---- weight layout --------------------------------------------------------------------------
@@ -300,7 +317,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, weight has {w.in_features}")
     p = packed(w, x.dtype)
-    cfg = config or pick_config(m, n, k, w.group_size)
+    cfg = config or pick_config(m, n, k, w.group_size, sm_count(x.device))
     x = x.contiguous()
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
