@@ -15,6 +15,7 @@ from torch import nn
 
 from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.quant.gptq import load_state_dict_folder
+from hierviz.quant.w4 import matmul_nt
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, _getter
 
 
@@ -80,7 +81,7 @@ class EagleHead(nn.Module):
         """Log-probs over the draft vocabulary and the ids they index (None = full vocabulary)."""
         if self._draft_head is None:
             return torch.log_softmax(self.base.logits(hidden), -1), None
-        return torch.log_softmax((hidden @ self._draft_head.t()).float(), -1), self.draft_vocab
+        return torch.log_softmax(matmul_nt(hidden, self._draft_head).float(), -1), self.draft_vocab
 
 
 def _same_rope(a: ModelConfig, b: ModelConfig) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from hierviz.models import fused
 from hierviz.models.config import ModelConfig, rope_frequencies
-from hierviz.quant.w4 import W4Weight, w4_linear
+from hierviz.quant.w4 import W4Weight, matmul_nt, w4_linear
 
 Weight = Union[torch.Tensor, W4Weight]
 
@@ -99,7 +99,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            y = F.linear(x, self.weight)
+            y = matmul_nt(x, self.weight)
         elif len(self.w4) == 1:
             y = w4_linear(x, self.w4[0], self.w4_kernel)
         else:
@@ -267,7 +267,7 @@ class Transformer(nn.Module):
         if self.output_vocab is None:
             return self.lm_head(hidden).float()
         out = torch.full((*hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), device=hidden.device)
-        out[..., self.output_vocab] = (hidden @ self._vocab_rows.t()).float()
+        out[..., self.output_vocab] = matmul_nt(hidden, self._vocab_rows).float()
         return out
 
     output_vocab: Optional[torch.Tensor] = None

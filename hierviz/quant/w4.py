@@ -111,9 +111,29 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
 
 # ---- kernels: the seam where fast matmuls plug in ------------------------------------------
 
+CPU_NT_MAX_ROWS = 128
+
+
+def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T: every dense product of the engine (layers, LM head, drafter heads).
+
+    On the CPU, MKL computes the same product as (w @ x^T)^T much faster for the few rows of a
+    decode or verification step (measured on the 2-core CI machine, SmolLM2-135M's 30 layers +
+    LM head in fp32: 2 rows 117 -> 46 ms, 8 rows 188 -> 88 ms, 64 rows 350 -> 235 ms); one row
+    is fastest padded to two (gemv: 67-79 ms, two-column gemm: 47 ms). Larger products (training,
+    long prefills) keep the plain form."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or not 0 < rows <= CPU_NT_MAX_ROWS:
+        return x @ w.t()
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        return torch.mm(w, x2.expand(2, -1).contiguous().t())[:, :1].t().reshape(*x.shape[:-1], w.shape[0])
+    return torch.mm(w, x2.t()).t().reshape(*x.shape[:-1], w.shape[0])
+
+
 def _matmul_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """Dequantize on the fly, then a plain matmul. Runs anywhere; the correctness reference."""
-    return x @ dequantize(w, x.dtype).t()
+    return matmul_nt(x, dequantize(w, x.dtype))
 
 
 def _matmul_dequant_cached(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
@@ -123,7 +143,7 @@ def _matmul_dequant_cached(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     dense = cache.get(x.dtype)
     if dense is None:
         dense = cache[x.dtype] = dequantize(w, x.dtype)
-    return x @ dense.t()
+    return matmul_nt(x, dense)
 
 
 W4Kernel = Callable[[torch.Tensor, W4Weight], torch.Tensor]
