@@ -84,26 +84,13 @@ _SCRIPT = textwrap.dedent("""
     stack = tiny_random_stack()
     t = stack.models.target
     cuda_graphs.force_static(True)
-    anc = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 1, 0, 1]],
-                       dtype=torch.bool)
+    from tests.tiny import prefill_sequence_tree
     hidden, caches = [], []
     for on in (False, True):
         fused.force(on)
         st = BaseState(t, 64)
         st.tokens = list(range(10, 16))
-        hs = []
-        with torch.no_grad():
-            for step in range(3):
-                start = st.processed
-                if step == 0:
-                    h = st.run_pending()
-                elif step == 1:
-                    h = st.run_pending([5, 6, 7])
-                else:
-                    h = st.run_pending([11, 12, 13, 14, 15], [1, 1, 2, 2, 3], anc)
-                hs.append(h)
-                st.commit_prefix(start, h, h.shape[0] - (0 if step == 0 else 2), [41 + step])
-        hidden.append(torch.cat(hs))
+        hidden.append(torch.cat(prefill_sequence_tree(st)))
         caches.append(st.cache.k[:, :, :st.cache.length].clone())
     out["model_hidden"] = rel(hidden[1], hidden[0])
     out["model_cache"] = rel(caches[1], caches[0])

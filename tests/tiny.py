@@ -74,3 +74,28 @@ def make_tiny_head(folder: Path, base_cfg, seed: int = 0, bias: bool = True) -> 
         "model_type": "llama", "vocab_size": base_cfg.vocab_size, "hidden_size": h, "intermediate_size": inter,
         "num_attention_heads": base_cfg.num_heads, "num_key_value_heads": base_cfg.num_kv_heads,
         "rms_norm_eps": base_cfg.rms_eps, "num_hidden_layers": 1, "bias": bias}))
+
+
+# a 5-node draft tree below the last pending token: node i's ancestors (itself included) and depths
+TREE_ANCESTORS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 1, 0, 1]],
+                              dtype=torch.bool)
+TREE_DEPTHS = [1, 1, 2, 2, 3]
+
+
+def prefill_sequence_tree(state) -> list[torch.Tensor]:
+    """Three forwards through a BaseState, as the decoders make them: the pending prompt, a
+    3-token causal sequence, the 5-node tree; each keeps a prefix and appends one token.
+    Returns the three forwards' hidden states."""
+    out = []
+    with torch.no_grad():
+        for step in range(3):
+            start = state.processed
+            if step == 0:
+                h = state.run_pending()
+            elif step == 1:
+                h = state.run_pending([5, 6, 7])
+            else:
+                h = state.run_pending([11, 12, 13, 14, 15], TREE_DEPTHS, TREE_ANCESTORS)
+            out.append(h)
+            state.commit_prefix(start, h, h.shape[0] - (0 if step == 0 else 2), [41 + step])
+    return out
