@@ -157,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         questions = read_questions(a.questions, a.limit, a.categories.split(",") if a.categories else None)
         stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
-        settings = settings_from_args(a)
+        settings = settings_from_args(a, str(stack.device))
         for m in methods:   # warm-up: first-call costs (allocations, kernel packing) stay out of the figures
             generate(stack, m, WARMUP_PROMPT, type(settings)(**{**settings.to_dict(), "max_new_tokens": 8}))
     except (BenchError, EngineError, StackError, ValueError) as e:

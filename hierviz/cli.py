@@ -6,26 +6,35 @@ import importlib
 import sys
 from typing import Optional
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.decoding.settings import DecodeSettings, default_settings
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench"}
 
 
+TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
+
+
 def add_settings_args(p: argparse.ArgumentParser) -> None:
-    d = DecodeSettings()
+    d, cpu = DecodeSettings(), default_settings("cpu")
+
+    def dflt(name: str) -> str:
+        g, c = getattr(d, name), getattr(cpu, name)
+        return f"default {g}" + (f"; {c} on the CPU" if c != g else "")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--m-depth", type=int, default=d.m_depth, help="E_M tree depth (HierSpec)")
-    p.add_argument("--m-topk", type=int, default=d.m_topk, help="E_M tree top-k (HierSpec)")
-    p.add_argument("--m-tree-size", type=int, default=d.m_tree_size, help="E_M tree size (HierSpec)")
-    p.add_argument("--min-draft-len", type=int, default=d.min_draft_len, help="HierSpec minimum sequence draft")
-    p.add_argument("--t-depth", type=int, default=d.t_depth, help="E_T tree depth (EAGLE-2)")
-    p.add_argument("--t-topk", type=int, default=d.t_topk, help="E_T tree top-k (EAGLE-2)")
-    p.add_argument("--t-tree-size", type=int, default=d.t_tree_size, help="E_T tree size (EAGLE-2)")
+    # tree settings default per device (None here): a CPU wants small trees (settings.CPU_TREES)
+    p.add_argument("--m-depth", type=int, default=None, help=f"E_M tree depth (HierSpec; {dflt('m_depth')})")
+    p.add_argument("--m-topk", type=int, default=None, help=f"E_M tree top-k (HierSpec; {dflt('m_topk')})")
+    p.add_argument("--m-tree-size", type=int, default=None, help=f"E_M tree size (HierSpec; {dflt('m_tree_size')})")
+    p.add_argument("--min-draft-len", type=int, default=None,
+                   help=f"HierSpec minimum sequence draft ({dflt('min_draft_len')})")
+    p.add_argument("--t-depth", type=int, default=None, help=f"E_T tree depth (EAGLE-2; {dflt('t_depth')})")
+    p.add_argument("--t-topk", type=int, default=None, help=f"E_T tree top-k (EAGLE-2; {dflt('t_topk')})")
+    p.add_argument("--t-tree-size", type=int, default=None, help=f"E_T tree size (EAGLE-2; {dflt('t_tree_size')})")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens the intermediate drafts per round (spec)")
     p.add_argument("--stack", default=None,
                    help="preset name or stack JSON (default: smollm2-offline, the offline SmolLM2 stack; "
@@ -37,11 +46,20 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
                    help="W4A16 kernel: reference, dequant_cached, int4pack_cpu (CPU), triton (CUDA)")
 
 
-def settings_from_args(a: argparse.Namespace) -> DecodeSettings:
-    return DecodeSettings(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-                          m_depth=a.m_depth, m_topk=a.m_topk, m_tree_size=a.m_tree_size,
-                          min_draft_len=a.min_draft_len, t_depth=a.t_depth, t_topk=a.t_topk,
-                          t_tree_size=a.t_tree_size, spec_k=a.spec_k)
+def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> DecodeSettings:
+    """Settings from the parsed flags; tree flags left out take the defaults of `device` (the
+    device the stack runs on; default: --device, else cuda when available)."""
+    if device is None:
+        device = a.device
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    s = default_settings(device)
+    for k in ("max_new_tokens", "temperature", "top_p", "seed", "spec_k") + TREE_ARGS:
+        v = getattr(a, k)
+        if v is not None:
+            setattr(s, k, v)
+    return s
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -57,7 +75,7 @@ def cmd_generate(argv: list[str]) -> int:
     from hierviz.stack import StackError
     try:
         stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
-        trace = generate(stack, a.method, a.prompt, settings_from_args(a))
+        trace = generate(stack, a.method, a.prompt, settings_from_args(a, str(stack.device)))
     except (EngineError, StackError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

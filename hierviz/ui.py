@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import gradio as gr
 
-from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.decoding.settings import DecodeSettings, SettingsError, default_settings
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json, save_comparison
 from hierviz.viz.latency import latency_figure
 from hierviz.viz.panels import (PREFILL_TEXT, is_prefill, legend_html, output_html, sequence_html, stats_html,
@@ -89,6 +89,15 @@ _STACK_LOCK = threading.Lock()
 
 def engine_available() -> bool:
     return importlib.util.find_spec("hierviz.engine") is not None
+
+
+def _device_defaults() -> DecodeSettings:
+    """Decoding defaults for the device live runs use: small trees on a CPU (settings.CPU_TREES)."""
+    try:
+        import torch
+        return default_settings("cuda" if torch.cuda.is_available() else "cpu")
+    except ImportError:      # a trace-only install
+        return DecodeSettings()
 
 
 def stack_choices() -> list[str]:
@@ -242,7 +251,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                 stack = gr.Dropdown(choices, value=stack_default or default_stack(), label="Model stack",
                                     allow_custom_value=True, elem_id="hv-stack",
                                     info="Target T (4-bit), intermediate M and EAGLE heads")
-                d = DecodeSettings()
+                d = _device_defaults()
                 max_new = gr.Slider(1, 512, value=d.max_new_tokens, step=1, label="Max new tokens", elem_id="hv-max-new")
                 temperature = gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
                 gr.Markdown("**HierSpec: E_M tree, checked by M**")

@@ -153,3 +153,20 @@ def test_deep_wide_head_tree_fits_or_is_refused_up_front(tiny):
     assert sum(len(s.new_tokens) for s in tr.steps) == 4
     with pytest.raises(EngineError, match="draft/tree room .* does not fit"):
         generate(tiny, "eagle2", "hi", DecodeSettings(max_new_tokens=4, t_depth=32, t_topk=64, t_tree_size=100))
+
+
+def test_tree_defaults_follow_the_device() -> None:
+    """Small trees on a CPU (the CPU sweep), the paper's on a GPU; an explicit flag always wins."""
+    import argparse
+
+    from hierviz.cli import add_settings_args, settings_from_args
+    from hierviz.decoding.settings import CPU_TREES, DecodeSettings, default_settings
+    gpu, cpu = default_settings("cuda"), default_settings("cpu")
+    assert gpu == DecodeSettings() and gpu.t_tree_size == 60
+    assert all(getattr(cpu, k) == v for k, v in CPU_TREES.items()) and cpu.validate()
+    p = argparse.ArgumentParser()
+    add_settings_args(p)
+    assert settings_from_args(p.parse_args([]), "cpu") == cpu
+    assert settings_from_args(p.parse_args([]), "cuda:0") == gpu
+    s = settings_from_args(p.parse_args(["--t-tree-size", "60", "--m-depth", "3"]), "cpu")
+    assert s.t_tree_size == 60 and s.m_depth == 3 and s.min_draft_len == CPU_TREES["min_draft_len"]

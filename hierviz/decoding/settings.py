@@ -51,3 +51,20 @@ class DecodeSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Tree settings for a compute-bound CPU, where every verified token costs: the tree-size sweep on
+# the 2-core machine (docs/benchmarks.md, offline SmolLM2 stack) took EAGLE-2 from 5.04 to 6.69
+# tokens/s (60 -> 24 nodes) and HierSpec from 2.88 to 6.85 (E_M trees of 10 nodes at depth 2,
+# 2-token sequence drafts). GPUs keep the paper's defaults above.
+CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_tree_size": 24}
+
+
+def default_settings(device: str = "cuda") -> DecodeSettings:
+    """The defaults for decoding on `device` ("cpu", "cuda", "cuda:1", ...)."""
+    d = DecodeSettings()
+    if str(device).split(":")[0] == "cpu":
+        for k, v in CPU_TREES.items():
+            setattr(d, k, v)
+    return d
+
