@@ -133,3 +133,28 @@ def test_derived_prompts_stage(tmp_path):
     ps = derived_prompts([f"passage number {i}." for i in range(len(DERIVED_TEMPLATES))], 0)
     assert len({c for c, _ in ps}) == len(DERIVED_TEMPLATES)
     assert all(f"passage number {i}." in p for i, (_, p) in enumerate(ps))
+
+
+def test_pipeline_in_two_calls(tmp_path):
+    """The device pipeline split over two invocations (two device calls): the second reuses the
+    exported target, the data and M that the first left in WORK_DIR, and trains only the heads."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    target = _tiny_target(tmp_path / "target")
+    qfiles = " ".join(map(str, QUESTIONS))
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(root), "NUM_PROMPTS": "16", "MAX_NEW": "8",
+           "GEN_BATCH": "8", "DISTILL_STEPS": "2", "EAGLE_STEPS": "2", "BATCH_TOKENS": "256", "LAYERS": "2",
+           "GROUP": "32", "DRAFT_VOCAB": "64", "QUESTIONS": qfiles}
+    script = root / "hierviz" / "train" / "gpu_pipeline.sh"
+    work, out = tmp_path / "w", tmp_path / "out"
+    for stages, made in (("data distill", "M.tar"), ("heads", "heads.tar")):
+        p = subprocess.run(["bash", str(script), str(target), "byte", str(work), str(out)], cwd=root,
+                           env={**env, "STAGES": stages}, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert (out / made).is_file()
+        if stages == "data distill":
+            assert not (out / "heads.tar").exists()
+    log = (out / "log.txt").read_text()
+    assert "stages: heads" in log and log.count("stages:") == 2
+    assert (work / "smollm2-m2-eagle" / "model.safetensors").is_file()

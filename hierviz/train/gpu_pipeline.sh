@@ -1,32 +1,44 @@
 #!/usr/bin/env bash
 # The whole offline-stack training run, as executed on the device GPU (one H200):
 #   bash hierviz/train/gpu_pipeline.sh TARGET.gguf TOKENIZER_DIR WORK_DIR OUT_DIR
-# Budgets (seconds) come from the environment: DATA_S, DISTILL_S, EAGLE_S; sizes from
+# Budgets (seconds) come from the environment: DATA_S, DISTILL_S, EAGLE_S; STAGES (default
+# "data distill heads") runs a subset, reusing WORK_DIR's products of the others (e.g. one device call
+# for "data distill", the next for "heads" with a full EAGLE_S: one call's 600 s limit no longer
+# caps the whole run); sizes from
 # NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, DERIVED (+ DERIVED_S), LAYERS, GROUP; HEADS=m trains only E_M (E_T depends
 # on T alone, so a new M does not need a new E_T). Every stage logs to OUT_DIR/log.txt and leaves its
 # products in OUT_DIR as it finishes, so a run cut short still returns what it made.
 set -uo pipefail
 T=$1; TOK=$2; W=$3; OUT=$4
 mkdir -p "$W" "$OUT"
-Q="${QUESTIONS:-../shared/data/spec_bench_question.jsonl ../shared/data/mt_bench_question.jsonl}"
+Q="${QUESTIONS-../shared/data/spec_bench_question.jsonl ../shared/data/mt_bench_question.jsonl}"   # QUESTIONS="" skips the overlap check
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 {
-$PY -c "import sys; from hierviz.train.common import export_float; export_float(sys.argv[1], sys.argv[2])" "$T" "$W/target" || exit 1
+STAGES=" ${STAGES:-data distill heads} "
+has() { [[ "$STAGES" == *" $1 "* ]]; }
+if [ ! -f "$W/target/config.json" ]; then
+  $PY -c "import sys; from hierviz.train.common import export_float; export_float(sys.argv[1], sys.argv[2])" "$T" "$W/target" || exit 1
+fi
 SRC=$T; T=$W/target   # exact dequantized copy of the GGUF target (fp32), fast to reload
-echo "target $SRC exported to $T"
+echo "target $SRC as fp32 in $T; stages:$STAGES"
+MDIR=smollm2-m${LAYERS:-8}-gptq
+if has data; then
 $PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
   --num-prompts "${NUM_PROMPTS:-8000}" --samples-per-prompt "${SAMPLES_PER_PROMPT:-1}" --max-new-tokens "${MAX_NEW:-256}" \
-  --batch-size "${GEN_BATCH:-1024}" --modes "${MODES:-greedy:0.5,t0.7:0.25,t1.0:0.25}" --time-budget "${DATA_S:-90}" --questions $Q \
+  --batch-size "${GEN_BATCH:-1024}" --modes "${MODES:-greedy:0.5,t0.7:0.25,t1.0:0.25}" --time-budget "${DATA_S:-90}" ${Q:+--questions $Q} \
   --derived "${DERIVED:-0}" --derived-budget "${DERIVED_S:-0}" \
   --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" --report "$W/data.json" || exit 1
 cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
-MDIR=smollm2-m${LAYERS:-8}-gptq
+fi
+if has distill; then
 $PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/$MDIR" \
   --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --report "$W/distill.json" || exit 2
 cp "$W/distill.json" "$OUT/"
 tar -C "$W" -cf "$OUT/M.tar" "$MDIR"
+fi
+if has heads; then
 HEAD_OUT="--out-t $W/smollm2-eagle-t --out-m $W/smollm2-m${LAYERS:-8}-eagle"
 [ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-eagle"
 $PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/$MDIR" --data "$W/data.pt" \
@@ -34,4 +46,5 @@ $PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/$MDIR" --data 
   --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
 cp "$W/eagle.json" "$OUT/"
 tar -C "$W" -cf "$OUT/heads.tar" $(cd "$W" && ls -d smollm2-eagle-t smollm2-m*-eagle 2>/dev/null)
+fi
 } 2>&1 | tee -a "$OUT/log.txt"
