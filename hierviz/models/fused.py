@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -57,10 +58,6 @@ def usable(x: torch.Tensor) -> bool:
         return True
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
             and os.environ.get("HIERVIZ_FUSED", "1") != "0")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if HAVE_TRITON:
@@ -202,31 +199,28 @@ if HAVE_TRITON:
         tl.store(out_ptr + t * I + offs, silu * u, mask=ok)
 
 
-def _norm_warps(block: int) -> int:
-    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+def _norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    t, hdim = x.shape
+    xo = x if delta is None else torch.empty_like(x)
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(hdim)
+    _rms_norm_kernel[(t,)](x, x if delta is None else delta.contiguous(), xo, weight, y, hdim, eps,
+                           HAS_DELTA=delta is not None, BLOCK=block,
+                           num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+    return xo, y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * normalize(x) for x [T, H] (RMSNorm of hierviz.models.llama)."""
-    x = x.contiguous()
-    t, hdim = x.shape
-    y = torch.empty_like(x)
-    block = _pow2(hdim)
-    _rms_norm_kernel[(t,)](x, x, x, weight, y, hdim, eps, HAS_DELTA=False, BLOCK=block,
-                           num_warps=_norm_warps(block))
-    return y
+    return _norm(x, None, weight, eps)[1]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one launch."""
-    x, delta = x.contiguous(), delta.contiguous()
-    t, hdim = x.shape
-    xo, y = torch.empty_like(x), torch.empty_like(x)
-    block = _pow2(hdim)
-    _rms_norm_kernel[(t,)](x, delta, xo, weight, y, hdim, eps, HAS_DELTA=True, BLOCK=block,
-                           num_warps=_norm_warps(block))
-    return xo, y
+    return _norm(x, delta, weight, eps)
 
 
 def rope_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -241,10 +235,10 @@ def rope_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
     q = torch.empty(t, num_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
     heads = num_heads + 2 * num_kv_heads
-    bheads = min(16, _pow2(heads))
+    bheads = min(16, triton.next_power_of_2(heads))
     _rope_cache_kernel[(t, triton.cdiv(heads, bheads))](
         qkv, cos.contiguous(), sin.contiguous(), slots, q, k_cache, v_cache, qkv.stride(0),
-        num_heads, num_kv_heads, k_cache.shape[1], HD=head_dim, HALF=half, BH=_pow2(half), BHEADS=bheads,
+        num_heads, num_kv_heads, k_cache.shape[1], HD=head_dim, HALF=half, BH=triton.next_power_of_2(half), BHEADS=bheads,
         num_warps=4)
     return q
 
@@ -257,7 +251,7 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv, length = k_cache.shape[0], k_cache.shape[1]
     group = num_heads // hkv
     rows = t * group
-    br = min(64, max(16, _pow2(rows)))
+    br = min(64, max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, br)
     n_blocks = triton.cdiv(length, ATTN_BLOCK_L)
     splits = max(1, min(n_blocks, ATTN_TARGET_PROGRAMS // (hkv * row_blocks)))
@@ -267,7 +261,7 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mask = mask.contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    bd = max(16, _pow2(head_dim))
+    bd = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         m = torch.empty(splits, t * num_heads, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -280,7 +274,7 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
     if splits > 1:
         rows_all = t * num_heads
-        brows = min(16, _pow2(rows_all))
+        brows = min(16, triton.next_power_of_2(rows_all))
         _attention_combine_kernel[(triton.cdiv(rows_all, brows),)](m, l, acc, out, rows_all, splits,
                                                                    HD=head_dim, BD=bd, BROWS=brows, num_warps=4)
     return out
@@ -292,6 +286,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _pow2(inter))
+    block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
     return out
