@@ -69,6 +69,7 @@ class Config:
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
 # see docs/kernels.md. Keyed by the largest M each entry serves: the first is the small-M
 # (GEMV-like, split-K) path, the others the tiled path.
+TUNED_SMS = 132          # multiprocessors of the GPU TUNED was measured on (H200)
 TUNED: dict[int, Config] = {
     16: Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True),
     32: Config(block_n=128, block_m=32, split_k=1, num_warps=8, num_stages=3, tma=True),
@@ -77,7 +78,7 @@ TUNED: dict[int, Config] = {
 }
 
 
-def pick_config(m: int, n: int, k: int, group_size: int, sms: int = 132) -> Config:
+def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS) -> Config:
     """The configuration used for an [m, k] x [n, k]^T product (small-M vs tiled path).
 
     TUNED was measured on a wide layer (N = 28672). A narrow one (o_proj / down_proj, N = 8192,
@@ -101,9 +102,9 @@ _SM_COUNTS: dict[int, int] = {}
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (132 for the H200 the configs were tuned on, off CUDA)."""
+    """Multiprocessors of a CUDA device (off CUDA: those of the GPU TUNED was measured on)."""
     if device.type != "cuda":
-        return 132
+        return TUNED_SMS
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _SM_COUNTS:
         _SM_COUNTS[i] = torch.cuda.get_device_properties(i).multi_processor_count
