@@ -104,23 +104,31 @@ def tune_candidates(m: int):
 
     out = []
     if m <= 16:
-        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (128, 4, 6),
-                                  (256, 8, 3), (256, 8, 4)]:
-            for split in (1, 2, 4, 8):
-                out.append(Config(bn, 16, split, warps, stages))
+        # earlier winners for reference: pointer loads; TMA codes; TMA for every load
+        out.append(Config(128, 16, 4, 8, 4))
         out.append(Config(128, 16, 2, 4, 4, use_asm=False))
-        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 4), (128, 8, 6), (256, 8, 4)]:
-            for split in (1, 2, 4):
-                out.append(Config(bn, 16, split, warps, stages, tma=True))
+        out.append(Config(128, 16, 4, 4, 4, tma=True, tma_sox=True))
+        for split in (4, 8):
+            out.append(Config(64, 16, split, 4, 4, tma=True))
+            out.append(Config(64, 16, split, 4, 3, tma=True, tiled=True))
+        # scale and offset per group (short unpack), +- tile-major codes
+        for bn, warps, stages in [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4)]:
+            for split in (2, 4, 8):
+                for tiled in (False, True):
+                    out.append(Config(bn, 16, split, warps, stages, tma=True, factored=True,
+                                      tiled=tiled))
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
-        for bn, warps, stages in [(64, 4, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3)]:
+        for bn, warps, stages in [(64, 4, 4), (128, 8, 3)]:
             for split in ((1, 2) if m <= 64 else (1,)):
                 out.append(Config(bn, bm, split, warps, stages))
         out.append(Config(128, bm, 1, 4, 3, use_asm=False))
         for bn, warps, stages in [(128, 4, 3), (128, 8, 3), (128, 8, 4)]:
             for split in ((1, 2) if m <= 64 else (1,)):
                 out.append(Config(bn, bm, split, warps, stages, tma=True))
+                out.append(Config(bn, bm, split, warps, stages, tma=True, tma_sox=True))
+                out.append(Config(bn, bm, split, warps, stages, tma=True, tiled=True))
+                out.append(Config(bn, bm, split, warps, stages, tma=True, tma_sox=True, tiled=True))
     return out
 
 
@@ -213,8 +221,12 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
         want = x16[0].float() @ ref_w.t()
         # untuned M: the winner of the next tuned M up (same kernel path)
         up = [t for t in sorted(best_cfg) if t >= m]
-        cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g, sm_count(torch.device(dev)))
+        sms_here = sm_count(torch.device(dev))
+        cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g, sms_here)
+        cfg_bf16 = cfg if up else pick_config(m, n, k, g, sms_here, bf16=True)
         row: dict = {"M": m, "triton_config": asdict(cfg)}
+        if cfg_bf16 != cfg:
+            row["triton_bf16_config"] = asdict(cfg_bf16)
         row["cublas_fp16_us"] = _graph_time_us(
             [lambda x=x, d=d: x @ d.t() for x, d in zip(x16, dense)], rep_ms)
         row["cublas_fp16_err"] = _rel_err(x16[0] @ dense[0].t(), want)
@@ -230,9 +242,9 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
             row["triton_us"] = _graph_time_us(
                 [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
             wantb = xbf[0].float() @ ref_w.t()
-            row["triton_bf16_err"] = _rel_err(triton_w4_matmul(xbf[0], ws[0], cfg), wantb)
+            row["triton_bf16_err"] = _rel_err(triton_w4_matmul(xbf[0], ws[0], cfg_bf16), wantb)
             row["triton_bf16_us"] = _graph_time_us(
-                [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(xbf, ws)], rep_ms)
+                [lambda x=x, w=w: triton_w4_matmul(x, w, cfg_bf16) for x, w in zip(xbf, ws)], rep_ms)
         except Exception as e:
             row["triton_error"] = repr(e)[:300]
         if m == 1 and not dry:  # launch overhead, for the record: plain launches, no graph

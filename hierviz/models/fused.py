@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from hierviz.quant.triton_w4 import sm_count
+
 try:  # must import on machines without triton
     import triton
     import triton.language as tl
@@ -41,7 +43,6 @@ except Exception:  # pragma: no cover - depends on the install
 
 _force = False
 ATTN_BLOCK_L = 64          # cache columns per attention step
-ATTN_TARGET_PROGRAMS = 128  # split the cache until about this many programs run (132 SMs on an H200)
 
 
 def force(on: bool) -> None:
@@ -254,7 +255,8 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     br = min(64, max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, br)
     n_blocks = triton.cdiv(length, ATTN_BLOCK_L)
-    splits = max(1, min(n_blocks, ATTN_TARGET_PROGRAMS // (hkv * row_blocks)))
+    # split the cache until about one program per multiprocessor runs
+    splits = max(1, min(n_blocks, sm_count(q.device) // (hkv * row_blocks)))
     per = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, per)
     out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
