@@ -41,7 +41,7 @@ def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 
     return ptx
 
 
-def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False, prefetch: bool = False) -> str:
+def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False) -> str:
     args = {a: "i32" for a in ARGS[5:]}
     bn, half = CONSTS["BN"], CONSTS["SUB"] // 2
     args.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
@@ -50,14 +50,14 @@ def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False, prefet
         args.update({"x_ptr": f"tensordesc<fp16[{CONSTS['BM']}, {half}]>",
                      "s_ptr": f"tensordesc<fp16[1, {bn}]>", "o_ptr": f"tensordesc<fp16[1, {bn}]>"})
     return _ptx_of(triton_w4._w4_kernel, {a: args[a] for a in ARGS},
-                   {**CONSTS, "TMA": tma, "TMA_SOX": sox, "FACTORED": factored, "PREFETCH": prefetch, "TILED": tma and factored}, arch, num_stages=4)
+                   {**CONSTS, "TMA": tma, "TMA_SOX": sox, "FACTORED": factored, "TILED": tma and factored}, arch, num_stages=4)
 
 
 @pytest.mark.parametrize("arch,tma,sox,factored", [
     (90, False, False, False), (90, True, False, False), (90, True, True, False), (90, True, False, True),
     (80, False, False, False), (80, False, False, True)])
 def test_kernel_compiles_for_gpu(arch: int, tma: bool, sox: bool, factored: bool) -> None:
-    ptx = _ptx(arch, tma, sox, factored, prefetch=factored)
+    ptx = _ptx(arch, tma, sox, factored)
     assert ("cp.async.bulk.tensor" in ptx) == tma
     assert "prmt.b32" in ptx          # the inline-PTX unpack made it in
 

@@ -51,10 +51,9 @@ _SCRIPT = textwrap.dedent("""
         (3, 200, 256, 64, Config(128, 16, 2, 4, 3, tma=True, tma_sox=True)),  # all loads TMA
         (20, 136, 512, 128, Config(64, 32, 1, 4, 3, tma=True, tma_sox=True)),  # ragged M, N
         (5, 72, 256, 64, Config(32, 16, 2, 4, 2, factored=True)),         # scale/offset per group
-        (2, 40, 512, 64, Config(32, 16, 3, 4, 2, prefetch=True)),         # next block's s/o/x ahead
         (3, 200, 512, 64, Config(64, 16, 3, 4, 2, tma=True, tiled=True)),  # tile-major codes, N padded
         (33, 72, 512, 128, Config(32, 32, 1, 4, 2, tma=True, tiled=True, factored=True)),
-        (9, 72, 512, 128, Config(64, 16, 2, 4, 2, tma=True, factored=True, prefetch=True)),
+        (9, 72, 512, 128, Config(64, 16, 2, 4, 2, tma=True, factored=True)),
         (40, 130, 512, 512, Config(64, 32, 2, 4, 2, tma=True, factored=True)),  # G=512, tiled
         (1, 96, 256, 128, None), (16, 96, 256, 128, None), (33, 96, 256, 128, None),
         (70, 40, 256, 64, None),                        # the M-picked production configs
@@ -89,7 +88,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(errs) == 23
+    assert len(errs) == 22
     # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
     bad = {k: v for k, v in errs.items() if not v < 3e-3}
     assert not bad, bad

@@ -69,7 +69,6 @@ class Config:
     factored: bool = False # scale and offset applied to each group's dot product instead of to
                            # every weight: the unpack shrinks from 14 to 6 (fp16) / 8 (bf16)
                            # instructions per 8 codes (see _BIASED_F16)
-    prefetch: bool = False # scales, offsets and x of the next K block loaded one block ahead
     tiled: bool = False    # with tma: codes stored tile-major, each [block_n x SUB/2] tile of a
                            # program one contiguous run of bytes (a K range is one long stream)
 
@@ -334,16 +333,13 @@ if HAVE_TRITON:
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
                    TMA: tl.constexpr = False, TMA_SOX: tl.constexpr = False,
-                   FACTORED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                   TILED: tl.constexpr = False):
+                   FACTORED: tl.constexpr = False, TILED: tl.constexpr = False):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
         # TMA: c_ptr is a tensor descriptor of the codes; each tile arrives by an asynchronous
         # copy (rows past N as zeros) that Triton's pipeliner can keep num_stages deep, where
         # pointer loads feeding the unpack are not pipelined (docs/kernels.md).
         # TMA_SOX: s_ptr, o_ptr ([K/G, N]) and x_ptr ([M, K]) are descriptors as well; then
         # every load of an iteration is an asynchronous copy and none stalls the loop.
-        # PREFETCH: the pointer loads of scales, offsets and x for block b + 1 are issued before
-        # block b is computed (software pipelining by hand, one block deep, in registers).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -361,12 +357,6 @@ if HAVE_TRITON:
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, n_blocks)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        if PREFETCH:
-            g = (b_start * SUB) // G
-            s_next = tl.load(s_ptr + g * N + rn_safe)
-            o_next = tl.load(o_ptr + g * N + rn_safe)
-            xl_next = tl.load(x_ptrs + b_start * SUB, mask=m_mask[None, :], other=0.0)
-            xh_next = tl.load(x_ptrs + b_start * SUB + HALF, mask=m_mask[None, :], other=0.0)
         for b in range(b_start, b_end):
             if TILED:
                 codes = c_ptr.load([(pid_n * n_blocks + b) * BN, 0])
@@ -375,15 +365,7 @@ if HAVE_TRITON:
             else:
                 codes = tl.load(c_ptrs + b * HALF)
             g = (b * SUB) // G
-            if PREFETCH:
-                s, o, xl, xh = s_next, o_next, xl_next, xh_next
-                b_next = tl.minimum(b + 1, b_end - 1)
-                g = (b_next * SUB) // G
-                s_next = tl.load(s_ptr + g * N + rn_safe)
-                o_next = tl.load(o_ptr + g * N + rn_safe)
-                xl_next = tl.load(x_ptrs + b_next * SUB, mask=m_mask[None, :], other=0.0)
-                xh_next = tl.load(x_ptrs + b_next * SUB + HALF, mask=m_mask[None, :], other=0.0)
-            elif TMA_SOX:
+            if TMA_SOX:
                 s = s_ptr.load([g, pid_n * BN]).reshape(BN)
                 o = o_ptr.load([g, pid_n * BN]).reshape(BN)
                 xl = tl.trans(x_ptr.load([pid_m * BM, b * SUB]))
@@ -479,8 +461,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
-                     FACTORED=cfg.factored, PREFETCH=cfg.prefetch and not tma_sox,
-                     TILED=tiled,
+                     FACTORED=cfg.factored, TILED=tiled,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
