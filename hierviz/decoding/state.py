@@ -9,6 +9,7 @@ Invariant of `HeadState` (an EAGLE head over a base state): its cache holds pair
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -16,6 +17,12 @@ import torch
 from hierviz.models import cuda_graphs
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import KVCache, Transformer, block_mask, causal_mask
+
+
+@functools.lru_cache(maxsize=64)
+def causal_block(n: int) -> torch.Tensor:
+    """[n, n] lower-triangular bool on the CPU, shared: callers must not write to it."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
 
 
 class BaseState:
@@ -82,7 +89,7 @@ class BaseState:
             positions = list(range(start, start + p)) + [start + p - 1 + d for d in extra_depths]
         else:
             positions = list(range(start, start + n))
-        block = torch.ones(n, n, dtype=torch.bool).tril()
+        block = causal_block(n).clone()
         if extra_block is not None:
             block[p:, p:] = extra_block.cpu()
         return self.runner.run(ids, positions, start, start, block)
@@ -92,8 +99,11 @@ class BaseState:
         pending rows first) in the cache and their features; append new_tokens (the accepted
         draft tokens and the verifier's bonus, which stays pending)."""
         self.cache.keep(start, kept)
-        idx = torch.tensor(kept, dtype=torch.long, device=hidden.device)
-        self.features[start:start + len(kept)] = hidden[idx]
+        n = len(kept)
+        if kept == list(range(n)):
+            self.features[start:start + n] = hidden[:n]
+        else:
+            self.features[start:start + n] = hidden[torch.tensor(kept, dtype=torch.long, device=hidden.device)]
         self.tokens.extend(new_tokens)
 
     def commit_prefix(self, start: int, hidden: torch.Tensor, n_rows: int, new_tokens: list[int]) -> None:
@@ -147,7 +157,7 @@ class HeadState:
         self.forwards += 1
         if self.runner is not None:
             wstart = start if visible_upto is None else visible_upto
-            window = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask[:, wstart:]
+            window = causal_block(t) if mask is None else mask[:, wstart:]
             out = self.runner.run(tokens, positions, start, wstart, window, features)
             if out is not None:
                 return out

@@ -224,8 +224,9 @@ class StaticRunner:
             wh = bk.win_host
             wh.zero_()
             wh[:t, :w] = window
-            for r in range(t, b):          # padded rows see only their own (scratch) slot: no empty rows
-                wh[r, start - wstart + r] = True
+            if t < b:                      # padded rows see only their own (scratch) slot: no empty rows
+                pad = torch.arange(t, b)
+                wh[pad, start - wstart + pad] = True
             self._upload(bk)
             if features is not None:
                 self.feat[:t].copy_(features)

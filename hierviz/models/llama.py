@@ -46,6 +46,9 @@ class KVCache:
         """Keep slots start+slots[i] (ascending) moved to start+i; drop everything after start.
 
         Used after tree verification: the accepted path's entries become contiguous."""
+        if isinstance(slots, list) and slots == list(range(len(slots))):
+            self.length = start + len(slots)      # already in place: no gather, no copy
+            return
         idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device) + start
         n = idx.numel()
         if n:
