@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import random
@@ -117,12 +118,13 @@ def model_bytes(cfg: ModelConfig, fmt: str) -> float:
 
 
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
-                 seed: int = 0) -> Models:
+                 seed: int = 0, m_format: str = "dense") -> Models:
+    """Synthetic T (W4A16), M (`m_format`: "dense" as in the paper's stack, or "w4") and heads."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise WhatIfError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
     target = synthetic_model(t_cfg, "w4", dtype, device, kernel, seed)
-    inter = synthetic_model(m_cfg, "dense", dtype, device, kernel, seed + 1)
+    inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
     return Models(target, inter, synthetic_head(inter, seed + 2), synthetic_head(target, seed + 3))
 
 
@@ -227,13 +229,18 @@ def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[Acc
         steps.append(next(gen))        # prefill round
         made += len(steps[0].new_tokens)
         _sync(dev)
-        t0 = time.perf_counter()
-        while made < s.max_new_tokens:
-            st = next(gen)
-            made += len(st.new_tokens)
-            steps.append(st)
-        _sync(dev)
-        wall = time.perf_counter() - t0
+        gc.collect()
+        gc.disable()                   # as timeit does: a collection pass inside a round is host jitter
+        try:
+            t0 = time.perf_counter()
+            while made < s.max_new_tokens:
+                st = next(gen)
+                made += len(st.new_tokens)
+                steps.append(st)
+            _sync(dev)
+            wall = time.perf_counter() - t0
+        finally:
+            gc.enable()
     gen.close()
     decode = steps[1:]
     tokens = sum(len(x.new_tokens) for x in decode)
@@ -280,6 +287,8 @@ def parser() -> argparse.ArgumentParser:
         f"kernels, forced acceptance. Every figure is {LABEL}."))
     ap.add_argument("--target", default="llama3-70b", help="shape: llama3-8b, llama3-70b, smollm2 or a config.json")
     ap.add_argument("--intermediate", default="llama3-8b", help="shape of the intermediate model M")
+    ap.add_argument("--intermediate-format", default="dense", choices=["dense", "w4"],
+                    help="M's weights: dense (the paper's stack) or W4A16 like the target")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
     ap.add_argument("--acceptance-rates", default=None,
                     help=f"per-depth tree acceptance rates, e.g. 0.9,0.8,0.7 (default {','.join(map(str, DEFAULT_RATES))})")
@@ -346,7 +355,7 @@ def _shapes(a: argparse.Namespace, dev: str) -> tuple[dict[str, str], ModelConfi
         raise WhatIfError(f"cannot read a shape config: {e}") from None
     except ValueError as e:
         raise WhatIfError(str(e)) from None
-    need = model_bytes(t_cfg, "w4") + model_bytes(m_cfg, "dense")
+    need = model_bytes(t_cfg, "w4") + model_bytes(m_cfg, a.intermediate_format)
     if dev == "cpu" and need > CPU_LIMIT_BYTES:
         raise WhatIfError(f"{t_name} + {m_name} need ~{need / 1e9:.0f} GB of weights: too big for a CPU run "
                           "(use --tiny, small config.json shapes, or --device cuda)")
@@ -425,7 +434,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     from hierviz.decoding.decoders import StageTimer
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
-    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed)
+    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format)
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
     make, rates_info = _oracle_factory(a, trace)
@@ -437,14 +446,17 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     for model in (models.target, models.intermediate, models.e_m, models.e_t):
         if model is not None:     # buckets the short warm-up did not reach: compile and capture them too
             cuda_graphs.prepare_all(model)
-    for layer in models.target.layers:   # Triton keeps its own code layout: hold the 70B codes once
+    w4_layers = list(models.target.layers) + (list(models.intermediate.layers) if a.intermediate_format == "w4" else [])
+    for layer in w4_layers:   # Triton keeps its own code layout: hold the 70B codes once
         _free_codes(layer)
     results = {m: run_one(models, m, s, make(m), prompt, cache_len) for m in methods}
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
         "formats": {"target": f"W4A16 synthetic codes, group {_group(t_cfg, 128)}, kernel {kernel}",
-                    "intermediate": f"dense {str(dtype).replace('torch.', '')}", "heads": "EAGLE-1/2 layout, synthetic"},
+                    "intermediate": (f"dense {str(dtype).replace('torch.', '')}" if a.intermediate_format == "dense" else
+                                     f"W4A16 synthetic codes, group {_group(m_cfg, 128)}, kernel {kernel}"),
+                    "heads": "EAGLE-1/2 layout, synthetic"},
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
         "acceptance": ({"mode": "trace", "source": a.acceptance,
                         "source_stack": {m: trace[m]["stack"] for m in trace}} if trace else

@@ -37,8 +37,8 @@ def engine_trace(tmp_path_factory) -> Path:
     return path
 
 
-def _replay(trace: Path, out: Path, methods: str) -> dict:
-    assert main(FAST + ["--acceptance", str(trace), "--methods", methods, "--out", str(out)]) == 0
+def _replay(trace: Path, out: Path, methods: str, extra: tuple[str, ...] = ()) -> dict:
+    assert main(FAST + ["--acceptance", str(trace), "--methods", methods, *extra, "--out", str(out)]) == 0
     return json.loads((out / "whatif.json").read_text())
 
 
@@ -57,6 +57,13 @@ def test_replays_engine_trace_exactly(engine_trace: Path, tmp_path: Path) -> Non
     assert info["label"] == "projected with replayed acceptance"
     assert set(info["speedup_vs_ar"]) == {"ar", "eagle2", "hierspec"}
     assert "projected with replayed acceptance" in (tmp_path / "whatif.md").read_text()
+
+
+def test_w4_intermediate_replays_exactly(engine_trace: Path, tmp_path: Path) -> None:
+    """--intermediate-format w4: M is built W4A16 like the target; the replay stays exact."""
+    info = _replay(engine_trace, tmp_path, "hierspec", ("--intermediate-format", "w4"))
+    assert info["methods"]["hierspec"]["accepted"] == _lengths(engine_trace)["hierspec"]
+    assert info["formats"]["intermediate"].startswith("W4A16")
 
 
 def test_replays_deep_trees_of_the_recorded_h200_trace(tmp_path: Path) -> None:
