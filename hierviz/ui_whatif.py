@@ -167,6 +167,8 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
     else:
         parts += ["--target", _shape_arg(str(sh.get("target", "?"))),
                   "--intermediate", _shape_arg(str(sh.get("intermediate", "?")))]
+    if str((d.get("formats") or {}).get("intermediate", "")).startswith("W4A16"):
+        parts += ["--intermediate-format", "w4"]
     sweep = kind(d) == "sweep"
     if not sweep:
         parts += ["--methods", ",".join(d.get("methods") or {})]

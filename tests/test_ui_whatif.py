@@ -147,6 +147,9 @@ def test_rebuilt_command_reproduces_the_recorded_arguments(results, name):
     assert a.tiny and a.device == "cpu" and a.max_new_tokens == 12
     if name == "rates":
         assert a.acceptance_rates == "0.9,0.7" and a.seq_rate == 0.8 and a.prompt_len == 16
+        assert a.intermediate_format == "dense"
+        w4m = {**d, "formats": {**d["formats"], "intermediate": "W4A16 synthetic codes, group 32, kernel reference"}}
+        assert parser().parse_args(uw.command_text(w4m)[0].split()[4:]).intermediate_format == "w4"
     if name == "replay":
         assert a.acceptance == str(H200_TRACE)
     if name == "sweep":
