@@ -166,6 +166,25 @@ class HeadState:
                          torch.tensor(positions, dtype=torch.long, device=dev), self.cache,
                          None if mask is None else mask.to(dev))
 
+    def forward_tree(self, tokens: torch.Tensor, features: torch.Tensor, position: int,
+                     seen: torch.Tensor) -> torch.Tensor:
+        """One depth of a draft tree, inputs already on the model's device: tokens [T], all at
+        `position`; seen [T, cache.length - committed + T] bool: which of the tree's slots so far
+        (and its own) each token sees, where committed = cache.length - (seen columns - T); the
+        committed pairs before are all visible. Returns the predicted features [T, H]."""
+        start = self.cache.length
+        t = tokens.shape[0]
+        committed = start + t - seen.shape[1]
+        self.forwards += 1
+        if self.runner is not None:
+            out = self.runner.run(tokens, [position] * t, start, committed, seen, features)
+            if out is not None:
+                return out
+        dev = self.head.device
+        mask = torch.cat([torch.ones(t, committed, dtype=torch.bool, device=dev), seen.to(dev)], 1)
+        return self.head(tokens.to(dev), features, torch.full((t,), position, dtype=torch.long, device=dev),
+                         self.cache, mask)
+
     def rollback(self, n_tokens: int) -> None:
         """Pair t stays valid while token t+1 is still accepted."""
         keep = max(0, n_tokens - 1)

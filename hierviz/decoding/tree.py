@@ -7,6 +7,7 @@ forward; finally the best S nodes over all depths are kept (a node only with its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -65,7 +66,12 @@ def ancestor_pairs(parents: list[int]) -> tuple[list[int], list[int]]:
 
 def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
     """Draft an EAGLE-2 tree rooted at the base state's last token. The head's cache is left
-    as it was before the tree (only accepted pairs stay)."""
+    as it was before the tree (only accepted pairs stay).
+
+    Every depth stays on the model's device: the frontier (the `topk` best candidates of the
+    last depth, ties to the earlier candidate) is chosen by a stable sort there and the next
+    head forward reads it directly, so a GPU draft makes one host round trip, at the end,
+    instead of one per depth."""
     base = head.base
     root = base.tokens[-1]
     h_root = head.root_hidden()
@@ -73,62 +79,63 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
     dev = head.head.device
     root_pos = len(base.tokens) - 1     # the root's pair sits at root_pos - 1; depth d at root_pos - 1 + d
 
-    # candidate store: every drafted node, with its parent (-1 = root)
-    tok: list[int] = []
+    # per depth d = 1..depth: the children drafted there, [rows, k] (row j = the j-th node expanded
+    # at that depth, in frontier order), and which of them were expanded next (flat indices)
+    toks: list[torch.Tensor] = []
+    lps: list[torch.Tensor] = []
+    cums: list[torch.Tensor] = []
+    picks: list[torch.Tensor] = []
+
+    def add_children(hidden: torch.Tensor, parent_scores: torch.Tensor) -> None:
+        logp, vocab = head.head.draft_logprobs(hidden)
+        top_lp, top_ix = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        toks.append(vocab[top_ix] if vocab is not None else top_ix)
+        lps.append(top_lp)
+        cums.append(parent_scores[:, None] + top_lp)
+
+    add_children(h_root[None], torch.zeros(1, device=dev))
+    hidden = h_root[None]
+    seen: Optional[torch.Tensor] = None      # [frontier, slots so far]: which drafted slots each node sees
+    for d in range(2, depth + 1):
+        flat = cums[-1].reshape(-1)
+        pick = torch.sort(flat, descending=True, stable=True).indices[:topk]
+        picks.append(pick)
+        n = pick.numel()
+        parent_row = torch.div(pick, cums[-1].shape[1], rounding_mode="floor")
+        # a frontier node sees the committed pairs, its expanded ancestors and itself
+        own = torch.eye(n, dtype=torch.bool, device=dev)
+        seen = own if seen is None else torch.cat([seen[parent_row], own], 1)
+        out = head.forward_tree(toks[-1].reshape(-1)[pick], hidden[parent_row], root_pos - 1 + (d - 1), seen)
+        hidden = out
+        add_children(out, flat[pick])
+    head.cache.truncate(committed)
+
+    # the one read-back: every depth's candidates and picks
+    ints = torch.cat([t.reshape(-1) for t in toks] + picks).tolist()
+    floats = torch.cat([x.reshape(-1) for x in lps + cums]).tolist()
+    n_cand = [t.numel() for t in toks]
+    widths = [t.shape[1] for t in toks]
+    total = sum(n_cand)
+    tok = ints[:total]
+    pick_lists, o = [], total
+    for p in picks:
+        pick_lists.append(ints[o:o + p.numel()])
+        o += p.numel()
+    own_lp, score = floats[:total], floats[total:]
     par: list[int] = []
     dep: list[int] = []
-    score: list[float] = []
-    own: list[float] = []
-    slot: dict[int, int] = {}           # candidate -> head cache slot (offset from `committed`)
-
-    def add_children(parent_ids: list[int], hidden: torch.Tensor, parent_scores: torch.Tensor, d: int) -> list[int]:
-        logp, vocab = head.head.draft_logprobs(hidden)
-        k = min(topk, logp.shape[-1])
-        top_lp, top_ix = logp.topk(k, dim=-1)
-        if vocab is not None:
-            top_ix = vocab[top_ix]
-        cum = (parent_scores[:, None] + top_lp)
-        new = []
-        for row, pid in enumerate(parent_ids):
-            for t, lp, c in zip(top_ix[row].tolist(), top_lp[row].tolist(), cum[row].tolist()):
-                new.append(len(tok))
-                tok.append(t)
-                par.append(pid)
-                dep.append(d)
-                score.append(c)
-                own.append(lp)
-        return new
-
-    frontier = add_children([-1], h_root[None], torch.zeros(1, device=dev), 1)
-    frontier = sorted(frontier, key=lambda i: -score[i])[:topk]
-    hid_of: dict[int, torch.Tensor] = {-1: h_root}   # expanded node -> its predicted feature
-    for d in range(2, depth + 1):
-        n = len(frontier)
-        base_slot = len(slot)
-        for j, c in enumerate(frontier):
-            slot[c] = base_slot + j
-        # each frontier node sees the committed pairs, its processed ancestors and itself
-        mask = torch.zeros(n, committed + len(slot), dtype=torch.bool)
-        mask[:, :committed] = True
-        rows: list[int] = []
-        cols: list[int] = []
-        for j, c in enumerate(frontier):
-            a = c
-            while a >= 0:
-                rows.append(j)
-                cols.append(committed + slot[a])
-                a = par[a]
-        mask[rows, cols] = True
-        parent_hidden = torch.stack([hid_of[par[c]] for c in frontier])
-        # HeadState.forward takes the static (CUDA-graph) path on a GPU; columns before
-        # `committed` are all visible, which is what that path needs to know
-        out = head.forward([tok[c] for c in frontier], parent_hidden, [root_pos - 1 + (d - 1)] * n, mask, committed)
-        for j, c in enumerate(frontier):
-            hid_of[c] = out[j]
-        parent_scores = torch.tensor([score[c] for c in frontier], device=dev)
-        children = add_children(frontier, out, parent_scores, d)
-        frontier = sorted(children, key=lambda i: -score[i])[:topk]
-    head.cache.truncate(committed)
+    start = 0                             # candidate id of depth d's first child
+    for d in range(1, depth + 1):
+        if d > len(n_cand):
+            break
+        if d == 1:
+            par.extend([-1] * n_cand[0])
+        else:
+            prev_start = start - n_cand[d - 2]
+            for c in pick_lists[d - 2]:
+                par.extend([prev_start + c] * widths[d - 1])
+        dep.extend([d] * n_cand[d - 1])
+        start += n_cand[d - 1]
 
     # rerank: best `size` by score; ties prefer shallower nodes so parents come first
     order = sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))
@@ -143,4 +150,4 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
     new_ix = {c: j for j, c in enumerate(nodes)}
     return Tree(root=root, tokens=[tok[c] for c in nodes],
                 parents=[new_ix[par[c]] if par[c] >= 0 else -1 for c in nodes],
-                depths=[dep[c] for c in nodes], scores=[score[c] for c in nodes], logprobs=[own[c] for c in nodes])
+                depths=[dep[c] for c in nodes], scores=[score[c] for c in nodes], logprobs=[own_lp[c] for c in nodes])

@@ -195,11 +195,11 @@ class StaticRunner:
 
     # ---- the one entry point ----------------------------------------------------------------
 
-    def run(self, tokens: Sequence[int], positions: Sequence[int], start: int, wstart: int,
+    def run(self, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int], start: int, wstart: int,
             window: torch.Tensor, features: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Forward T new tokens written at cache slots start..start+T-1.
 
-        window: bool [T, start + T - wstart] on the CPU: which of the columns wstart.. each new
+        window: bool [T, start + T - wstart] (CPU or device): which of the columns wstart.. each new
         token sees (columns < wstart are all visible). features [T, H] for an EAGLE head.
         Returns hidden states [T, H] (a fresh tensor), or None when this forward does not fit
         a bucket (the caller then takes the dynamic path). Sets cache.length = start + T."""
@@ -215,19 +215,32 @@ class StaticRunner:
                 self._capture(b)
             if bk.copied is not None:
                 bk.copied.synchronize()    # the previous upload from these pinned buffers is done
+            # tokens / window may already live on the device (a draft tree's next depth): they
+            # are copied after the host upload, in stream order, without a host round trip
+            tokens_on_device = isinstance(tokens, torch.Tensor) and tokens.device.type != "cpu"
+            window_on_device = window.device.type != "cpu"
             ih = bk.ints_host
             ih.zero_()
-            ih[:t] = torch.as_tensor(list(tokens), dtype=torch.long)
+            if isinstance(tokens, torch.Tensor):
+                if not tokens_on_device:
+                    ih[:t] = tokens
+            else:
+                ih[:t] = torch.as_tensor(list(tokens), dtype=torch.long)
             ih[b:b + t] = torch.as_tensor(list(positions), dtype=torch.long)
             ih[2 * b] = start
             ih[2 * b + 1] = wstart
             wh = bk.win_host
             wh.zero_()
-            wh[:t, :w] = window
+            if not window_on_device:
+                wh[:t, :w] = window
             if t < b:                      # padded rows see only their own (scratch) slot: no empty rows
                 pad = torch.arange(t, b)
                 wh[pad, start - wstart + pad] = True
             self._upload(bk)
+            if tokens_on_device:
+                bk.ints_dev[:t].copy_(tokens)
+            if window_on_device:
+                bk.win_dev[:t, :w].copy_(window)
             if features is not None:
                 self.feat[:t].copy_(features)
             if self.graphs:

@@ -1,0 +1,92 @@
+"""draft_tree keeps every depth on the device (one read-back per tree); this checks it builds
+exactly the tree of a plain host-side statement of EAGLE-2's drafting (DESIGN.md 3.2), on the
+dynamic path and through the static (CUDA-graph-shaped) runner."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hierviz.decoding.state import BaseState, HeadState
+from hierviz.decoding.tree import draft_tree
+from hierviz.models import cuda_graphs
+from hierviz.stack import tiny_random_stack
+
+
+def reference_tree(head: HeadState, depth: int, topk: int, size: int) -> list[tuple]:
+    """(token, parent token path, depth, score) of every kept node, by host lists: expand the
+    topk best nodes of each depth (ties: earlier candidate), keep the best `size` overall."""
+    base = head.base
+    root_hidden = head.root_hidden()
+    committed = head.cache.length
+    pos = len(base.tokens) - 2
+    nodes: list[dict] = []                      # token, parent index, depth, score, hidden, slot
+
+    def expand(parents: list[int], hidden: torch.Tensor, d: int) -> list[int]:
+        logp, vocab = head.head.draft_logprobs(hidden)
+        lp, ix = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        ix = vocab[ix] if vocab is not None else ix
+        new = []
+        for row, p in enumerate(parents):
+            base_score = nodes[p]["score"] if p >= 0 else 0.0
+            for t, l in zip(ix[row].tolist(), lp[row].tolist()):
+                nodes.append({"tok": t, "par": p, "dep": d,
+                              "score": float(torch.tensor(base_score) + torch.tensor(l)), "slot": None})
+                new.append(len(nodes) - 1)
+        return new
+
+    cands = expand([-1], root_hidden[None], 1)
+    hid = {}
+    slots = 0
+    for d in range(2, depth + 1):
+        frontier = sorted(cands, key=lambda i: -nodes[i]["score"])[:topk]
+        for c in frontier:
+            nodes[c]["slot"] = slots
+            slots += 1
+        mask = torch.zeros(len(frontier), committed + slots, dtype=torch.bool)
+        mask[:, :committed] = True
+        for j, c in enumerate(frontier):
+            a = c
+            while a >= 0:
+                mask[j, committed + nodes[a]["slot"]] = True
+                a = nodes[a]["par"]
+        feats = torch.stack([hid[nodes[c]["par"]] if nodes[c]["par"] >= 0 else root_hidden for c in frontier])
+        out = head.forward([nodes[c]["tok"] for c in frontier], feats, [pos + d - 1] * len(frontier), mask, committed)
+        for j, c in enumerate(frontier):
+            hid[c] = out[j]
+        cands = expand(frontier, out, d)
+    head.cache.truncate(committed)
+    kept: list[int] = []
+    for i in sorted(range(len(nodes)), key=lambda i: (-nodes[i]["score"], nodes[i]["dep"], i)):
+        if len(kept) < size and (nodes[i]["par"] < 0 or nodes[i]["par"] in kept):
+            kept.append(i)
+
+    def path(i: int) -> tuple:
+        return path(nodes[i]["par"]) + (nodes[i]["tok"],) if i >= 0 else ()
+    return sorted((nodes[i]["tok"], path(i), nodes[i]["dep"], nodes[i]["score"]) for i in kept)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("depth, topk, size", [(1, 4, 3), (3, 4, 10), (4, 5, 16), (5, 10, 60)])
+def test_draft_tree_matches_host_reference(static: bool, depth: int, topk: int, size: int) -> None:
+    stack = tiny_random_stack()
+    m, e = stack.models.intermediate, stack.models.e_m
+    got, want = [], []
+    for out, fn in ((got, draft_tree), (want, reference_tree)):
+        cuda_graphs.force_static(static)
+        try:
+            base = BaseState(m, 200)
+            head = HeadState(e, base, 200)
+        finally:
+            cuda_graphs.force_static(False)
+        with torch.no_grad():
+            base.tokens = list(range(40, 61))
+            base.catch_up()
+            r = fn(head, depth, topk, size)
+            assert head.cache.length == 20        # the tree's pairs are dropped again
+        out.append(r)
+    tree = got[0]
+    rows = sorted((t, tuple(tree.tokens[j] for j in tree.path_to(i)), d, sc)
+                  for i, (t, d, sc) in enumerate(zip(tree.tokens, tree.depths, tree.scores)))
+    assert rows == want[0]
+    assert all(p < i for i, p in enumerate(tree.parents))          # parents come first
+    assert len(tree) == min(size, len(tree))
