@@ -170,4 +170,5 @@ def test_pick_config_splits_k_for_narrow_layers() -> None:
     assert down.split_k == 5 and down.tma == TUNED[64].tma and down.block_n == TUNED[64].block_n
     assert pick_config(1, 28672, 8192, 128, sms=132) == TUNED[16]
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).factored  # measured slower in bf16
+    assert not pick_config(1, 1536, 576, 32, sms=132).factored                 # small groups: plain unpack
     assert pick_config(64, 256, 256, 128, sms=132).split_k == 2  # never more splits than K blocks

@@ -85,9 +85,11 @@ TUNED: dict[int, Config] = {
 }
 
 
-# bf16 activations: the factored unpack measured slower than the plain one (83.6 vs 64.0 us
-# at M = 1 on the up-projection), so bf16 keeps the previous small-M entry.
-TUNED_BF16_SMALL_M = Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True)
+# The plain-unpack small-M entry (session 9's tuning) for where the factored one was not
+# shown to win: bf16 activations (factored measured slower: 83.6 vs 64.0 us at M = 1 on the
+# up-projection) and groups under 64 (its per-group reduction and correction then run 2-4x as
+# often per weight; the SmolLM2 stack's GGUF groups are 32, measured fast with this entry).
+TUNED_PLAIN_SMALL_M = Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True)
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
@@ -102,8 +104,8 @@ def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
         if m <= bound:
             cfg = TUNED[bound]
             break
-    if bf16 and cfg.factored:
-        cfg = TUNED_BF16_SMALL_M
+    if cfg.factored and (bf16 or group_size < 64):
+        cfg = TUNED_PLAIN_SMALL_M
     n_kblocks = k // _sub_block(group_size)
     tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
     split = cfg.split_k
