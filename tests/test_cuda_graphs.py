@@ -12,8 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hierviz.decoding.settings import DecodeSettings
-from hierviz.decoding.state import BaseState, HeadState
-from hierviz.decoding.tree import draft_tree
+from hierviz.decoding.state import BaseState
 from hierviz.engine import generate, output_tokens
 from hierviz.models import cuda_graphs
 from hierviz.stack import tiny_random_stack
@@ -62,27 +61,6 @@ def test_static_forward_matches_dynamic(stack) -> None:
         n = dyn.cache.length
         assert sta.cache.length == n
         torch.testing.assert_close(sta.cache.k[:, :, :n], dyn.cache.k[:, :, :n])
-
-
-def test_static_head_tree_matches_dynamic(stack) -> None:
-    """EAGLE-2 drafting through the head's static window path builds the same tree."""
-    m, e = stack.models.intermediate, stack.models.e_m
-    trees = []
-    for static_on in (False, True):
-        cuda_graphs.force_static(static_on)
-        try:
-            base = BaseState(m, 200)
-            head = HeadState(e, base, 200)
-        finally:
-            cuda_graphs.force_static(False)
-        assert (head.runner is not None) == static_on
-        with torch.no_grad():
-            base.tokens = list(range(50, 70))
-            base.catch_up()
-            trees.append(draft_tree(head, 4, 5, 16))
-    a, b = trees
-    assert a.tokens == b.tokens and a.parents == b.parents
-    assert a.scores == pytest.approx(b.scores, abs=1e-4)
 
 
 def test_runner_falls_back_for_long_forwards(stack, static) -> None:
