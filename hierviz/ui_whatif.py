@@ -27,7 +27,8 @@ import gradio as gr
 
 from hierviz.ui import status_html
 from hierviz.viz.style import esc, method_label
-from hierviz.viz.whatif_fig import LABEL, acceptance_label, figures, kind, machine_label, shapes_label, sweep_base_rates
+from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
+                                   shapes_label, sweep_base_rates)
 
 log = logging.getLogger("hierviz.ui")
 
@@ -54,7 +55,7 @@ LIVE_METHODS = "ar,eagle2,hierspec"
 SHORT = {"ar": "AR", "spec": "Spec", "eagle2": "EAGLE-2", "hierspec": "HierSpec"}
 
 EXPLAIN = f"""**Which method wins at real model sizes?** `python -m hierviz whatif` builds models of real shapes with
-random weights (the target in 4-bit W4A16, the intermediate M dense, EAGLE heads), runs the **real** decoders —
+random weights (the target in 4-bit W4A16, the intermediate M dense or W4A16, EAGLE heads), runs the **real** decoders —
 same forwards, same kernels, same tree and sequence verification — and forces only the accept/reject decisions:
 replayed from a recorded trace or drawn from per-depth acceptance rates. Latency does not depend on weight values
 and acceptance does not depend on the GPU, so the timings are measured and the acceptance is given: every figure is
@@ -107,7 +108,9 @@ def recorded_results() -> dict[str, Path]:
         if kind(d):
             sh = d.get("shapes") or {}
             where = (d.get("machine") or {}).get("gpu") or str(d.get("device", "?")).upper()
-            out[f"{p.name}: {sh.get('target', '?')} / {sh.get('intermediate', '?')} on {where}, {_short_source(d)}"] = p
+            m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
+            out[f"{p.name}: {sh.get('target', '?')} / {sh.get('intermediate', '?')}{m_fmt} on {where}, "
+                f"{_short_source(d)}"] = p
     return out
 
 
@@ -167,7 +170,7 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
     else:
         parts += ["--target", _shape_arg(str(sh.get("target", "?"))),
                   "--intermediate", _shape_arg(str(sh.get("intermediate", "?")))]
-    if str((d.get("formats") or {}).get("intermediate", "")).startswith("W4A16"):
+    if intermediate_is_w4(d):
         parts += ["--intermediate-format", "w4"]
     sweep = kind(d) == "sweep"
     if not sweep:

@@ -1,7 +1,7 @@
 """`python -m hierviz whatif`: real-scale projection with replayed acceptance (issue 6).
 
 Latency does not depend on weight values, acceptance does not depend on the GPU. So this
-builds synthetic-weight models of real shapes (target W4A16, intermediate dense, EAGLE heads
+builds synthetic-weight models of real shapes (target W4A16, intermediate dense or W4A16, EAGLE heads
 of matching shape), runs the REAL decoders of hierviz.decoding.decoders — the same forwards,
 kernels, CUDA graphs, cache compaction and rollback — and forces only the accept/reject
 decisions through an AcceptOracle (hierviz.decoding.verify): replayed from a recorded trace or
@@ -557,7 +557,8 @@ def _settings_copy(s: DecodeSettings, **kw: Any) -> DecodeSettings:
 def _title(info: dict[str, Any]) -> str:
     sh = info["shapes"]
     where = info["machine"].get("gpu", info["device"])
-    return f"{sh['target']} (W4A16) / {sh['intermediate']} on {where} — {LABEL}"
+    m_fmt = " (W4A16)" if info["formats"]["intermediate"].startswith("W4A16") else ""
+    return f"{sh['target']} (W4A16) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
 
 
 def chart_html(info: dict[str, Any]) -> str:

@@ -150,6 +150,8 @@ def test_rebuilt_command_reproduces_the_recorded_arguments(results, name):
         assert a.intermediate_format == "dense"
         w4m = {**d, "formats": {**d["formats"], "intermediate": "W4A16 synthetic codes, group 32, kernel reference"}}
         assert parser().parse_args(uw.command_text(w4m)[0].split()[4:]).intermediate_format == "w4"
+        from hierviz.viz.whatif_fig import shapes_label
+        assert shapes_label(w4m).endswith("(W4A16)") and not shapes_label(d).endswith("(W4A16)")
     if name == "replay":
         assert a.acceptance == str(H200_TRACE)
     if name == "sweep":

@@ -51,9 +51,15 @@ def machine_label(d: dict[str, Any]) -> str:
     return where + (", tiny shapes: plumbing only" if d.get("tiny") else "")
 
 
+def intermediate_is_w4(d: dict[str, Any]) -> bool:
+    """Whether a what-if result built M as W4A16 (`--intermediate-format w4`) rather than dense."""
+    return str((d.get("formats") or {}).get("intermediate", "")).startswith("W4A16")
+
+
 def shapes_label(d: dict[str, Any]) -> str:
     sh = d.get("shapes") or {}
-    return f"{sh.get('target', '?')} (W4A16) / {sh.get('intermediate', '?')}"
+    m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
+    return f"{sh.get('target', '?')} (W4A16) / {sh.get('intermediate', '?')}{m_fmt}"
 
 
 def _rates(rs: list[float]) -> str:
