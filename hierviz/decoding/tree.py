@@ -125,9 +125,7 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
     par: list[int] = []
     dep: list[int] = []
     start = 0                             # candidate id of depth d's first child
-    for d in range(1, depth + 1):
-        if d > len(n_cand):
-            break
+    for d in range(1, len(toks) + 1):
         if d == 1:
             par.extend([-1] * n_cand[0])
         else:
