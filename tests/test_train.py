@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
                       "--draft-vocab", "64", *qs]) == 0
     assert distill.main(["--target", str(target), "--data", str(d / "data.pt"), "--out", str(d / "M"), "--layers", "2",
                          "--steps", "4", "--batch-tokens", "512", "--group-size", "32", "--calib-samples", "6",
-                         "--device", "cpu"]) == 0
+                         "--top1-weight", "0.5", "--device", "cpu"]) == 0
     assert eagle_train.main(["--target", str(target), "--intermediate", str(d / "M"), "--data", str(d / "data.pt"),
                              "--out-t", str(d / "E_T"), "--out-m", str(d / "E_M"), "--steps", "4", "--batch-tokens",
                              "512", "--device", "cpu", "--report", str(d / "eagle.json")]) == 0
@@ -59,6 +59,13 @@ def test_data_file(trained):
         assert data.meta["overlap_check"]["prompts_sharing_an_ngram"] == 0
     vocab = json.loads((trained / "draft_vocab.json").read_text())
     assert len(vocab) == len(set(vocab)) <= 64 and 2 in vocab
+
+
+def test_distill_report_names_the_loss(trained):
+    """--top1-weight adds cross-entropy against T's argmax; the report says what was minimised."""
+    rep = json.loads((trained / "M" / "train_report.json").read_text())
+    assert rep["loss"] == "KL(T||M) + 0.5 x CE(M, argmax T)"
+    assert rep["training"]["steps"] == 4 and rep["training"]["final_loss"] > 0
 
 
 def test_intermediate_loads_in_engine_like_training(trained):

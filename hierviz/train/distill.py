@@ -72,7 +72,9 @@ def agreement_report(teacher, student, data, device, max_len, batch_tokens) -> d
 
 
 def train(teacher, student, data: TokenData, device, steps: int, time_budget: float, lr: float, batch_tokens: int,
-          max_len: int, seed: int, log_every: int = 50) -> dict:
+          max_len: int, seed: int, log_every: int = 50, top1_weight: float = 0.0) -> dict:
+    """Minimise KL(T || M) per token, plus top1_weight x the cross-entropy of M against T's argmax
+    (greedy decoding only needs M's argmax to match T's; the KL spends capacity on the tail)."""
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=device.type == "cuda")
@@ -92,8 +94,11 @@ def train(teacher, student, data: TokenData, device, steps: int, time_budget: fl
             lt = teacher.lm_head(teacher.model(input_ids=x).last_hidden_state[m]).float()
         with autocast(device):
             ls = student.lm_head(student.model(input_ids=x).last_hidden_state[m]).float()
-        loss = F.kl_div(F.log_softmax(ls, -1), F.log_softmax(lt, -1), log_target=True, reduction="batchmean")
-        del lt, ls
+        log_ps = F.log_softmax(ls, -1)
+        loss = F.kl_div(log_ps, F.log_softmax(lt, -1), log_target=True, reduction="batchmean")
+        if top1_weight:
+            loss = loss + top1_weight * F.nll_loss(log_ps, lt.argmax(-1))
+        del lt, ls, log_ps
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -102,12 +107,12 @@ def train(teacher, student, data: TokenData, device, steps: int, time_budget: fl
         tokens_seen += int(m.sum())
         window.append(loss.detach())
         if prog.step % log_every == 0 or prog.step == 1 or prog.done:
-            losses.append(round(float(torch.stack(window).mean()), 4))   # mean KL since the last log line
+            losses.append(round(float(torch.stack(window).mean()), 4))   # mean loss since the last log line
             window = []
-            log(f"distill step {prog.step} kl {losses[-1]:.4f} lr {lr * prog.lr_scale():.2e} "
+            log(f"distill step {prog.step} loss {losses[-1]:.4f} lr {lr * prog.lr_scale():.2e} "
                 f"tokens {tokens_seen} ({time.time() - prog.t0:.0f}s)")
     student.eval()
-    return {"steps": prog.step, "final_kl": losses[-1] if losses else None, "kl_log": losses,
+    return {"steps": prog.step, "final_loss": losses[-1] if losses else None, "loss_log": losses,
             "tokens_seen": tokens_seen, "seconds": round(time.time() - prog.t0, 1)}
 
 
@@ -192,6 +197,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--time-budget", type=float, default=0, help="seconds of training at most")
     ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--top1-weight", type=float, default=0.0,
+                    help="add this x cross-entropy against the target's argmax to the KL loss (greedy agreement)")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--group-size", type=int, default=64)
@@ -220,7 +227,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     student.eval()
     before = agreement_report(teacher, student, data, **ev)
     log(f"agreement before training: {before}")
-    tr = train(teacher, student, data, device, a.steps, a.time_budget, a.lr, a.batch_tokens, a.max_len, a.seed)
+    if a.top1_weight < 0:
+        ap.error("--top1-weight must be >= 0")
+    tr = train(teacher, student, data, device, a.steps, a.time_budget, a.lr, a.batch_tokens, a.max_len, a.seed,
+               top1_weight=a.top1_weight)
     after = agreement_report(teacher, student, data, **ev)
     log(f"agreement after training: {after}")
     if a.save_float:
@@ -235,11 +245,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"command": command_line("hierviz.train.distill", argv), "target": str(a.target), "data": str(a.data),
               "data_meta": {k: data.meta.get(k) for k in ("samples", "response_tokens", "prompt_tokens")},
               "student_layers_from_target": layer_ids, "lr": a.lr, "batch_tokens": a.batch_tokens,
+              "loss": "KL(T||M)" + (f" + {a.top1_weight:g} x CE(M, argmax T)" if a.top1_weight else ""),
               "training": tr, "agreement_heldout_before": before, "agreement_heldout_after": after,
               "gptq": {"group_size": a.group_size, "sym": False, "calib_samples": len(calib_idx), "seconds": gptq_s},
               "env": env_info(device)}
     save_intermediate(a.out, t_cfg, student, packed, a.group_size, layer_ids,
-                      {"distill_steps": tr["steps"], "final_kl": tr["final_kl"]})
+                      {"distill_steps": tr["steps"], "final_loss": tr["final_loss"]})
     # reload through the project's GPTQ loader: the figures below are for the shipped checkpoint
     m_cfg, m_w = load_base(a.out)
     reloaded = build_hf(m_cfg, with_shared_embeddings(m_w, t_w), device, t_dtype).eval()

@@ -34,7 +34,8 @@ fi
 if has distill; then
 $PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/$MDIR" \
   --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
-  --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --report "$W/distill.json" || exit 2
+  --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --top1-weight "${TOP1:-0}" \
+  --report "$W/distill.json" || exit 2
 cp "$W/distill.json" "$OUT/"
 tar -C "$W" -cf "$OUT/M.tar" "$MDIR"
 fi
