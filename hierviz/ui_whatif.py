@@ -106,11 +106,8 @@ def recorded_results() -> dict[str, Path]:
         except (OSError, ValueError):
             continue
         if kind(d):
-            sh = d.get("shapes") or {}
             where = (d.get("machine") or {}).get("gpu") or str(d.get("device", "?")).upper()
-            m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
-            out[f"{p.name}: {sh.get('target', '?')} / {sh.get('intermediate', '?')}{m_fmt} on {where}, "
-                f"{_short_source(d)}"] = p
+            out[f"{p.name}: {shapes_label(d)} on {where}, {_short_source(d)}"] = p
     return out
 
 

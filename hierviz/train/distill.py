@@ -208,6 +208,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None)
     a = ap.parse_args(argv)
+    if a.top1_weight < 0:
+        ap.error("--top1-weight must be >= 0")
     t0 = time.time()
     seed_all(a.seed)
     device = pick_device(a.device)
@@ -227,8 +229,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     student.eval()
     before = agreement_report(teacher, student, data, **ev)
     log(f"agreement before training: {before}")
-    if a.top1_weight < 0:
-        ap.error("--top1-weight must be >= 0")
     tr = train(teacher, student, data, device, a.steps, a.time_budget, a.lr, a.batch_tokens, a.max_len, a.seed,
                top1_weight=a.top1_weight)
     after = agreement_report(teacher, student, data, **ev)
