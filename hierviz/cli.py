@@ -48,13 +48,8 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> DecodeSettings:
     """Settings from the parsed flags; tree flags left out take the defaults of `device` (the
-    device the stack runs on; default: --device, else cuda when available)."""
-    if device is None:
-        device = a.device
-    if device is None:
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    s = default_settings(device)
+    device the stack runs on; default: --device, else this machine's)."""
+    s = default_settings(device if device is not None else a.device)
     for k in ("max_new_tokens", "temperature", "top_p", "seed", "spec_k") + TREE_ARGS:
         v = getattr(a, k)
         if v is not None:

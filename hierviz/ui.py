@@ -91,15 +91,6 @@ def engine_available() -> bool:
     return importlib.util.find_spec("hierviz.engine") is not None
 
 
-def _device_defaults() -> DecodeSettings:
-    """Decoding defaults for the device live runs use: small trees on a CPU (settings.CPU_TREES)."""
-    try:
-        import torch
-        return default_settings("cuda" if torch.cuda.is_available() else "cpu")
-    except ImportError:      # a trace-only install
-        return DecodeSettings()
-
-
 def stack_choices() -> list[str]:
     try:
         presets = list(importlib.import_module("hierviz.engine").STACK_PRESETS)
@@ -251,7 +242,7 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                 stack = gr.Dropdown(choices, value=stack_default or default_stack(), label="Model stack",
                                     allow_custom_value=True, elem_id="hv-stack",
                                     info="Target T (4-bit), intermediate M and EAGLE heads")
-                d = _device_defaults()
+                d = default_settings()   # this machine's: small trees on a CPU (settings.CPU_TREES)
                 max_new = gr.Slider(1, 512, value=d.max_new_tokens, step=1, label="Max new tokens", elem_id="hv-max-new")
                 temperature = gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
                 gr.Markdown("**HierSpec: E_M tree, checked by M**")

@@ -164,6 +164,8 @@ def test_tree_defaults_follow_the_device() -> None:
     gpu, cpu = default_settings("cuda"), default_settings("cpu")
     assert gpu == DecodeSettings() and gpu.t_tree_size == 60
     assert all(getattr(cpu, k) == v for k, v in CPU_TREES.items()) and cpu.validate()
+    import torch
+    assert default_settings() == (gpu if torch.cuda.is_available() else cpu)   # None: this machine
     p = argparse.ArgumentParser()
     add_settings_args(p)
     assert settings_from_args(p.parse_args([]), "cpu") == cpu

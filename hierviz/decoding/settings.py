@@ -1,7 +1,8 @@
 """Decoding parameters shared by every method, with validation that gives clear messages."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
 
 
 class SettingsError(ValueError):
@@ -60,11 +61,16 @@ class DecodeSettings:
 CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_tree_size": 24}
 
 
-def default_settings(device: str = "cuda") -> DecodeSettings:
-    """The defaults for decoding on `device` ("cpu", "cuda", "cuda:1", ...)."""
-    d = DecodeSettings()
+def default_settings(device: Optional[str] = None) -> DecodeSettings:
+    """The defaults for decoding on `device` ("cpu", "cuda", "cuda:1", ...; None: this machine's,
+    cuda when torch sees one; without torch installed, the GPU defaults)."""
+    if device is None:
+        try:
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:      # a trace-only install: nothing runs here
+            device = "cuda"
     if str(device).split(":")[0] == "cpu":
-        for k, v in CPU_TREES.items():
-            setattr(d, k, v)
-    return d
+        return replace(DecodeSettings(), **CPU_TREES)
+    return DecodeSettings()
 

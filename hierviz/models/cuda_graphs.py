@@ -228,11 +228,8 @@ class StaticRunner:
             # where a torch indexing op costs ~5-10 us, and a round makes several forwards
             ih, wh = bk.ints_np, bk.win_np
             ih.fill(0)
-            if isinstance(tokens, torch.Tensor):
-                if not tokens_on_device:
-                    ih[:t] = tokens.numpy()
-            else:
-                ih[:t] = tokens
+            if not tokens_on_device:
+                ih[:t] = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
             ih[b:b + t] = positions
             ih[2 * b] = start
             ih[2 * b + 1] = wstart
