@@ -389,6 +389,10 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
+def _w4_format(cfg: ModelConfig, kernel: str) -> str:
+    return f"W4A16 synthetic codes, group {_group(cfg, 128)}, kernel {kernel}"
+
+
 def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -453,9 +457,9 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
-        "formats": {"target": f"W4A16 synthetic codes, group {_group(t_cfg, 128)}, kernel {kernel}",
-                    "intermediate": (f"dense {str(dtype).replace('torch.', '')}" if a.intermediate_format == "dense" else
-                                     f"W4A16 synthetic codes, group {_group(m_cfg, 128)}, kernel {kernel}"),
+        "formats": {"target": _w4_format(t_cfg, kernel),
+                    "intermediate": (f"dense {str(dtype).replace('torch.', '')}" if a.intermediate_format == "dense"
+                                     else _w4_format(m_cfg, kernel)),
                     "heads": "EAGLE-1/2 layout, synthetic"},
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
         "acceptance": ({"mode": "trace", "source": a.acceptance,
