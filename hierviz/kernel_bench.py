@@ -98,11 +98,20 @@ def tinygemm_pack(w: W4Weight, swap_nibbles: bool) -> tuple[torch.Tensor, torch.
 
 # ---- Triton tuning candidates ---------------------------------------------------------------
 
-def tune_candidates(m: int):
-    """The launch configurations --tune times at M (see docs/kernels.md)."""
+def tune_candidates(m: int, family: str = "all"):
+    """The launch configurations --tune times at M (see docs/kernels.md). family "gemv": only
+    the CUDA-core path's, plus the production MMA entry for that M (pick_config) to beat."""
     from hierviz.quant.triton_w4 import Config
 
     out = []
+    if m == 1:
+        # the CUDA-core path (fp16, one token per program)
+        for bn, bq, warps in [(64, 4, 4), (128, 4, 4), (256, 4, 8), (64, 4, 2), (128, 2, 4)]:
+            for split in (4, 8):
+                for stages in (1, 2):   # 2: the next iteration's loads issued first
+                    out.append(Config(bn, 1, split, warps, stages, gemv=True, block_q=bq))
+    if family == "gemv":
+        return out
     if m <= 16:
         # earlier winners for reference: pointer loads; TMA codes; TMA for every load
         out.append(Config(128, 16, 4, 8, 4))
@@ -135,7 +144,7 @@ def tune_candidates(m: int):
 # ---- the GPU benchmark ----------------------------------------------------------------------
 
 def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
-              dry: bool = False, tune_ms: Optional[list[int]] = None) -> dict:
+              dry: bool = False, tune_ms: Optional[list[int]] = None, family: str = "all") -> dict:
     """dry: run the same code on the CPU under TRITON_INTERPRET=1 (tiny shapes; no timing value)."""
     import triton
 
@@ -193,7 +202,10 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
             xs = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
             want = xs[0].float() @ ref_w.t()
             best = None
-            for cfg in tune_candidates(m):
+            cands = tune_candidates(m, family)
+            if family != "all":
+                cands.append(pick_config(m, n, k, g, sm_count(torch.device(dev)), gemv=False))
+            for cfg in cands:
                 row = {"M": m, **asdict(cfg)}
                 try:
                     err = _rel_err(triton_w4_matmul(xs[0], ws[0], cfg), want)
@@ -368,13 +380,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--tune-ms", default=None, help="token counts to tune at (default: all of --ms)")
     ap.add_argument("--cpu", action="store_true", help="int4pack_cpu benchmark even with a GPU")
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing budget per measurement")
+    ap.add_argument("--family", choices=["all", "gemv"], default="all",
+                    help="tuning candidates: all, or only the CUDA-core path's (plus the production entry)")
     ap.add_argument("--dry", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
     a = ap.parse_args(argv)
     use_gpu = (torch.cuda.is_available() or a.dry) and not a.cpu
     k, n, g = (int(v) for v in (a.shape or ("8192,28672,128" if use_gpu else "576,1536,32")).split(","))
     ms = [int(v) for v in (a.ms or ("1,2,4,8,16,32,64,128" if use_gpu else "1,8,64")).split(",")]
     tune_ms = [int(v) for v in a.tune_ms.split(",")] if a.tune_ms else None
-    res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms) if use_gpu
+    res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family) if use_gpu
            else cpu_bench(k, n, g, ms))
     res["command"] = "python -m hierviz.kernel_bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
     a.out.mkdir(parents=True, exist_ok=True)

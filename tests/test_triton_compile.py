@@ -62,6 +62,18 @@ def test_kernel_compiles_for_gpu(arch: int, tma: bool, sox: bool, factored: bool
     assert "prmt.b32" in ptx          # the inline-PTX unpack made it in
 
 
+@pytest.mark.parametrize("arch,prefetch", [(90, False), (90, True), (80, True)])
+def test_gemv_kernel_compiles_for_gpu(arch: int, prefetch: bool) -> None:
+    """The one-token CUDA-core kernel: its inline PTX (unpack + packed fp16 FMAs) compiles."""
+    args = {"x_ptr": "*i32", "c_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
+            "N": "i32", "stride_c": "i32", "stride_xm": "i32", "stride_ym": "i32",
+            "quads_per_split": "i32", "n_quads": "i32", "n_groups": "i32"}
+    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "PREFETCH": prefetch}
+    ptx = _ptx_of(triton_w4._w4_gemv_kernel, args, consts, arch, num_stages=1)
+    assert "fma.rn.f16x2" in ptx and "prmt.b32" in ptx
+    assert "mma" not in ptx            # CUDA cores only
+
+
 def _fused_kernels():
     """(kernel, args, constexprs) of every hierviz.models.fused kernel at Llama-3-70B's sizes."""
     from hierviz.models import fused as f

@@ -55,6 +55,9 @@ _SCRIPT = textwrap.dedent("""
         (33, 72, 512, 128, Config(32, 32, 1, 4, 2, tma=True, tiled=True, factored=True)),
         (9, 72, 512, 128, Config(64, 16, 2, 4, 2, tma=True, factored=True)),
         (40, 130, 512, 512, Config(64, 32, 2, 4, 2, tma=True, factored=True)),  # G=512, tiled
+        (1, 40, 256, 32, Config(16, 1, 1, 4, 1, gemv=True, block_q=1)),   # CUDA-core path, G=32
+        (2, 33, 512, 128, Config(16, 1, 3, 4, 2, gemv=True, block_q=4)),  # 2 tokens, ragged split, prefetch
+        (1, 24, 512, 512, Config(16, 1, 2, 4, 2, gemv=True, block_q=8)),  # G=512 (block_q clipped to 4)
         (1, 96, 256, 128, None), (16, 96, 256, 128, None), (33, 96, 256, 128, None),
         (70, 40, 256, 64, None),                        # the M-picked production configs
     ]
@@ -88,7 +91,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(errs) == 22
+    assert len(errs) == 25
     # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
     bad = {k: v for k, v in errs.items() if not v < 3e-3}
     assert not bad, bad
@@ -163,12 +166,15 @@ def test_int4pack_cpu_matches_reference(m: int, n: int, k: int, g: int) -> None:
 
 def test_pick_config_splits_k_for_narrow_layers() -> None:
     """Tiles tuned on a 28672-wide layer leave SMs idle on narrow ones: K is split further."""
-    from hierviz.quant.triton_w4 import TUNED, pick_config
+    from hierviz.quant.triton_w4 import TUNED, TUNED_GEMV, pick_config
     wide = pick_config(64, 28672, 8192, 128, sms=132)
     assert wide == TUNED[64]                                  # 224 tiles: as tuned
     down = pick_config(64, 8192, 28672, 128, sms=132)         # 64 tiles of 128 rows
     assert down.split_k == 5 and down.tma == TUNED[64].tma and down.block_n == TUNED[64].block_n
-    assert pick_config(1, 28672, 8192, 128, sms=132) == TUNED[16]
+    assert pick_config(1, 28672, 8192, 128, sms=132) == TUNED_GEMV[1]       # one token: CUDA cores
+    assert pick_config(1, 28672, 8192, 128, sms=132, gemv=False) == TUNED[16]
+    assert pick_config(2, 28672, 8192, 128, sms=132) == TUNED[16]           # MMA measured faster at M >= 2
+    assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).gemv    # the CUDA-core path is fp16 only
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).factored  # measured slower in bf16
     assert not pick_config(1, 1536, 576, 32, sms=132).factored                 # small groups: plain unpack
     assert pick_config(64, 256, 256, 128, sms=132).split_k == 2  # never more splits than K blocks

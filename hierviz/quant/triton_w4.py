@@ -28,6 +28,7 @@ Measured figures, what limits them, and the variants that measured slower: docs/
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -71,6 +72,10 @@ class Config:
                            # instructions per 8 codes (see _BIASED_F16)
     tiled: bool = False    # with tma: codes stored tile-major, each [block_n x SUB/2] tile of a
                            # program one contiguous run of bytes (a K range is one long stream)
+    gemv: bool = False     # the CUDA-core path (_w4_gemv_kernel, fp16 only): no MMA, one token
+                           # per program (block_m unused), block_q 32-channel quads of K per row
+                           # per iteration; num_stages >= 2: the next iteration's loads first
+    block_q: int = 8
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
@@ -92,14 +97,29 @@ TUNED: dict[int, Config] = {
 TUNED_PLAIN_SMALL_M = Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True)
 
 
+# The CUDA-core path's entries (fp16 only), keyed like TUNED by the largest M they serve.
+TUNED_GEMV: dict[int, Config] = {
+    1: Config(block_n=64, block_m=1, split_k=8, num_warps=4, num_stages=2, gemv=True, block_q=4),
+}
+GEMV_PROGRAMS_PER_SM = 4   # resident programs per SM at ~128 registers x 128 threads
+
+
 def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
-                bf16: bool = False) -> Config:
+                bf16: bool = False, gemv: bool = True) -> Config:
     """The configuration used for an [m, k] x [n, k]^T product (small-M vs tiled path).
 
     TUNED was measured on a wide layer (N = 28672). A narrow one (o_proj / down_proj, N = 8192,
     or an 8B model's 4096) leaves most of the `sms` multiprocessors idle with the same tiles
     (64 programs at M = 64 on 132 SMs: a 70B tree verification ran its W4 GEMMs at ~3x the
     one-token time), so K is split further until about two programs per SM exist."""
+    if gemv and not bf16 and group_size >= 128 and k % 32 == 0:   # measured at G = 128 only
+        for bound in sorted(TUNED_GEMV):
+            if m <= bound:
+                cfg = TUNED_GEMV[bound]
+                tiles = -(-n // cfg.block_n) * -(-m // max(cfg.block_m, 1))
+                split = max(cfg.split_k, -(-GEMV_PROGRAMS_PER_SM * sms // tiles))
+                split = max(1, min(split, k // 32 // cfg.block_q))
+                return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
     for bound in sorted(TUNED):
         if m <= bound:
             cfg = TUNED[bound]
@@ -158,6 +178,8 @@ class Packed:
     scales: torch.Tensor
     offsets: torch.Tensor
     sub: int
+    scales_nk: Optional[torch.Tensor] = None    # [N, K/G] copies for the CUDA-core path
+    offsets_nk: Optional[torch.Tensor] = None
 
 
 def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
@@ -280,6 +302,40 @@ lop3.b32 $3, u1, 0x000f000f, 0x43004300, 0xea;
 }
 """
 
+
+# ---- the CUDA-core path for one token (Config.gemv) ----------------------------------------
+# One row's 16 consecutive code bytes ("quad": 4 int32 words, 32 channels of one SUB block:
+# word i holds channels 4w..4w+3 (low nibbles) and SUB/2 + 4w.. (high), w = 4u + i) meet x as
+# fp16 pairs: prmt puts bytes (0, 1) and (2, 3) in the two halves of a register, lop3 ORs one
+# nibble per half into 1024.0's mantissa, and one packed subtract (low) or FMA (high, 16x)
+# leaves q - 8 exactly. Packed FMAs multiply by the matching x pairs; the sums are widened to
+# fp32 once per quad (16 products per half in fp16: |q - 8| <= 8) and scaled:
+# acc += s * sum((q - 8) x) + ox, with W = s (q - 8) + o' (o' = o + 8 s) and ox this quad's
+# share of o' * sum(x) over the iteration (computed once per iteration, not per row).
+# Everything per quad is one elementwise op, so Triton keeps one layout for all of it (with
+# the arithmetic split into several ops, Triton 3.6 gave the accumulators another layout and
+# re-loaded x for every row a thread holds).
+_GEMV_F16 = "\n".join(
+    ["{", ".reg .b32 t0, t1, v0, v1, v2, v3, kb, k16, km72, a;", ".reg .f16 h0, h1;",
+     ".reg .f32 f0, f1, p;", "mov.b32 kb, 0x64086408;", "mov.b32 k16, 0x2c002c00;",
+     "mov.b32 km72, 0xd480d480;", "mov.b32 a, 0;"]
+    # operands: $0 new acc; $1 acc, $2 s, $3 ox (fp32); $4..$7 code words; $8..$15 the x
+    # pairs of the low nibbles, $16..$23 of the high ones
+    + [line for i in range(4) for line in (
+        f"prmt.b32 t0, ${4 + i}, ${4 + i}, 0x0100;", f"prmt.b32 t1, ${4 + i}, ${4 + i}, 0x0302;",
+        "lop3.b32 v0, t0, 0x000f000f, 0x64006400, 0xea;",
+        "lop3.b32 v1, t1, 0x000f000f, 0x64006400, 0xea;",
+        "lop3.b32 v2, t0, 0x00f000f0, 0x64006400, 0xea;",
+        "lop3.b32 v3, t1, 0x00f000f0, 0x64006400, 0xea;",
+        "sub.f16x2 v0, v0, kb;", "sub.f16x2 v1, v1, kb;",
+        "fma.rn.f16x2 v2, v2, k16, km72;", "fma.rn.f16x2 v3, v3, k16, km72;",
+        f"fma.rn.f16x2 a, v0, ${8 + 2 * i}, a;", f"fma.rn.f16x2 a, v1, ${9 + 2 * i}, a;",
+        f"fma.rn.f16x2 a, v2, ${16 + 2 * i}, a;", f"fma.rn.f16x2 a, v3, ${17 + 2 * i}, a;")]
+    + ["mov.b32 {h0, h1}, a;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;", "add.f32 p, f0, f1;",
+       "fma.rn.f32 p, $2, p, $1;", "add.f32 $0, p, $3;", "}"])
+_GEMV_F16_CONSTRAINTS = ",".join(["=f", "f", "f", "f"] + ["r"] * 20)
+
+
 if HAVE_TRITON:
 
     @triton.jit
@@ -397,11 +453,138 @@ if HAVE_TRITON:
         else:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _lo16(p):
+        return (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _hi16(p):
+        return (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _word_ref(c, xl0, xl1, xh0, xh1):
+        """One code word against its 4 x pairs in fp32 (the interpreter's path; the GPU's is
+        _GEMV_F16): bytes 0/1 meet pairs xl0 (low nibbles) and xh0 (high), bytes 2/3 xl1/xh1."""
+        b0 = c & 0xFF
+        b1 = (c >> 8) & 0xFF
+        b2 = (c >> 16) & 0xFF
+        b3 = (c >> 24) & 0xFF
+        lo = (((b0 & 0xF) - 8).to(tl.float32) * _lo16(xl0) + ((b1 & 0xF) - 8).to(tl.float32) * _hi16(xl0)
+              + ((b2 & 0xF) - 8).to(tl.float32) * _lo16(xl1) + ((b3 & 0xF) - 8).to(tl.float32) * _hi16(xl1))
+        hi = (((b0 >> 4) - 8).to(tl.float32) * _lo16(xh0) + ((b1 >> 4) - 8).to(tl.float32) * _hi16(xh0)
+              + ((b2 >> 4) - 8).to(tl.float32) * _lo16(xh1) + ((b3 >> 4) - 8).to(tl.float32) * _hi16(xh1))
+        return lo + hi
+
+    @triton.jit
+    def _x_pair(p, i, mask):
+        # Loaded as a 1-D [BQ] vector and only then given the row axis: loading a [1, BQ]
+        # tensor let Triton 3.6 repeat the load for every row a thread holds.
+        return tl.load(p + i, mask=mask, other=0)[None, :]
+
+    @triton.jit
+    def _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups, q0, q_end, G: tl.constexpr):
+        """The weight loads of one iteration (quads q0.. of every row): code words [BN, 4 BQ],
+        and the rows' scale and offset of that group ([BN] each; past q_end: zeros / a valid
+        group). One 2-D load with the words contiguous along the last axis, so that Triton lays
+        it out as vector loads along K (a 3-D [BN, BQ, 4] load let Triton 3.6 put the threads
+        of a warp on 32 different rows). An iteration stays inside one group (BQ divides SUB/32
+        and q0 is a multiple of BQ), so scale and offset are one value per row, loaded as 1-D
+        vectors: a [BN, BQ] load of them let Triton 3.6 lay the whole quad computation out with
+        the threads of a warp on 32 rows."""
+        words = tl.load(rows + q0 * 4 + words_q[None, :],
+                        mask=(q0 * 4 + words_q < q_end * 4)[None, :], other=0)
+        g = (tl.minimum(q0, q_end - 1) * 32) // G
+        return (words, tl.load(s_ptr + rn_safe * n_groups + g), tl.load(o_ptr + rn_safe * n_groups + g))
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, N, stride_c, stride_xm, stride_ym,
+                        quads_per_split, n_quads, n_groups,
+                        SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+                        ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr = False):
+        # y[m, n] = sum_k W[n, k] x[m, k] on CUDA cores for token m = program_id(2) and BN
+        # rows, over this program's range of quads (32 channels of K each). x_ptr is x as
+        # int32 fp16 pairs [M, K/2] (stride_xm in pairs), c_ptr the codes as int32 words
+        # [N, K/8] (stride_c = K/8: a multiple of 16 for K % 128 == 0, which lets Triton prove
+        # 16-byte alignment and load each row's quad with one vector load), s_ptr / o_ptr
+        # [N, K/G].
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        m = tl.program_id(2)
+        QPS: tl.constexpr = SUB // 32
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        rn_safe = tl.where(n_mask, rn, 0)
+        rows = c_ptr + rn_safe.to(tl.int64)[:, None] * stride_c
+        words_q = tl.arange(0, 4 * BQ)     # the BQ quads' words, consecutive in a row
+        xp = x_ptr + m * stride_xm
+        pairs = tl.arange(0, 8 * BQ)       # the iteration's x pairs, per nibble half
+        q_start = pid_k * quads_per_split
+        q_end = tl.minimum(q_start + quads_per_split, n_quads)
+        acc = tl.zeros((BN, BQ), dtype=tl.float32)
+        if PREFETCH:
+            w_next, s_next, o_next = _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups,
+                                                 q_start, q_end, G)
+        for q0 in range(q_start, q_end, BQ):
+            rq = q0 + tl.arange(0, BQ)
+            q_ok = rq < q_end
+            if PREFETCH:
+                # The next iteration's codes, scales and offsets are requested before this
+                # one computes, so a warp's DRAM round trip overlaps its own arithmetic.
+                words, s_raw, o_raw = w_next, s_next, o_next
+                w_next, s_next, o_next = _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups,
+                                                     q0 + BQ, q_end, G)
+            else:
+                words, s_raw, o_raw = _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups,
+                                                  q0, q_end, G)
+            ca, cb = tl.split(words.reshape(BN, BQ, 2, 2))
+            c0, c2 = tl.split(ca)
+            c1, c3 = tl.split(cb)
+            lo = (rq // QPS) * (SUB // 2) + (rq % QPS) * 8
+            hi = lo + SUB // 4
+            # sum(x) over the iteration's channels, once (a 1-D load and reduction); each of
+            # a row's BQ quads adds its 1/BQ share of o' * sum(x). Masked quads read zeros.
+            lo0 = (q0 // QPS) * (SUB // 2) + (q0 % QPS) * 8
+            x_ok = pairs < (q_end - q0) * 8
+            xl = tl.load(xp + lo0 + pairs, mask=x_ok, other=0)
+            xh = tl.load(xp + lo0 + SUB // 4 + pairs, mask=x_ok, other=0)
+            x_sum = tl.sum(_lo16(xl) + _hi16(xl) + _lo16(xh) + _hi16(xh), axis=0)
+            s1 = s_raw.to(tl.float32)
+            s = s1[:, None]
+            ox = ((o_raw.to(tl.float32) + 8.0 * s1) * (x_sum / BQ))[:, None]
+            if USE_ASM:
+                acc = tl.inline_asm_elementwise(_GEMV_F16_C, _GEMV_F16_CONSTRAINTS_C, [
+                    acc, s, ox, c0, c1, c2, c3,
+                    _x_pair(xp, lo, q_ok), _x_pair(xp, lo + 1, q_ok), _x_pair(xp, lo + 2, q_ok),
+                    _x_pair(xp, lo + 3, q_ok), _x_pair(xp, lo + 4, q_ok), _x_pair(xp, lo + 5, q_ok),
+                    _x_pair(xp, lo + 6, q_ok), _x_pair(xp, lo + 7, q_ok),
+                    _x_pair(xp, hi, q_ok), _x_pair(xp, hi + 1, q_ok), _x_pair(xp, hi + 2, q_ok),
+                    _x_pair(xp, hi + 3, q_ok), _x_pair(xp, hi + 4, q_ok), _x_pair(xp, hi + 5, q_ok),
+                    _x_pair(xp, hi + 6, q_ok), _x_pair(xp, hi + 7, q_ok)],
+                    dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                part = (_word_ref(c0, _x_pair(xp, lo, q_ok), _x_pair(xp, lo + 1, q_ok),
+                                  _x_pair(xp, hi, q_ok), _x_pair(xp, hi + 1, q_ok))
+                        + _word_ref(c1, _x_pair(xp, lo + 2, q_ok), _x_pair(xp, lo + 3, q_ok),
+                                    _x_pair(xp, hi + 2, q_ok), _x_pair(xp, hi + 3, q_ok))
+                        + _word_ref(c2, _x_pair(xp, lo + 4, q_ok), _x_pair(xp, lo + 5, q_ok),
+                                    _x_pair(xp, hi + 4, q_ok), _x_pair(xp, hi + 5, q_ok))
+                        + _word_ref(c3, _x_pair(xp, lo + 6, q_ok), _x_pair(xp, lo + 7, q_ok),
+                                    _x_pair(xp, hi + 6, q_ok), _x_pair(xp, hi + 7, q_ok)))
+                acc += s * part + ox
+        y = tl.sum(acc, axis=1)
+        ptrs = y_ptr + m * stride_ym + rn
+        if ATOMIC:
+            tl.atomic_add(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
+        else:
+            tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
     # triton.jit kernels read module-level globals as constexprs only when they are marked so.
     _ASM_F16_C = tl.constexpr(_ASM_F16)
     _ASM_BF16_C = tl.constexpr(_ASM_BF16)
     _BIASED_F16_C = tl.constexpr(_BIASED_F16)
     _BIASED_BF16_C = tl.constexpr(_BIASED_BF16)
+    _GEMV_F16_C = tl.constexpr(_GEMV_F16)
+    _GEMV_F16_CONSTRAINTS_C = tl.constexpr(_GEMV_F16_CONSTRAINTS)
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -436,6 +619,8 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     p = packed(w, x.dtype)
     cfg = config or pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16)
     x = x.contiguous()
+    if cfg.gemv and x.dtype == torch.float16:
+        return _gemv(x, p, w.group_size, cfg, interp)
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
     split = triton.cdiv(n_blocks, per)
@@ -466,6 +651,34 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                      FACTORED=cfg.factored, TILED=tiled,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and offsets as [N, K/G] for the CUDA-core path (built once, kept on p)."""
+    if p.scales_nk is None:
+        p.scales_nk = p.scales.t().contiguous()
+        p.offsets_nk = p.offsets.t().contiguous()
+    return p.scales_nk, p.offsets_nk
+
+
+def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool) -> torch.Tensor:
+    """The CUDA-core path: one token per program (used at M = 1; any M works)."""
+    m, k = x.shape
+    n = p.codes.shape[0]
+    n_quads = k // 32
+    bq = math.gcd(cfg.block_q, p.sub // 32)      # an iteration must not cross a group
+    per = triton.cdiv(triton.cdiv(n_quads, cfg.split_k), bq) * bq
+    split = triton.cdiv(n_quads, per)
+    atomic = split > 1
+    y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=x.dtype)
+    s_rows, o_rows = _row_major_groups(p)
+    _w4_gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
+        x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y,
+        n, k // 8, k // 2, y.stride(0), per, n_quads, k // group_size,
+        SUB=p.sub, G=group_size, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
+        USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2,
+        num_warps=cfg.num_warps, num_stages=1)
+    return y
 
 
 if HAVE_TRITON:
