@@ -38,6 +38,7 @@ from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
 from hierviz.profile import _dense, _free_codes, _layer_weights, load_shape
+from hierviz.quant.w4 import matmul_nt
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -95,9 +96,12 @@ class SharpHead(EagleHead):
     dominates and trees reach their full depth. Same matmuls, one extra elementwise op."""
 
     def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        logits = self.base.logits(hidden)
+        if self._draft_head is None:
+            logits, ids = self.base.logits(hidden), None
+        else:   # FR-Spec reduced draft vocabulary (--draft-vocab): the same smaller matmul as EagleHead
+            logits, ids = matmul_nt(hidden, self._draft_head).float(), self.draft_vocab
         z = (logits - logits.mean(-1, keepdim=True)) / logits.std(-1, keepdim=True).clamp_min(1e-6)
-        return torch.log_softmax(z * SHARPEN, -1), None
+        return torch.log_softmax(z * SHARPEN, -1), ids
 
 
 def synthetic_head(base: Transformer, seed: int) -> SharpHead:
@@ -306,6 +310,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes instead of --target/--intermediate (CPU tests)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="FR-Spec: the EAGLE heads draft over this many token ids (verifiers keep the full "
+                         "vocabulary; default: full)")
     ap.add_argument("--no-stage-sync", action="store_true",
                     help="no CUDA sync around stages: end-to-end times without sync overhead, stage times = dispatch")
     for name, default, hlp in (("m-depth", None, "E_M tree depth"), ("m-topk", None, "E_M top-k"),
@@ -439,6 +446,14 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format)
+    if a.draft_vocab is not None:
+        if not 1 <= a.draft_vocab <= t_cfg.vocab_size:
+            raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
+        # Which ids does not change the timing (acceptance is forced); real stacks use the most
+        # frequent tokens (stack.py "draft_vocab").
+        ids = torch.arange(a.draft_vocab, device=dev)
+        for head in (models.e_m, models.e_t):
+            head.set_draft_vocab(ids)
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
     make, rates_info = _oracle_factory(a, trace)
@@ -466,6 +481,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
                         "source_stack": {m: trace[m]["stack"] for m in trace}} if trace else
                        {"mode": "rates", **rates_info, "seed": a.seed}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync,
+        "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
         "methods": results, "machine": _machine(dev)}
     if trace:
         info["replay"] = {m: _replay_check(trace[m]["rows"], results[m]["accepted"]) for m in results if m in trace}

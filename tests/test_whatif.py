@@ -66,6 +66,15 @@ def test_w4_intermediate_replays_exactly(engine_trace: Path, tmp_path: Path) -> 
     assert info["formats"]["intermediate"].startswith("W4A16")
 
 
+def test_reduced_draft_vocabulary_replays_exactly(engine_trace: Path, tmp_path: Path) -> None:
+    """--draft-vocab (FR-Spec): both heads draft from a smaller LM head; timing only changes."""
+    info = _replay(engine_trace, tmp_path, "eagle2,hierspec", ("--draft-vocab", "200"))
+    want = _lengths(engine_trace)
+    for m in ("eagle2", "hierspec"):
+        assert info["methods"][m]["accepted"] == want[m]
+    assert info["draft_vocab"] == 200
+
+
 def test_replays_deep_trees_of_the_recorded_h200_trace(tmp_path: Path) -> None:
     """The shipped H200 trace accepts paths up to the full tree depth: the synthetic heads'
     trees must reach that depth for the replay to stay exact."""
@@ -109,6 +118,7 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     (["--device", "cpu", "--target", "llama3-70b"], "too big for a CPU run"),
     (["--device", "cpu", "--target", "no-such-shape"], "unknown shape"),
     (FAST + ["--t-tree-size", "0"], "tree size"),
+    (FAST + ["--draft-vocab", "0"], "--draft-vocab"),
     (FAST + ["--sweep", "--sweep-scales", "x", "--max-new-tokens", "4"], "--sweep-scales"),
     (FAST + ["--sweep", "--sweep-tree-sizes", "0"], "--sweep-tree-sizes"),
     (FAST + ["--sweep", "--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json")], "--sweep"),
