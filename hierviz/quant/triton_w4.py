@@ -1,6 +1,10 @@
 """W4A16 Triton kernel "triton": y = x @ W.T for the W4 format of hierviz.quant.w4.
 
-One kernel body, two ways of running it, picked by M (the number of tokens; see TUNED):
+Two kernels, picked by M (the number of tokens; see pick_config):
+  * M = 1, fp16, groups >= 128: `_w4_gemv_kernel` on CUDA cores (no MMA): one 16-byte code load
+    per row and quad of 32 channels, unpacked and multiplied in one inline-PTX block with packed
+    fp16 FMAs (see _GEMV_F16); a few percent faster than the MMA kernel at M = 1 on the H200.
+  * `_w4_kernel`, the MMA kernel, otherwise, in two ways:
   * small M (<= 16): "GEMV-like". The product is computed transposed, acc[n, m] = W @ x.T, so
     the big weight tile is the MMA's M side (64 rows) and the few tokens are its N side (16,
     the smallest tile). Split-K (4 programs per output tile, atomic adds into a zeroed output)
