@@ -128,6 +128,10 @@ def tune_candidates(m: int, family: str = "all"):
                                       tiled=tiled))
     else:
         bm = 32 if m <= 32 else 64 if m <= 64 else 128
+        if m <= 64:   # the factored small-M kernel with a wider token tile
+            for bn, warps in [(64, 4), (128, 4), (128, 8)]:
+                for split in (1, 2, 4):
+                    out.append(Config(bn, bm, split, warps, 4, tma=True, factored=True))
         for bn, warps, stages in [(64, 4, 4), (128, 8, 3)]:
             for split in ((1, 2) if m <= 64 else (1,)):
                 out.append(Config(bn, bm, split, warps, stages))

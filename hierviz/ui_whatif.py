@@ -34,6 +34,7 @@ log = logging.getLogger("hierviz.ui")
 
 ROOT = Path(__file__).resolve().parent.parent
 WHATIF_DIR = ROOT / "assets" / "whatif"
+HEADLINE_RESULT = "h200-llama3-70b-paper-stack.json"   # opens with the tab (docs/whatif.md, session 11)
 TRACE_DIR = ROOT / "assets" / "traces"
 MAX_RESULT_BYTES = 5 * 2**20
 MAX_TRACE_BYTES = 20 * 2**20
@@ -209,6 +210,9 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         parts += ["--prompt-len", str(d["prompt_tokens"])]
     if d.get("stage_sync") is False:
         parts.append("--no-stage-sync")
+    full_vocab = ((d.get("configs") or {}).get("target") or {}).get("vocab_size")
+    if d.get("draft_vocab") and full_vocab and d["draft_vocab"] < full_vocab:
+        parts += ["--draft-vocab", str(d["draft_vocab"])]
     if sweep:
         rows = d.get("rows") or []
         parts += ["--sweep", "--sweep-scales", ",".join(f"{x:g}" for x in sorted({float(r["scale"]) for r in rows})),
@@ -431,8 +435,10 @@ def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any
 def whatif_tab() -> None:
     files = recorded_results()
     labels = list(files)
-    first: Optional[str] = next((lb for lb in labels if "70b" in lb and "sweep" not in lb),
-                                labels[0] if labels else None)
+    # the headline result (the paper's settings) if shipped, else the first real-scale result
+    first: Optional[str] = next((lb for lb in labels if files[lb].name == HEADLINE_RESULT),
+                                next((lb for lb in labels if "70b" in lb and "sweep" not in lb),
+                                     labels[0] if labels else None))
     a, b, table, source = show_recorded(first)
     cuda = cuda_available()
     traces = replay_traces()

@@ -636,8 +636,9 @@ def write_outputs(info: dict[str, Any], out: Path) -> None:
     sweep = info.pop("sweep", None)
     (out / "whatif.json").write_text(json.dumps(info, indent=1))
     if sweep is not None:
-        (out / "sweep.json").write_text(json.dumps({**{k: info[k] for k in ("schema", "shapes", "device", "machine",
-                                                                             "settings", "w4_kernel", "tiny")
+        (out / "sweep.json").write_text(json.dumps({**{k: info[k] for k in ("schema", "shapes", "formats", "device",
+                                                                             "machine", "settings", "w4_kernel",
+                                                                             "tiny", "stage_sync", "draft_vocab")
                                                        if k in info},
                                                     **({"command": info["command"]} if "command" in info else {}),
                                                     **sweep}, indent=1))

@@ -152,6 +152,9 @@ def test_rebuilt_command_reproduces_the_recorded_arguments(results, name):
         assert parser().parse_args(uw.command_text(w4m)[0].split()[4:]).intermediate_format == "w4"
         from hierviz.viz.whatif_fig import shapes_label
         assert shapes_label(w4m).endswith("(W4A16)") and not shapes_label(d).endswith("(W4A16)")
+        fr = {**d, "draft_vocab": 100}          # --draft-vocab: named in the label and the command
+        assert "FR-Spec" in shapes_label(fr) and "FR-Spec" not in shapes_label(d)
+        assert parser().parse_args(uw.command_text(fr)[0].split()[4:]).draft_vocab == 100
     if name == "replay":
         assert a.acceptance == str(H200_TRACE)
     if name == "sweep":

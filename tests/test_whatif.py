@@ -106,6 +106,7 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     assert [v["scale"] for v in sw["verdicts"]] == [0.5, 1.0]
     assert all(v["winner"] in ("eagle2", "hierspec") for v in sw["verdicts"])
     assert sw["label"] == "projected with replayed acceptance"
+    assert sw["formats"]["intermediate"].startswith("dense") and sw["stage_sync"] is True   # labelled in the UI
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -59,7 +59,10 @@ def intermediate_is_w4(d: dict[str, Any]) -> bool:
 def shapes_label(d: dict[str, Any]) -> str:
     sh = d.get("shapes") or {}
     m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
-    return f"{sh.get('target', '?')} (W4A16) / {sh.get('intermediate', '?')}{m_fmt}"
+    dv = d.get("draft_vocab")
+    full = ((d.get("configs") or {}).get("target") or {}).get("vocab_size")
+    fr = f", heads draft over {dv} tokens (FR-Spec)" if dv and full and dv < full else ""
+    return f"{sh.get('target', '?')} (W4A16) / {sh.get('intermediate', '?')}{m_fmt}{fr}"
 
 
 def _rates(rs: list[float]) -> str:
