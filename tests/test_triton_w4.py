@@ -175,6 +175,7 @@ def test_pick_config_splits_k_for_narrow_layers() -> None:
     assert pick_config(1, 28672, 8192, 128, sms=132, gemv=False) == TUNED[16]
     assert pick_config(2, 28672, 8192, 128, sms=132) == TUNED[16]           # MMA measured faster at M >= 2
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).gemv    # the CUDA-core path is fp16 only
+    assert not pick_config(1, 4096, 14336, 128, sms=132).gemv               # narrow layer: MMA measured faster
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).factored  # measured slower in bf16
     assert not pick_config(1, 1536, 576, 32, sms=132).factored                 # small groups: plain unpack
     assert pick_config(64, 256, 256, 128, sms=132).split_k == 2  # never more splits than K blocks

@@ -116,7 +116,9 @@ def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
     or an 8B model's 4096) leaves most of the `sms` multiprocessors idle with the same tiles
     (64 programs at M = 64 on 132 SMs: a 70B tree verification ran its W4 GEMMs at ~3x the
     one-token time), so K is split further until about two programs per SM exist."""
-    if gemv and not bf16 and group_size >= 128 and k % 32 == 0:   # measured at G = 128 only
+    # The CUDA-core kernel where it measured faster: one token, fp16, groups of 128, N >= 8192
+    # (on the 8B's 4096-wide down projection the MMA kernel won: 19.3 vs 22.5 us).
+    if gemv and not bf16 and group_size >= 128 and n >= 8192 and k % 32 == 0:
         for bound in sorted(TUNED_GEMV):
             if m <= bound:
                 cfg = TUNED_GEMV[bound]
@@ -496,7 +498,8 @@ if HAVE_TRITON:
         vectors: a [BN, BQ] load of them let Triton 3.6 lay the whole quad computation out with
         the threads of a warp on 32 rows."""
         words = tl.load(rows + q0 * 4 + words_q[None, :],
-                        mask=(q0 * 4 + words_q < q_end * 4)[None, :], other=0)
+                        mask=(q0 * 4 + words_q < q_end * 4)[None, :], other=0,
+                        eviction_policy="evict_first")   # read once: keep L2 for x and the scales
         g = (tl.minimum(q0, q_end - 1) * 32) // G
         return (words, tl.load(s_ptr + rn_safe * n_groups + g), tl.load(o_ptr + rn_safe * n_groups + g))
 
