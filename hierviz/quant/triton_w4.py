@@ -488,6 +488,16 @@ if HAVE_TRITON:
         return tl.load(p + i, mask=mask, other=0)[None, :]
 
     @triton.jit
+    def _x_pairs(p, lo, hi, mask):
+        """A quad's 16 x pairs ([1, BQ] each): 8 consecutive from lo (low nibbles), 8 from hi."""
+        return (_x_pair(p, lo, mask), _x_pair(p, lo + 1, mask), _x_pair(p, lo + 2, mask),
+                _x_pair(p, lo + 3, mask), _x_pair(p, lo + 4, mask), _x_pair(p, lo + 5, mask),
+                _x_pair(p, lo + 6, mask), _x_pair(p, lo + 7, mask),
+                _x_pair(p, hi, mask), _x_pair(p, hi + 1, mask), _x_pair(p, hi + 2, mask),
+                _x_pair(p, hi + 3, mask), _x_pair(p, hi + 4, mask), _x_pair(p, hi + 5, mask),
+                _x_pair(p, hi + 6, mask), _x_pair(p, hi + 7, mask))
+
+    @triton.jit
     def _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups, q0, q_end, G: tl.constexpr):
         """The weight loads of one iteration (quads q0.. of every row): code words [BN, 4 BQ],
         and the rows' scale and offset of that group ([BN] each; past q_end: zeros / a valid
@@ -547,7 +557,6 @@ if HAVE_TRITON:
             c0, c2 = tl.split(ca)
             c1, c3 = tl.split(cb)
             lo = (rq // QPS) * (SUB // 2) + (rq % QPS) * 8
-            hi = lo + SUB // 4
             # sum(x) over the iteration's channels, once (a 1-D load and reduction); each of
             # a row's BQ quads adds its 1/BQ share of o' * sum(x). Masked quads read zeros.
             lo0 = (q0 // QPS) * (SUB // 2) + (q0 % QPS) * 8
@@ -558,25 +567,15 @@ if HAVE_TRITON:
             s1 = s_raw.to(tl.float32)
             s = s1[:, None]
             ox = ((o_raw.to(tl.float32) + 8.0 * s1) * (x_sum / BQ))[:, None]
+            x = _x_pairs(xp, lo, lo + SUB // 4, q_ok)
             if USE_ASM:
                 acc = tl.inline_asm_elementwise(_GEMV_F16_C, _GEMV_F16_CONSTRAINTS_C, [
-                    acc, s, ox, c0, c1, c2, c3,
-                    _x_pair(xp, lo, q_ok), _x_pair(xp, lo + 1, q_ok), _x_pair(xp, lo + 2, q_ok),
-                    _x_pair(xp, lo + 3, q_ok), _x_pair(xp, lo + 4, q_ok), _x_pair(xp, lo + 5, q_ok),
-                    _x_pair(xp, lo + 6, q_ok), _x_pair(xp, lo + 7, q_ok),
-                    _x_pair(xp, hi, q_ok), _x_pair(xp, hi + 1, q_ok), _x_pair(xp, hi + 2, q_ok),
-                    _x_pair(xp, hi + 3, q_ok), _x_pair(xp, hi + 4, q_ok), _x_pair(xp, hi + 5, q_ok),
-                    _x_pair(xp, hi + 6, q_ok), _x_pair(xp, hi + 7, q_ok)],
+                    acc, s, ox, c0, c1, c2, c3, x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7],
+                    x[8], x[9], x[10], x[11], x[12], x[13], x[14], x[15]],
                     dtype=tl.float32, is_pure=True, pack=1)
             else:
-                part = (_word_ref(c0, _x_pair(xp, lo, q_ok), _x_pair(xp, lo + 1, q_ok),
-                                  _x_pair(xp, hi, q_ok), _x_pair(xp, hi + 1, q_ok))
-                        + _word_ref(c1, _x_pair(xp, lo + 2, q_ok), _x_pair(xp, lo + 3, q_ok),
-                                    _x_pair(xp, hi + 2, q_ok), _x_pair(xp, hi + 3, q_ok))
-                        + _word_ref(c2, _x_pair(xp, lo + 4, q_ok), _x_pair(xp, lo + 5, q_ok),
-                                    _x_pair(xp, hi + 4, q_ok), _x_pair(xp, hi + 5, q_ok))
-                        + _word_ref(c3, _x_pair(xp, lo + 6, q_ok), _x_pair(xp, lo + 7, q_ok),
-                                    _x_pair(xp, hi + 6, q_ok), _x_pair(xp, hi + 7, q_ok)))
+                part = (_word_ref(c0, x[0], x[1], x[8], x[9]) + _word_ref(c1, x[2], x[3], x[10], x[11])
+                        + _word_ref(c2, x[4], x[5], x[12], x[13]) + _word_ref(c3, x[6], x[7], x[14], x[15]))
                 acc += s * part + ox
         y = tl.sum(acc, axis=1)
         ptrs = y_ptr + m * stride_ym + rn
