@@ -595,7 +595,8 @@ if HAVE_TRITON:
 
 def _has_tma(device: torch.device) -> bool:
     """TMA (tensor-memory-accelerator) copies exist from Hopper (sm_90) on; the interpreter
-    emulates them. Older GPUs (the A100 of the public Space) take the pointer-load kernel."""
+    emulates them. Older GPUs (the A100 of the public Space) take the pointer-load kernel (and
+    the MMA kernel at M = 1: the CUDA-core one was measured on Hopper only)."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -623,7 +624,10 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, weight has {w.in_features}")
     p = packed(w, x.dtype)
-    cfg = config or pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16)
+    # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
+    # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
+    cfg = config or pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16,
+                                gemv=_has_tma(x.device))
     x = x.contiguous()
     if cfg.gemv and x.dtype == torch.float16:
         return _gemv(x, p, w.group_size, cfg, interp)
