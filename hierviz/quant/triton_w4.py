@@ -105,7 +105,7 @@ TUNED_PLAIN_SMALL_M = Config(block_n=64, block_m=16, split_k=4, num_warps=4, num
 TUNED_GEMV: dict[int, Config] = {
     1: Config(block_n=64, block_m=1, split_k=8, num_warps=4, num_stages=2, gemv=True, block_q=4),
 }
-GEMV_PROGRAMS_PER_SM = 4   # resident programs per SM at ~128 registers x 128 threads
+GEMV_PROGRAMS_PER_SM = 4   # split K until about this many programs per SM (K is split 8 ways anyway)
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
