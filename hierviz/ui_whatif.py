@@ -28,7 +28,7 @@ import gradio as gr
 from hierviz.ui import status_html
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
-                                   shapes_label, sweep_base_rates)
+                                   reduced_draft_vocab, shapes_label, sweep_base_rates)
 
 log = logging.getLogger("hierviz.ui")
 
@@ -210,9 +210,8 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         parts += ["--prompt-len", str(d["prompt_tokens"])]
     if d.get("stage_sync") is False:
         parts.append("--no-stage-sync")
-    full_vocab = ((d.get("configs") or {}).get("target") or {}).get("vocab_size")
-    if d.get("draft_vocab") and full_vocab and d["draft_vocab"] < full_vocab:
-        parts += ["--draft-vocab", str(d["draft_vocab"])]
+    if reduced_draft_vocab(d):
+        parts += ["--draft-vocab", str(reduced_draft_vocab(d))]
     if sweep:
         rows = d.get("rows") or []
         parts += ["--sweep", "--sweep-scales", ",".join(f"{x:g}" for x in sorted({float(r["scale"]) for r in rows})),

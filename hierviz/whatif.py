@@ -38,7 +38,6 @@ from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
 from hierviz.profile import _dense, _free_codes, _layer_weights, load_shape
-from hierviz.quant.w4 import matmul_nt
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -101,10 +100,7 @@ class SharpHead(EagleHead):
     _scale: Optional[float] = None
 
     def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if self._draft_head is None:
-            logits, ids = self.base.logits(hidden), None
-        else:   # FR-Spec reduced draft vocabulary (--draft-vocab): the same smaller matmul as EagleHead
-            logits, ids = matmul_nt(hidden, self._draft_head).float(), self.draft_vocab
+        logits, ids = self.draft_logits(hidden)   # full or FR-Spec vocabulary (--draft-vocab)
         if self._scale is None:   # one host read, at the warm-up's first draft
             self._scale = SHARPEN / max(float(logits.std(-1).mean()), 1e-6)
         return torch.log_softmax(logits * self._scale, -1), ids

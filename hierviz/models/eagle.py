@@ -77,11 +77,16 @@ class EagleHead(nn.Module):
             return
         self.draft_vocab, self._draft_head = self.base.lm_head_rows(token_ids)
 
+    def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """fp32 logits over the draft vocabulary and the ids they index (None = full vocabulary)."""
+        if self._draft_head is None:
+            return self.base.logits(hidden), None
+        return matmul_nt(hidden, self._draft_head).float(), self.draft_vocab
+
     def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs over the draft vocabulary and the ids they index (None = full vocabulary)."""
-        if self._draft_head is None:
-            return torch.log_softmax(self.base.logits(hidden), -1), None
-        return torch.log_softmax(matmul_nt(hidden, self._draft_head).float(), -1), self.draft_vocab
+        logits, ids = self.draft_logits(hidden)
+        return torch.log_softmax(logits, -1), ids
 
 
 def _same_rope(a: ModelConfig, b: ModelConfig) -> bool:

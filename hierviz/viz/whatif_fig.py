@@ -56,12 +56,18 @@ def intermediate_is_w4(d: dict[str, Any]) -> bool:
     return str((d.get("formats") or {}).get("intermediate", "")).startswith("W4A16")
 
 
+def reduced_draft_vocab(d: dict[str, Any]) -> Optional[int]:
+    """The heads' draft vocabulary size if a what-if result used a reduced one (`--draft-vocab`)."""
+    dv = d.get("draft_vocab")
+    full = ((d.get("configs") or {}).get("target") or {}).get("vocab_size")
+    return dv if dv and full and dv < full else None
+
+
 def shapes_label(d: dict[str, Any]) -> str:
     sh = d.get("shapes") or {}
     m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
-    dv = d.get("draft_vocab")
-    full = ((d.get("configs") or {}).get("target") or {}).get("vocab_size")
-    fr = f", heads draft over {dv} tokens (FR-Spec)" if dv and full and dv < full else ""
+    dv = reduced_draft_vocab(d)
+    fr = f", heads draft over {dv} tokens (FR-Spec)" if dv else ""
     return f"{sh.get('target', '?')} (W4A16) / {sh.get('intermediate', '?')}{m_fmt}{fr}"
 
 
