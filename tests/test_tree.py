@@ -1,13 +1,14 @@
-"""draft_tree keeps every depth on the device (one read-back per tree); this checks it builds
-exactly the tree of a plain host-side statement of EAGLE-2's drafting (DESIGN.md 3.2), on the
-dynamic path and through the static (CUDA-graph-shaped) runner."""
+"""draft_tree_on_device keeps every depth, the rerank and the verifier's mask on the device (the
+tree is read back once, with the verifier's results); this checks it builds exactly the tree of
+a plain host-side statement of EAGLE-2's drafting (DESIGN.md 3.2), on the dynamic path and
+through the static (CUDA-graph-shaped) runner."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from hierviz.decoding.state import BaseState, HeadState
-from hierviz.decoding.tree import draft_tree
+from hierviz.decoding.tree import draft_tree_on_device
 from hierviz.models import cuda_graphs
 from hierviz.stack import tiny_random_stack
 
@@ -63,6 +64,15 @@ def reference_tree(head: HeadState, depth: int, topk: int, size: int) -> list[tu
     def path(i: int) -> tuple:
         return path(nodes[i]["par"]) + (nodes[i]["tok"],) if i >= 0 else ()
     return sorted((nodes[i]["tok"], path(i), nodes[i]["dep"], nodes[i]["score"]) for i in kept)
+
+
+def draft_tree(head: HeadState, depth: int, topk: int, size: int):
+    """The decoders' draft, read back; its device-side verifier inputs must match the host tree."""
+    pending = draft_tree_on_device(head, depth, topk, size)
+    tree, _ = pending.read()
+    assert torch.equal(pending.mask.cpu(), tree.ancestor_mask())
+    assert pending.depths.tolist() == tree.depths and pending.tokens.tolist() == tree.tokens
+    return tree
 
 
 @pytest.mark.parametrize("static", [False, True])

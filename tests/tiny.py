@@ -79,7 +79,7 @@ def make_tiny_head(folder: Path, base_cfg, seed: int = 0, bias: bool = True) -> 
 # a 5-node draft tree below the last pending token: node i's ancestors (itself included) and depths
 TREE_ANCESTORS = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 1, 0, 1]],
                               dtype=torch.bool)
-TREE_DEPTHS = [1, 1, 2, 2, 3]
+TREE_DEPTHS = torch.tensor([1, 1, 2, 2, 3])
 
 
 def prefill_sequence_tree(state) -> list[torch.Tensor]:

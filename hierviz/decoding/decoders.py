@@ -15,7 +15,7 @@ import torch
 
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.state import BaseState, HeadState
-from hierviz.decoding.tree import Tree, draft_tree
+from hierviz.decoding.tree import PendingTree, Tree, draft_tree_on_device
 from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, forced_tree_path,
                                      verify_sequence_greedy, verify_sequence_sampling, verify_tree_greedy,
                                      verify_tree_sampling)
@@ -121,26 +121,30 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
     return first
 
 
-def _verify_tree_on(state: BaseState, tree: Tree, sampler: Sampler, oracle: Optional[AcceptOracle] = None,
-                    level: str = "target"):
+def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
+                    oracle: Optional[AcceptOracle] = None, level: str = "target"):
     """Run pending + tree through the verifier, decide, compact its cache.
-    Returns (path, bonus, per-emitted-token distributions or None).
+    Returns (the tree read back, path, bonus, per-emitted-token distributions or None).
+    The tree is still on the device: the verifier's forward is queued behind the draft and the
+    one read-back brings the tree and the verifier's argmax rows together.
     oracle (what-if replay only): forces the accepted path length; the forward and the
     compaction run exactly as they would for that decision."""
     start = state.processed
     p = len(state.pending)
-    h = state.run_pending(tree.tokens, tree.depths, tree.ancestor_mask())   # CPU mask: run_pending places it
+    h = state.run_pending(pending_tree.tokens, pending_tree.depths, pending_tree.mask)
     logits = state.model.logits(h[p - 1:])
-    if oracle is not None:
-        path, bonus = forced_tree_path(tree, logits, oracle.tree(level, tree))
-        dists = None
-    elif sampler.greedy:
-        path, bonus = verify_tree_greedy(tree, logits)
-        dists = None
-    else:
+    if oracle is None and not sampler.greedy:
+        tree, _ = pending_tree.read()
         path, bonus, dists = verify_tree_sampling(tree, logits, sampler)
+    else:
+        tree, (best,) = pending_tree.read(logits.argmax(-1))
+        dists = None
+        if oracle is not None:
+            path, bonus = forced_tree_path(tree, best, oracle.tree(level, tree))
+        else:
+            path, bonus = verify_tree_greedy(tree, best)
     state.commit_path(start, h, list(range(p)) + [p + i for i in path], [tree.tokens[i] for i in path] + [bonus])
-    return path, bonus, dists
+    return tree, path, bonus, dists
 
 
 def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
@@ -227,9 +231,9 @@ def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler:
         timer = StageTimer(t.model.device)
         e0 = e.forwards
         with timer.stage("draft"):
-            tree = draft_tree(e, s.t_depth, s.t_topk, s.t_tree_size)
+            drafted = draft_tree_on_device(e, s.t_depth, s.t_topk, s.t_tree_size)
         with timer.stage("target_verify"):
-            path, bonus, _ = _verify_tree_on(t, tree, sampler, oracle, "target")
+            tree, path, bonus, _ = _verify_tree_on(t, drafted, sampler, oracle, "target")
         toks = [tree.tokens[j] for j in path]
         yield _step(i, "eagle2", timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
                     trees=[_tree_to_trace(tree, path, bonus, "target", text)], target_accepted=len(path),
@@ -261,9 +265,9 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             with timer.stage("intermediate_verify"):
                 m.catch_up()   # after a fully accepted round M has not seen its own last bonus yet
             with timer.stage("draft"):
-                tree = draft_tree(e, s.m_depth, s.m_topk, s.m_tree_size)
+                drafted = draft_tree_on_device(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):
-                path, bonus, dists = _verify_tree_on(m, tree, sampler, oracle, "intermediate")
+                tree, path, bonus, dists = _verify_tree_on(m, drafted, sampler, oracle, "intermediate")
             toks = [tree.tokens[j] for j in path] + [bonus]
             draft += toks
             if dists is not None:

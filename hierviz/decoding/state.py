@@ -47,52 +47,58 @@ class BaseState:
     def _tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.model.device)
 
-    def run_pending(self, extra: Optional[list[int]] = None, extra_depths: Optional[list[int]] = None,
+    def run_pending(self, extra: Optional[list[int] | torch.Tensor] = None, extra_depths: Optional[torch.Tensor] = None,
                     extra_block: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One forward over the pending tokens (causal) plus `extra` draft tokens.
 
-        extra_depths/extra_block describe a tree (depth of each node below the last pending
-        token, and the [S, S] ancestor mask); without them the extra tokens are a causal
-        sequence. Returns hidden states [P + S, H]; the cache holds all of them afterwards
-        until `commit_*` decides what stays."""
+        extra_depths [S] and extra_block [S, S] (tensors, on the model's device or the CPU)
+        describe a tree: each node's depth below the last pending token and the ancestor mask;
+        without them the extra tokens are a causal sequence. A tree's tokens may be a device
+        tensor too: nothing is read back (see tree.PendingTree). Returns hidden states
+        [P + S, H]; the cache holds all of them afterwards until `commit_*` decides what stays."""
         pending = self.pending
         p = len(pending)
-        extra = extra or []
-        s = len(extra)
+        s = 0 if extra is None else len(extra)
         start = self.cache.length
         dev = self.model.device
         if self.runner is not None:
-            hidden = self._run_static(pending + extra, start, p, extra_depths, extra_block)
+            hidden = self._run_static(pending, extra, start, extra_depths, extra_block)
             if hidden is not None:
                 self.forwards += 1
                 return hidden
         positions = torch.arange(start, start + p + s, device=dev)
         if extra_depths is not None:
-            positions[p:] = start + p - 1 + torch.tensor(extra_depths, device=dev)
+            positions[p:] = start + p - 1 + extra_depths.to(dev)
+        ids = self._tensor(pending)
+        if s:
+            ids = torch.cat([ids, torch.as_tensor(extra, dtype=torch.long).to(dev)])
         if extra_block is None:
             mask = causal_mask(start, p + s, dev)
         else:
             block = torch.zeros(p + s, p + s, dtype=torch.bool, device=dev)
             block[:p, :p] = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
             block[p:, :p] = True
-            block[p:, p:] = extra_block
+            block[p:, p:] = extra_block.to(dev)
             mask = block_mask(start, block)
-        hidden = self.model(self._tensor(pending + extra), positions, self.cache, mask)
+        hidden = self.model(ids, positions, self.cache, mask)
         self.forwards += 1
         return hidden
 
-    def _run_static(self, ids: list[int], start: int, p: int, extra_depths: Optional[list[int]],
-                    extra_block: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """run_pending through the static runner: the same positions and mask, built on the host."""
-        n = len(ids)
-        if extra_depths is not None:
-            positions = list(range(start, start + p)) + [start + p - 1 + d for d in extra_depths]
-        else:
-            positions = list(range(start, start + n))
+    def _run_static(self, pending: list[int], extra: Optional[list[int] | torch.Tensor], start: int,
+                    extra_depths: Optional[torch.Tensor], extra_block: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """run_pending through the static runner: the same positions and mask; what is on the
+        host is written on the host, a tree's device tensors are laid over it on the device."""
+        p = len(pending)
+        n = p + (0 if extra is None else len(extra))
+        if extra_depths is None:      # a causal sequence: all on the host
+            ids = pending + ([] if extra is None else list(extra))
+            return self.runner.run(ids, list(range(start, start + n)), start, start, causal_block(n))
         block = causal_block(n).clone()
-        if extra_block is not None:
-            block[p:, p:] = extra_block.cpu()
-        return self.runner.run(ids, positions, start, start, block)
+        block[p:, p:] = False          # the tree block comes from the device rows
+        tail = cuda_graphs.DeviceRows(torch.as_tensor(extra, dtype=torch.long).to(self.model.device),
+                                      extra_depths.to(self.model.device) + (start + p - 1),
+                                      extra_block.to(self.model.device), p)
+        return self.runner.run(pending + [0] * (n - p), list(range(start, start + n)), start, start, block, tail=tail)
 
     def commit_path(self, start: int, hidden: torch.Tensor, kept: list[int], new_tokens: list[int]) -> None:
         """After run_pending from cache length `start`: keep forward rows `kept` (ascending,
@@ -177,7 +183,8 @@ class HeadState:
         committed = start + t - seen.shape[1]
         self.forwards += 1
         if self.runner is not None:
-            out = self.runner.run(tokens, [position] * t, start, committed, seen, features)
+            tail = cuda_graphs.DeviceRows(tokens, None, seen, 0)
+            out = self.runner.run([0] * t, [position] * t, start, committed, None, features, tail=tail)
             if out is not None:
                 return out
         dev = self.head.device

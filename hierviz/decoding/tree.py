@@ -64,14 +64,50 @@ def ancestor_pairs(parents: list[int]) -> tuple[list[int], list[int]]:
     return rows, cols
 
 
+@dataclass
+class PendingTree:
+    """A drafted tree still on the model's device, never read back: what a verifier's forward
+    needs (tokens, depths, ancestor mask) and what the host needs afterwards, which `read`
+    fetches in one transfer together with the verifier's own results. Node order as in Tree."""
+    root: int
+    tokens: torch.Tensor     # [S] long
+    parents: torch.Tensor    # [S] long, -1 = the root
+    depths: torch.Tensor     # [S] long, 1..D
+    scores: torch.Tensor     # [S] float32
+    logprobs: torch.Tensor   # [S] float32
+    mask: torch.Tensor       # [S, S] bool: ancestor_mask
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def read(self, *extra: torch.Tensor) -> tuple[Tree, list[list[int]]]:
+        """The host Tree and each `extra` integer tensor as a flat list, in one round trip."""
+        parts = [self.tokens, self.parents, self.depths] + [e.reshape(-1).long() for e in extra]
+        ints = torch.cat(parts).tolist()
+        floats = torch.cat([self.scores, self.logprobs]).tolist()   # already on the host side now
+        s = len(self)
+        tree = Tree(self.root, ints[:s], ints[s:2 * s], ints[2 * s:3 * s], floats[:s], floats[s:])
+        out, o = [], 3 * s
+        for e in extra:
+            out.append(ints[o:o + e.numel()])
+            o += e.numel()
+        return tree, out
+
+
 def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
+    """draft_tree_on_device, read back: the host Tree."""
+    return draft_tree_on_device(head, depth, topk, size).read()[0]
+
+
+def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> PendingTree:
     """Draft an EAGLE-2 tree rooted at the base state's last token. The head's cache is left
     as it was before the tree (only accepted pairs stay).
 
-    Every depth stays on the model's device: the frontier (the `topk` best candidates of the
-    last depth, ties to the earlier candidate) is chosen by a stable sort there and the next
-    head forward reads it directly, so a GPU draft makes one host round trip, at the end,
-    instead of one per depth."""
+    Nothing is read back: every depth's frontier (the `topk` best candidates of the last depth,
+    ties to the earlier candidate) is chosen by a stable sort on the device and the next head
+    forward reads it directly; the rerank and the verifier's mask are built there too, so the
+    verifier's forward is queued behind the draft without a host round trip and the tree comes
+    back with the verifier's results (PendingTree.read)."""
     base = head.base
     root = base.tokens[-1]
     h_root = head.root_hidden()
@@ -80,26 +116,27 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
     root_pos = len(base.tokens) - 1     # the root's pair sits at root_pos - 1; depth d at root_pos - 1 + d
 
     # per depth d = 1..depth: the children drafted there, [rows, k] (row j = the j-th node expanded
-    # at that depth, in frontier order), and which of them were expanded next (flat indices)
+    # at that depth, in frontier order), their parents as candidate ids (-1 = root)
     toks: list[torch.Tensor] = []
     lps: list[torch.Tensor] = []
     cums: list[torch.Tensor] = []
-    picks: list[torch.Tensor] = []
+    pars: list[torch.Tensor] = []
 
-    def add_children(hidden: torch.Tensor, parent_scores: torch.Tensor) -> None:
+    def add_children(hidden: torch.Tensor, parent_scores: torch.Tensor, parent_ids: torch.Tensor) -> None:
         logp, vocab = head.head.draft_logprobs(hidden)
         top_lp, top_ix = logp.topk(min(topk, logp.shape[-1]), dim=-1)
         toks.append(vocab[top_ix] if vocab is not None else top_ix)
         lps.append(top_lp)
         cums.append(parent_scores[:, None] + top_lp)
+        pars.append(parent_ids[:, None].expand_as(top_ix))
 
-    add_children(h_root[None], torch.zeros(1, device=dev))
+    add_children(h_root[None], torch.zeros(1, device=dev), torch.full((1,), -1, dtype=torch.long, device=dev))
     hidden = h_root[None]
+    first = 0                                # candidate id of the last depth's first child
     seen: Optional[torch.Tensor] = None      # [frontier, slots so far]: which drafted slots each node sees
     for d in range(2, depth + 1):
         flat = cums[-1].reshape(-1)
         pick = torch.sort(flat, descending=True, stable=True).indices[:topk]
-        picks.append(pick)
         n = pick.numel()
         parent_row = torch.div(pick, cums[-1].shape[1], rounding_mode="floor")
         # a frontier node sees the committed pairs, its expanded ancestors and itself
@@ -107,45 +144,32 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int) -> Tree:
         seen = own if seen is None else torch.cat([seen[parent_row], own], 1)
         out = head.forward_tree(toks[-1].reshape(-1)[pick], hidden[parent_row], root_pos - 1 + (d - 1), seen)
         hidden = out
-        add_children(out, flat[pick])
+        add_children(out, flat[pick], pick + first)
+        first += toks[-2].numel()
     head.cache.truncate(committed)
 
-    # the one read-back: every depth's candidates and picks
-    ints = torch.cat([t.reshape(-1) for t in toks] + picks).tolist()
-    floats = torch.cat([x.reshape(-1) for x in lps + cums]).tolist()
-    n_cand = [t.numel() for t in toks]
-    widths = [t.shape[1] for t in toks]
-    total = sum(n_cand)
-    tok = ints[:total]
-    pick_lists, o = [], total
-    for p in picks:
-        pick_lists.append(ints[o:o + p.numel()])
-        o += p.numel()
-    own_lp, score = floats[:total], floats[total:]
-    par: list[int] = []
-    dep: list[int] = []
-    start = 0                             # candidate id of depth d's first child
-    for d in range(1, len(toks) + 1):
-        if d == 1:
-            par.extend([-1] * n_cand[0])
-        else:
-            prev_start = start - n_cand[d - 2]
-            for c in pick_lists[d - 2]:
-                par.extend([prev_start + c] * widths[d - 1])
-        dep.extend([d] * n_cand[d - 1])
-        start += n_cand[d - 1]
-
-    # rerank: best `size` by score; ties prefer shallower nodes so parents come first
-    order = sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))
-    kept: dict[int, int] = {}
-    for i in order:
-        if len(kept) == size:
-            break
-        if par[i] < 0 or par[i] in kept:
-            kept[i] = len(kept)
+    # rerank: the best `size` candidates by score, ties to the shallower then earlier one. A
+    # child's score is its parent's plus a log-prob <= 0, so its parent always ranks before it
+    # and the kept set is closed under parents without a check.
+    tok = torch.cat([t.reshape(-1) for t in toks])
+    own_lp = torch.cat([x.reshape(-1) for x in lps]).float()
+    score = torch.cat([x.reshape(-1) for x in cums]).float()
+    par = torch.cat([x.reshape(-1) for x in pars])
+    dep = torch.cat([torch.full((t.numel(),), i + 1, dtype=torch.long, device=dev) for i, t in enumerate(toks)])
+    kept = torch.sort(score, descending=True, stable=True).indices[:size]   # candidates are in (depth, id) order
     # renumber in (depth, score) order so that parents precede children
-    nodes = sorted(kept, key=lambda i: (dep[i], -score[i], i))
-    new_ix = {c: j for j, c in enumerate(nodes)}
-    return Tree(root=root, tokens=[tok[c] for c in nodes],
-                parents=[new_ix[par[c]] if par[c] >= 0 else -1 for c in nodes],
-                depths=[dep[c] for c in nodes], scores=[score[c] for c in nodes], logprobs=[own_lp[c] for c in nodes])
+    nodes = kept[torch.sort(dep[kept], stable=True).indices]
+    new_ix = torch.full_like(tok, -1)
+    new_ix[nodes] = torch.arange(nodes.numel(), device=dev)
+    p = par[nodes]
+    parents = torch.where(p >= 0, new_ix[p.clamp_min(0)], p)
+    # ancestor mask: self, then one generation up per depth below the deepest
+    s = nodes.numel()
+    rows = torch.arange(s, device=dev)
+    mask = torch.eye(s, dtype=torch.bool, device=dev)
+    up = parents
+    for _ in range(depth - 1):
+        has = up >= 0
+        mask[rows, up.clamp_min(0)] |= has
+        up = torch.where(has, parents[up.clamp_min(0)], up)
+    return PendingTree(root, tok[nodes], parents, dep[nodes], score[nodes], own_lp[nodes], mask)

@@ -48,10 +48,9 @@ class Sampler:
         return self.sample(self.probs(logits))
 
 
-def verify_tree_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """logits [S+1, V]: row 0 at the root, row i+1 at node i. Returns the accepted node path and
-    the verifier's bonus token (its argmax after the last accepted node)."""
-    best = logits.argmax(-1).tolist()
+def verify_tree_greedy(tree: Tree, best: list[int]) -> tuple[list[int], int]:
+    """best [S+1]: the verifier's argmax at the root (row 0) and after node i (row i+1). Returns
+    the accepted node path and the verifier's bonus token (its argmax after the last accepted node)."""
     kids = tree.children()
     path: list[int] = []
     row = 0
@@ -138,11 +137,10 @@ class AcceptOracle:
         raise NotImplementedError
 
 
-def forced_tree_path(tree: Tree, logits: torch.Tensor, n: int) -> tuple[list[int], int]:
+def forced_tree_path(tree: Tree, best: list[int], n: int) -> tuple[list[int], int]:
     """Accept a root path of length min(n, deepest node): the path to the best-scoring node at
-    that depth (EAGLE-2's most likely branch). Bonus = the verifier's argmax after it, read
-    back like the greedy verifier does."""
-    best = logits.argmax(-1).tolist()
+    that depth (EAGLE-2's most likely branch). Bonus = the verifier's argmax after it (best, as
+    for verify_tree_greedy)."""
     depth = min(max(0, n), max(tree.depths, default=0))
     if depth == 0:
         return [], best[0]

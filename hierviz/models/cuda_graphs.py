@@ -30,7 +30,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ import torch
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 HEAD_WINDOW = 128        # extra window columns for an EAGLE head's tree-drafting masks
 LEN_ROUND = 256          # live cache lengths are rounded up, so runs of similar length share graphs
+# Layers per captured graph for base models (0: one graph per forward); see StaticRunner._pieces.
+SEGMENT_LAYERS = int(os.environ.get("HIERVIZ_GRAPH_SEGMENT_LAYERS", "0"))
 
 _force = False
 _lock = threading.Lock()
@@ -97,7 +99,7 @@ class _Bucket:
     win_dev: torch.Tensor        # [b, b + window_extra] bool
     win_host: torch.Tensor
     copied: Optional[torch.cuda.Event]
-    graph: Optional["torch.cuda.CUDAGraph"] = None
+    graphs: Optional[list["torch.cuda.CUDAGraph"]] = None   # one per piece (StaticRunner._pieces)
     out: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
@@ -124,6 +126,7 @@ class StaticRunner:
                      if self.is_head else None)
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.segment_layers = SEGMENT_LAYERS
         self.in_use = False
 
     # ---- buffers and the captured function -----------------------------------------------
@@ -141,17 +144,50 @@ class StaticRunner:
             self._buckets[b] = bk
         return bk
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The static forward for bucket b: reads only the bucket's device buffers."""
+    def _pieces(self, b: int) -> list[Callable[[tuple], tuple]]:
+        """The static forward for bucket b as consecutive pieces, each taking the tensors the
+        previous one returned; reads only the bucket's device buffers. One piece per forward,
+        or, for a base model with `segment_layers` set, one per span of that many layers: each
+        piece is captured as its own graph, so the GPU starts on the first span while the host
+        is still launching the rest (a graph's launch costs host time per kernel node)."""
         bk = self._buckets[b]
-        ints = bk.ints_dev
-        tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
-        slots = start + self.ar[:b]
-        mask = (self.cols < wstart).unsqueeze(0).expand(b, -1).clone()
-        mask.index_copy_(1, wstart + self.ar[:bk.win_dev.shape[1]], bk.win_dev)
+        model = self.model
+
+        def inputs() -> tuple:
+            ints = bk.ints_dev
+            tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
+            slots = start + self.ar[:b]
+            mask = (self.cols < wstart).unsqueeze(0).expand(b, -1).clone()
+            mask.index_copy_(1, wstart + self.ar[:bk.win_dev.shape[1]], bk.win_dev)
+            return tok, pos, mask, slots
+
         if self.is_head:
-            return self.model(tok, self.feat[:b], pos, self.cache, mask, slots)
-        return self.model(tok, pos, self.cache, mask, slots)
+            def whole_head(_: tuple) -> tuple:
+                tok, pos, mask, slots = inputs()
+                return (model(tok, self.feat[:b], pos, self.cache, mask, slots),)
+            return [whole_head]
+        n_layers = len(model.layers)
+        span = self.segment_layers if 0 < self.segment_layers < n_layers else n_layers
+        bounds = list(range(0, n_layers, span)) + [n_layers]
+
+        def piece(lo: int, hi: int) -> Callable[[tuple], tuple]:
+            def run(prev: tuple) -> tuple:
+                if lo == 0:
+                    tok, pos, mask, slots = inputs()
+                    cos, sin = model.rope(pos)
+                    x = model.embed[tok]
+                else:
+                    x, cos, sin, mask, slots = prev
+                x = model.layer_span(x, cos, sin, lo, hi, self.cache, mask, slots)
+                return (model.norm(x),) if hi == n_layers else (x, cos, sin, mask, slots)
+            return run
+        return [piece(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        out: tuple = ()
+        for run in self._pieces(b):
+            out = run(out)
+        return out[0]
 
     def _upload(self, bk: _Bucket) -> None:
         if bk.copied is not None:
@@ -177,7 +213,7 @@ class StaticRunner:
         """Compile bucket b's kernels (and capture its graph) now rather than on first use."""
         with torch.no_grad():
             if self.graphs:
-                if self._bucket(b).graph is None:
+                if self._bucket(b).graphs is None:
                     self._capture(b)
             else:
                 self._scratch_inputs(b)
@@ -193,19 +229,27 @@ class StaticRunner:
             for _ in range(2):
                 self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            bk.out = self._forward(b)
-        bk.graph = graph
+        carry: tuple = ()
+        graphs = []
+        for run in self._pieces(b):     # the pieces share the pool; each one's inputs stay referenced
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                carry = run(carry)
+            graphs.append(graph)
+        bk.out = carry[0]
+        bk.graphs = graphs
 
     # ---- the one entry point ----------------------------------------------------------------
 
-    def run(self, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int], start: int, wstart: int,
-            window: torch.Tensor, features: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Forward T new tokens written at cache slots start..start+T-1.
+    def run(self, tokens: Sequence[int], positions: Sequence[int], start: int, wstart: int,
+            window: Optional[torch.Tensor], features: Optional[torch.Tensor] = None,
+            tail: Optional["DeviceRows"] = None) -> Optional[torch.Tensor]:
+        """Forward T = len(tokens) new tokens written at cache slots start..start+T-1.
 
-        window: bool [T, start + T - wstart] (CPU or device): which of the columns wstart.. each new
-        token sees (columns < wstart are all visible). features [T, H] for an EAGLE head.
+        window: bool [T, start + T - wstart] on the CPU, or None (all False): which of the columns
+        wstart.. each new token sees (columns < wstart are all visible). features [T, H] for an
+        EAGLE head. tail: inputs of the last rows already on the device (a draft tree never read
+        back), laid over the host ones in stream order, without a host round trip.
         Returns hidden states [T, H] (a fresh tensor), or None when this forward does not fit
         a bucket (the caller then takes the dynamic path). Sets cache.length = start + T."""
         t = len(tokens)
@@ -215,44 +259,53 @@ class StaticRunner:
             return None
         with torch.no_grad():
             bk = self._bucket(b)
-            if self.graphs and bk.graph is None:
+            if self.graphs and bk.graphs is None:
                 # capture first: its warm-up overwrites the input buffers (scratch-slot inputs)
                 self._capture(b)
             if bk.copied is not None:
                 bk.copied.synchronize()    # the previous upload from these pinned buffers is done
-            # tokens / window may already live on the device (a draft tree's next depth): they
-            # are copied after the host upload, in stream order, without a host round trip
-            tokens_on_device = isinstance(tokens, torch.Tensor) and tokens.device.type != "cpu"
-            window_on_device = window.device.type != "cpu"
             # filled through numpy views of the (pinned) host buffers: a numpy store costs ~1 us
             # where a torch indexing op costs ~5-10 us, and a round makes several forwards
             ih, wh = bk.ints_np, bk.win_np
             ih.fill(0)
-            if not tokens_on_device:
-                ih[:t] = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+            ih[:t] = tokens
             ih[b:b + t] = positions
             ih[2 * b] = start
             ih[2 * b + 1] = wstart
             wh.fill(False)
-            if not window_on_device:
+            if window is not None:
                 wh[:t, :w] = window.numpy()
             if t < b:                      # padded rows see only their own (scratch) slot: no empty rows
                 pad = np.arange(t, b)
                 wh[pad, start - wstart + pad] = True
             self._upload(bk)
-            if tokens_on_device:
-                bk.ints_dev[:t].copy_(tokens)
-            if window_on_device:
-                bk.win_dev[:t, :w].copy_(window)
+            if tail is not None:
+                r0, r1 = t - tail.tokens.shape[0], t
+                bk.ints_dev[r0:r1].copy_(tail.tokens)
+                if tail.positions is not None:
+                    bk.ints_dev[b + r0:b + r1].copy_(tail.positions)
+                bk.win_dev[r0:r1, tail.col:tail.col + tail.block.shape[1]].copy_(tail.block)
             if features is not None:
                 self.feat[:t].copy_(features)
             if self.graphs:
-                bk.graph.replay()
+                for graph in bk.graphs:
+                    graph.replay()
                 out = bk.out
             else:
                 out = self._forward(b)
             self.cache.length = start + t
             return out[:t].clone()     # the static output is overwritten by the next replay
+
+
+@dataclass
+class DeviceRows:
+    """The last S rows of a static forward's inputs, on the device: tokens [S], positions [S]
+    (None: the host ones), and a mask block [S, W] for window columns col..col+W (the rest of
+    those rows comes from the host window)."""
+    tokens: torch.Tensor
+    positions: Optional[torch.Tensor]
+    block: torch.Tensor
+    col: int
 
 
 def lease(model, max_len: int, owner: object, window_extra: int = 0) -> Optional[StaticRunner]:
