@@ -101,3 +101,32 @@ def test_draft_tree_matches_host_reference(static: bool, depth: int, topk: int, 
     assert rows == want[0]
     assert all(p < i for i, p in enumerate(tree.parents))          # parents come first
     assert 0 < len(tree) <= size
+
+
+def test_root_pair_is_provisional_when_the_base_is_one_token_short() -> None:
+    """HierSpec after a fully accepted round: M has not run its own last bonus token. The head
+    predicts that feature itself (as for a node inside a tree), drafts from the root with it,
+    and keeps only the pairs of real features afterwards."""
+    stack = tiny_random_stack()
+    m, e = stack.models.intermediate, stack.models.e_m
+    with torch.no_grad():
+        short = BaseState(m, 200)
+        short.tokens = list(range(40, 59))
+        short.consume_pending()                 # features for tokens[:19]
+        short.tokens += [59, 60]                # two pending: M's bonus, then the root
+        head = HeadState(e, short, 200)
+        got = head.root_hidden()
+        assert head.cache.length == 20 and head.committed == 19
+        predicted = head.last_hidden            # the head's output at pair 18: its guess of feature 19
+        tree = draft_tree(head, 3, 4, 10)
+        assert head.cache.length == 19           # tree pairs and the provisional root pair dropped
+
+        full = BaseState(m, 200)
+        full.tokens = list(range(40, 61))
+        full.catch_up()                          # features for tokens[:20] ...
+        full.features[19] = predicted            # ... the last one replaced by the head's guess
+        ref_head = HeadState(e, full, 200)
+        want = ref_head.root_hidden()
+        assert ref_head.committed == 20
+        torch.testing.assert_close(got, want)
+        assert len(tree) > 0 and tree.root == 60

@@ -262,8 +262,8 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
         seq: list[SeqToken] = []
         trees: list[DraftTree] = []
         while len(draft) < s.min_draft_len:
-            with timer.stage("intermediate_verify"):
-                m.catch_up()   # after a fully accepted round M has not seen its own last bonus yet
+            # after a fully accepted round M has not run its own last bonus yet: E_M predicts
+            # that feature (HeadState.root_hidden) and M's verification runs both pending tokens
             with timer.stage("draft"):
                 drafted = draft_tree_on_device(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):

@@ -150,7 +150,8 @@ class HeadState:
         self.base = base
         self.runner = cuda_graphs.lease(head, max_len, self, window_extra=cuda_graphs.HEAD_WINDOW)
         self.cache: KVCache = self.runner.cache if self.runner is not None else head.new_cache(max_len)
-        self.last_hidden: Optional[torch.Tensor] = None
+        self.last_hidden: Optional[torch.Tensor] = None   # the head's output at its last real pair
+        self.committed = 0                                # pairs built from accepted tokens only
         self.forwards = 0
 
     def forward(self, tokens: list[int], features: torch.Tensor, positions: list[int],
@@ -198,19 +199,36 @@ class HeadState:
         if self.cache.length > keep:
             self.cache.truncate(keep)
             self.last_hidden = None
+        self.committed = min(self.committed, self.cache.length)
 
     def root_hidden(self) -> torch.Tensor:
         """Feed the pairs not yet seen, up to (feature_{R-2}, root); returns the predicted
-        feature at the root's position (its LM-head output drafts the root's children)."""
+        feature at the root's position (its LM-head output drafts the root's children).
+
+        When the base model is one token short (HierSpec after T accepted all of M's draft: M
+        never ran its own last bonus token), the missing feature is the head's own prediction
+        of it, as for any node inside a draft tree, instead of a base forward just for it: the
+        pair (predicted feature, root) is provisional and `end_tree` drops it again; the
+        verifier's forward then runs both pending tokens with the tree."""
         base = self.base
         n_tok = len(base.tokens)
-        if base.processed < n_tok - 1:
-            raise RuntimeError("EAGLE head needs the base model's feature before the root: call catch_up()")
+        known = min(base.processed, n_tok - 1)      # base features exist for tokens[:known]
+        if known < n_tok - 2 or known < 1:
+            raise RuntimeError("EAGLE head needs the base model's feature before the root (or the one before "
+                               "it): run the pending tokens through the base model first")
+        if self.cache.length > self.committed:      # a provisional pair left by an earlier call
+            self.cache.truncate(self.committed)
         start = self.cache.length
-        stop = n_tok - 1                     # pairs t = start .. n_tok-2
-        if stop > start:
-            out = self.forward(base.tokens[start + 1:stop + 1], base.features[start:stop], list(range(start, stop)))
+        if known > start:                           # real pairs t = start .. known-1
+            out = self.forward(base.tokens[start + 1:known + 1], base.features[start:known], list(range(start, known)))
             self.last_hidden = out[-1]
         if self.last_hidden is None:
             raise RuntimeError("EAGLE head has no pair for the root; the prompt must have at least one token")
-        return self.last_hidden
+        self.committed = self.cache.length
+        if known == n_tok - 1:
+            return self.last_hidden
+        return self.forward([base.tokens[-1]], self.last_hidden[None], [n_tok - 2])[0]
+
+    def end_tree(self) -> None:
+        """Drop a draft tree's pairs, and a provisional root pair, from the cache."""
+        self.cache.truncate(self.committed)

@@ -111,7 +111,6 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
     base = head.base
     root = base.tokens[-1]
     h_root = head.root_hidden()
-    committed = head.cache.length
     dev = head.head.device
     root_pos = len(base.tokens) - 1     # the root's pair sits at root_pos - 1; depth d at root_pos - 1 + d
 
@@ -146,7 +145,7 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
         hidden = out
         add_children(out, flat[pick], pick + first)
         first += toks[-2].numel()
-    head.cache.truncate(committed)
+    head.end_tree()
 
     # rerank: the best `size` candidates by score, ties to the shallower then earlier one. A
     # child's score is its parent's plus a log-prob <= 0, so its parent always ranks before it

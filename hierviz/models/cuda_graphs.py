@@ -30,7 +30,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,8 +38,6 @@ import torch
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 HEAD_WINDOW = 128        # extra window columns for an EAGLE head's tree-drafting masks
 LEN_ROUND = 256          # live cache lengths are rounded up, so runs of similar length share graphs
-# Layers per captured graph for base models (0: one graph per forward); see StaticRunner._pieces.
-SEGMENT_LAYERS = int(os.environ.get("HIERVIZ_GRAPH_SEGMENT_LAYERS", "0"))
 
 _force = False
 _lock = threading.Lock()
@@ -99,7 +97,7 @@ class _Bucket:
     win_dev: torch.Tensor        # [b, b + window_extra] bool
     win_host: torch.Tensor
     copied: Optional[torch.cuda.Event]
-    graphs: Optional[list["torch.cuda.CUDAGraph"]] = None   # one per piece (StaticRunner._pieces)
+    graph: Optional["torch.cuda.CUDAGraph"] = None
     out: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
@@ -126,7 +124,6 @@ class StaticRunner:
                      if self.is_head else None)
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
-        self.segment_layers = SEGMENT_LAYERS
         self.in_use = False
 
     # ---- buffers and the captured function -----------------------------------------------
@@ -144,50 +141,17 @@ class StaticRunner:
             self._buckets[b] = bk
         return bk
 
-    def _pieces(self, b: int) -> list[Callable[[tuple], tuple]]:
-        """The static forward for bucket b as consecutive pieces, each taking the tensors the
-        previous one returned; reads only the bucket's device buffers. One piece per forward,
-        or, for a base model with `segment_layers` set, one per span of that many layers: each
-        piece is captured as its own graph, so the GPU starts on the first span while the host
-        is still launching the rest (a graph's launch costs host time per kernel node)."""
-        bk = self._buckets[b]
-        model = self.model
-
-        def inputs() -> tuple:
-            ints = bk.ints_dev
-            tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
-            slots = start + self.ar[:b]
-            mask = (self.cols < wstart).unsqueeze(0).expand(b, -1).clone()
-            mask.index_copy_(1, wstart + self.ar[:bk.win_dev.shape[1]], bk.win_dev)
-            return tok, pos, mask, slots
-
-        if self.is_head:
-            def whole_head(_: tuple) -> tuple:
-                tok, pos, mask, slots = inputs()
-                return (model(tok, self.feat[:b], pos, self.cache, mask, slots),)
-            return [whole_head]
-        n_layers = len(model.layers)
-        span = self.segment_layers if 0 < self.segment_layers < n_layers else n_layers
-        bounds = list(range(0, n_layers, span)) + [n_layers]
-
-        def piece(lo: int, hi: int) -> Callable[[tuple], tuple]:
-            def run(prev: tuple) -> tuple:
-                if lo == 0:
-                    tok, pos, mask, slots = inputs()
-                    cos, sin = model.rope(pos)
-                    x = model.embed[tok]
-                else:
-                    x, cos, sin, mask, slots = prev
-                x = model.layer_span(x, cos, sin, lo, hi, self.cache, mask, slots)
-                return (model.norm(x),) if hi == n_layers else (x, cos, sin, mask, slots)
-            return run
-        return [piece(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
-
     def _forward(self, b: int) -> torch.Tensor:
-        out: tuple = ()
-        for run in self._pieces(b):
-            out = run(out)
-        return out[0]
+        """The static forward for bucket b: reads only the bucket's device buffers."""
+        bk = self._buckets[b]
+        ints = bk.ints_dev
+        tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
+        slots = start + self.ar[:b]
+        mask = (self.cols < wstart).unsqueeze(0).expand(b, -1).clone()
+        mask.index_copy_(1, wstart + self.ar[:bk.win_dev.shape[1]], bk.win_dev)
+        if self.is_head:
+            return self.model(tok, self.feat[:b], pos, self.cache, mask, slots)
+        return self.model(tok, pos, self.cache, mask, slots)
 
     def _upload(self, bk: _Bucket) -> None:
         if bk.copied is not None:
@@ -213,7 +177,7 @@ class StaticRunner:
         """Compile bucket b's kernels (and capture its graph) now rather than on first use."""
         with torch.no_grad():
             if self.graphs:
-                if self._bucket(b).graphs is None:
+                if self._bucket(b).graph is None:
                     self._capture(b)
             else:
                 self._scratch_inputs(b)
@@ -229,15 +193,10 @@ class StaticRunner:
             for _ in range(2):
                 self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
-        carry: tuple = ()
-        graphs = []
-        for run in self._pieces(b):     # the pieces share the pool; each one's inputs stay referenced
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                carry = run(carry)
-            graphs.append(graph)
-        bk.out = carry[0]
-        bk.graphs = graphs
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bk.out = self._forward(b)
+        bk.graph = graph
 
     # ---- the one entry point ----------------------------------------------------------------
 
@@ -259,7 +218,7 @@ class StaticRunner:
             return None
         with torch.no_grad():
             bk = self._bucket(b)
-            if self.graphs and bk.graphs is None:
+            if self.graphs and bk.graph is None:
                 # capture first: its warm-up overwrites the input buffers (scratch-slot inputs)
                 self._capture(b)
             if bk.copied is not None:
@@ -288,8 +247,7 @@ class StaticRunner:
             if features is not None:
                 self.feat[:t].copy_(features)
             if self.graphs:
-                for graph in bk.graphs:
-                    graph.replay()
+                bk.graph.replay()
                 out = bk.out
             else:
                 out = self._forward(b)

@@ -258,18 +258,11 @@ class Transformer(nn.Module):
         if cache is not None and slots is None and cache.length + t > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length} + {t} tokens > {cache.max_len}")
         cos, sin = self.rope(positions)
-        x = self.layer_span(x, cos, sin, 0, len(self.layers), cache, attn_mask, slots)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache, attn_mask, slots)
         if cache is not None and slots is None:
             cache.length += t
         return self.norm(x)
-
-    def layer_span(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lo: int, hi: int,
-                   cache: Optional[KVCache], attn_mask: Optional[torch.Tensor],
-                   slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Decoder layers lo..hi-1 (no final norm): a piece of `run_layers` (CUDA-graph segments)."""
-        for i in range(lo, hi):
-            x = self.layers[i](x, cos, sin, i, cache, attn_mask, slots)
-        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., V] float32. With an output vocabulary set, only those rows of the LM head are
