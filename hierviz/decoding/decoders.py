@@ -122,22 +122,27 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
 
 
 def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
-                    oracle: Optional[AcceptOracle] = None, level: str = "target"):
+                    oracle: Optional[AcceptOracle] = None, level: str = "target",
+                    meanwhile: Optional[Callable[[], None]] = None):
     """Run pending + tree through the verifier, decide, compact its cache.
     Returns (the tree read back, path, bonus, per-emitted-token distributions or None).
     The tree is still on the device: the verifier's forward is queued behind the draft and the
-    one read-back brings the tree and the verifier's argmax rows together.
+    one read-back brings the tree and the verifier's argmax rows together. `meanwhile`: host
+    work (trace bookkeeping) done while the GPU runs the forward, off the round's critical path.
     oracle (what-if replay only): forces the accepted path length; the forward and the
     compaction run exactly as they would for that decision."""
     start = state.processed
     p = len(state.pending)
     h = state.run_pending(pending_tree.tokens, pending_tree.depths, pending_tree.mask)
     logits = state.model.logits(h[p - 1:])
+    best_rows = logits.argmax(-1)
+    if meanwhile is not None:
+        meanwhile()
     if oracle is None and not sampler.greedy:
         tree, _ = pending_tree.read()
         path, bonus, dists = verify_tree_sampling(tree, logits, sampler)
     else:
-        tree, (best,) = pending_tree.read(logits.argmax(-1))
+        tree, (best,) = pending_tree.read(best_rows)
         dists = None
         if oracle is not None:
             path, bonus = forced_tree_path(tree, best, oracle.tree(level, tree))
@@ -148,11 +153,14 @@ def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sample
 
 
 def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
-                        sampler: Sampler, oracle: Optional[AcceptOracle] = None) -> tuple[int, int]:
+                        sampler: Sampler, oracle: Optional[AcceptOracle] = None,
+                        meanwhile: Optional[Callable[[], None]] = None) -> tuple[int, int]:
     start = state.processed
     p = len(state.pending)
     h = state.run_pending(draft)
     logits = state.model.logits(h[p - 1:])
+    if meanwhile is not None:
+        meanwhile()
     if oracle is not None:   # what-if replay: forced accepted count, same forward and truncation
         n, bonus = forced_sequence(draft, logits, oracle.sequence("target", draft))
     elif sampler.greedy:
@@ -261,23 +269,30 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
         q: list[torch.Tensor] = []
         seq: list[SeqToken] = []
         trees: list[DraftTree] = []
+        unrecorded: list[tuple[Tree, list[int], int]] = []
+
+        def record() -> None:
+            """Trace entries of the trees verified so far (run while the next forward runs)."""
+            for tree, path, bonus in unrecorded:
+                k = len(trees)
+                seq.extend(SeqToken(tree.tokens[j], text(tree.tokens[j]), "tree", k) for j in path)
+                seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
+                trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text))
+            unrecorded.clear()
+
         while len(draft) < s.min_draft_len:
             # after a fully accepted round M has not run its own last bonus yet: E_M predicts
             # that feature (HeadState.root_hidden) and M's verification runs both pending tokens
             with timer.stage("draft"):
                 drafted = draft_tree_on_device(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):
-                tree, path, bonus, dists = _verify_tree_on(m, drafted, sampler, oracle, "intermediate")
-            toks = [tree.tokens[j] for j in path] + [bonus]
-            draft += toks
+                tree, path, bonus, dists = _verify_tree_on(m, drafted, sampler, oracle, "intermediate", record)
+            draft += [tree.tokens[j] for j in path] + [bonus]
             if dists is not None:
                 q += dists
-            k = len(trees)
-            seq += [SeqToken(x, text(x), "tree", k) for x in toks[:-1]]
-            seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
-            trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text))
+            unrecorded.append((tree, path, bonus))
         with timer.stage("target_verify"):
-            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle)
+            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle, record)
         m.rollback(base_len + n)
         e.rollback(base_len + n)
         m.tokens.append(bonus_t)

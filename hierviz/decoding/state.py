@@ -104,12 +104,14 @@ class BaseState:
         """After run_pending from cache length `start`: keep forward rows `kept` (ascending,
         pending rows first) in the cache and their features; append new_tokens (the accepted
         draft tokens and the verifier's bonus, which stays pending)."""
-        self.cache.keep(start, kept)
         n = len(kept)
         if kept == list(range(n)):
+            self.cache.keep(start, kept)
             self.features[start:start + n] = hidden[:n]
         else:
-            self.features[start:start + n] = hidden[torch.tensor(kept, dtype=torch.long, device=hidden.device)]
+            idx = torch.tensor(kept, dtype=torch.long).to(hidden.device)   # one upload for both gathers
+            self.cache.keep(start, idx)
+            self.features[start:start + n] = hidden[idx]
         self.tokens.extend(new_tokens)
 
     def commit_prefix(self, start: int, hidden: torch.Tensor, n_rows: int, new_tokens: list[int]) -> None:

@@ -81,15 +81,16 @@ class PendingTree:
         return self.tokens.shape[0]
 
     def read(self, *extra: torch.Tensor) -> tuple[Tree, list[list[int]]]:
-        """The host Tree and each `extra` integer tensor as a flat list, in one round trip."""
-        parts = [self.tokens, self.parents, self.depths] + [e.reshape(-1).long() for e in extra]
-        ints = torch.cat(parts).tolist()
-        floats = torch.cat([self.scores, self.logprobs]).tolist()   # already on the host side now
+        """The host Tree and each `extra` integer tensor as a flat list, in one transfer (the
+        ids travel as float64, exact below 2**53, next to the float32 scores)."""
         s = len(self)
-        tree = Tree(self.root, ints[:s], ints[s:2 * s], ints[2 * s:3 * s], floats[:s], floats[s:])
-        out, o = [], 3 * s
+        parts = [self.tokens, self.parents, self.depths, self.scores, self.logprobs] + [e.reshape(-1) for e in extra]
+        vals = torch.cat([x.double() for x in parts]).tolist()
+        ints = [int(v) for v in vals[:3 * s]]
+        tree = Tree(self.root, ints[:s], ints[s:2 * s], ints[2 * s:], vals[3 * s:4 * s], vals[4 * s:5 * s])
+        out, o = [], 5 * s
         for e in extra:
-            out.append(ints[o:o + e.numel()])
+            out.append([int(v) for v in vals[o:o + e.numel()]])
             o += e.numel()
         return tree, out
 
