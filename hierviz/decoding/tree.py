@@ -7,11 +7,12 @@ forward; finally the best S nodes over all depths are kept (a node only with its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from hierviz.decoding.state import HeadState
+from hierviz.models import cuda_graphs
 
 
 @dataclass
@@ -108,13 +109,29 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
     ties to the earlier candidate) is chosen by a stable sort on the device and the next head
     forward reads it directly; the rerank and the verifier's mask are built there too, so the
     verifier's forward is queued behind the draft without a host round trip and the tree comes
-    back with the verifier's results (PendingTree.read)."""
+    back with the verifier's results (PendingTree.read). With a static runner (GPU) everything
+    after the root's hidden state is one CUDA graph (TreeGraph)."""
     base = head.base
     root = base.tokens[-1]
     h_root = head.root_hidden()
-    dev = head.head.device
     root_pos = len(base.tokens) - 1     # the root's pair sits at root_pos - 1; depth d at root_pos - 1 + d
+    if head.runner is None:
+        def step(d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+            return head.forward_tree(tokens, features, root_pos - 1 + (d - 1), seen)
+        out = _expand(head, h_root, depth, topk, size, step)
+    else:
+        out = TreeGraph.get(head, depth, topk, size).run(h_root, head.cache.length, root_pos)
+    head.end_tree()
+    return PendingTree(root, *out)
 
+
+Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _expand(head: HeadState, h_root: torch.Tensor, depth: int, topk: int, size: int, step: Step) -> tuple:
+    """The tree below the root: (tokens, parents, depths, scores, logprobs, ancestor mask) on the
+    device. step(d, tokens, features, seen) runs the head over depth d's frontier."""
+    dev = h_root.device
     # per depth d = 1..depth: the children drafted there, [rows, k] (row j = the j-th node expanded
     # at that depth, in frontier order), their parents as candidate ids (-1 = root)
     toks: list[torch.Tensor] = []
@@ -142,11 +159,9 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
         # a frontier node sees the committed pairs, its expanded ancestors and itself
         own = torch.eye(n, dtype=torch.bool, device=dev)
         seen = own if seen is None else torch.cat([seen[parent_row], own], 1)
-        out = head.forward_tree(toks[-1].reshape(-1)[pick], hidden[parent_row], root_pos - 1 + (d - 1), seen)
-        hidden = out
-        add_children(out, flat[pick], pick + first)
+        hidden = step(d, toks[-1].reshape(-1)[pick], hidden[parent_row], seen)
+        add_children(hidden, flat[pick], pick + first)
         first += toks[-2].numel()
-    head.end_tree()
 
     # rerank: the best `size` candidates by score, ties to the shallower then earlier one. A
     # child's score is its parent's plus a log-prob <= 0, so its parent always ranks before it
@@ -172,4 +187,86 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
         has = up >= 0
         mask[rows, up.clamp_min(0)] |= has
         up = torch.where(has, parents[up.clamp_min(0)], up)
-    return PendingTree(root, tok[nodes], parents, dep[nodes], score[nodes], own_lp[nodes], mask)
+    return tok[nodes], parents, dep[nodes], score[nodes], own_lp[nodes], mask
+
+
+class TreeGraph:
+    """draft_tree's work after the root's hidden state for one head runner and tree shape, with
+    every head forward written as device ops on the runner's static buffers, so that it takes
+    only two numbers from the host (the committed pairs, the root's position) and is captured
+    as ONE CUDA graph on the second call (the first runs eagerly: kernel compilation, and any
+    one-time host read a head makes). A tree is ~90 small kernels; launched one by one from
+    Python they left the GPU waiting for the host between them."""
+
+    def __init__(self, head: HeadState, depth: int, topk: int, size: int) -> None:
+        runner = head.runner
+        self.head, self.runner, self.depth, self.topk, self.size = head, runner, depth, topk, size
+        dev = runner.device
+        pin = dev.type == "cuda"
+        self.h_root = torch.zeros(head.head.cfg.hidden_size, dtype=runner.model.dtype, device=dev)
+        self.scalars = torch.zeros(2, dtype=torch.long, device=dev)             # committed, root position
+        self.scalars_host = torch.zeros(2, dtype=torch.long, pin_memory=pin)
+        self.copied = torch.cuda.Event() if pin else None
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.out: Optional[tuple] = None
+        self.calls = 0
+        self.tree_pairs = 0                              # head cache slots the tree's forwards fill
+
+    @staticmethod
+    def get(head: HeadState, depth: int, topk: int, size: int) -> "TreeGraph":
+        key = (depth, topk, size, id(head.head.draft_vocab))
+        graphs = head.runner.__dict__.setdefault("tree_graphs", {})
+        if key not in graphs or graphs[key].head.head is not head.head:
+            graphs[key] = TreeGraph(head, depth, topk, size)
+        graphs[key].head = head
+        return graphs[key]
+
+    def _step(self, d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Depth d's head forward through the runner's bucket buffers (HeadState.forward_tree's
+        inputs, built on the device from the two scalars)."""
+        runner, n, w = self.runner, tokens.shape[0], seen.shape[1]
+        b = cuda_graphs.bucket_for(n)
+        bk = runner._bucket(b)
+        done = w - n                                    # tree slots written by earlier depths
+        ints = bk.ints_dev
+        ints.zero_()
+        ints[:n].copy_(tokens)
+        ints[b:2 * b].copy_((self.scalars[1] + (d - 2)).expand(b))          # every row at depth d's position
+        ints[2 * b:2 * b + 1].copy_(self.scalars[0:1] + done)               # start
+        ints[2 * b + 1:2 * b + 2].copy_(self.scalars[0:1])                  # wstart = committed
+        bk.win_dev.zero_()
+        bk.win_dev[:n, :w].copy_(seen)
+        if n < b:                                        # padded rows see only their own (scratch) slot
+            pad = torch.arange(n, b, device=ints.device)
+            bk.win_dev[pad, done + pad] = torch.ones(b - n, dtype=torch.bool, device=ints.device)   # no host scalar
+        self.tree_pairs = w
+        runner.feat[:n].copy_(features)
+        return runner._forward(b)[:n]
+
+    def _body(self) -> tuple:
+        return _expand(self.head, self.h_root, self.depth, self.topk, self.size, self._step)
+
+    def run(self, h_root: torch.Tensor, committed: int, root_pos: int) -> tuple:
+        head, runner = self.head, self.runner
+        if self.copied is not None:
+            self.copied.synchronize()                    # the previous upload from the pinned buffer is done
+        self.scalars_host[0] = committed
+        self.scalars_host[1] = root_pos
+        self.scalars.copy_(self.scalars_host, non_blocking=self.copied is not None)
+        if self.copied is not None:
+            self.copied.record()
+        self.h_root.copy_(h_root)
+        head.forwards += self.depth - 1
+        with torch.no_grad():
+            if runner.graphs and self.calls >= 1:
+                if self.graph is None:
+                    self.graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self.graph):
+                        self.out = self._body()
+                self.graph.replay()
+                out = self.out
+            else:
+                out = self._body()
+        self.calls += 1
+        runner.cache.length = committed + self.tree_pairs   # the tree's pairs, until end_tree
+        return out
