@@ -130,3 +130,28 @@ def test_root_pair_is_provisional_when_the_base_is_one_token_short() -> None:
         assert ref_head.committed == 20
         torch.testing.assert_close(got, want)
         assert len(tree) > 0 and tree.root == 60
+
+
+def test_static_drafting_hands_the_runner_back() -> None:
+    """The per-runner tree graphs must not keep a decoding state alive: a dropped state's runner
+    (with its captured graphs) goes back to the pool for the next state."""
+    import gc
+    stack = tiny_random_stack()
+    m, e = stack.models.intermediate, stack.models.e_m
+    cuda_graphs.force_static(True)
+    try:
+        runners = []
+        for _ in range(3):
+            with torch.no_grad():
+                base = BaseState(m, 200)
+                head = HeadState(e, base, 200)
+                base.tokens = list(range(40, 61))
+                base.catch_up()
+                draft_tree(head, 3, 4, 10)
+            runners.append(head.runner)
+            del base, head
+            gc.collect()
+    finally:
+        cuda_graphs.force_static(False)
+    assert runners[0] is runners[1] is runners[2]
+    assert list(runners[0].tree_graphs.values())[0].calls == 3

@@ -13,6 +13,7 @@ import torch
 
 from hierviz.decoding.state import HeadState
 from hierviz.models import cuda_graphs
+from hierviz.models.eagle import EagleHead
 
 
 @dataclass
@@ -118,8 +119,9 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
     if head.runner is None:
         def step(d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
             return head.forward_tree(tokens, features, root_pos - 1 + (d - 1), seen)
-        out = _expand(head, h_root, depth, topk, size, step)
+        out = _expand(head.head, h_root, depth, topk, size, step)
     else:
+        head.forwards += depth - 1
         out = TreeGraph.get(head, depth, topk, size).run(h_root, head.cache.length, root_pos)
     head.end_tree()
     return PendingTree(root, *out)
@@ -128,7 +130,7 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
 Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _expand(head: HeadState, h_root: torch.Tensor, depth: int, topk: int, size: int, step: Step) -> tuple:
+def _expand(draft_head: EagleHead, h_root: torch.Tensor, depth: int, topk: int, size: int, step: Step) -> tuple:
     """The tree below the root: (tokens, parents, depths, scores, logprobs, ancestor mask) on the
     device. step(d, tokens, features, seen) runs the head over depth d's frontier."""
     dev = h_root.device
@@ -140,7 +142,7 @@ def _expand(head: HeadState, h_root: torch.Tensor, depth: int, topk: int, size: 
     pars: list[torch.Tensor] = []
 
     def add_children(hidden: torch.Tensor, parent_scores: torch.Tensor, parent_ids: torch.Tensor) -> None:
-        logp, vocab = head.head.draft_logprobs(hidden)
+        logp, vocab = draft_head.draft_logprobs(hidden)
         top_lp, top_ix = logp.topk(min(topk, logp.shape[-1]), dim=-1)
         toks.append(vocab[top_ix] if vocab is not None else top_ix)
         lps.append(top_lp)
@@ -198,12 +200,14 @@ class TreeGraph:
     one-time host read a head makes). A tree is ~90 small kernels; launched one by one from
     Python they left the GPU waiting for the host between them."""
 
-    def __init__(self, head: HeadState, depth: int, topk: int, size: int) -> None:
-        runner = head.runner
-        self.head, self.runner, self.depth, self.topk, self.size = head, runner, depth, topk, size
+    def __init__(self, draft_head: EagleHead, runner: cuda_graphs.StaticRunner, depth: int, topk: int,
+                 size: int) -> None:
+        # no reference to a HeadState: the runner (pooled on the model) keeps this object, and
+        # a state it held alive would never hand the runner back to the pool
+        self.draft_head, self.runner, self.depth, self.topk, self.size = draft_head, runner, depth, topk, size
         dev = runner.device
         pin = dev.type == "cuda"
-        self.h_root = torch.zeros(head.head.cfg.hidden_size, dtype=runner.model.dtype, device=dev)
+        self.h_root = torch.zeros(draft_head.cfg.hidden_size, dtype=runner.model.dtype, device=dev)
         self.scalars = torch.zeros(2, dtype=torch.long, device=dev)             # committed, root position
         self.scalars_host = torch.zeros(2, dtype=torch.long, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None
@@ -216,9 +220,8 @@ class TreeGraph:
     def get(head: HeadState, depth: int, topk: int, size: int) -> "TreeGraph":
         key = (depth, topk, size, id(head.head.draft_vocab))
         graphs = head.runner.__dict__.setdefault("tree_graphs", {})
-        if key not in graphs or graphs[key].head.head is not head.head:
-            graphs[key] = TreeGraph(head, depth, topk, size)
-        graphs[key].head = head
+        if key not in graphs or graphs[key].draft_head is not head.head:
+            graphs[key] = TreeGraph(head.head, head.runner, depth, topk, size)
         return graphs[key]
 
     def _step(self, d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -244,10 +247,10 @@ class TreeGraph:
         return runner._forward(b)[:n]
 
     def _body(self) -> tuple:
-        return _expand(self.head, self.h_root, self.depth, self.topk, self.size, self._step)
+        return _expand(self.draft_head, self.h_root, self.depth, self.topk, self.size, self._step)
 
     def run(self, h_root: torch.Tensor, committed: int, root_pos: int) -> tuple:
-        head, runner = self.head, self.runner
+        runner = self.runner
         if self.copied is not None:
             self.copied.synchronize()                    # the previous upload from the pinned buffer is done
         self.scalars_host[0] = committed
@@ -256,7 +259,6 @@ class TreeGraph:
         if self.copied is not None:
             self.copied.record()
         self.h_root.copy_(h_root)
-        head.forwards += self.depth - 1
         with torch.no_grad():
             if runner.graphs and self.calls >= 1:
                 if self.graph is None:
