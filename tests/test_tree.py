@@ -76,7 +76,8 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int):
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("depth, topk, size", [(1, 4, 3), (3, 4, 10), (4, 5, 16), (5, 10, 60)])
+# (5, 64, 100): wider than a head runner's window, so the static path falls back per depth
+@pytest.mark.parametrize("depth, topk, size", [(1, 4, 3), (3, 4, 10), (4, 5, 16), (5, 10, 60), (5, 64, 100)])
 def test_draft_tree_matches_host_reference(static: bool, depth: int, topk: int, size: int) -> None:
     stack = tiny_random_stack()
     m, e = stack.models.intermediate, stack.models.e_m
@@ -84,8 +85,8 @@ def test_draft_tree_matches_host_reference(static: bool, depth: int, topk: int, 
     for out, fn in ((got, draft_tree), (want, reference_tree)):
         cuda_graphs.force_static(static)
         try:
-            base = BaseState(m, 200)
-            head = HeadState(e, base, 200)
+            base = BaseState(m, 400)
+            head = HeadState(e, base, 400)
         finally:
             cuda_graphs.force_static(False)
         assert (head.runner is not None) == static

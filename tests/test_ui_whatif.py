@@ -83,6 +83,9 @@ def test_throughput_bars_carry_speedups(results):
     stages = wf.stages_figure(d)
     hier = sum(t.y[2] for t in stages.data if t.type == "bar")
     assert hier == pytest.approx(sum(d["methods"]["hierspec"]["stages_ms_per_token"].values()))
+    assert "Host time" not in stages.layout.title.text
+    # benchmark mode (--no-stage-sync): the stages are host times, and the title says so
+    assert "Host time per token by stage (no stage syncs)" in wf.stages_figure(dict(d, stage_sync=False)).layout.title.text
 
 
 def test_sweep_marks_the_winner_at_every_scale(results):

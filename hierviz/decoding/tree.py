@@ -116,13 +116,13 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
     root = base.tokens[-1]
     h_root = head.root_hidden()
     root_pos = len(base.tokens) - 1     # the root's pair sits at root_pos - 1; depth d at root_pos - 1 + d
-    if head.runner is None:
+    if head.runner is not None and TreeGraph.fits(head.runner, depth, topk, head.cache.length):
+        head.forwards += depth - 1
+        out = TreeGraph.get(head, depth, topk, size).run(h_root, head.cache.length, root_pos)
+    else:   # no static runner (CPU), or a tree wider than its buckets: one forward_tree per depth
         def step(d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
             return head.forward_tree(tokens, features, root_pos - 1 + (d - 1), seen)
         out = _expand(head.head, h_root, depth, topk, size, step)
-    else:
-        head.forwards += depth - 1
-        out = TreeGraph.get(head, depth, topk, size).run(h_root, head.cache.length, root_pos)
     head.end_tree()
     return PendingTree(root, *out)
 
@@ -215,6 +215,14 @@ class TreeGraph:
         self.out: Optional[tuple] = None
         self.calls = 0
         self.tree_pairs = 0                              # head cache slots the tree's forwards fill
+
+    @staticmethod
+    def fits(runner: cuda_graphs.StaticRunner, depth: int, topk: int, committed: int) -> bool:
+        """Whether every depth's forward fits the runner's buckets, windows and cache (the frontier
+        has at most topk nodes; depth d's forward sees (d - 1) x frontier tree slots)."""
+        b = cuda_graphs.bucket_for(topk)
+        slots = (depth - 1) * topk
+        return b is not None and slots <= b + runner.window_extra and committed + slots <= runner.live_len
 
     @staticmethod
     def get(head: HeadState, depth: int, topk: int, size: int) -> "TreeGraph":
