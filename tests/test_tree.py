@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hierviz.decoding.state import BaseState, HeadState
-from hierviz.decoding.tree import draft_tree_on_device
+from hierviz.decoding.tree import TreeGraph, draft_tree_on_device
 from hierviz.models import cuda_graphs
 from hierviz.stack import tiny_random_stack
 
@@ -156,3 +156,21 @@ def test_static_drafting_hands_the_runner_back() -> None:
         cuda_graphs.force_static(False)
     assert runners[0] is runners[1] is runners[2]
     assert list(runners[0].tree_graphs.values())[0].calls == 3
+
+
+def test_tree_graphs_per_runner_are_bounded() -> None:
+    stack = tiny_random_stack()
+    m, e = stack.models.intermediate, stack.models.e_m
+    cuda_graphs.force_static(True)
+    try:
+        base = BaseState(m, 200)
+        head = HeadState(e, base, 200)
+    finally:
+        cuda_graphs.force_static(False)
+    with torch.no_grad():
+        base.tokens = list(range(40, 61))
+        base.catch_up()
+        for size in range(3, 3 + TreeGraph.KEEP + 3):
+            draft_tree(head, 2, 4, size)
+    assert len(head.runner.tree_graphs) == TreeGraph.KEEP
+    assert max(k[2] for k in head.runner.tree_graphs) == 2 + TreeGraph.KEEP + 3

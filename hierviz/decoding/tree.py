@@ -200,6 +200,8 @@ class TreeGraph:
     one-time host read a head makes). A tree is ~90 small kernels; launched one by one from
     Python they left the GPU waiting for the host between them."""
 
+    KEEP = 8   # tree shapes kept per runner (each graph holds its own memory pool)
+
     def __init__(self, draft_head: EagleHead, runner: cuda_graphs.StaticRunner, depth: int, topk: int,
                  size: int) -> None:
         # no reference to a HeadState: the runner (pooled on the model) keeps this object, and
@@ -228,9 +230,13 @@ class TreeGraph:
     def get(head: HeadState, depth: int, topk: int, size: int) -> "TreeGraph":
         key = (depth, topk, size, id(head.head.draft_vocab))
         graphs = head.runner.__dict__.setdefault("tree_graphs", {})
-        if key not in graphs or graphs[key].draft_head is not head.head:
-            graphs[key] = TreeGraph(head.head, head.runner, depth, topk, size)
-        return graphs[key]
+        tg = graphs.pop(key, None)
+        if tg is None or tg.draft_head is not head.head:
+            tg = TreeGraph(head.head, head.runner, depth, topk, size)
+        graphs[key] = tg                                  # most recently used last
+        while len(graphs) > TreeGraph.KEEP:               # a UI user trying many tree settings
+            graphs.pop(next(iter(graphs)))
+        return tg
 
     def _step(self, d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """Depth d's head forward through the runner's bucket buffers (HeadState.forward_tree's
