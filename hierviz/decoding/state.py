@@ -137,14 +137,6 @@ class BaseState:
         """Run every pending token, keep them all; returns the logits [V] after the last one."""
         return self.model.logits(self.consume_pending()[-1:])[0]
 
-    def catch_up(self) -> None:
-        """Run all pending tokens but the last through the model, so that features exist for
-        every token before the root (an EAGLE head needs the feature before the root)."""
-        if len(self.pending) > 1:
-            root = self.tokens.pop()
-            self.consume_pending()
-            self.tokens.append(root)
-
 
 class HeadState:
     def __init__(self, head: EagleHead, base: BaseState, max_len: int) -> None:

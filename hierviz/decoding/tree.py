@@ -37,33 +37,12 @@ class Tree:
             c.sort(key=lambda i: -self.scores[i])
         return out
 
-    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[S, S] bool: node i sees node j iff j is i or an ancestor of i (root excluded)."""
-        rows, cols = ancestor_pairs(self.parents)
-        m = torch.zeros(len(self.tokens), len(self.tokens), dtype=torch.bool)
-        m[rows, cols] = True      # one indexed write: per-element writes cost ~2 us each on the host
-        return m.to(device)
-
     def path_to(self, node: int) -> list[int]:
         path = []
         while node >= 0:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
-
-
-def ancestor_pairs(parents: list[int]) -> tuple[list[int], list[int]]:
-    """(row, column) of every True of the ancestor mask (self included) of nodes whose parents
-    come first (parents[i] < i; -1 = the root)."""
-    chains: list[list[int]] = []
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, p in enumerate(parents):
-        chain = (chains[p] if p >= 0 else []) + [i]
-        chains.append(chain)
-        rows.extend([i] * len(chain))
-        cols.extend(chain)
-    return rows, cols
 
 
 @dataclass
@@ -77,7 +56,7 @@ class PendingTree:
     depths: torch.Tensor     # [S] long, 1..D
     scores: torch.Tensor     # [S] float32
     logprobs: torch.Tensor   # [S] float32
-    mask: torch.Tensor       # [S, S] bool: ancestor_mask
+    mask: torch.Tensor       # [S, S] bool: node i sees node j iff j is i or one of its ancestors
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
