@@ -20,6 +20,22 @@ def run_all_but_root(state: BaseState) -> None:
     state.tokens.append(root)
 
 
+def drafting_states(stack, static: bool, max_len: int = 200) -> tuple[BaseState, HeadState]:
+    """M and E_M states ready to draft from token 60 (features for tokens 40..59), on the
+    static (CUDA-graph-shaped) path or the dynamic one."""
+    cuda_graphs.force_static(static)
+    try:
+        base = BaseState(stack.models.intermediate, max_len)
+        head = HeadState(stack.models.e_m, base, max_len)
+    finally:
+        cuda_graphs.force_static(False)
+    assert (head.runner is not None) == static
+    with torch.no_grad():
+        base.tokens = list(range(40, 61))
+        run_all_but_root(base)
+    return base, head
+
+
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[S, S] bool from the host tree, node by node: i sees j iff j is i or an ancestor of i."""
     m = torch.zeros(len(parents), len(parents), dtype=torch.bool)
@@ -98,19 +114,10 @@ def draft_tree(head: HeadState, depth: int, topk: int, size: int):
 @pytest.mark.parametrize("depth, topk, size", [(1, 4, 3), (3, 4, 10), (4, 5, 16), (5, 10, 60), (5, 64, 100)])
 def test_draft_tree_matches_host_reference(static: bool, depth: int, topk: int, size: int) -> None:
     stack = tiny_random_stack()
-    m, e = stack.models.intermediate, stack.models.e_m
     got, want = [], []
     for out, fn in ((got, draft_tree), (want, reference_tree)):
-        cuda_graphs.force_static(static)
-        try:
-            base = BaseState(m, 400)
-            head = HeadState(e, base, 400)
-        finally:
-            cuda_graphs.force_static(False)
-        assert (head.runner is not None) == static
+        base, head = drafting_states(stack, static, 400)
         with torch.no_grad():
-            base.tokens = list(range(40, 61))
-            run_all_but_root(base)
             r = fn(head, depth, topk, size)
             assert head.cache.length == 20        # the tree's pairs are dropped again
         out.append(r)
@@ -156,38 +163,21 @@ def test_static_drafting_hands_the_runner_back() -> None:
     (with its captured graphs) goes back to the pool for the next state."""
     import gc
     stack = tiny_random_stack()
-    m, e = stack.models.intermediate, stack.models.e_m
-    cuda_graphs.force_static(True)
-    try:
-        runners = []
-        for _ in range(3):
-            with torch.no_grad():
-                base = BaseState(m, 200)
-                head = HeadState(e, base, 200)
-                base.tokens = list(range(40, 61))
-                run_all_but_root(base)
-                draft_tree(head, 3, 4, 10)
-            runners.append(head.runner)
-            del base, head
-            gc.collect()
-    finally:
-        cuda_graphs.force_static(False)
+    runners = []
+    for _ in range(3):
+        base, head = drafting_states(stack, True)
+        with torch.no_grad():
+            draft_tree(head, 3, 4, 10)
+        runners.append(head.runner)
+        del base, head
+        gc.collect()
     assert runners[0] is runners[1] is runners[2]
     assert list(runners[0].tree_graphs.values())[0].calls == 3
 
 
 def test_tree_graphs_per_runner_are_bounded() -> None:
-    stack = tiny_random_stack()
-    m, e = stack.models.intermediate, stack.models.e_m
-    cuda_graphs.force_static(True)
-    try:
-        base = BaseState(m, 200)
-        head = HeadState(e, base, 200)
-    finally:
-        cuda_graphs.force_static(False)
+    base, head = drafting_states(tiny_random_stack(), True)
     with torch.no_grad():
-        base.tokens = list(range(40, 61))
-        run_all_but_root(base)
         for size in range(3, 3 + TreeGraph.KEEP + 3):
             draft_tree(head, 2, 4, size)
     assert len(head.runner.tree_graphs) == TreeGraph.KEEP
