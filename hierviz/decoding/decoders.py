@@ -135,10 +135,11 @@ def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sample
     p = len(state.pending)
     h = state.run_pending(pending_tree.tokens, pending_tree.depths, pending_tree.mask)
     logits = state.model.logits(h[p - 1:])
-    best_rows = logits.argmax(-1)
+    sampling = oracle is None and not sampler.greedy
+    best_rows = None if sampling else logits.argmax(-1)
     if meanwhile is not None:
         meanwhile()
-    if oracle is None and not sampler.greedy:
+    if best_rows is None:
         tree, _ = pending_tree.read()
         path, bonus, dists = verify_tree_sampling(tree, logits, sampler)
     else:
