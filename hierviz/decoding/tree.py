@@ -222,7 +222,7 @@ class TreeGraph:
         inputs, built on the device from the two scalars)."""
         runner, n, w = self.runner, tokens.shape[0], seen.shape[1]
         b = cuda_graphs.bucket_for(n)
-        bk = runner._bucket(b)
+        bk = runner.bucket(b)
         done = w - n                                    # tree slots written by earlier depths
         ints = bk.ints_dev
         ints.zero_()
@@ -237,7 +237,7 @@ class TreeGraph:
             bk.win_dev[pad, done + pad] = torch.ones(b - n, dtype=torch.bool, device=ints.device)   # no host scalar
         self.tree_pairs = w
         runner.feat[:n].copy_(features)
-        return runner._forward(b)[:n]
+        return runner.forward_bucket(b)[:n]
 
     def _body(self) -> tuple:
         return _expand(self.draft_head, self.h_root, self.depth, self.topk, self.size, self._step)

@@ -128,7 +128,9 @@ class StaticRunner:
 
     # ---- buffers and the captured function -----------------------------------------------
 
-    def _bucket(self, b: int) -> _Bucket:
+    def bucket(self, b: int) -> _Bucket:
+        """Bucket b's input buffers (created on first use): ints_dev = tokens | positions | start |
+        wstart, win_dev = the visibility window; `forward_bucket` reads them (and `feat` for a head)."""
         bk = self._buckets.get(b)
         if bk is None:
             pin = self.device.type == "cuda"
@@ -141,8 +143,9 @@ class StaticRunner:
             self._buckets[b] = bk
         return bk
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The static forward for bucket b: reads only the bucket's device buffers."""
+    def forward_bucket(self, b: int) -> torch.Tensor:
+        """The static forward for bucket b, eager or under capture: reads only the bucket's device
+        buffers (`run` fills them from the host; tree.TreeGraph writes them with device ops)."""
         bk = self._buckets[b]
         ints = bk.ints_dev
         tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
@@ -164,7 +167,7 @@ class StaticRunner:
 
     def _scratch_inputs(self, b: int) -> _Bucket:
         """Bucket b's inputs set to write only scratch slots (start = wstart = live_len)."""
-        bk = self._bucket(b)
+        bk = self.bucket(b)
         if bk.copied is not None:
             bk.copied.synchronize()
         bk.ints_host.zero_()
@@ -177,11 +180,11 @@ class StaticRunner:
         """Compile bucket b's kernels (and capture its graph) now rather than on first use."""
         with torch.no_grad():
             if self.graphs:
-                if self._bucket(b).graph is None:
+                if self.bucket(b).graph is None:
                     self._capture(b)
             else:
                 self._scratch_inputs(b)
-                self._forward(b)
+                self.forward_bucket(b)
 
     def _capture(self, b: int) -> None:
         """Warm up (compiles kernels, builds the W4 kernels' weight layouts), then capture.
@@ -191,11 +194,11 @@ class StaticRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(b)
+                self.forward_bucket(b)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            bk.out = self._forward(b)
+            bk.out = self.forward_bucket(b)
         bk.graph = graph
 
     # ---- the one entry point ----------------------------------------------------------------
@@ -217,7 +220,7 @@ class StaticRunner:
         if b is None or w > b + self.window_extra or wstart > start or start + t > self.live_len:
             return None
         with torch.no_grad():
-            bk = self._bucket(b)
+            bk = self.bucket(b)
             if self.graphs and bk.graph is None:
                 # capture first: its warm-up overwrites the input buffers (scratch-slot inputs)
                 self._capture(b)
@@ -250,7 +253,7 @@ class StaticRunner:
                 bk.graph.replay()
                 out = bk.out
             else:
-                out = self._forward(b)
+                out = self.forward_bucket(b)
             self.cache.length = start + t
             return out[:t].clone()     # the static output is overwritten by the next replay
 
