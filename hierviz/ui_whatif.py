@@ -210,6 +210,8 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         parts += ["--prompt-len", str(d["prompt_tokens"])]
     if d.get("stage_sync") is False:
         parts.append("--no-stage-sync")
+    if (d.get("repeat") or 1) > 1:
+        parts += ["--repeat", str(d["repeat"])]
     if reduced_draft_vocab(d):
         parts += ["--draft-vocab", str(reduced_draft_vocab(d))]
     if sweep:

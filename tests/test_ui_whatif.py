@@ -158,6 +158,8 @@ def test_rebuilt_command_reproduces_the_recorded_arguments(results, name):
         fr = {**d, "draft_vocab": 100}          # --draft-vocab: named in the label and the command
         assert "FR-Spec" in shapes_label(fr) and "FR-Spec" not in shapes_label(d)
         assert parser().parse_args(uw.command_text(fr)[0].split()[4:]).draft_vocab == 100
+        assert parser().parse_args(uw.command_text({**d, "repeat": 3})[0].split()[4:]).repeat == 3
+        assert "--repeat" not in uw.command_text(d)[0]
     if name == "replay":
         assert a.acceptance == str(H200_TRACE)
     if name == "sweep":

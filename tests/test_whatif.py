@@ -120,6 +120,7 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     (["--device", "cpu", "--target", "no-such-shape"], "unknown shape"),
     (FAST + ["--t-tree-size", "0"], "tree size"),
     (FAST + ["--draft-vocab", "0"], "--draft-vocab"),
+    (FAST + ["--repeat", "0"], "--repeat"),
     (FAST + ["--sweep", "--sweep-scales", "x", "--max-new-tokens", "4"], "--sweep-scales"),
     (FAST + ["--sweep", "--sweep-tree-sizes", "0"], "--sweep-tree-sizes"),
     (FAST + ["--sweep", "--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json")], "--sweep"),
@@ -170,3 +171,15 @@ def test_command_is_recorded(tmp_path: Path) -> None:
     for name in ("whatif.json", "sweep.json"):
         cmd = json.loads((tmp_path / name).read_text())["command"]
         assert cmd.startswith("python -m hierviz whatif --tiny") and "--sweep" in cmd
+
+
+def test_repeat_reports_the_median_run(tmp_path: Path) -> None:
+    assert main(FAST + ["--methods", "ar,hierspec", "--max-new-tokens", "8", "--repeat", "3", "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "whatif.json").read_text())
+    assert info["repeat"] == 3
+    for m in ("ar", "hierspec"):
+        r = info["methods"][m]
+        assert len(r["decode_s_runs"]) == 3
+        assert r["decode_s"] == sorted(r["decode_s_runs"])[1]
+    assert info["speedup_vs_ar"]["hierspec"] == pytest.approx(
+        info["methods"]["hierspec"]["tokens_per_s"] / info["methods"]["ar"]["tokens_per_s"])
