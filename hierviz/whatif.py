@@ -553,23 +553,24 @@ def _scales(text: str) -> list[float]:
 
 def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: list[int],
               base: dict[str, Any], cache_len: Optional[int] = None) -> dict[str, Any]:
-    """AR once; EAGLE-2 per (scale, E_T tree size); HierSpec per (scale, min draft length)."""
+    """AR once; EAGLE-2 per (scale, E_T tree size); HierSpec per (scale, min draft length); each
+    the median of --repeat runs."""
     scales = _scales(a.sweep_scales)
     sizes = _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
     drafts = _ints(a.sweep_min_draft, "--sweep-min-draft")
-    ar = base["ar"] if "ar" in base else run_one(models, "ar", s, None, prompt, cache_len)
+    ar = base["ar"] if "ar" in base else run_repeated(models, "ar", s, lambda m: None, prompt, cache_len, a.repeat)
     rows = []
     for sc in scales:
         make, rinfo = _oracle_factory(a, None, sc)
         for size in sizes:
             st = _settings_copy(s, t_tree_size=size)
-            r = run_one(models, "eagle2", st, make("eagle2"), prompt, cache_len)
+            r = run_repeated(models, "eagle2", st, make, prompt, cache_len, a.repeat)
             rows.append({"method": "eagle2", "scale": sc, "t_tree_size": size, "rates": rinfo["rates"],
                          "tokens_per_s": r["tokens_per_s"], "tokens_per_round": r["tokens_per_round"],
                          "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
         for md in drafts:
             st = _settings_copy(s, min_draft_len=md)
-            r = run_one(models, "hierspec", st, make("hierspec"), prompt, cache_len)
+            r = run_repeated(models, "hierspec", st, make, prompt, cache_len, a.repeat)
             rows.append({"method": "hierspec", "scale": sc, "min_draft_len": md, "rates": rinfo["rates"],
                          "seq_rate": rinfo["seq_rate"], "tokens_per_s": r["tokens_per_s"],
                          "tokens_per_round": r["tokens_per_round"],

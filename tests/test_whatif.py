@@ -183,3 +183,7 @@ def test_repeat_reports_the_median_run(tmp_path: Path) -> None:
         assert r["decode_s"] == sorted(r["decode_s_runs"])[1]
     assert info["speedup_vs_ar"]["hierspec"] == pytest.approx(
         info["methods"]["hierspec"]["tokens_per_s"] / info["methods"]["ar"]["tokens_per_s"])
+    sweep_out = tmp_path / "sweep"
+    assert main(FAST + ["--sweep", "--sweep-scales", "1.0", "--sweep-tree-sizes", "8", "--sweep-min-draft", "4",
+                        "--max-new-tokens", "6", "--repeat", "2", "--out", str(sweep_out)]) == 0
+    assert json.loads((sweep_out / "sweep.json").read_text())["verdicts"][0]["winner"] in ("eagle2", "hierspec")
