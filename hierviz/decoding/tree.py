@@ -218,26 +218,11 @@ class TreeGraph:
         return tg
 
     def _step(self, d: int, tokens: torch.Tensor, features: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """Depth d's head forward through the runner's bucket buffers (HeadState.forward_tree's
-        inputs, built on the device from the two scalars)."""
-        runner, n, w = self.runner, tokens.shape[0], seen.shape[1]
-        b = cuda_graphs.bucket_for(n)
-        bk = runner.bucket(b)
-        done = w - n                                    # tree slots written by earlier depths
-        ints = bk.ints_dev
-        ints.zero_()
-        ints[:n].copy_(tokens)
-        ints[b:2 * b].copy_((self.scalars[1] + (d - 2)).expand(b))          # every row at depth d's position
-        ints[2 * b:2 * b + 1].copy_(self.scalars[0:1] + done)               # start
-        ints[2 * b + 1:2 * b + 2].copy_(self.scalars[0:1])                  # wstart = committed
-        bk.win_dev.zero_()
-        bk.win_dev[:n, :w].copy_(seen)
-        if n < b:                                        # padded rows see only their own (scratch) slot
-            pad = torch.arange(n, b, device=ints.device)
-            bk.win_dev[pad, done + pad] = torch.ones(b - n, dtype=torch.bool, device=ints.device)   # no host scalar
-        self.tree_pairs = w
-        runner.feat[:n].copy_(features)
-        return runner.forward_bucket(b)[:n]
+        """Depth d's head forward (HeadState.forward_tree's inputs, built on the device from the
+        two scalars): rows at depth d's position, after the tree slots of earlier depths."""
+        self.tree_pairs = seen.shape[1]
+        return self.runner.run_on_device(tokens, self.scalars[1:2] + (d - 2), self.scalars[0:1],
+                                         seen.shape[1] - tokens.shape[0], seen, features)
 
     def _body(self) -> tuple:
         return _expand(self.draft_head, self.h_root, self.depth, self.topk, self.size, self._step)

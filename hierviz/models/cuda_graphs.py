@@ -128,9 +128,9 @@ class StaticRunner:
 
     # ---- buffers and the captured function -----------------------------------------------
 
-    def bucket(self, b: int) -> _Bucket:
+    def _bucket(self, b: int) -> _Bucket:
         """Bucket b's input buffers (created on first use): ints_dev = tokens | positions | start |
-        wstart, win_dev = the visibility window; `forward_bucket` reads them (and `feat` for a head)."""
+        wstart, win_dev = the visibility window; `_forward` reads them (and `feat` for a head)."""
         bk = self._buckets.get(b)
         if bk is None:
             pin = self.device.type == "cuda"
@@ -143,9 +143,9 @@ class StaticRunner:
             self._buckets[b] = bk
         return bk
 
-    def forward_bucket(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> torch.Tensor:
         """The static forward for bucket b, eager or under capture: reads only the bucket's device
-        buffers (`run` fills them from the host; tree.TreeGraph writes them with device ops)."""
+        buffers (`run` fills them from the host, `run_on_device` with device ops)."""
         bk = self._buckets[b]
         ints = bk.ints_dev
         tok, pos, start, wstart = ints[:b], ints[b:2 * b], ints[2 * b], ints[2 * b + 1]
@@ -167,7 +167,7 @@ class StaticRunner:
 
     def _scratch_inputs(self, b: int) -> _Bucket:
         """Bucket b's inputs set to write only scratch slots (start = wstart = live_len)."""
-        bk = self.bucket(b)
+        bk = self._bucket(b)
         if bk.copied is not None:
             bk.copied.synchronize()
         bk.ints_host.zero_()
@@ -180,11 +180,11 @@ class StaticRunner:
         """Compile bucket b's kernels (and capture its graph) now rather than on first use."""
         with torch.no_grad():
             if self.graphs:
-                if self.bucket(b).graph is None:
+                if self._bucket(b).graph is None:
                     self._capture(b)
             else:
                 self._scratch_inputs(b)
-                self.forward_bucket(b)
+                self._forward(b)
 
     def _capture(self, b: int) -> None:
         """Warm up (compiles kernels, builds the W4 kernels' weight layouts), then capture.
@@ -194,11 +194,11 @@ class StaticRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.forward_bucket(b)
+                self._forward(b)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            bk.out = self.forward_bucket(b)
+            bk.out = self._forward(b)
         bk.graph = graph
 
     # ---- the one entry point ----------------------------------------------------------------
@@ -220,7 +220,7 @@ class StaticRunner:
         if b is None or w > b + self.window_extra or wstart > start or start + t > self.live_len:
             return None
         with torch.no_grad():
-            bk = self.bucket(b)
+            bk = self._bucket(b)
             if self.graphs and bk.graph is None:
                 # capture first: its warm-up overwrites the input buffers (scratch-slot inputs)
                 self._capture(b)
@@ -253,9 +253,34 @@ class StaticRunner:
                 bk.graph.replay()
                 out = bk.out
             else:
-                out = self.forward_bucket(b)
+                out = self._forward(b)
             self.cache.length = start + t
             return out[:t].clone()     # the static output is overwritten by the next replay
+
+    def run_on_device(self, tokens: torch.Tensor, position: torch.Tensor, wstart: torch.Tensor, offset: int,
+                      window: torch.Tensor, features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`run` with every input already on the device and written by device ops (no upload, no
+        host value), for code captured into a larger CUDA graph (tree.TreeGraph): T = len(tokens)
+        rows all at `position` (a one-element tensor), wstart a one-element tensor, start =
+        wstart + offset (offset a host int, fixed per call site), window bool [T, offset + T].
+        The caller checks that it fits (bucket, window width, cache) and sets cache.length."""
+        t = tokens.shape[0]
+        b = bucket_for(t)
+        bk = self._bucket(b)
+        ints = bk.ints_dev
+        ints.zero_()
+        ints[:t].copy_(tokens)
+        ints[b:2 * b].copy_(position.expand(b))
+        ints[2 * b:2 * b + 1].copy_(wstart + offset)
+        ints[2 * b + 1:2 * b + 2].copy_(wstart)
+        bk.win_dev.zero_()
+        bk.win_dev[:t, :window.shape[1]].copy_(window)
+        if t < b:                      # padded rows see only their own (scratch) slot, as in `run`
+            pad = torch.arange(t, b, device=ints.device)
+            bk.win_dev[pad, offset + pad] = torch.ones(b - t, dtype=torch.bool, device=ints.device)  # no host scalar
+        if features is not None:
+            self.feat[:t].copy_(features)
+        return self._forward(b)[:t]
 
 
 @dataclass
