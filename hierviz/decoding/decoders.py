@@ -124,8 +124,10 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
 def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
                     oracle: Optional[AcceptOracle] = None, level: str = "target",
                     meanwhile: Optional[Callable[[], None]] = None):
-    """Run pending + tree through the verifier, decide, compact its cache.
-    Returns (the tree read back, path, bonus, per-emitted-token distributions or None).
+    """Run pending + tree through the verifier and decide.
+    Returns (the tree read back, path, bonus, per-emitted-token distributions or None, commit):
+    `commit()` compacts the verifier's cache to the accepted path and must run before the
+    verifier's next forward; a caller may first queue GPU work that does not need it.
     The tree is still on the device: the verifier's forward is queued behind the draft and the
     one read-back brings the tree and the verifier's argmax rows together. `meanwhile`: host
     work (trace bookkeeping) done while the GPU runs the forward, off the round's critical path.
@@ -149,8 +151,9 @@ def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sample
             path, bonus = forced_tree_path(tree, best, oracle.tree(level, tree))
         else:
             path, bonus = verify_tree_greedy(tree, best)
-    state.commit_path(start, h, list(range(p)) + [p + i for i in path], [tree.tokens[i] for i in path] + [bonus])
-    return tree, path, bonus, dists
+    def commit() -> None:
+        state.commit_path(start, h, list(range(p)) + [p + i for i in path], [tree.tokens[i] for i in path] + [bonus])
+    return tree, path, bonus, dists, commit
 
 
 def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
@@ -242,7 +245,8 @@ def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler:
         with timer.stage("draft"):
             drafted = draft_tree_on_device(e, s.t_depth, s.t_topk, s.t_tree_size)
         with timer.stage("target_verify"):
-            tree, path, bonus, _ = _verify_tree_on(t, drafted, sampler, oracle, "target")
+            tree, path, bonus, _, commit = _verify_tree_on(t, drafted, sampler, oracle, "target")
+            commit()
         toks = [tree.tokens[j] for j in path]
         yield _step(i, "eagle2", timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
                     trees=[_tree_to_trace(tree, path, bonus, "target", text)], target_accepted=len(path),
@@ -281,19 +285,31 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
                 trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text))
             unrecorded.clear()
 
-        while len(draft) < s.min_draft_len:
+        while True:
             # after a fully accepted round M has not run its own last bonus yet: E_M predicts
             # that feature (HeadState.root_hidden) and M's verification runs both pending tokens
             with timer.stage("draft"):
                 drafted = draft_tree_on_device(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):
-                tree, path, bonus, dists = _verify_tree_on(m, drafted, sampler, oracle, "intermediate", record)
+                tree, path, bonus, dists, commit_m = _verify_tree_on(m, drafted, sampler, oracle, "intermediate",
+                                                                     record)
             draft += [tree.tokens[j] for j in path] + [bonus]
             if dists is not None:
                 q += dists
             unrecorded.append((tree, path, bonus))
+            if len(draft) >= s.min_draft_len:
+                break
+            with timer.stage("intermediate_verify"):
+                commit_m()
+
+        def meanwhile() -> None:
+            # T's forward does not need M's compaction: it is queued behind T's forward
+            # instead of keeping the GPU waiting before it (its GPU time counts as T's stage)
+            commit_m()
+            record()
+
         with timer.stage("target_verify"):
-            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle, record)
+            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle, meanwhile)
         m.rollback(base_len + n)
         e.rollback(base_len + n)
         m.tokens.append(bonus_t)

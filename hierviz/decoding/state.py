@@ -109,9 +109,11 @@ class BaseState:
             self.cache.keep(start, kept)
             self.features[start:start + n] = hidden[:n]
         else:
-            idx = torch.tensor(kept, dtype=torch.long).to(hidden.device)   # one upload for both gathers
-            self.cache.keep(start, idx)
-            self.features[start:start + n] = hidden[idx]
+            # one upload: the kept rows of `hidden` and their absolute cache slots (a round makes
+            # this call between a read-back and its next launch: few ops, the GPU waits on them)
+            idx = torch.tensor(kept + [start + i for i in kept], dtype=torch.long).to(hidden.device)
+            self.cache.keep(start, idx[n:])
+            torch.index_select(hidden, 0, idx[:n], out=self.features[start:start + n])
         self.tokens.extend(new_tokens)
 
     def commit_prefix(self, start: int, hidden: torch.Tensor, n_rows: int, new_tokens: list[int]) -> None:

@@ -191,6 +191,7 @@ class TreeGraph:
         self.h_root = torch.zeros(draft_head.cfg.hidden_size, dtype=runner.model.dtype, device=dev)
         self.scalars = torch.zeros(2, dtype=torch.long, device=dev)             # committed, root position
         self.scalars_host = torch.zeros(2, dtype=torch.long, pin_memory=pin)
+        self.scalars_np = self.scalars_host.numpy()
         self.copied = torch.cuda.Event() if pin else None
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.out: Optional[tuple] = None
@@ -231,8 +232,8 @@ class TreeGraph:
         runner = self.runner
         if self.copied is not None:
             self.copied.synchronize()                    # the previous upload from the pinned buffer is done
-        self.scalars_host[0] = committed
-        self.scalars_host[1] = root_pos
+        self.scalars_np[0] = committed             # a numpy store: ~1 us, a torch one ~10
+        self.scalars_np[1] = root_pos
         self.scalars.copy_(self.scalars_host, non_blocking=self.copied is not None)
         if self.copied is not None:
             self.copied.record()

@@ -97,6 +97,8 @@ class _Bucket:
     win_dev: torch.Tensor        # [b, b + window_extra] bool
     win_host: torch.Tensor
     copied: Optional[torch.cuda.Event]
+    raw_dev: torch.Tensor        # uint8: the bytes of ints_dev | win_dev (views of it)
+    raw_host: torch.Tensor
     graph: Optional["torch.cuda.CUDAGraph"] = None
     out: Optional[torch.Tensor] = None
 
@@ -135,11 +137,13 @@ class StaticRunner:
         if bk is None:
             pin = self.device.type == "cuda"
             w = b + self.window_extra
-            bk = _Bucket(torch.zeros(2 * b + 2, dtype=torch.long, device=self.device),
-                         torch.zeros(2 * b + 2, dtype=torch.long, pin_memory=pin),
-                         torch.zeros(b, w, dtype=torch.bool, device=self.device),
-                         torch.zeros(b, w, dtype=torch.bool, pin_memory=pin),
-                         torch.cuda.Event() if pin else None)
+            n_int = 8 * (2 * b + 2)
+            # ints and window share one byte buffer on each side: one upload per forward
+            raw_dev = torch.zeros(n_int + b * w, dtype=torch.uint8, device=self.device)
+            raw_host = torch.zeros(n_int + b * w, dtype=torch.uint8, pin_memory=pin)
+            bk = _Bucket(raw_dev[:n_int].view(torch.long), raw_host[:n_int].view(torch.long),
+                         raw_dev[n_int:].view(torch.bool).view(b, w), raw_host[n_int:].view(torch.bool).view(b, w),
+                         torch.cuda.Event() if pin else None, raw_dev, raw_host)
             self._buckets[b] = bk
         return bk
 
@@ -157,13 +161,9 @@ class StaticRunner:
         return self.model(tok, pos, self.cache, mask, slots)
 
     def _upload(self, bk: _Bucket) -> None:
+        bk.raw_dev.copy_(bk.raw_host, non_blocking=bk.copied is not None)
         if bk.copied is not None:
-            bk.ints_dev.copy_(bk.ints_host, non_blocking=True)
-            bk.win_dev.copy_(bk.win_host, non_blocking=True)
             bk.copied.record()
-        else:
-            bk.ints_dev.copy_(bk.ints_host)
-            bk.win_dev.copy_(bk.win_host)
 
     def _scratch_inputs(self, b: int) -> _Bucket:
         """Bucket b's inputs set to write only scratch slots (start = wstart = live_len)."""

@@ -27,12 +27,13 @@ class WeightsError(ValueError):
 
 
 class KVCache:
-    """Keys/values for one sequence: [layers, kv_heads, max_len, head_dim], `length` slots used."""
+    """Keys/values for one sequence: [layers, kv_heads, max_len, head_dim], `length` slots used.
+    k and v are the two halves of one tensor `kv`, so that compacting both is one gather."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        self.k = torch.zeros(num_layers, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.kv = torch.zeros(2, num_layers, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.length = 0
         self.max_len = max_len
 
@@ -45,16 +46,18 @@ class KVCache:
     def keep(self, start: int, slots: torch.Tensor | list[int]) -> None:
         """Keep slots start+slots[i] (ascending) moved to start+i; drop everything after start.
 
-        Used after tree verification: the accepted path's entries become contiguous."""
-        if isinstance(slots, list) and slots == list(range(len(slots))):
-            self.length = start + len(slots)      # already in place: no gather, no copy
-            return
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device) + start
-        n = idx.numel()
+        Used after tree verification: the accepted path's entries become contiguous. `slots` as
+        a tensor (on the cache's device) holds absolute slots already (start added): callers
+        upload it once for several gathers (BaseState.commit_path)."""
+        if isinstance(slots, list):
+            if slots == list(range(len(slots))):
+                self.length = start + len(slots)      # already in place: no gather, no copy
+                return
+            slots = torch.tensor([start + i for i in slots], dtype=torch.long).to(self.kv.device)
+        n = slots.numel()
         if n:
-            # gather first: source and destination ranges may overlap
-            self.k[:, :, start:start + n] = self.k[:, :, idx].clone()
-            self.v[:, :, start:start + n] = self.v[:, :, idx].clone()
+            # the gather makes a new tensor first: source and destination ranges may overlap
+            self.kv[:, :, :, start:start + n] = self.kv[:, :, :, slots]
         self.length = start + n
 
 
