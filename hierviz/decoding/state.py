@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from hierviz.decoding.transfer import upload_longs
 from hierviz.models import cuda_graphs
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import KVCache, Transformer, block_mask, causal_mask
@@ -112,7 +111,7 @@ class BaseState:
         else:
             # one upload: the kept rows of `hidden` and their absolute cache slots (a round makes
             # this call between a read-back and its next launch: few ops, the GPU waits on them)
-            idx = upload_longs(kept + [start + i for i in kept], hidden.device)
+            idx = torch.tensor(kept + [start + i for i in kept], dtype=torch.long).to(hidden.device)
             self.cache.keep(start, idx[n:])
             torch.index_select(hidden, 0, idx[:n], out=self.features[start:start + n])
         self.tokens.extend(new_tokens)

@@ -12,7 +12,6 @@ from typing import Callable, Optional
 import torch
 
 from hierviz.decoding.state import HeadState
-from hierviz.decoding.transfer import read_list
 from hierviz.models import cuda_graphs
 from hierviz.models.eagle import EagleHead
 
@@ -67,7 +66,7 @@ class PendingTree:
         ids travel as float64, exact below 2**53, next to the float32 scores)."""
         s = len(self)
         parts = [self.tokens, self.parents, self.depths, self.scores, self.logprobs] + [e.reshape(-1) for e in extra]
-        vals = read_list(torch.cat([x.double() for x in parts]))
+        vals = torch.cat([x.double() for x in parts]).tolist()
         ints = [int(v) for v in vals[:3 * s]]
         tree = Tree(self.root, ints[:s], ints[s:2 * s], ints[2 * s:], vals[3 * s:4 * s], vals[4 * s:5 * s])
         out, o = [], 5 * s

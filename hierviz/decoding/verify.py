@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from hierviz.decoding.transfer import read_list
 from hierviz.decoding.tree import Tree
 
 
@@ -97,7 +96,7 @@ def verify_tree_sampling(tree: Tree, logits: torch.Tensor, sampler: Sampler
 
 def verify_sequence_greedy(draft: list[int], logits: torch.Tensor) -> tuple[int, int]:
     """logits [n+1, V]: row i predicts draft[i]. Returns (accepted count, bonus token)."""
-    best = read_list(logits.argmax(-1))
+    best = logits.argmax(-1).tolist()
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1
@@ -152,6 +151,6 @@ def forced_tree_path(tree: Tree, best: list[int], n: int) -> tuple[list[int], in
 
 def forced_sequence(draft: list[int], logits: torch.Tensor, n: int) -> tuple[int, int]:
     """Accept the first min(n, len(draft)) draft tokens; bonus = the verifier's argmax there."""
-    best = read_list(logits.argmax(-1))
+    best = logits.argmax(-1).tolist()
     n = min(max(0, n), len(draft))
     return n, best[n]
