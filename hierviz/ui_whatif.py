@@ -139,6 +139,11 @@ def summary_markdown(d: dict[str, Any]) -> str:
                      f"{r['tokens_per_round']:.2f} | {r['ms_per_token']:.2f} | {r['rounds']} |")
     lines += ["", "tok/s: decode tokens per second (prefill excluded); vs AR: speedup; τ: tokens per round "
               "(per target verification); ms/tok: time per output token."]
+    runs = {m: r["decode_s_runs"] for m, r in ms.items() if len(r.get("decode_s_runs") or []) > 1}
+    if runs:     # --repeat N: the table shows each method's median run; say how far the runs spread
+        spread = ", ".join(f"{SHORT.get(m, m)} {min(v):.3f}-{max(v):.3f} s" for m, v in runs.items())
+        lines += ["", f"Each method: the median of {max(len(v) for v in runs.values())} timed runs "
+                      f"(decode times {spread})."]
     if "hierspec_vs_eagle2" in d:
         lines += ["", f"**HierSpec / EAGLE-2: {d['hierspec_vs_eagle2']:.2f}x** ({LABEL})."]
     return "\n".join(lines)

@@ -124,6 +124,16 @@ def test_recorded_whatif_table_matches_json(shipped, results):
     assert "exact (" in source and "python -m hierviz whatif --tiny" in source
 
 
+def test_table_says_how_repeated_runs_spread(results):
+    d = json.loads((ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-stack.json").read_text())
+    assert d["repeat"] == 3
+    table = uw.summary_markdown(d)
+    runs = d["methods"]["hierspec"]["decode_s_runs"]
+    assert "the median of 3 timed runs" in table
+    assert f"HierSpec {min(runs):.3f}-{max(runs):.3f} s" in table
+    assert "timed runs" not in uw.summary_markdown(_load(results, "rates"))     # one run: nothing to say
+
+
 def test_recorded_sweep_table_matches_json(shipped, results):
     label = next(lb for lb in shipped if "cpu-tiny-sweep.json" in lb)
     a, b, table, source = uw.show_recorded(label)
