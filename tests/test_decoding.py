@@ -216,3 +216,32 @@ def test_reduced_vocabularies_stay_lossless():
     _all_equal(stack, "hello there", s)
     logits = models.intermediate.logits(torch.zeros(2, 64))
     assert torch.isinf(logits[:, 200]).all() and torch.isfinite(logits[:, vocab]).all()
+
+
+@pytest.mark.parametrize("which", ["stack", "oracle_stack"])
+def test_hierspec_intermediate_cache_is_the_accepted_text(which, request):
+    """After every HierSpec round, M's KV cache and features hold exactly what one causal forward
+    over the accepted tokens gives: the tree compaction (queued behind T's verification in the
+    last step of a round) keeps the accepted path and nothing else. A wrong compaction would not
+    change the output (T verifies everything) but would silently lower M's acceptance."""
+    from hierviz.engine import prepare
+    st_ = request.getfixturevalue(which)
+    s = DecodeSettings(max_new_tokens=40, m_depth=3, m_topk=3, m_tree_size=8, min_draft_len=4)
+    ids, max_len = prepare(st_, "hierspec", "cache invariant", s)
+    gen = DECODERS["hierspec"](st_.models, ids, s, Sampler(), st_.tokenizer.token_text, max_len)
+    m_model = st_.models.intermediate
+    rounds = 0
+    with torch.no_grad():
+        for step in gen:
+            m = gen.gi_frame.f_locals["m"]          # the generator's intermediate state
+            n = m.processed
+            ref_cache = m_model.new_cache(max_len)
+            ref_hidden = m_model(torch.tensor(m.tokens[:n]), torch.arange(n), ref_cache)
+            torch.testing.assert_close(m.cache.k[:, :, :n], ref_cache.k[:, :, :n], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(m.cache.v[:, :, :n], ref_cache.v[:, :, :n], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(m.features[:n], ref_hidden, rtol=1e-4, atol=1e-4)
+            rounds += 1
+            if rounds >= 8:
+                break
+    gen.close()
+    assert rounds >= 8
