@@ -152,6 +152,7 @@ class Stack:
         return x, emb.cos().to(self.dtype), emb.sin().to(self.dtype), mask, slots
 
     def forward(self, x, cos, sin, mask, slots) -> torch.Tensor:
+        x = x.clone()     # the fused layer path adds its residuals into its input in place
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, self.cache, mask, slots)
         if self.head is not None:

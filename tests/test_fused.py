@@ -36,11 +36,9 @@ _SCRIPT = textwrap.dedent("""
     out = {}
     for dt in (torch.float32, torch.float16):
         k = str(dt).split(".")[-1]
-        x, d = torch.randn(5, 96, dtype=dt), torch.randn(5, 96, dtype=dt)
+        x = torch.randn(5, 96, dtype=dt)
         w = torch.rand(96, dtype=dt) + 0.5
         out[f"norm_{k}"] = rel(fused.rms_norm(x, w, 1e-5), RMSNorm(w, 1e-5)(x))
-        xo, y = fused.add_rms_norm(x, d, w, 1e-5)
-        out[f"add_norm_{k}"] = max(rel(xo, x + d), rel(y, RMSNorm(w, 1e-5)(x + d)))
         gu = torch.randn(3, 160, dtype=dt)
         g, u = gu.split(80, -1)
         out[f"silu_mul_{k}"] = rel(fused.silu_mul(gu), F.silu(g) * u)
@@ -114,7 +112,7 @@ def results() -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("op", ["norm", "add_norm", "silu_mul", "rope"])
+@pytest.mark.parametrize("op", ["norm", "silu_mul", "rope"])
 def test_elementwise_kernels_round_like_torch(results, op) -> None:
     # same operations in the same dtype as the torch code: equal, up to exp's last bit in SiLU
     assert results[f"{op}_float32"] < 1e-6

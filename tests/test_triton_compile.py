@@ -17,16 +17,16 @@ from hierviz.quant import triton_w4  # noqa: E402
 
 ARGS = ["x_ptr", "c_ptr", "s_ptr", "o_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym",
         "blocks_per_split", "n_blocks"]
-CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False}
+CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False, "ACCUM": False}
 
 
 def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> str:
-    """PTX of a @triton.jit kernel for sm_<arch>: args in signature order (name -> type), then
-    the constexprs in order. Skips the test when this Triton install has no CUDA toolchain."""
+    """PTX of a @triton.jit kernel for sm_<arch>: args (name -> type) and constexprs (name ->
+    value), put in the kernel's parameter order. Skips the test when this Triton install has no CUDA toolchain."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    order = list(args) + list(consts)
     sig = {**args, **{k: "constexpr" for k in consts}}
+    order = [a for a in fn.arg_names if a in sig]          # the kernel's own parameter order
     src = ASTSource(fn=fn, signature={k: sig[k] for k in order},
                     constexprs={(order.index(k),): v for k, v in consts.items()})
     try:
@@ -41,7 +41,7 @@ def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 
     return ptx
 
 
-def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False) -> str:
+def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False, **consts) -> str:
     args = {a: "i32" for a in ARGS[5:]}
     bn, half = CONSTS["BN"], CONSTS["SUB"] // 2
     args.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
@@ -50,7 +50,8 @@ def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False) -> str
         args.update({"x_ptr": f"tensordesc<fp16[{CONSTS['BM']}, {half}]>",
                      "s_ptr": f"tensordesc<fp16[1, {bn}]>", "o_ptr": f"tensordesc<fp16[1, {bn}]>"})
     return _ptx_of(triton_w4._w4_kernel, {a: args[a] for a in ARGS},
-                   {**CONSTS, "TMA": tma, "TMA_SOX": sox, "FACTORED": factored, "TILED": tma and factored}, arch, num_stages=4)
+                   {**CONSTS, "TMA": tma, "TMA_SOX": sox, "FACTORED": factored, "TILED": tma and factored, **consts},
+                   arch, num_stages=4)
 
 
 @pytest.mark.parametrize("arch,tma,sox,factored", [
@@ -62,16 +63,29 @@ def test_kernel_compiles_for_gpu(arch: int, tma: bool, sox: bool, factored: bool
     assert "prmt.b32" in ptx          # the inline-PTX unpack made it in
 
 
-@pytest.mark.parametrize("arch,prefetch", [(90, False), (90, True), (80, True)])
-def test_gemv_kernel_compiles_for_gpu(arch: int, prefetch: bool) -> None:
-    """The one-token CUDA-core kernel: its inline PTX (unpack + packed fp16 FMAs) compiles."""
+def _gemv_ptx(arch: int, **consts) -> str:
     args = {"x_ptr": "*i32", "c_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
             "N": "i32", "stride_c": "i32", "stride_xm": "i32", "stride_ym": "i32",
             "quads_per_split": "i32", "n_quads": "i32", "n_groups": "i32"}
-    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "PREFETCH": prefetch}
-    ptx = _ptx_of(triton_w4._w4_gemv_kernel, args, consts, arch, num_stages=1)
+    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, **consts}
+    return _ptx_of(triton_w4._w4_gemv_kernel, args, consts, arch, num_stages=1)
+
+
+@pytest.mark.parametrize("arch,prefetch", [(90, False), (90, True), (80, True)])
+def test_gemv_kernel_compiles_for_gpu(arch: int, prefetch: bool) -> None:
+    """The one-token CUDA-core kernel: its inline PTX (unpack + packed fp16 FMAs) compiles."""
+    ptx = _gemv_ptx(arch, PREFETCH=prefetch)
     assert "fma.rn.f16x2" in ptx and "prmt.b32" in ptx
     assert "mma" not in ptx            # CUDA cores only
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_residual_adding_kernels_compile_for_gpu(arch: int) -> None:
+    """Both W4 kernels without split-K but with ACCUM (y += the product: a layer's residual add
+    inside its o / down product) compile, and the epilogue reads y before storing it."""
+    for ptx in (_ptx(arch, tma=arch == 90, factored=True, ATOMIC=False, ACCUM=True),
+                _gemv_ptx(arch, PREFETCH=True, ATOMIC=False, ACCUM=True)):
+        assert "atom" not in ptx and "st.global" in ptx and "ld.global" in ptx
 
 
 def _fused_kernels():
@@ -79,8 +93,7 @@ def _fused_kernels():
     from hierviz.models import fused as f
     h = "*fp16"
     return [
-        (f._rms_norm_kernel, {"x_ptr": h, "d_ptr": h, "xo_ptr": h, "w_ptr": h, "y_ptr": h, "H": "i32", "eps": "fp32"},
-         {"HAS_DELTA": True, "BLOCK": 8192}),
+        (f._rms_norm_kernel, {"x_ptr": h, "w_ptr": h, "y_ptr": h, "H": "i32", "eps": "fp32"}, {"BLOCK": 8192}),
         (f._rope_cache_kernel, {"qkv_ptr": h, "cos_ptr": h, "sin_ptr": h, "slots_ptr": "*i64", "q_ptr": h, "k_ptr": h,
                                 "v_ptr": h, "stride_qkv": "i32", "HQ": "i32", "HKV": "i32", "L": "i32"},
          {"HD": 128, "HALF": 64, "BH": 64, "BHEADS": 16}),

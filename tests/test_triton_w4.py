@@ -68,6 +68,27 @@ _SCRIPT = textwrap.dedent("""
         assert y.shape == (m, n) and y.dtype == torch.float16
         out[f"M{m}_N{n}_K{k}_G{g}_{cfg}"] = err(y, x, w)
 
+    # add_to (a layer's residual added inside the product): split-K (atomic adds into it),
+    # one split (the ACCUM epilogue), the CUDA-core path both ways, and through the seam.
+    for m, n, k, g, cfg in [(3, 72, 256, 64, Config(32, 16, 2, 4, 2)), (20, 33, 256, 128, Config(16, 32, 1, 4, 2)),
+                            (5, 72, 256, 64, Config(32, 16, 1, 4, 2, factored=True)),
+                            (2, 33, 512, 128, Config(16, 1, 3, 4, 2, gemv=True, block_q=4)),
+                            (1, 40, 256, 32, Config(16, 1, 1, 4, 1, gemv=True, block_q=1))]:
+        w = quantize_rtn(torch.randn(n, k), g)
+        x = torch.randn(m, k, dtype=torch.float16)
+        res = torch.randn(m, n, dtype=torch.float16)
+        acc = res.clone()
+        y = triton_w4_matmul(x, w, cfg, add_to=acc)
+        assert y is acc
+        ref = x.double() @ dequantize(w, torch.float64).t() + res.double()
+        out[f"add_to_M{m}_N{n}_{cfg}"] = float((y.double() - ref).norm() / ref.norm())
+    w = quantize_rtn(torch.randn(48, 256), 64)
+    x = torch.randn(2, 3, 256, dtype=torch.float16)
+    res = torch.randn(2, 3, 48, dtype=torch.float16)
+    y = w4_linear(x, w, kernel="triton", add_to=res.clone())
+    ref = x.double() @ dequantize(w, torch.float64).t() + res.double()
+    out["add_to_seam"] = float((y.double() - ref).norm() / ref.norm())
+
     # Through the kernel seam, with an act-order permutation and a leading batch dim.
     w = quantize_rtn(torch.randn(48, 256), 64)
     w = W4Weight(w.codes, w.scales, w.offsets, 64, torch.randperm(256))
@@ -91,7 +112,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(errs) == 25
+    assert len(errs) == 31
     # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
     bad = {k: v for k, v in errs.items() if not v < 3e-3}
     assert not bad, bad

@@ -7,7 +7,8 @@ path with its mask conversion and GQA copies, SiLU * up, residual adds) took ~11
 plus launch gaps: ~12 ms per token, more than the weight-read floor of the whole model (9.1 ms).
 These kernels do that work in five launches per layer:
 
-  rms_norm / add_rms_norm   one program per token row; optionally adds the residual first
+  rms_norm                  one program per token row (the residual adds happen inside the o /
+                            down W4 products: hierviz.quant.w4.w4_linear's add_to)
   rope_to_cache             rotates q and k (HF rotate-half), writes k and v into their cache
                             slots, leaves q in [T, heads * head_dim], the layout o_proj reads
   masked_attention          flash-decoding over the preallocated cache with the static path's
@@ -63,15 +64,11 @@ def usable(x: torch.Tensor) -> bool:
 
 if HAVE_TRITON:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, d_ptr, xo_ptr, w_ptr, y_ptr, H, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         ok = offs < H
         x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
-        if HAS_DELTA:
-            x = x + tl.load(d_ptr + row * H + offs, mask=ok, other=0.0)
-            tl.store(xo_ptr + row * H + offs, x, mask=ok)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / H
         n = (xf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
@@ -200,28 +197,15 @@ if HAVE_TRITON:
         tl.store(out_ptr + t * I + offs, silu * u, mask=ok)
 
 
-def _norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x.contiguous()
-    t, hdim = x.shape
-    xo = x if delta is None else torch.empty_like(x)
-    y = torch.empty_like(x)
-    block = triton.next_power_of_2(hdim)
-    _rms_norm_kernel[(t,)](x, x if delta is None else delta.contiguous(), xo, weight, y, hdim, eps,
-                           HAS_DELTA=delta is not None, BLOCK=block,
-                           num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
-    return xo, y
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * normalize(x) for x [T, H] (RMSNorm of hierviz.models.llama)."""
-    return _norm(x, None, weight, eps)[1]
-
-
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one launch."""
-    return _norm(x, delta, weight, eps)
+    x = x.contiguous()
+    t, hdim = x.shape
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(hdim)
+    _rms_norm_kernel[(t,)](x, weight, y, hdim, eps, BLOCK=block,
+                           num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+    return y
 
 
 def rope_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -103,14 +103,19 @@ class Linear(nn.Module):
     def _device(self) -> torch.device:
         return self.weight.device if self.weight is not None else self.w4[0].codes.device
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x W^T (+ b); with add_to (the residual), added into add_to in place, which is returned."""
+        if self.weight is None and len(self.w4) == 1 and self.bias is None:
+            return w4_linear(x, self.w4[0], self.w4_kernel, add_to)
         if self.weight is not None:
             y = matmul_nt(x, self.weight)
         elif len(self.w4) == 1:
             y = w4_linear(x, self.w4[0], self.w4_kernel)
         else:
             y = torch.cat([w4_linear(x, w, self.w4_kernel) for w in self.w4], -1)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y if add_to is None else add_to.add_(y)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.splits, -1)
@@ -153,6 +158,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 cache: Optional[KVCache], attn_mask: Optional[torch.Tensor],
                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer's output. On the fused static path (CUDA, fp16/bf16) x is consumed: the
+        residual adds write into it in place (callers pass a tensor of their own)."""
         cfg = self.cfg
         if cache is not None and slots is not None and attn_mask is not None and fused.usable(x):
             return self._forward_fused(x, cos, sin, cache.k[layer], cache.v[layer], attn_mask, slots)
@@ -197,8 +204,11 @@ class DecoderLayer(nn.Module):
         q = fused.rope_to_cache(self.qkv(h), cos, sin, slots, k_cache, v_cache,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         a = fused.masked_attention(q, k_cache, v_cache, attn_mask, cfg.num_heads, cfg.head_dim)
-        x, h = fused.add_rms_norm(x, self.o(a), self.post_norm.weight, self.post_norm.eps)
-        return x + self.down(fused.silu_mul(self.gate_up(h)))
+        # the residual adds happen inside the o / down products (in place on x, this layer's own
+        # input or the previous layer's output): no zero fill for their split-K, no add kernel
+        x = self.o(a, add_to=x)
+        h = fused.rms_norm(x, self.post_norm.weight, self.post_norm.eps)
+        return self.down(fused.silu_mul(self.gate_up(h)), add_to=x)
 
 
 def causal_mask(prefix: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -397,8 +397,9 @@ if HAVE_TRITON:
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
                    TMA: tl.constexpr = False, TMA_SOX: tl.constexpr = False,
-                   FACTORED: tl.constexpr = False, TILED: tl.constexpr = False):
+                   FACTORED: tl.constexpr = False, TILED: tl.constexpr = False, ACCUM: tl.constexpr = False):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
+        # ACCUM (without ATOMIC): y += acc, y holding the caller's residual (atomic adds always add).
         # TMA: c_ptr is a tensor descriptor of the codes; each tile arrives by an asynchronous
         # copy (rows past N as zeros) that Triton's pipeliner can keep num_stages deep, where
         # pointer loads feeding the unpack are not pipelined (docs/kernels.md).
@@ -457,6 +458,8 @@ if HAVE_TRITON:
         if ATOMIC:
             tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
         else:
+            if ACCUM:
+                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -517,7 +520,8 @@ if HAVE_TRITON:
     def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, N, stride_c, stride_xm, stride_ym,
                         quads_per_split, n_quads, n_groups,
                         SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
-                        ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr = False):
+                        ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
+                        ACCUM: tl.constexpr = False):
         # y[m, n] = sum_k W[n, k] x[m, k] on CUDA cores for token m = program_id(2) and BN
         # rows, over this program's range of quads (32 channels of K each). x_ptr is x as
         # int32 fp16 pairs [M, K/2] (stride_xm in pairs), c_ptr the codes as int32 words
@@ -582,6 +586,8 @@ if HAVE_TRITON:
         if ATOMIC:
             tl.atomic_add(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
         else:
+            if ACCUM:
+                y += tl.load(ptrs, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
     # triton.jit kernels read module-level globals as constexprs only when they are marked so.
@@ -608,8 +614,31 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
-def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = None) -> torch.Tensor:
-    """y = x @ W.T for x [M, K] fp16/bf16 on CUDA (or on the CPU under TRITON_INTERPRET=1)."""
+def _output(m: int, n: int, x: torch.Tensor, atomic: bool, add_to: Optional[torch.Tensor]
+            ) -> tuple[torch.Tensor, bool]:
+    """The buffer a kernel writes, and whether it must add to what the buffer holds. Split-K adds
+    partial tiles atomically, so its buffer starts zeroed, or holds the caller's `add_to` (the
+    residual: no zero fill, no separate add). bf16 atomics are not available everywhere (nor in
+    the interpreter): bf16 split-K accumulates in a zeroed fp32 buffer, added afterwards."""
+    acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
+    if add_to is not None and acc_dtype == x.dtype:
+        return add_to, not atomic
+    return (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype), False
+
+
+def _result(y: torch.Tensor, x: torch.Tensor, add_to: Optional[torch.Tensor]) -> torch.Tensor:
+    if add_to is None:
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    if y is not add_to:
+        add_to.add_(y.to(x.dtype))
+    return add_to
+
+
+def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = None,
+                     add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ W.T for x [M, K] fp16/bf16 on CUDA (or on the CPU under TRITON_INTERPRET=1).
+    add_to: a contiguous [M, N] tensor of x's dtype to add the product into, in place (a layer's
+    residual); it is returned."""
     if not HAVE_TRITON:
         raise RuntimeError("kernel 'triton' needs the triton package")
     interp = interpreting()
@@ -623,6 +652,9 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     n = w.out_features
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, weight has {w.in_features}")
+    if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != x.dtype or not add_to.is_contiguous()):
+        raise ValueError(f"add_to must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(add_to.shape)} "
+                         f"{add_to.dtype}")
     p = packed(w, x.dtype)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
@@ -630,15 +662,12 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                                 gemv=_has_tma(x.device))
     x = x.contiguous()
     if cfg.gemv and x.dtype == torch.float16:
-        return _gemv(x, p, w.group_size, cfg, interp)
+        return _gemv(x, p, w.group_size, cfg, interp, add_to)
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
     split = triton.cdiv(n_blocks, per)
     atomic = split > 1
-    # Split-K adds partial tiles atomically into a zeroed output. bf16 atomics are not
-    # available everywhere (nor in the interpreter), so bf16 accumulates in fp32 first.
-    acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
-    y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype)
+    y, accum = _output(m, n, x, atomic, add_to)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     codes, scales, offsets, xa = p.codes, p.scales, p.offsets, x
     tma = cfg.tma and k % 32 == 0 and _has_tma(x.device)
@@ -658,9 +687,9 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
-                     FACTORED=cfg.factored, TILED=tiled,
+                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return _result(y, x, add_to)
 
 
 def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -671,7 +700,8 @@ def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
     return p.scales_nk, p.offsets_nk
 
 
-def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool) -> torch.Tensor:
+def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool,
+          add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The CUDA-core path: one token per program (used at M = 1; any M works)."""
     m, k = x.shape
     n = p.codes.shape[0]
@@ -680,16 +710,18 @@ def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool
     per = triton.cdiv(triton.cdiv(n_quads, cfg.split_k), bq) * bq
     split = triton.cdiv(n_quads, per)
     atomic = split > 1
-    y = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=x.dtype)
+    y, accum = _output(m, n, x, atomic, add_to)
     s_rows, o_rows = _row_major_groups(p)
     _w4_gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
         x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y,
         n, k // 8, k // 2, y.stride(0), per, n_quads, k // group_size,
         SUB=p.sub, G=group_size, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
-        USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2,
+        USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2, ACCUM=accum,
         num_warps=cfg.num_warps, num_stages=1)
-    return y
+    return _result(y, x, add_to)
 
+
+triton_w4_matmul.accumulates = True       # takes add_to (w4.w4_linear)
 
 if HAVE_TRITON:
     register_kernel("triton", triton_w4_matmul)

@@ -166,10 +166,18 @@ def get_kernel(name: str) -> W4Kernel:
     return KERNELS[name]
 
 
-def w4_linear(x: torch.Tensor, w: W4Weight, kernel: str = "reference") -> torch.Tensor:
-    """y = x @ W.T for x [..., K]."""
+def w4_linear(x: torch.Tensor, w: W4Weight, kernel: str = "reference",
+              add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ W.T for x [..., K]. add_to [..., N] (x's dtype): the product is added into it in
+    place and add_to is returned (a layer's residual; kernels with `accumulates` do it inside
+    the product, which saves the zero fill of a split-K output and the separate add)."""
     if w.perm is not None:
         x = x.index_select(-1, w.perm)
     fn = KERNELS.get(kernel) or get_kernel(kernel)
     shape = x.shape
-    return fn(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], w.out_features)
+    x2 = x.reshape(-1, shape[-1])
+    if add_to is not None and getattr(fn, "accumulates", False) and add_to.is_contiguous():
+        fn(x2, w, add_to=add_to.view(-1, w.out_features))
+        return add_to
+    y = fn(x2, w).reshape(*shape[:-1], w.out_features)
+    return y if add_to is None else add_to.add_(y)
