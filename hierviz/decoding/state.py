@@ -112,7 +112,7 @@ class BaseState:
             # one upload: the kept rows of `hidden` and their absolute cache slots (a round makes
             # this call between a read-back and its next launch: few ops, the GPU waits on them)
             idx = torch.tensor(kept + [start + i for i in kept], dtype=torch.long).to(hidden.device)
-            self.cache.keep(start, idx[n:])
+            self.cache.move_to(start, idx[n:])
             torch.index_select(hidden, 0, idx[:n], out=self.features[start:start + n])
         self.tokens.extend(new_tokens)
 

@@ -43,21 +43,22 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} slots to {n}")
         self.length = n
 
-    def keep(self, start: int, slots: torch.Tensor | list[int]) -> None:
+    def keep(self, start: int, slots: list[int]) -> None:
         """Keep slots start+slots[i] (ascending) moved to start+i; drop everything after start.
 
-        Used after tree verification: the accepted path's entries become contiguous. `slots` as
-        a tensor (on the cache's device) holds absolute slots already (start added): callers
-        upload it once for several gathers (BaseState.commit_path)."""
-        if isinstance(slots, list):
-            if slots == list(range(len(slots))):
-                self.length = start + len(slots)      # already in place: no gather, no copy
-                return
-            slots = torch.tensor([start + i for i in slots], dtype=torch.long).to(self.kv.device)
-        n = slots.numel()
+        Used after tree verification: the accepted path's entries become contiguous."""
+        if slots == list(range(len(slots))):
+            self.length = start + len(slots)      # already in place: no gather, no copy
+            return
+        self.move_to(start, torch.tensor([start + i for i in slots], dtype=torch.long).to(self.kv.device))
+
+    def move_to(self, start: int, src: torch.Tensor) -> None:
+        """keep() with the absolute source slots as a tensor on the cache's device (ascending, all
+        >= start): a caller that uploads one index tensor for several gathers (BaseState.commit_path)."""
+        n = src.numel()
         if n:
             # the gather makes a new tensor first: source and destination ranges may overlap
-            self.kv[:, :, :, start:start + n] = self.kv[:, :, :, slots]
+            self.kv[:, :, :, start:start + n] = self.kv[:, :, :, src]
         self.length = start + n
 
 
@@ -105,11 +106,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x W^T (+ b); with add_to (the residual), added into add_to in place, which is returned."""
-        if self.weight is None and len(self.w4) == 1 and self.bias is None:
-            return w4_linear(x, self.w4[0], self.w4_kernel, add_to)
         if self.weight is not None:
             y = matmul_nt(x, self.weight)
         elif len(self.w4) == 1:
+            if self.bias is None:     # the kernel adds into add_to itself where it can
+                return w4_linear(x, self.w4[0], self.w4_kernel, add_to)
             y = w4_linear(x, self.w4[0], self.w4_kernel)
         else:
             y = torch.cat([w4_linear(x, w, self.w4_kernel) for w in self.w4], -1)
