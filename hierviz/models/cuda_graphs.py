@@ -90,21 +90,23 @@ def bucket_for(t: int) -> Optional[int]:
     return None
 
 
-@dataclass
 class _Bucket:
-    ints_dev: torch.Tensor       # [2b + 2] int64: tokens | positions | start | wstart
-    ints_host: torch.Tensor
-    win_dev: torch.Tensor        # [b, b + window_extra] bool
-    win_host: torch.Tensor
-    copied: Optional[torch.cuda.Event]
-    raw_dev: torch.Tensor        # uint8: the bytes of ints_dev | win_dev (views of it)
-    raw_host: torch.Tensor
-    graph: Optional["torch.cuda.CUDAGraph"] = None
-    out: Optional[torch.Tensor] = None
+    """Bucket b's input buffers: on each side (device, pinned host) one byte buffer holding
+    ints = tokens | positions | start | wstart ([2b + 2] int64) and the visibility window
+    win ([b, w] bool), so that a forward's inputs go up in one copy."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, b: int, w: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        n_int = 8 * (2 * b + 2)
+        self.raw_dev = torch.zeros(n_int + b * w, dtype=torch.uint8, device=device)
+        self.raw_host = torch.zeros(n_int + b * w, dtype=torch.uint8, pin_memory=pin)
+        self.ints_dev, self.ints_host = (r[:n_int].view(torch.long) for r in (self.raw_dev, self.raw_host))
+        self.win_dev, self.win_host = (r[n_int:].view(torch.bool).view(b, w) for r in (self.raw_dev, self.raw_host))
         self.ints_np = self.ints_host.numpy()    # views: writes land in the host tensors
         self.win_np = self.win_host.numpy()
+        self.copied: Optional[torch.cuda.Event] = torch.cuda.Event() if pin else None
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.out: Optional[torch.Tensor] = None
 
 
 class StaticRunner:
@@ -135,16 +137,7 @@ class StaticRunner:
         wstart, win_dev = the visibility window; `_forward` reads them (and `feat` for a head)."""
         bk = self._buckets.get(b)
         if bk is None:
-            pin = self.device.type == "cuda"
-            w = b + self.window_extra
-            n_int = 8 * (2 * b + 2)
-            # ints and window share one byte buffer on each side: one upload per forward
-            raw_dev = torch.zeros(n_int + b * w, dtype=torch.uint8, device=self.device)
-            raw_host = torch.zeros(n_int + b * w, dtype=torch.uint8, pin_memory=pin)
-            bk = _Bucket(raw_dev[:n_int].view(torch.long), raw_host[:n_int].view(torch.long),
-                         raw_dev[n_int:].view(torch.bool).view(b, w), raw_host[n_int:].view(torch.bool).view(b, w),
-                         torch.cuda.Event() if pin else None, raw_dev, raw_host)
-            self._buckets[b] = bk
+            bk = self._buckets[b] = _Bucket(b, b + self.window_extra, self.device)
         return bk
 
     def _forward(self, b: int) -> torch.Tensor:
