@@ -155,13 +155,93 @@ def test_pipeline_in_two_calls(tmp_path):
            "GROUP": "32", "DRAFT_VOCAB": "64", "QUESTIONS": qfiles}
     script = root / "hierviz" / "train" / "gpu_pipeline.sh"
     work, out = tmp_path / "w", tmp_path / "out"
-    for stages, made in (("data distill", "M.tar"), ("heads", "heads.tar")):
+    # the second call also continues the distillation from the student the first one saved
+    second = {"STAGES": "distill heads", "INIT": str(work / "M_float.safetensors")}
+    for extra, made in (({"STAGES": "data distill"}, "M.tar"), (second, "heads.tar")):
         p = subprocess.run(["bash", str(script), str(target), "byte", str(work), str(out)], cwd=root,
-                           env={**env, "STAGES": stages}, capture_output=True, text=True, timeout=600)
+                           env={**env, **extra}, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         assert (out / made).is_file()
-        if stages == "data distill":
+        if extra["STAGES"] == "data distill":
             assert not (out / "heads.tar").exists()
+            assert json.loads((out / "distill.json").read_text())["init"] is None
     log = (out / "log.txt").read_text()
-    assert "stages: heads" in log and log.count("stages:") == 2
+    assert "stages: distill heads" in log and log.count("stages:") == 2
+    assert json.loads((out / "distill.json").read_text())["init"] == second["INIT"]
     assert (work / "smollm2-m2-eagle" / "model.safetensors").is_file()
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0, min_new_tokens=1)
+    r = out[0, len(prompt):].tolist()
+    cut = next((j + 1 for j, t in enumerate(r) if t in eos), len(r))
+    return r[:cut]
+
+
+def test_fastgen_greedy_equals_transformers_generate(tmp_path):
+    """The static-cache batched generator returns exactly what transformers' generate returns for
+    each prompt alone (greedy, fp32): left padding, EOS stops and dropping finished rows included."""
+    import transformers
+    from hierviz.train import fastgen
+    model = transformers.LlamaForCausalLM.from_pretrained(_tiny_target(tmp_path / "t")).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 259, (int(n),), generator=g).tolist() for n in torch.randint(1, 24, (10,), generator=g)]
+    free = [_hf_greedy(model, p, 24, []) for p in prompts]
+    assert fastgen.generate(model, prompts, 24, [], 0) == free
+    # EOS = tokens that occur mid-way in some answers: rows end at different steps and leave the batch
+    eos = sorted({free[0][5], free[3][2], free[6][9]})
+    ref = [_hf_greedy(model, p, 24, eos) for p in prompts]
+    assert len({len(r) for r in ref}) > 2 and min(len(r) for r in ref) < 12
+    assert fastgen.generate(model, prompts, 24, eos, 0) == ref
+    assert fastgen.generate(model, prompts, 24, eos, 0, compact_below=0.0) == ref   # never compacting: same answers
+
+
+def test_fastgen_sampling_distribution():
+    """Temperature + nucleus sampling draws each token with its renormalised nucleus probability."""
+    from hierviz.train.fastgen import sample_next
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04]))
+    n = 40000
+    gen = torch.Generator().manual_seed(0)
+    draws = sample_next(logits.expand(n, 5).clone(), 1.0, 0.85, gen)   # nucleus: the first three (0.5+0.25 < 0.85)
+    freq = torch.bincount(draws, minlength=5).double() / n
+    want = torch.tensor([0.5, 0.25, 0.15, 0.0, 0.0], dtype=torch.float64) / 0.9
+    assert (freq - want).abs().max() < 0.01, freq
+    hot = sample_next(logits.expand(n, 5).clone(), 2.0, 1.0, gen)      # temperature 2: p ~ sqrt(p)
+    want = logits.double().div(2).softmax(-1)
+    assert (torch.bincount(hot, minlength=5).double() / n - want).abs().max() < 0.01
+    assert sample_next(logits[None], 0.0, 1.0, None).item() == 0
+
+
+def test_sample_items_never_repeats_a_greedy_answer():
+    from hierviz.train.data import parse_modes, sample_items
+    items = sample_items(200, parse_modes("greedy:0.5,t0.7:0.5"), 3, 0)
+    assert len(items) == 600
+    greedy = [i for i, m in items if m == "greedy"]
+    assert len(greedy) == len(set(greedy)) and len(greedy) >= 100
+
+
+def test_instruct_stage(tmp_path, monkeypatch):
+    """--instruct: the target writes questions / tasks (sampled); the usable distinct ones are
+    answered and land in the data as instruct-* samples next to the writing samples."""
+    from hierviz.train import data
+    from hierviz.train.common import TokenData
+    from hierviz.train.prompts import parse_instruction
+    assert parse_instruction('Question: "How do bees make honey?"') == "How do bees make honey?"
+    assert parse_instruction("2) Write a poem about the sea at night.") == "Write a poem about the sea at night."
+    assert parse_instruction("ok then") is None
+    # a random byte model writes no words: accept any non-empty text so the answering path runs
+    monkeypatch.setattr(data, "parse_instruction", lambda t: t.strip() or None)
+    target = _tiny_target(tmp_path / "target")
+    qs = ["--questions", *map(str, QUESTIONS)] if QUESTIONS else []
+    assert data.main(["--target", str(target), "--tokenizer", "byte", "--out", str(tmp_path / "d.pt"),
+                      "--num-prompts", "6", "--max-new-tokens", "8", "--batch-size", "8", "--device", "cpu",
+                      "--instruct", "10", "--instruct-max-tokens", "12", *qs]) == 0
+    d = TokenData.load(tmp_path / "d.pt")
+    info = d.meta["instruct"]
+    cats = d.meta["categories"]
+    assert info["asked"] == info["written"] == 10
+    assert sum(v for k, v in cats.items() if k.startswith("instruct-ask-")) == 10
+    answered = sum(v for k, v in cats.items() if k.startswith("instruct-") and not k.startswith("instruct-ask-"))
+    assert answered == info["answered_prompts"] > 0
+    assert len(d) == 6 + 10 + answered

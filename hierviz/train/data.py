@@ -27,7 +27,9 @@ import torch
 
 from hierviz.train.common import (base_dtype, TokenData, build_hf, command_line, env_info, load_base, load_tokenizer, log,
                                   pick_device, seed_all, write_json)
-from hierviz.train.prompts import build_prompts, derived_prompts, overlap_report, overlapping_prompts
+from hierviz.train import fastgen
+from hierviz.train.prompts import (build_prompts, derived_prompts, instruct_prompts, overlap_report,
+                                     overlapping_prompts, parse_instruction)
 
 DEFAULT_MODES = "greedy:0.5,t0.7:0.25,t1.0:0.25"
 
@@ -61,26 +63,27 @@ def assign_modes(n: int, modes: list[tuple[str, float]], seed: int) -> list[str]
     return out
 
 
-@torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], mode: str, max_new: int, eos_ids: list[int], pad_id: int,
-                   top_p: float, device) -> list[list[int]]:
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
-    am = torch.zeros((len(prompts), L), dtype=torch.long)
-    for i, p in enumerate(prompts):   # left padding
-        ids[i, L - len(p):] = torch.tensor(p)
-        am[i, L - len(p):] = 1
-    kw = dict(do_sample=False) if mode == "greedy" else dict(do_sample=True, temperature=float(mode[1:]), top_p=top_p,
-                                                            top_k=0)
-    out = model.generate(input_ids=ids.to(device), attention_mask=am.to(device), max_new_tokens=max_new,
-                         eos_token_id=eos_ids, pad_token_id=pad_id, min_new_tokens=1, **kw)
-    resp = out[:, L:].cpu().tolist()
-    eos = set(eos_ids)
-    result = []
-    for r in resp:
-        cut = next((j + 1 for j, t in enumerate(r) if t in eos), len(r))
-        result.append(r[:cut])
-    return result
+                   top_p: float, seed: int) -> list[list[int]]:
+    """T's responses (cut after the first EOS) to a batch of prompts: greedy or sampled at tX.Y."""
+    temperature = 0.0 if mode == "greedy" else float(mode[1:])
+    return fastgen.generate(model, prompts, max_new, eos_ids, pad_id, temperature=temperature,
+                            top_p=top_p if temperature > 0 else 1.0, seed=seed)
+
+
+def sample_items(n: int, modes: list[tuple[str, float]], samples_per_prompt: int, seed: int) -> list[tuple[int, str]]:
+    """(prompt index, mode) for every sample: the mode mix per round of samples; a prompt answered
+    greedily once gets its next samples sampled instead (a second greedy answer would be a copy)."""
+    sampled = [m for m, _ in modes if m != "greedy"] or ["t1.0"]
+    items, greedy_done = [], set()
+    for s in range(samples_per_prompt):
+        for i, m in enumerate(assign_modes(n, modes, seed + s)):
+            if m == "greedy" and i in greedy_done:
+                m = sampled[(i + s) % len(sampled)]
+            elif m == "greedy":
+                greedy_done.add(i)
+            items.append((i, m))
+    return items
 
 
 def draft_vocab(data: TokenData, size: int, always: list[int]) -> tuple[list[int], dict]:
@@ -130,6 +133,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "from / extract / translate / rewrite / check this text) and answer them greedily")
     ap.add_argument("--derived-min-tokens", type=int, default=60, help="shortest answer used as a passage")
     ap.add_argument("--derived-budget", type=float, default=0, help="seconds for the derived stage (0: no limit)")
+    ap.add_argument("--instruct", type=int, default=0,
+                    help="also ask the target to write N questions / tasks (sampled) and answer the usable ones")
+    ap.add_argument("--instruct-temperature", type=float, default=1.0)
+    ap.add_argument("--instruct-max-tokens", type=int, default=96, help="longest written question / task")
+    ap.add_argument("--instruct-budget", type=float, default=0, help="seconds for the self-instruct stage (0: no limit)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None, help="JSON report path (default: OUT with .json)")
@@ -157,11 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = build_hf(cfg, weights, device, dtype).eval()
     log(f"target loaded: {cfg.get('num_hidden_layers')} layers on {device} ({time.time() - t0:.1f}s)")
 
-    items = []   # (prompt index, mode)
     modes = parse_modes(a.modes)
-    for s in range(a.samples_per_prompt):
-        for i, m in enumerate(assign_modes(len(prompts), modes, a.seed + s)):
-            items.append((i, m))
+    items = sample_items(len(prompts), modes, a.samples_per_prompt, a.seed)
     enc = [tok.encode_chat(p) for _, p in prompts]
 
     tokens, offsets, plens, mlist, split, cats = [], [0], [], [], [], []
@@ -170,7 +175,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     gen_t0 = time.time()
 
     def run_batches(items: list[tuple[int, str]], enc: list[list[int]], prompts: list[tuple[str, str]],
-                    budget: float, seed_base: int, keep: bool) -> None:
+                    budget: float, seed_base: int, keep: bool, max_new: int = 0,
+                    collect: Optional[list] = None) -> None:
         """Generate the target's answers for `items`, batched by mode (shortest prompts first),
         appending every sample; stops starting batches once `budget` seconds have passed."""
         nonlocal n_resp
@@ -188,9 +194,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log(f"time budget reached after {bi} of {len(order)} batches")
                 break
             m = items[ks[0]][1]
-            torch.manual_seed(a.seed * 1000 + seed_base + bi)
-            resps = generate_batch(model, [enc[items[k][0]] for k in ks], m, a.max_new_tokens, eos_ids, pad_id,
-                                   a.top_p, device)
+            resps = generate_batch(model, [enc[items[k][0]] for k in ks], m, max_new or a.max_new_tokens, eos_ids,
+                                   pad_id, a.top_p, a.seed * 1000 + seed_base + bi)
             for k, r in zip(ks, resps):
                 i = items[k][0]
                 seq = enc[i] + r
@@ -204,11 +209,43 @@ def main(argv: Optional[list[str]] = None) -> int:
                 n_resp += len(r)
                 if keep and not held:
                     responses.append((i, r))
+                if collect is not None:
+                    collect.append((i, r))
             el = time.time() - gen_t0
             log(f"batch {bi + 1}/{len(order)} ({m}, {len(ks)} prompts): {n_resp} response tokens, "
                 f"{n_resp / max(el, 1e-9):.0f} tok/s")
 
     run_batches(items, enc, prompts, a.time_budget, 0, keep=a.derived > 0)
+    instruct_info = None
+    if a.instruct:
+        # the target writes questions / tasks (sampled), then answers the usable ones (prompts.instruct_prompts)
+        asks = instruct_prompts(a.instruct, a.seed + 7)
+        ask_check = overlap_report([p for _, p in asks], a.questions) if a.questions else None
+        if ask_check and (ask_check["exact_matches"] or ask_check["prompts_sharing_an_ngram"]):
+            raise SystemExit(f"instruction-writing prompts overlap the benchmark questions: {ask_check['examples']}")
+        written: list[tuple[int, list[int]]] = []
+        t_ask = time.time()
+        run_batches([(i, f"t{a.instruct_temperature:g}") for i in range(len(asks))], [tok.encode_chat(p) for _, p in asks],
+                    [(f"instruct-ask-{c}", p) for c, p in asks], a.instruct_budget / 3 if a.instruct_budget else 0,
+                    300, keep=False, max_new=a.instruct_max_tokens, collect=written)
+        eos_set = set(eos_ids)
+        seen, new_prompts = set(), []
+        for i, r in written:
+            text = parse_instruction(tok.decode([t for t in r if t not in eos_set]))
+            if text and text.lower() not in seen:
+                seen.add(text.lower())
+                new_prompts.append((f"instruct-{asks[i][0]}", text))
+        hits = overlapping_prompts([p for _, p in new_prompts], a.questions) if a.questions and new_prompts else set()
+        new_prompts = [np_ for np_ in new_prompts if np_[1] not in hits]
+        ienc = [tok.encode_chat(p) for _, p in new_prompts]
+        left = max(a.instruct_budget - (time.time() - t_ask), 1.0) if a.instruct_budget else 0
+        run_batches(sample_items(len(new_prompts), modes, a.samples_per_prompt, a.seed + 11), ienc, new_prompts, left,
+                    400, keep=a.derived > 0)
+        instruct_info = {"asked": len(asks), "temperature": a.instruct_temperature, "written": len(written),
+                         "usable_distinct": len(new_prompts) + len(hits), "dropped_for_overlap": len(hits),
+                         "answered_prompts": len(new_prompts), "overlap_check_of_asks": ask_check,
+                         "examples": [p for _, p in new_prompts[:8]]}
+        log(f"self-instruct: {instruct_info['written']} written, {len(new_prompts)} usable distinct prompts answered")
     derived_info = None
     if a.derived:
         # long prompts built on the target's own training answers (prompts.derived_prompts)
@@ -234,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "samples": len(mlist), "prompt_tokens": int(sum(plens)), "response_tokens": n_resp,
             "heldout_samples": split.count("heldout"), "categories": dict(collections.Counter(cats)),
             "mode_counts": dict(collections.Counter(mlist)), "generation_seconds": round(gen_s, 1),
-            "derived": derived_info,
+            "derived": derived_info, "instruct": instruct_info,
             "env": env_info(device)}
     data = TokenData(torch.tensor(tokens, dtype=torch.int32), torch.tensor(offsets, dtype=torch.long),
                      torch.tensor(plens, dtype=torch.int32), mlist, split, meta)

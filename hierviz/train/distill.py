@@ -204,6 +204,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--calib-samples", type=int, default=256)
     ap.add_argument("--save-float", default=None, help="also save the unquantized student here (safetensors)")
+    ap.add_argument("--init", default=None,
+                    help="start from this unquantized student (a --save-float file of an earlier run with the same "
+                         "--layers) instead of T's layers: continues a distillation in a second device call")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None)
@@ -222,6 +225,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     for p in teacher.parameters():
         p.requires_grad_(False)
     student = build_hf(t_cfg, student_weights(t_w, layer_ids), device, torch.float32, num_hidden_layers=a.layers)
+    if a.init:
+        from safetensors.torch import load_file
+        init = load_file(a.init)
+        own = student.state_dict()
+        missing = sorted(k for k in own if k != "lm_head.weight" and k not in init)
+        bad = sorted(k for k in init if k not in own or init[k].shape != own[k].shape)
+        if missing or bad:
+            raise SystemExit(f"--init {a.init} does not fit a {a.layers}-layer student: "
+                             f"missing {missing[:3]}, mismatched {bad[:3]}")
+        with torch.no_grad():
+            for k, v in init.items():
+                own[k].copy_(v.to(torch.float32))
     student.model.embed_tokens.weight.requires_grad_(False)
     student.model.norm.weight.requires_grad_(False)
     log(f"teacher {n_t} layers, student layers {layer_ids} on {device} ({time.time() - t0:.1f}s)")
@@ -244,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     gptq_s = round(time.time() - tq, 1)
     report = {"command": command_line("hierviz.train.distill", argv), "target": str(a.target), "data": str(a.data),
               "data_meta": {k: data.meta.get(k) for k in ("samples", "response_tokens", "prompt_tokens")},
-              "student_layers_from_target": layer_ids, "lr": a.lr, "batch_tokens": a.batch_tokens,
+              "student_layers_from_target": layer_ids, "init": a.init, "lr": a.lr, "batch_tokens": a.batch_tokens,
               "loss": "KL(T||M)" + (f" + {a.top1_weight:g} x CE(M, argmax T)" if a.top1_weight else ""),
               "training": tr, "agreement_heldout_before": before, "agreement_heldout_after": after,
               "gptq": {"group_size": a.group_size, "sym": False, "calib_samples": len(calib_idx), "seconds": gptq_s},

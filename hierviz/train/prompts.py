@@ -9,7 +9,7 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 SUBJECTS = [
     "photosynthesis", "the water cycle", "volcanoes", "black holes", "the immune system", "plate tectonics",
@@ -298,6 +298,60 @@ def derived_prompts(passages: list[str], seed: int = 0) -> list[tuple[str, str]]
         out.append((f"derived-{kind}", t.format(p=text.strip(), a=rng.choice(AUDIENCES),
                                                 lang=rng.choice(TARGET_LANGS))))
     return out
+
+
+# ---- self-instruct prompts: questions and tasks the target writes itself ---------------------------
+# Template prompts repeat a few sentence shapes; benchmark questions do not. Asking the target to
+# write a question or task (sampled, so each one differs) and then answering it gives prompts in
+# many more shapes, still without any benchmark text (the overlap rule applies to them too).
+INSTRUCT_TEMPLATES: dict[str, list[str]] = {
+    "qa": ["Write one question that {a} might ask about {s}. Reply with the question only.",
+           "Write a trivia question about {s}. Reply with the question only.",
+           "Write a question about a famous person, place or event connected to {s}. Reply with the question only."],
+    "writing": ["Write a short writing task (an email, story, poem, essay, speech or letter) about {s} for someone else "
+                "to do. Reply with the task only.",
+                "Write a request that asks for a blog post or an article about {s}, with two or three specific "
+                "requirements. Reply with the request only."],
+    "math": ["Write a math word problem about {s} that uses numbers. Reply with the problem only.",
+             "Write an arithmetic or algebra question that {a} could solve. Reply with the question only."],
+    "reasoning": ["Write a question that asks someone to compare {s} and {s2}. Reply with the question only.",
+                  "Write a logic puzzle or riddle. Reply with the puzzle only.",
+                  "Write a question asking why something about {s} happens. Reply with the question only."],
+    "coding": ["Write a programming task in {l} related to {s}. Reply with the task only.",
+               "Write a question a programmer might ask about {k}. Reply with the question only."],
+    "stem": ["Write an exam question about {s} for a science class. Reply with the question only."],
+    "humanities": ["Write an essay question about history, art or society related to {s}. Reply with the question only."],
+    "roleplay": ["Write an instruction that asks an assistant to pretend to be someone and talk about {s}. "
+                 "Reply with the instruction only."],
+    "extraction": ["Write a short news report (three or four sentences) about {s}, then on a new line ask a question "
+                   "that can be answered from it."],
+}
+
+
+def instruct_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """n (category, prompt) pairs asking the target to write a question or task of that category."""
+    rng = random.Random(seed)
+    cats = sorted(INSTRUCT_TEMPLATES)
+    out = []
+    for i in range(n):
+        c = cats[i % len(cats)]
+        t = rng.choice(INSTRUCT_TEMPLATES[c])
+        out.append((c, t.format(s=rng.choice(SUBJECTS), s2=rng.choice(SUBJECTS), a=rng.choice(AUDIENCES),
+                                l=rng.choice(LANGUAGES), k=rng.choice(CODE_CONCEPTS))))
+    return out
+
+
+def parse_instruction(text: str, min_words: int = 4, max_words: int = 120) -> Optional[str]:
+    """The question or task in a target-written reply, or None when it is unusable (too short,
+    too long, a refusal-like fragment). Strips quotes, list markers and "Question:" labels."""
+    t = text.strip()
+    t = re.sub(r"^(?:\*\*)?(?:question|task|problem|request|instruction|puzzle|riddle)\s*(?:\d+)?\s*:\s*(?:\*\*)?",
+               "", t, flags=re.I).strip()
+    t = re.sub(r"^(?:\d+[.)]|[-*])\s+", "", t).strip().strip('"').strip("\u201c\u201d").strip()
+    n = len(t.split())
+    if n < min_words or n > max_words:
+        return None
+    return t
 
 
 # ---- the non-overlap check -----------------------------------------------------------------------
