@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import random
 import time
 from pathlib import Path
 from typing import Optional
@@ -53,7 +54,6 @@ def _isfloat(s: str) -> bool:
 
 
 def assign_modes(n: int, modes: list[tuple[str, float]], seed: int) -> list[str]:
-    import random
     rng = random.Random(seed)
     total = sum(w for _, w in modes)
     counts = [int(round(n * w / total)) for _, w in modes]
@@ -184,9 +184,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         for k, (i, m) in enumerate(items):
             by_mode[m].append(k)
         batches = []
+        shuffle = random.Random(a.seed + seed_base)
         for m, ks in by_mode.items():
             ks.sort(key=lambda k: len(enc[items[k][0]]))
-            batches.append([ks[j:j + a.batch_size] for j in range(0, len(ks), a.batch_size)])
+            chunks = [ks[j:j + a.batch_size] for j in range(0, len(ks), a.batch_size)]
+            # similar lengths share a batch (little padding), but the batches run in random order: a
+            # budget that stops early must not keep only the shortest prompts (some categories)
+            shuffle.shuffle(chunks)
+            batches.append(chunks)
         order = _round_robin(batches)
         t_start = time.time()
         for bi, ks in enumerate(order):
@@ -225,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"instruction-writing prompts overlap the benchmark questions: {ask_check['examples']}")
         written: list[tuple[int, list[int]]] = []
         t_ask = time.time()
-        run_batches([(i, f"t{a.instruct_temperature:g}") for i in range(len(asks))], [tok.encode_chat(p) for _, p in asks],
+        run_batches([(i, f"t{float(a.instruct_temperature)}") for i in range(len(asks))], [tok.encode_chat(p) for _, p in asks],
                     [(f"instruct-ask-{c}", p) for c, p in asks], a.instruct_budget / 3 if a.instruct_budget else 0,
                     300, keep=False, max_new=a.instruct_max_tokens, collect=written)
         eos_set = set(eos_ids)
