@@ -38,25 +38,30 @@ class StaticCacheLlama:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_len = max_len
         shape = (batch, self.n_kv, max_len, self.head_dim)
         n_layers = len(self.core.layers)
-        self.k = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(n_layers)]
+        # zeros, not empty: a graphed step attends over every column (masked ones included), and a
+        # NaN bit pattern there would poison the output even with zero attention weight
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(n_layers)]
+        self.graph: Optional[_DecodeGraph] = None
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
+        self.graph = None          # captured for the old batch size and tensors
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: int, pad: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] (float32) of the last column, after writing columns start..start+T-1."""
+    def forward(self, ids: torch.Tensor, cols: torch.Tensor, pad: torch.Tensor, n_keys: int) -> torch.Tensor:
+        """Logits [B, V] (float32) of the last column, after writing K/V at columns `cols` (a [T]
+        device tensor) and attending over the first n_keys columns."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         B, T = ids.shape
-        cols = torch.arange(start, start + T, device=ids.device)
         pos = (cols[None, :] - pad[:, None]).clamp_min(0)
         h = self.core.embed_tokens(ids)
         cos, sin = self.core.rotary_emb(h, pos)
-        mask = _attend_mask(pad, cols, start + T)
+        mask = _attend_mask(pad, cols, n_keys)
         for i, layer in enumerate(self.core.layers):
             at = layer.self_attn
             x = layer.input_layernorm(h)
@@ -64,14 +69,48 @@ class StaticCacheLlama:
             k = at.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             v = at.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.k[i][:, :, start:start + T] = k
-            self.v[i][:, :, start:start + T] = v
-            o = F.scaled_dot_product_attention(q, self.k[i][:, :, :start + T], self.v[i][:, :, :start + T],
+            self.k[i].index_copy_(2, cols, k)
+            self.v[i].index_copy_(2, cols, v)
+            o = F.scaled_dot_product_attention(q, self.k[i][:, :, :n_keys], self.v[i][:, :, :n_keys],
                                                attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
             h = h + at.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.core.norm(h[:, -1])
         return self.model.lm_head(h).float()
+
+    def decode(self, ids: torch.Tensor, col: int, pad: torch.Tensor, graphed: bool) -> torch.Tensor:
+        """One decode step ([B, 1] ids written at column col). Graphed: a CUDA graph of the step
+        over the whole cache (the mask hides unwritten columns), captured once per batch size;
+        a launch-bound model then pays one launch instead of ~12 per layer."""
+        if not graphed:
+            return self.forward(ids, torch.tensor([col], device=ids.device), pad, col + 1)
+        if self.graph is None or self.graph.batch != ids.shape[0]:
+            self.graph = _DecodeGraph(self, ids, col, pad)
+        return self.graph.run(ids, col, pad)
+
+
+class _DecodeGraph:
+    def __init__(self, cache: StaticCacheLlama, ids: torch.Tensor, col: int, pad: torch.Tensor) -> None:
+        self.batch = ids.shape[0]
+        self.ids, self.pad = ids.clone(), pad.clone()
+        self.col = torch.tensor([col], device=ids.device)
+        step = lambda: cache.forward(self.ids, self.col, self.pad, cache.max_len)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):      # warm-up writes this step's K/V: the replay rewrites the same values
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step()
+
+    def run(self, ids: torch.Tensor, col: int, pad: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.pad.copy_(pad)
+        self.col.fill_(col)
+        self.graph.replay()
+        return self.logits
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: Optional[torch.Generator]) -> torch.Tensor:
@@ -91,11 +130,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: Opt
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new: int, eos_ids: list[int], pad_id: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
-             compact_below: float = 0.5) -> list[list[int]]:
+             compact_below: float = 0.5, cuda_graph: bool = True) -> list[list[int]]:
     """Responses of `model` to each prompt (token lists), each cut after its first EOS.
 
     temperature 0 is greedy. Rows leave the batch (cache rows dropped) once fewer than
-    `compact_below` of the rows still running are unfinished."""
+    `compact_below` of the rows still running are unfinished. On a GPU the decode step runs as
+    a CUDA graph unless cuda_graph is False."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -116,7 +156,8 @@ def generate(model, prompts: list[list[int]], max_new: int, eos_ids: list[int], 
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
     rows = torch.arange(B, device=device)          # original row of each running row
     out = torch.full((B, max_new), -1, dtype=torch.long, device=device)
-    logits = cache.forward(ids, 0, pad)
+    graphed = cuda_graph and device.type == "cuda"
+    logits = cache.forward(ids, torch.arange(L, device=device), pad, L)
     if eos_ids:
         logits[:, eos] = float("-inf")             # at least one token per response (generate's min_new_tokens=1)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -136,7 +177,7 @@ def generate(model, prompts: list[list[int]], max_new: int, eos_ids: list[int], 
         # a finished row that stays (not compacted yet) decodes pad tokens; its output is cut at
         # its first EOS below, so they never count
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        logits = cache.forward(nxt[:, None], L + step, pad)
+        logits = cache.decode(nxt[:, None], L + step, pad, graphed)
     result = []
     eos_set = set(eos_ids)
     for r in out.cpu().tolist():
