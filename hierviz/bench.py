@@ -21,7 +21,6 @@ from typing import Any, Optional
 from hierviz.cli import add_settings_args, settings_from_args
 from hierviz.trace import METHODS, Trace
 
-WARMUP_PROMPT = "Say hello."
 
 
 class BenchError(ValueError):
@@ -152,14 +151,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     from tqdm import tqdm
 
-    from hierviz.engine import EngineError, generate, load_stack
+    from hierviz.engine import EngineError, generate, load_stack, warm_up
     from hierviz.stack import StackError
     try:
         questions = read_questions(a.questions, a.limit, a.categories.split(",") if a.categories else None)
         stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
         settings = settings_from_args(a, str(stack.device))
-        for m in methods:   # warm-up: first-call costs (allocations, kernel packing) stay out of the figures
-            generate(stack, m, WARMUP_PROMPT, type(settings)(**{**settings.to_dict(), "max_new_tokens": 8}))
+        warm_up(stack, methods, settings)   # first-call costs (allocations, kernel packing) stay out of the figures
     except (BenchError, EngineError, StackError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ class Stack:
     models: Models
     tokenizer: Tokenizer
     meta: dict[str, Any] = field(default_factory=dict)
+    warmed: set = field(default_factory=set, repr=False, compare=False)   # engine.warm_up's record
 
     @property
     def device(self) -> torch.device:

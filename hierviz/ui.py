@@ -345,6 +345,10 @@ def visualizer_tab(stack_default: Optional[str] = None) -> None:
                    **panel_updates(new), **nav_updates(new)}
             stack_obj = get_stack(str(stack_v))
             methods = [m for m in RUN_ORDER if m != "ar" or ar_v]
+            if not engine.is_warm(stack_obj, methods, settings):
+                # else the first method pays every first-call cost and the comparison is skewed
+                yield {status: status_html("Warming up the models (first run with these settings)…")}
+                engine.warm_up(stack_obj, methods, settings)
             for method in methods:
                 if stop.is_set():
                     break

@@ -60,3 +60,26 @@ def test_bad_questions_file(tmp_path, capsys):
         read_questions(p)
     assert main(["--questions", str(p), "--stack", "tiny-random", "--out", str(tmp_path / "o")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_warm_up_runs_each_method_once_per_tree_settings(monkeypatch):
+    """bench and the app's live runs warm every method up before timing it, once per stack and
+    tree settings (a longer run with the same trees has nothing left to warm)."""
+    import dataclasses
+
+    from hierviz import engine
+    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.stack import tiny_random_stack
+    stack = tiny_random_stack("cpu")
+    calls = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda st, m, p, s: calls.append((m, s.max_new_tokens)) or real(st, m, p, s))
+    s = DecodeSettings(max_new_tokens=20, m_tree_size=8, t_tree_size=8)
+    methods = ["hierspec", "eagle2"]
+    assert not engine.is_warm(stack, methods, s)
+    engine.warm_up(stack, methods, s)
+    assert calls == [("hierspec", 8), ("eagle2", 8)] and engine.is_warm(stack, methods, s)
+    engine.warm_up(stack, methods, dataclasses.replace(s, max_new_tokens=40))
+    assert len(calls) == 2
+    engine.warm_up(stack, methods, dataclasses.replace(s, t_tree_size=12))
+    assert calls[2:] == [("hierspec", 8), ("eagle2", 8)]

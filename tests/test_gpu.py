@@ -1,6 +1,7 @@
 """GPU-only checks of what only a GPU runs: CUDA-graph replays of the decoders' forwards and of
 whole draft trees (tree.TreeGraph). Skipped without CUDA (CI); on the device machine:
-`python -m pytest -q tests/test_gpu.py` (session 13, H200: 3 passed). The same code runs eagerly
+`python -m pytest -q tests/test_gpu.py` (session 13, H200: 3 passed; the repeatability test below was
+added in session 14 without a GPU left to run it on: run it first). The same code runs eagerly
 through the static path in CPU tests (test_tree.py, test_cuda_graphs.py)."""
 from __future__ import annotations
 
@@ -53,3 +54,49 @@ def test_tree_graph_replays_the_eager_tree() -> None:
     assert all(t == trees[0] for t in trees[1:])
     graphs = list(runner.tree_graphs.values())
     assert [(g.graph is not None, g.calls) for g in graphs] == [(True, 4)]
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k,n", [(576, 576), (1536, 576), (8192, 8192)])
+def test_w4_product_is_bitwise_repeatable(k, n, m) -> None:
+    """The same fp16 W4 product, added into the same residual, gives the same bits every time.
+    Session 14 saw fp16 AR give different outputs for one prompt in two runs on one machine;
+    the suspect is split-K programs adding their partial tiles atomically (in a varying order)
+    into the residual. This test says whether that is so at the layer shapes it runs at."""
+    from hierviz.quant.triton_w4 import triton_w4_matmul
+    from hierviz.quant.w4 import W4Weight, quantize_rtn
+    torch.manual_seed(0)
+    w = quantize_rtn(torch.randn(n, k) * 0.02, 64)
+    w = W4Weight(w.codes.cuda(), w.scales.half().cuda(), w.offsets.half().cuda(), w.group_size, None)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    r = torch.randn(m, n, device="cuda", dtype=torch.float16) * 4
+    first_add, first = triton_w4_matmul(x, w, add_to=r.clone()), triton_w4_matmul(x, w)
+    differing_add = sum(not torch.equal(first_add, triton_w4_matmul(x, w, add_to=r.clone())) for _ in range(20))
+    differing = sum(not torch.equal(first, triton_w4_matmul(x, w)) for _ in range(20))
+    assert (differing_add, differing) == (0, 0), f"of 20 repeats, {differing_add} (add_to) / {differing} differ"
+
+
+def test_fastgen_graphed_step_equals_eager() -> None:
+    """The training-data generator's CUDA-graph decode step gives the eager step's tokens (fp32;
+    rows end at different steps, so the batch shrinks and the graph is captured again)."""
+    import collections
+
+    import transformers
+
+    from hierviz.train import fastgen
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                   initializer_range=0.3)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda").eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(2, 30, (40,), generator=g)]
+    free = fastgen.generate(model, prompts, 30, [], 0, cuda_graph=False)
+    eos = [t for t, _ in collections.Counter(t for r in free for t in r[2:]).most_common(4)]
+    eager = fastgen.generate(model, prompts, 30, eos, 0, cuda_graph=False)
+    assert len({len(r) for r in eager}) > 3
+    assert fastgen.generate(model, prompts, 30, eos, 0, cuda_graph=True) == eager
+    sampled = dict(temperature=0.9, top_p=0.9, seed=5)
+    assert (fastgen.generate(model, prompts, 30, eos, 0, cuda_graph=True, **sampled) ==
+            fastgen.generate(model, prompts, 30, eos, 0, cuda_graph=False, **sampled))
