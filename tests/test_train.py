@@ -230,6 +230,10 @@ def test_instruct_stage(tmp_path, monkeypatch):
     assert parse_instruction('Question: "How do bees make honey?"') == "How do bees make honey?"
     assert parse_instruction("2) Write a poem about the sea at night.") == "Write a poem about the sea at night."
     assert parse_instruction("ok then") is None
+    assert parse_instruction("What is a prime number? The answer is that a prime has two divisors. Also") == \
+        "What is a prime number?"
+    assert parse_instruction("A soldier's motto is a Germanic word meaning live without fear.") is None   # no task
+    assert parse_instruction("I'm not able to write questions, but what is your favourite animal?") is None
     # a random byte model writes no words: accept any non-empty text so the answering path runs
     monkeypatch.setattr(data, "parse_instruction", lambda t: t.strip() or None)
     target = _tiny_target(tmp_path / "target")

@@ -341,13 +341,30 @@ def instruct_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     return out
 
 
+IMPERATIVES = frozenset(
+    "write explain describe list create give compare summarize summarise calculate solve translate design implement "
+    "find suggest plan compose draft tell imagine pretend discuss analyze analyse outline propose rewrite convert "
+    "classify identify evaluate define name recommend generate develop build make prepare read show teach help use "
+    "choose estimate prove argue predict research".split())
+REFUSALS = ("i'm not", "i am not", "as an ai", "i cannot", "i can't", "sorry", "i don't")
+
+
 def parse_instruction(text: str, min_words: int = 4, max_words: int = 120) -> Optional[str]:
-    """The question or task in a target-written reply, or None when it is unusable (too short,
-    too long, a refusal-like fragment). Strips quotes, list markers and "Question:" labels."""
+    """The question or task in a target-written reply, or None when it is unusable. Strips quotes,
+    list markers and "Question:" labels; keeps the text up to its last question mark, or the whole
+    text when it starts with an imperative ("Write ...", "Explain ..."); anything else (a story
+    instead of a task, a refusal) and anything too short or too long is dropped."""
     t = text.strip()
     t = re.sub(r"^(?:\*\*)?(?:question|task|problem|request|instruction|puzzle|riddle)\s*(?:\d+)?\s*:\s*(?:\*\*)?",
                "", t, flags=re.I).strip()
     t = re.sub(r"^(?:\d+[.)]|[-*])\s+", "", t).strip().strip('"').strip("\u201c\u201d").strip()
+    low = t.lower()
+    if low.startswith(REFUSALS):
+        return None
+    if "?" in t:
+        t = t[:t.rindex("?") + 1].strip()
+    elif (re.match(r"[a-z]+", low) or [""])[0] not in IMPERATIVES:
+        return None
     n = len(t.split())
     if n < min_words or n > max_words:
         return None
