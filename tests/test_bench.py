@@ -83,3 +83,37 @@ def test_warm_up_runs_each_method_once_per_tree_settings(monkeypatch):
     assert len(calls) == 2
     engine.warm_up(stack, methods, dataclasses.replace(s, t_tree_size=12))
     assert calls[2:] == [("hierspec", 8), ("eagle2", 8)]
+
+
+def test_agreement_report(questions, tmp_path):
+    """`python -m hierviz.train.agreement`: M's top-1 agreement with T on T's own greedy answers,
+    per category; T read back through one causal forward reproduces its decoded answer."""
+    from hierviz.train import agreement
+    out = tmp_path / "agr.json"
+    assert agreement.main(["--questions", str(questions), "--stack", "tiny-random", "--max-new-tokens", "10",
+                           "--draft-len", "4", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["per_category"]) == {"writing", "qa"} and r["draft_len"] == 4
+    assert r["overall"]["positions"] == sum(q["positions"] for q in r["questions"]) > 0
+    assert all(q["target_consistent"] for q in r["questions"])
+    assert 0 <= r["overall"]["top1_agreement"] <= 1 and 1 <= r["overall"]["tau_bound"] <= 5
+    # the run-length bookkeeping behind tau_bound
+    assert agreement.agreement_runs([True, True, False, True, True, True], 2) == [2, 1, 0, 2, 2, 1]
+    with pytest.raises(SystemExit):
+        agreement.main(["--questions", str(questions), "--draft-len", "0", "--out", str(out)])
+
+
+def test_agreement_with_the_target_as_intermediate_is_total(questions):
+    """With M = T every position agrees, and tau_bound is 1 + the capped run to the answer's end."""
+    import dataclasses
+
+    from hierviz.bench import read_questions
+    from hierviz.stack import tiny_random_stack
+    from hierviz.train.agreement import measure
+    stack = tiny_random_stack("cpu")
+    stack = dataclasses.replace(stack, models=dataclasses.replace(stack.models, intermediate=stack.models.target))
+    r = measure(stack, read_questions(questions), max_new_tokens=9, draft_len=3)
+    for q in r["questions"]:
+        n = q["positions"]
+        assert q["top1_agreement"] == 1.0
+        assert q["tau_bound"] == pytest.approx(1 + sum(min(n - i, 3) for i in range(n)) / n, abs=1e-3)
