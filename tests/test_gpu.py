@@ -56,14 +56,18 @@ def test_tree_graph_replays_the_eager_tree() -> None:
     assert [(g.graph is not None, g.calls) for g in graphs] == [(True, 4)]
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("k,n", [(576, 576), (1536, 576), (8192, 8192)])
-def test_w4_product_is_bitwise_repeatable(k, n, m) -> None:
+def test_w4_product_is_bitwise_repeatable(k, n, m, deterministic, monkeypatch) -> None:
     """The same fp16 W4 product, added into the same residual, gives the same bits every time.
     Session 14 saw fp16 AR give different outputs for one prompt in two runs on one machine;
     the suspect is split-K programs adding their partial tiles atomically (in a varying order)
-    into the residual. This test says whether that is so at the layer shapes it runs at."""
+    into the residual. This test says whether that is so at the layer shapes it runs at, by
+    default and with the fixed-order reduction (HIERVIZ_W4_DETERMINISTIC)."""
+    from hierviz.quant import triton_w4
     from hierviz.quant.triton_w4 import triton_w4_matmul
+    monkeypatch.setattr(triton_w4, "DETERMINISTIC", deterministic)
     from hierviz.quant.w4 import W4Weight, quantize_rtn
     torch.manual_seed(0)
     w = quantize_rtn(torch.randn(n, k) * 0.02, 64)

@@ -17,7 +17,8 @@ from hierviz.quant import triton_w4  # noqa: E402
 
 ARGS = ["x_ptr", "c_ptr", "s_ptr", "o_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym",
         "blocks_per_split", "n_blocks"]
-CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False, "ACCUM": False}
+CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False, "ACCUM": False,
+          "PARTIALS": False}
 
 
 def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> str:
@@ -67,8 +68,19 @@ def _gemv_ptx(arch: int, **consts) -> str:
     args = {"x_ptr": "*i32", "c_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
             "N": "i32", "stride_c": "i32", "stride_xm": "i32", "stride_ym": "i32",
             "quads_per_split": "i32", "n_quads": "i32", "n_groups": "i32"}
-    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, **consts}
+    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, "PARTIALS": False,
+              **consts}
     return _ptx_of(triton_w4._w4_gemv_kernel, args, consts, arch, num_stages=1)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_deterministic_split_k_compiles_for_gpu(arch: int) -> None:
+    """PARTIALS (per-split fp32 partial tiles, no atomics) in both kernels."""
+    import re
+    global_atomic = re.compile(r"\b(?:atom|red)\.global")
+    assert global_atomic.search(_ptx(arch, False)) and global_atomic.search(_gemv_ptx(arch))   # the default: atomics
+    for ptx in (_ptx(arch, False, PARTIALS=True, ATOMIC=False), _gemv_ptx(arch, PARTIALS=True, ATOMIC=False)):
+        assert not global_atomic.search(ptx)
 
 
 @pytest.mark.parametrize("arch,prefetch", [(90, False), (90, True), (80, True)])

@@ -397,9 +397,12 @@ if HAVE_TRITON:
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
                    TMA: tl.constexpr = False, TMA_SOX: tl.constexpr = False,
-                   FACTORED: tl.constexpr = False, TILED: tl.constexpr = False, ACCUM: tl.constexpr = False):
+                   FACTORED: tl.constexpr = False, TILED: tl.constexpr = False, ACCUM: tl.constexpr = False,
+                   PARTIALS: tl.constexpr = False):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
         # ACCUM (without ATOMIC): y += acc, y holding the caller's residual (atomic adds always add).
+        # PARTIALS (instead of ATOMIC): y is [split, M, N] fp32 and each K range stores its own
+        # slice, which the host sums in a fixed order (bitwise repeatable results).
         # TMA: c_ptr is a tensor descriptor of the codes; each tile arrives by an asynchronous
         # copy (rows past N as zeros) that Triton's pipeliner can keep num_stages deep, where
         # pointer loads feeding the unpack are not pipelined (docs/kernels.md).
@@ -453,6 +456,8 @@ if HAVE_TRITON:
                 wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
                 acc = tl.dot(wl, xl, acc)
                 acc = tl.dot(wh, xh, acc)
+        if PARTIALS:
+            y_ptr = y_ptr + pid_k.to(tl.int64) * M * stride_ym
         y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
         if ATOMIC:
@@ -521,7 +526,7 @@ if HAVE_TRITON:
                         quads_per_split, n_quads, n_groups,
                         SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
                         ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
-                        ACCUM: tl.constexpr = False):
+                        ACCUM: tl.constexpr = False, PARTIALS: tl.constexpr = False):
         # y[m, n] = sum_k W[n, k] x[m, k] on CUDA cores for token m = program_id(2) and BN
         # rows, over this program's range of quads (32 channels of K each). x_ptr is x as
         # int32 fp16 pairs [M, K/2] (stride_xm in pairs), c_ptr the codes as int32 words
@@ -582,6 +587,8 @@ if HAVE_TRITON:
                         + _word_ref(c2, x[4], x[5], x[12], x[13]) + _word_ref(c3, x[6], x[7], x[14], x[15]))
                 acc += s * part + ox
         y = tl.sum(acc, axis=1)
+        if PARTIALS:                       # y is [split, M, N] fp32: this K range's own slice
+            y_ptr = y_ptr + pid_k.to(tl.int64) * tl.num_programs(2) * stride_ym
         ptrs = y_ptr + m * stride_ym + rn
         if ATOMIC:
             tl.atomic_add(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
@@ -612,6 +619,18 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     """A host-side TMA descriptor of a 2-D tensor; tiles past its edges read as zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+# Split-K programs add their partial tiles atomically, in an order that varies from run to run,
+# so fp16 results are not bitwise repeatable. HIERVIZ_W4_DETERMINISTIC=1 stores each K range's
+# partial tile instead ([split, M, N] fp32) and sums them in a fixed order (one more small kernel).
+# Off by default until its cost is measured on a GPU (docs/benchmarks.md, session 14).
+DETERMINISTIC = os.environ.get("HIERVIZ_W4_DETERMINISTIC", "") == "1"
+
+
+def _partials(m: int, n: int, x: torch.Tensor, split: int) -> Optional[torch.Tensor]:
+    """The [split, M, N] fp32 buffer of a deterministic split-K product, or None (atomic adds)."""
+    return torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 and DETERMINISTIC else None
 
 
 def _output(m: int, n: int, x: torch.Tensor, atomic: bool, add_to: Optional[torch.Tensor]
@@ -666,8 +685,9 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
     split = triton.cdiv(n_blocks, per)
-    atomic = split > 1
-    y, accum = _output(m, n, x, atomic, add_to)
+    parts = _partials(m, n, x, split)
+    atomic = split > 1 and parts is None
+    y, accum = (parts, False) if parts is not None else _output(m, n, x, atomic, add_to)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     codes, scales, offsets, xa = p.codes, p.scales, p.offsets, x
     tma = cfg.tma and k % 32 == 0 and _has_tma(x.device)
@@ -683,13 +703,13 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
         scales = _descriptor(p.scales, [1, cfg.block_n])
         offsets = _descriptor(p.offsets, [1, cfg.block_n])
         xa = _descriptor(x, [cfg.block_m, p.sub // 2])
-    _w4_kernel[grid](xa, codes, scales, offsets, y, m, n, k, x.stride(0), y.stride(0),
+    _w4_kernel[grid](xa, codes, scales, offsets, y, m, n, k, x.stride(0), y.stride(-2),
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
-                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum,
+                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, PARTIALS=parts is not None,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _result(y, x, add_to)
+    return _result(y if parts is None else parts.sum(0), x, add_to)
 
 
 def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -709,16 +729,17 @@ def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool
     bq = math.gcd(cfg.block_q, p.sub // 32)      # an iteration must not cross a group
     per = triton.cdiv(triton.cdiv(n_quads, cfg.split_k), bq) * bq
     split = triton.cdiv(n_quads, per)
-    atomic = split > 1
-    y, accum = _output(m, n, x, atomic, add_to)
+    parts = _partials(m, n, x, split)
+    atomic = split > 1 and parts is None
+    y, accum = (parts, False) if parts is not None else _output(m, n, x, atomic, add_to)
     s_rows, o_rows = _row_major_groups(p)
     _w4_gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
         x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y,
-        n, k // 8, k // 2, y.stride(0), per, n_quads, k // group_size,
+        n, k // 8, k // 2, y.stride(-2), per, n_quads, k // group_size,
         SUB=p.sub, G=group_size, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
         USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2, ACCUM=accum,
-        num_warps=cfg.num_warps, num_stages=1)
-    return _result(y, x, add_to)
+        PARTIALS=parts is not None, num_warps=cfg.num_warps, num_stages=1)
+    return _result(y if parts is None else parts.sum(0), x, add_to)
 
 
 triton_w4_matmul.accumulates = True       # takes add_to (w4.w4_linear)
