@@ -22,7 +22,6 @@ from hierviz.cli import add_settings_args, settings_from_args
 from hierviz.trace import METHODS, Trace
 
 
-
 class BenchError(ValueError):
     pass
 

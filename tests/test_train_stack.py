@@ -39,4 +39,3 @@ def test_hierspec_and_eagle2_match_ar(stack, prompt):
         trace = generate(stack, method, prompt, s)
         assert output_tokens(trace) == ar, method
         assert trace.stats()["tau_target"] >= 1.0
-

@@ -177,8 +177,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     def run_batches(items: list[tuple[int, str]], enc: list[list[int]], prompts: list[tuple[str, str]],
                     budget: float, seed_base: int, keep: bool, max_new: int = 0,
                     collect: Optional[list] = None) -> None:
-        """Generate the target's answers for `items`, batched by mode (shortest prompts first),
-        appending every sample; stops starting batches once `budget` seconds have passed."""
+        """Generate the target's answers for `items`, batched by mode and prompt length (batches in
+        a random order), appending every sample; stops starting batches once `budget` seconds have
+        passed. `collect` receives (prompt index, response) of every sample."""
         nonlocal n_resp
         by_mode: dict[str, list[int]] = collections.defaultdict(list)
         for k, (i, m) in enumerate(items):
@@ -230,7 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"instruction-writing prompts overlap the benchmark questions: {ask_check['examples']}")
         written: list[tuple[int, list[int]]] = []
         t_ask = time.time()
-        run_batches([(i, f"t{float(a.instruct_temperature)}") for i in range(len(asks))], [tok.encode_chat(p) for _, p in asks],
+        ask_mode = f"t{float(a.instruct_temperature)}"
+        run_batches([(i, ask_mode) for i in range(len(asks))], [tok.encode_chat(p) for _, p in asks],
                     [(f"instruct-ask-{c}", p) for c, p in asks], a.instruct_budget / 3 if a.instruct_budget else 0,
                     300, keep=False, max_new=a.instruct_max_tokens, collect=written)
         eos_set = set(eos_ids)
