@@ -633,19 +633,28 @@ def _partials(m: int, n: int, x: torch.Tensor, split: int) -> Optional[torch.Ten
     return torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 and DETERMINISTIC else None
 
 
-def _output(m: int, n: int, x: torch.Tensor, atomic: bool, add_to: Optional[torch.Tensor]
-            ) -> tuple[torch.Tensor, bool]:
-    """The buffer a kernel writes, and whether it must add to what the buffer holds. Split-K adds
-    partial tiles atomically, so its buffer starts zeroed, or holds the caller's `add_to` (the
-    residual: no zero fill, no separate add). bf16 atomics are not available everywhere (nor in
-    the interpreter): bf16 split-K accumulates in a zeroed fp32 buffer, added afterwards."""
+def _output(m: int, n: int, x: torch.Tensor, split: int, add_to: Optional[torch.Tensor]
+            ) -> tuple[torch.Tensor, bool, bool, bool]:
+    """(the buffer a kernel writes, ATOMIC, ACCUM, PARTIALS) for a product split `split` ways
+    along K. Split-K adds partial tiles atomically, so its buffer starts zeroed, or holds the
+    caller's `add_to` (the residual: no zero fill, no separate add). bf16 atomics are not available
+    everywhere (nor in the interpreter): bf16 split-K accumulates in a zeroed fp32 buffer, added
+    afterwards. With DETERMINISTIC the buffer holds one fp32 slice per split (see _result)."""
+    parts = _partials(m, n, x, split)
+    if parts is not None:
+        return parts, False, False, True
+    atomic = split > 1
     acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
     if add_to is not None and acc_dtype == x.dtype:
-        return add_to, not atomic
-    return (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype), False
+        return add_to, atomic, not atomic, False
+    return (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype), atomic, False, False
 
 
-def _result(y: torch.Tensor, x: torch.Tensor, add_to: Optional[torch.Tensor]) -> torch.Tensor:
+def _result(y: torch.Tensor, x: torch.Tensor, add_to: Optional[torch.Tensor], partials: bool) -> torch.Tensor:
+    """The product from the kernel's buffer: per-split partials summed in a fixed order, cast to
+    x's dtype, added into add_to unless the kernel did that already."""
+    if partials:
+        y = y.sum(0)
     if add_to is None:
         return y if y.dtype == x.dtype else y.to(x.dtype)
     if y is not add_to:
@@ -685,9 +694,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
     split = triton.cdiv(n_blocks, per)
-    parts = _partials(m, n, x, split)
-    atomic = split > 1 and parts is None
-    y, accum = (parts, False) if parts is not None else _output(m, n, x, atomic, add_to)
+    y, atomic, accum, partials = _output(m, n, x, split, add_to)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     codes, scales, offsets, xa = p.codes, p.scales, p.offsets, x
     tma = cfg.tma and k % 32 == 0 and _has_tma(x.device)
@@ -707,9 +714,9 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
-                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, PARTIALS=parts is not None,
+                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, PARTIALS=partials,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _result(y if parts is None else parts.sum(0), x, add_to)
+    return _result(y, x, add_to, partials)
 
 
 def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -729,17 +736,15 @@ def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool
     bq = math.gcd(cfg.block_q, p.sub // 32)      # an iteration must not cross a group
     per = triton.cdiv(triton.cdiv(n_quads, cfg.split_k), bq) * bq
     split = triton.cdiv(n_quads, per)
-    parts = _partials(m, n, x, split)
-    atomic = split > 1 and parts is None
-    y, accum = (parts, False) if parts is not None else _output(m, n, x, atomic, add_to)
+    y, atomic, accum, partials = _output(m, n, x, split, add_to)
     s_rows, o_rows = _row_major_groups(p)
     _w4_gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
         x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y,
         n, k // 8, k // 2, y.stride(-2), per, n_quads, k // group_size,
         SUB=p.sub, G=group_size, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
         USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2, ACCUM=accum,
-        PARTIALS=parts is not None, num_warps=cfg.num_warps, num_stages=1)
-    return _result(y if parts is None else parts.sum(0), x, add_to)
+        PARTIALS=partials, num_warps=cfg.num_warps, num_stages=1)
+    return _result(y, x, add_to, partials)
 
 
 triton_w4_matmul.accumulates = True       # takes add_to (w4.w4_linear)
