@@ -4,7 +4,8 @@ Reads Spec-Bench's question JSONL ({"question_id", "category", "turns": [...]}; 
 the prompt), runs every method on every question in one process (greedy unless --temperature,
 one warm-up generation per method first), and writes to --out:
   summary.json   per method (and per category): tokens_per_s, speedup_vs_ar, tau_target,
-                 tau_intermediate, per_depth_acceptance, outputs_identical_to_ar
+                 tau_intermediate, per_depth_acceptance, outputs_identical_to_ar (and
+                 identical_questions: how many of the questions match AR token for token)
   <method>.jsonl per-question results in Spec-Bench's answer layout
   summary.md     a markdown table;  chart.html  a plotly bar chart
 """
@@ -72,16 +73,18 @@ def summarize(results: dict[str, list[tuple[dict, Trace]]]) -> dict[str, Any]:
     cats = sorted({q["category"] for rs in results.values() for q, _ in rs})
     for method, rs in results.items():
         m = _aggregate([t for _, t in rs])
-        if ar:
-            m["outputs_identical_to_ar"] = all(output_tokens(t) == ar.get(q["question_id"]) for q, t in rs)
+        m["questions"] = len(rs)
         m["per_category"] = {}
         for c in cats:
             sub = [(q, t) for q, t in rs if q["category"] == c]
             if sub:
-                cm = _aggregate([t for _, t in sub])
+                m["per_category"][c] = cm = _aggregate([t for _, t in sub])
                 if ar:
-                    cm["outputs_identical_to_ar"] = all(output_tokens(t) == ar.get(q["question_id"]) for q, t in sub)
-                m["per_category"][c] = cm
+                    same = [output_tokens(t) == ar.get(q["question_id"]) for q, t in sub]
+                    cm["outputs_identical_to_ar"], cm["identical_questions"] = all(same), sum(same)
+        if ar:
+            same = sum(cm["identical_questions"] for cm in m["per_category"].values())
+            m["outputs_identical_to_ar"], m["identical_questions"] = same == len(rs), same
         out["methods"][method] = m
     if "ar" in out["methods"]:
         base = out["methods"]["ar"]
@@ -96,6 +99,13 @@ def summarize(results: dict[str, list[tuple[dict, Trace]]]) -> dict[str, Any]:
     return out
 
 
+def _identical_cell(m: dict[str, Any]) -> str:
+    """"yes" / "no (k/n)": a method's outputs against AR's, question by question."""
+    if "identical_questions" not in m:
+        return ""
+    return "yes" if m["outputs_identical_to_ar"] else f"no ({m['identical_questions']}/{m['questions']})"
+
+
 def markdown(summary: dict[str, Any]) -> str:
     rows = ["| method | tokens/s | speedup vs AR | tau target | tau intermediate | identical to AR |",
             "|---|---|---|---|---|---|"]
@@ -104,7 +114,7 @@ def markdown(summary: dict[str, Any]) -> str:
         sp = m.get("speedup_vs_ar")
         rows.append(f"| {name} | {m['tokens_per_s']:.2f} | {'' if sp is None else f'{sp:.2f}x'} | "
                     f"{m['tau_target']:.2f} | {'' if ti is None else f'{ti:.2f}'} | "
-                    f"{m.get('outputs_identical_to_ar', '')} |")
+                    f"{_identical_cell(m)} |")
     if summary.get("hierspec_vs_eagle2"):
         rows.append(f"\nHierSpec / EAGLE-2 = {summary['hierspec_vs_eagle2']:.2f}x")
     return "\n".join(rows) + "\n"
@@ -140,6 +150,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out", required=True)
+    p.add_argument("--warmup", choices=["auto", "short", "all"], default="auto",
+                   help="short: each method once on a short prompt; all: each method on every question, "
+                        "untimed, before the timed pass (on a GPU new prompt lengths compile Triton kernel "
+                        "variants and capture graphs: seconds that would land in the figures); "
+                        "auto: all on CUDA, short on the CPU")
     add_settings_args(p)
     p.set_defaults(max_new_tokens=128)
     a = p.parse_args(argv)
@@ -160,6 +175,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (BenchError, EngineError, StackError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    warmup = "all" if a.warmup == "all" or (a.warmup == "auto" and stack.device.type == "cuda") else "short"
+    if warmup == "all":
+        for q in tqdm(questions, desc="warm-up", unit="question", file=sys.stderr):
+            for m in methods:
+                try:
+                    generate(stack, m, q["prompt"], settings)
+                except EngineError:
+                    pass                     # reported by the timed pass
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[tuple[dict, Trace]]] = {m: [] for m in methods}
@@ -176,6 +199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = summarize(results)
     summary.update({"stack": stack.meta, "settings": settings.to_dict(), "questions": a.questions,
                     "limit_per_category": a.limit, "n_questions": len(questions), "skipped": skipped,
+                    "warmup": warmup,
                     "machine": {"platform": platform.platform(), "processor": platform.processor(),
                                 "device": str(stack.device)}})
     if stack.device.type == "cuda":

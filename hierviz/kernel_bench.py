@@ -257,6 +257,16 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
             row["triton_err"] = _rel_err(triton_w4_matmul(x16[0], ws[0], cfg), want)
             row["triton_us"] = _graph_time_us(
                 [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
+            # Split-K by atomic adds (HIERVIZ_W4_DETERMINISTIC=0) next to the default fixed-order
+            # sum, and whether 20 repeats of one product give the same bits in each mode.
+            for mode, ordered in (("", triton_w4.DETERMINISTIC), ("_atomic", False)):
+                with triton_w4.split_k_mode(ordered):
+                    if mode:
+                        row["triton_atomic_us"] = _graph_time_us(
+                            [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
+                    first = triton_w4_matmul(x16[0], ws[0], cfg)
+                    row[f"triton{mode}_repeatable"] = all(
+                        torch.equal(first, triton_w4_matmul(x16[0], ws[0], cfg)) for _ in range(20))
             wantb = xbf[0].float() @ ref_w.t()
             row["triton_bf16_err"] = _rel_err(triton_w4_matmul(xbf[0], ws[0], cfg_bf16), wantb)
             row["triton_bf16_us"] = _graph_time_us(
@@ -321,7 +331,7 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "triton_us", "triton_bf16_us",
+    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "triton_us", "triton_atomic_us", "triton_bf16_us",
                         "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
             if any(c in r for r in rows)]
     lines = ["| M | " + " | ".join(c.replace("_us", " (us)") for c in cols) + " |",

@@ -35,14 +35,29 @@ def test_bench_summary_is_well_formed(questions, tmp_path):
         for key in ("tokens_per_s", "speedup_vs_ar", "tau_target", "tau_intermediate", "per_depth_acceptance",
                     "outputs_identical_to_ar", "per_category"):
             assert key in m, (name, key)
-        assert m["outputs_identical_to_ar"] is True
+        assert m["outputs_identical_to_ar"] is True and m["identical_questions"] == m["questions"] == 3
         assert set(m["per_category"]) == {"writing", "qa"}
     assert s["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert s["methods"]["hierspec"]["tau_intermediate"] >= 1.0
     lines = (out / "hierspec.jsonl").read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0])["choices"][0]["new_tokens"][0] <= 8
-    assert (out / "summary.md").read_text().startswith("| method")
+    assert (out / "summary.md").read_text().startswith("| method") and "| yes |" in (out / "summary.md").read_text()
     assert "plotly" in (out / "chart.html").read_text()
+
+
+@pytest.mark.parametrize("mode,untimed", [("short", 0), ("all", 3 * 2)])
+def test_warmup_all_runs_every_question_untimed_first(questions, tmp_path, monkeypatch, mode, untimed):
+    import hierviz.engine as engine
+    calls = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda stack, m, prompt, s: calls.append((m, prompt)) or real(stack, m, prompt, s))
+    monkeypatch.setattr(engine, "warm_up", lambda *a, **k: None)
+    out = tmp_path / "out"
+    assert main(["--questions", str(questions), "--stack", "tiny-random", "--max-new-tokens", "4",
+                 "--methods", "ar,spec", "--out", str(out), "--warmup", mode]) == 0
+    assert len(calls) == untimed + 3 * 2
+    assert calls[:untimed] == calls[untimed:][:untimed]          # the same question / method pairs
+    assert json.loads((out / "summary.json").read_text())["warmup"] == mode
 
 
 def test_limit_is_per_category():
@@ -117,3 +132,10 @@ def test_agreement_with_the_target_as_intermediate_is_total(questions):
         n = q["positions"]
         assert q["top1_agreement"] == 1.0
         assert q["tau_bound"] == pytest.approx(1 + sum(min(n - i, 3) for i in range(n)) / n, abs=1e-3)
+
+
+def test_identical_cell_counts_the_questions_that_differ():
+    from hierviz.bench import _identical_cell
+    assert _identical_cell({"outputs_identical_to_ar": False, "identical_questions": 12, "questions": 13}) == "no (12/13)"
+    assert _identical_cell({"outputs_identical_to_ar": True, "identical_questions": 13, "questions": 13}) == "yes"
+    assert _identical_cell({}) == ""

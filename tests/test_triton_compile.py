@@ -15,10 +15,10 @@ triton = pytest.importorskip("triton")
 
 from hierviz.quant import triton_w4  # noqa: E402
 
-ARGS = ["x_ptr", "c_ptr", "s_ptr", "o_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym",
+ARGS = ["x_ptr", "c_ptr", "s_ptr", "o_ptr", "y_ptr", "part_ptr", "cnt_ptr", "M", "N", "K", "stride_xm", "stride_ym",
         "blocks_per_split", "n_blocks"]
 CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False, "ACCUM": False,
-          "PARTIALS": False}
+          "ORDERED": False, "CHUNK": 4}
 
 
 def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> str:
@@ -28,6 +28,8 @@ def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 
     from triton.compiler import ASTSource
     sig = {**args, **{k: "constexpr" for k in consts}}
     order = [a for a in fn.arg_names if a in sig]          # the kernel's own parameter order
+    # constexpr keys are positions: a parameter left out (even one with a default) would shift them
+    assert order == list(fn.arg_names), f"give every parameter: {set(fn.arg_names) - set(order)}"
     src = ASTSource(fn=fn, signature={k: sig[k] for k in order},
                     constexprs={(order.index(k),): v for k, v in consts.items()})
     try:
@@ -43,9 +45,9 @@ def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 
 
 
 def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False, **consts) -> str:
-    args = {a: "i32" for a in ARGS[5:]}
+    args = {a: "i32" for a in ARGS[7:]}
     bn, half = CONSTS["BN"], CONSTS["SUB"] // 2
-    args.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
+    args.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
                  "c_ptr": f"tensordesc<u8[{bn}, {half}]>" if tma else "*u8"})
     if sox:
         args.update({"x_ptr": f"tensordesc<fp16[{CONSTS['BM']}, {half}]>",
@@ -66,21 +68,30 @@ def test_kernel_compiles_for_gpu(arch: int, tma: bool, sox: bool, factored: bool
 
 def _gemv_ptx(arch: int, **consts) -> str:
     args = {"x_ptr": "*i32", "c_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
-            "N": "i32", "stride_c": "i32", "stride_xm": "i32", "stride_ym": "i32",
+            "part_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "stride_c": "i32", "stride_xm": "i32", "stride_ym": "i32",
             "quads_per_split": "i32", "n_quads": "i32", "n_groups": "i32"}
-    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, "PARTIALS": False,
-              **consts}
+    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, "ORDERED": False,
+              "PREFETCH": False, "CHUNK": 4, **consts}
     return _ptx_of(triton_w4._w4_gemv_kernel, args, consts, arch, num_stages=1)
 
 
 @pytest.mark.parametrize("arch", [90, 80])
-def test_deterministic_split_k_compiles_for_gpu(arch: int) -> None:
-    """PARTIALS (per-split fp32 partial tiles, no atomics) in both kernels."""
+def test_ordered_split_k_compiles_for_gpu(arch: int) -> None:
+    """ORDERED split-K (the default) in both kernels: no atomic adds of product values remain,
+    only the tile counter's ticket (acquire-release at GPU scope) and its reset; the last
+    program reads the partials through L2 (ld.global.cg), not a possibly stale L1."""
     import re
-    global_atomic = re.compile(r"\b(?:atom|red)\.global")
-    assert global_atomic.search(_ptx(arch, False)) and global_atomic.search(_gemv_ptx(arch))   # the default: atomics
-    for ptx in (_ptx(arch, False, PARTIALS=True, ATOMIC=False), _gemv_ptx(arch, PARTIALS=True, ATOMIC=False)):
-        assert not global_atomic.search(ptx)
+    value_atomic = re.compile(r"\b(?:atom|red)\.global[.\w]*\.(?:f16|f32|bf16|v2\.f16|noftz)")
+    assert value_atomic.search(_ptx(arch, False)) and value_atomic.search(_gemv_ptx(arch))   # ATOMIC
+    for ptx in (_ptx(arch, False, ORDERED=True, ATOMIC=False), _gemv_ptx(arch, ORDERED=True, ATOMIC=False),
+                _ptx(arch, False, ORDERED=True, ATOMIC=False, ACCUM=True)):
+        atomics = re.findall(r"\b(?:atom|red)\.[\w.]+", ptx)
+        assert not value_atomic.search(ptx), atomics
+        assert any("acq_rel" in a and "add" in a for a in atomics), atomics
+        assert any("exch" in a for a in atomics), atomics
+        assert "bar.sync" in ptx
+        # the sum is unrolled: all 4 partial tiles are read (as L2 loads) in straight-line code
+        assert len(re.findall(r"ld\.global\.cg", ptx)) >= 4
 
 
 @pytest.mark.parametrize("arch,prefetch", [(90, False), (90, True), (80, True)])

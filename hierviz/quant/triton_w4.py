@@ -31,6 +31,7 @@ Measured figures, what limits them, and the variants that measured slower: docs/
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -392,17 +393,55 @@ if HAVE_TRITON:
         return lo.to(dt), hi.to(dt)
 
     @triton.jit
-    def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr,
+    def _store_product(acc, y_ptrs, part_ptrs, part_stride, cnt_ptr, mask,
+                       ATOMIC: tl.constexpr, ACCUM: tl.constexpr, ORDERED: tl.constexpr, CHUNK: tl.constexpr):
+        """Writes a program's fp32 product tile (any shape; y_ptrs / part_ptrs / mask alike) to y.
+        ATOMIC: split-K by atomic adds into y (zeroed, or the caller's residual): the order of the
+        adds varies from run to run, so fp16 results are not bitwise repeatable.
+        ORDERED: split-K in a fixed order: each K range (program_id 1) stores its tile into its
+        slice of the fp32 partials ([split, ...], part_stride apart) and takes a ticket from the
+        tile's counter; the last to arrive sums the slices in split order, adds y's old value
+        under ACCUM, stores y and resets the counter (so the buffer needs no zeroing between calls
+        or graph replays). The sum reads CHUNK slices per step, unrolled, so that their loads are in
+        flight together (one at a time cost ~1 us per split on an H200; all at once raised the
+        kernel's register count and slowed its main loop). Otherwise (one K range): y = acc, or y += acc under ACCUM."""
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask, sem="relaxed")
+        elif ORDERED:
+            split = tl.num_programs(1)
+            tl.store(part_ptrs + tl.program_id(1).to(tl.int64) * part_stride, acc, mask=mask)
+            # Every thread's partial store happens before the ticket (a CTA barrier, then the
+            # ticket's release at GPU scope); the last program's reads come after its acquire.
+            tl.debug_barrier()
+            tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+            ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if ticket == split - 1:
+                total = tl.zeros_like(acc)
+                for c in range(0, split, CHUNK):       # CHUNK loads in flight at a time
+                    for j in tl.static_range(CHUNK):    # past the last slice: read it again, add 0
+                        part = tl.load(part_ptrs + tl.minimum(c + j, split - 1) * part_stride, mask=mask,
+                                       other=0.0, cache_modifier=".cg")
+                        total += tl.where(c + j < split, part, 0.0)
+                if ACCUM:
+                    total += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+        else:
+            if ACCUM:
+                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, part_ptr, cnt_ptr,
                    M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
                    SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
                    TMA: tl.constexpr = False, TMA_SOX: tl.constexpr = False,
                    FACTORED: tl.constexpr = False, TILED: tl.constexpr = False, ACCUM: tl.constexpr = False,
-                   PARTIALS: tl.constexpr = False):
+                   ORDERED: tl.constexpr = False, CHUNK: tl.constexpr = 4):
         # acc[n, m] = sum_k W[n, k] x[m, k] for a BN x BM tile, over this program's K range.
-        # ACCUM (without ATOMIC): y += acc, y holding the caller's residual (atomic adds always add).
-        # PARTIALS (instead of ATOMIC): y is [split, M, N] fp32 and each K range stores its own
-        # slice, which the host sums in a fixed order (bitwise repeatable results).
+        # ACCUM: y += acc, y holding the caller's residual (atomic adds always add). How split-K
+        # ranges meet (ATOMIC / ORDERED, part_ptr [split, M, N] fp32, cnt_ptr): _store_product.
         # TMA: c_ptr is a tensor descriptor of the codes; each tile arrives by an asynchronous
         # copy (rows past N as zeros) that Triton's pipeliner can keep num_stages deep, where
         # pointer loads feeding the unpack are not pipelined (docs/kernels.md).
@@ -456,16 +495,8 @@ if HAVE_TRITON:
                 wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
                 acc = tl.dot(wl, xl, acc)
                 acc = tl.dot(wh, xh, acc)
-        if PARTIALS:
-            y_ptr = y_ptr + pid_k.to(tl.int64) * M * stride_ym
-        y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
-        mask = n_mask[:, None] & m_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
-        else:
-            if ACCUM:
-                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _store_product(acc, y_ptr + rm[None, :] * stride_ym + rn[:, None], part_ptr + rm[None, :] * N + rn[:, None],
+                       M * N, cnt_ptr, n_mask[:, None] & m_mask[None, :], ATOMIC, ACCUM, ORDERED, CHUNK)
 
     @triton.jit
     def _lo16(p):
@@ -522,11 +553,11 @@ if HAVE_TRITON:
         return (words, tl.load(s_ptr + rn_safe * n_groups + g), tl.load(o_ptr + rn_safe * n_groups + g))
 
     @triton.jit
-    def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, N, stride_c, stride_xm, stride_ym,
+    def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, part_ptr, cnt_ptr, N, stride_c, stride_xm, stride_ym,
                         quads_per_split, n_quads, n_groups,
                         SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
                         ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
-                        ACCUM: tl.constexpr = False, PARTIALS: tl.constexpr = False):
+                        ACCUM: tl.constexpr = False, ORDERED: tl.constexpr = False, CHUNK: tl.constexpr = 4):
         # y[m, n] = sum_k W[n, k] x[m, k] on CUDA cores for token m = program_id(2) and BN
         # rows, over this program's range of quads (32 channels of K each). x_ptr is x as
         # int32 fp16 pairs [M, K/2] (stride_xm in pairs), c_ptr the codes as int32 words
@@ -586,16 +617,8 @@ if HAVE_TRITON:
                 part = (_word_ref(c0, x[0], x[1], x[8], x[9]) + _word_ref(c1, x[2], x[3], x[10], x[11])
                         + _word_ref(c2, x[4], x[5], x[12], x[13]) + _word_ref(c3, x[6], x[7], x[14], x[15]))
                 acc += s * part + ox
-        y = tl.sum(acc, axis=1)
-        if PARTIALS:                       # y is [split, M, N] fp32: this K range's own slice
-            y_ptr = y_ptr + pid_k.to(tl.int64) * tl.num_programs(2) * stride_ym
-        ptrs = y_ptr + m * stride_ym + rn
-        if ATOMIC:
-            tl.atomic_add(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask, sem="relaxed")
-        else:
-            if ACCUM:
-                y += tl.load(ptrs, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        _store_product(tl.sum(acc, axis=1), y_ptr + m * stride_ym + rn, part_ptr + m * N + rn,
+                       tl.num_programs(2) * N, cnt_ptr, n_mask, ATOMIC, ACCUM, ORDERED, CHUNK)
 
     # triton.jit kernels read module-level globals as constexprs only when they are marked so.
     _ASM_F16_C = tl.constexpr(_ASM_F16)
@@ -621,40 +644,65 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
-# Split-K programs add their partial tiles atomically, in an order that varies from run to run,
-# so fp16 results are not bitwise repeatable. HIERVIZ_W4_DETERMINISTIC=1 stores each K range's
-# partial tile instead ([split, M, N] fp32) and sums them in a fixed order (one more small kernel).
-# Off by default until its cost is measured on a GPU (docs/benchmarks.md, session 14).
-DETERMINISTIC = os.environ.get("HIERVIZ_W4_DETERMINISTIC", "") == "1"
+# Split-K products meet in a fixed order by default (ORDERED, _store_product): bitwise repeatable
+# results, as lossless decoding needs (fp16 atomic adds made one prompt's AR output differ between
+# runs, session 14). HIERVIZ_W4_DETERMINISTIC=0 goes back to atomic adds (docs/kernels.md has both
+# measured side by side).
+DETERMINISTIC = os.environ.get("HIERVIZ_W4_DETERMINISTIC", "1") != "0"
+
+# Partial tiles read per step of the ORDERED sum (H200, session 15: 1 and 4 tie at the 70B
+# up-projection, 4 is 0.8 us faster at K=1536, N=576; 8 slowed the 70B shape by 26-37 us).
+REDUCE_CHUNK = 4
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _partials(m: int, n: int, x: torch.Tensor, split: int) -> Optional[torch.Tensor]:
-    """The [split, M, N] fp32 buffer of a deterministic split-K product, or None (atomic adds)."""
-    return torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 and DETERMINISTIC else None
+@contextlib.contextmanager
+def split_k_mode(ordered: bool):
+    """Products launched (or CUDA-graph captured) inside use ORDERED (True) or ATOMIC split-K."""
+    global DETERMINISTIC
+    before, DETERMINISTIC = DETERMINISTIC, ordered
+    try:
+        yield
+    finally:
+        DETERMINISTIC = before
 
 
-def _output(m: int, n: int, x: torch.Tensor, split: int, add_to: Optional[torch.Tensor]
-            ) -> tuple[torch.Tensor, bool, bool, bool]:
-    """(the buffer a kernel writes, ATOMIC, ACCUM, PARTIALS) for a product split `split` ways
-    along K. Split-K adds partial tiles atomically, so its buffer starts zeroed, or holds the
-    caller's `add_to` (the residual: no zero fill, no separate add). bf16 atomics are not available
-    everywhere (nor in the interpreter): bf16 split-K accumulates in a zeroed fp32 buffer, added
-    afterwards. With DETERMINISTIC the buffer holds one fp32 slice per split (see _result)."""
-    parts = _partials(m, n, x, split)
-    if parts is not None:
-        return parts, False, False, True
-    atomic = split > 1
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One int32 ticket counter per output tile, zero between kernels (the last program of a tile
+    resets its own): kept per device, so graph captures and replays share it. Kernels on one
+    stream run one after another; two streams running ORDERED products at once would share it."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the W4 split-K counters must exist before CUDA-graph capture (run the "
+                               "product once eagerly first)")
+        buf = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 16), device=device, dtype=torch.int32)
+    return buf
+
+
+def _split_k_buffers(m: int, n: int, x: torch.Tensor, split: int, add_to: Optional[torch.Tensor],
+                     tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, bool, bool]:
+    """(y, partials, counters, ATOMIC, ACCUM, ORDERED) for a product split `split` ways along K
+    over `tiles` output tiles. y is the caller's `add_to` (the residual: the kernel adds into
+    it, no separate add) where it can be. ORDERED keeps fp32 partials [split, M, N]. ATOMIC adds
+    into a zeroed buffer or add_to; bf16 atomics are not available everywhere (nor in the
+    interpreter), so atomic bf16 accumulates in a zeroed fp32 buffer, added afterwards (_result)."""
+    ordered = split > 1 and DETERMINISTIC
+    atomic = split > 1 and not DETERMINISTIC
     acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
     if add_to is not None and acc_dtype == x.dtype:
-        return add_to, atomic, not atomic, False
-    return (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype), atomic, False, False
+        y, accum = add_to, not atomic
+    else:
+        y, accum = (torch.zeros if atomic else torch.empty)((m, n), device=x.device, dtype=acc_dtype), False
+    if ordered:
+        return (y, torch.empty((split, m, n), device=x.device, dtype=torch.float32),
+                _tile_counters(x.device, tiles), False, accum, True)
+    return y, y, y, atomic, accum, False      # partials / counters unused: any pointer will do
 
 
-def _result(y: torch.Tensor, x: torch.Tensor, add_to: Optional[torch.Tensor], partials: bool) -> torch.Tensor:
-    """The product from the kernel's buffer: per-split partials summed in a fixed order, cast to
-    x's dtype, added into add_to unless the kernel did that already."""
-    if partials:
-        y = y.sum(0)
+def _result(y: torch.Tensor, x: torch.Tensor, add_to: Optional[torch.Tensor]) -> torch.Tensor:
+    """The product from the kernel's buffer, in x's dtype, added into add_to unless the kernel did."""
     if add_to is None:
         return y if y.dtype == x.dtype else y.to(x.dtype)
     if y is not add_to:
@@ -694,8 +742,8 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     n_blocks = k // p.sub
     per = triton.cdiv(n_blocks, cfg.split_k)
     split = triton.cdiv(n_blocks, per)
-    y, atomic, accum, partials = _output(m, n, x, split, add_to)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    y, parts, counters, atomic, accum, ordered = _split_k_buffers(m, n, x, split, add_to, grid[0] * grid[2])
     codes, scales, offsets, xa = p.codes, p.scales, p.offsets, x
     tma = cfg.tma and k % 32 == 0 and _has_tma(x.device)
     # Descriptors need 16-byte aligned bases and row strides.
@@ -710,13 +758,13 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
         scales = _descriptor(p.scales, [1, cfg.block_n])
         offsets = _descriptor(p.offsets, [1, cfg.block_n])
         xa = _descriptor(x, [cfg.block_m, p.sub // 2])
-    _w4_kernel[grid](xa, codes, scales, offsets, y, m, n, k, x.stride(0), y.stride(-2),
+    _w4_kernel[grid](xa, codes, scales, offsets, y, parts, counters, m, n, k, x.stride(0), y.stride(-2),
                      per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
                      ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
                      IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
-                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, PARTIALS=partials,
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _result(y, x, add_to, partials)
+                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, ORDERED=ordered,
+                     CHUNK=REDUCE_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _result(y, x, add_to)
 
 
 def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -736,15 +784,16 @@ def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool
     bq = math.gcd(cfg.block_q, p.sub // 32)      # an iteration must not cross a group
     per = triton.cdiv(triton.cdiv(n_quads, cfg.split_k), bq) * bq
     split = triton.cdiv(n_quads, per)
-    y, atomic, accum, partials = _output(m, n, x, split, add_to)
+    grid = (triton.cdiv(n, cfg.block_n), split, m)
+    y, parts, counters, atomic, accum, ordered = _split_k_buffers(m, n, x, split, add_to, grid[0] * grid[2])
     s_rows, o_rows = _row_major_groups(p)
-    _w4_gemv_kernel[(triton.cdiv(n, cfg.block_n), split, m)](
-        x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y,
+    _w4_gemv_kernel[grid](
+        x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y, parts, counters,
         n, k // 8, k // 2, y.stride(-2), per, n_quads, k // group_size,
         SUB=p.sub, G=group_size, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
         USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2, ACCUM=accum,
-        PARTIALS=partials, num_warps=cfg.num_warps, num_stages=1)
-    return _result(y, x, add_to, partials)
+        ORDERED=ordered, CHUNK=REDUCE_CHUNK, num_warps=cfg.num_warps, num_stages=1)
+    return _result(y, x, add_to)
 
 
 triton_w4_matmul.accumulates = True       # takes add_to (w4.w4_linear)
