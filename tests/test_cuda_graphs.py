@@ -56,7 +56,9 @@ def test_static_forward_matches_dynamic(stack) -> None:
         st.tokens = list(range(10, 40))
     for ha, hb in zip(prefill_sequence_tree(dyn), prefill_sequence_tree(sta)):
         torch.testing.assert_close(hb, ha, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(t.logits(hb), t.logits(ha), rtol=1e-5, atol=1e-5)
+        # The LM head multiplies hidden-state rounding differences (the two paths sum in different
+        # orders) by ~10 on this tiny random model: 1.4e-5 measured on one CPU, under 1e-5 on another.
+        torch.testing.assert_close(t.logits(hb), t.logits(ha), rtol=1e-4, atol=5e-5)
     with torch.no_grad():
         n = dyn.cache.length
         assert sta.cache.length == n
