@@ -7,8 +7,8 @@ Two kernels, picked by M (the number of tokens; see pick_config):
   * `_w4_kernel`, the MMA kernel, otherwise, in two ways:
   * small M (<= 16): "GEMV-like". The product is computed transposed, acc[n, m] = W @ x.T, so
     the big weight tile is the MMA's M side (64 rows) and the few tokens are its N side (16,
-    the smallest tile). Split-K (4 programs per output tile, atomic adds into a zeroed output)
-    makes 448 x 4 programs for a 28672-row layer, enough to fill 132 SMs.
+    the smallest tile). Split-K (4 programs per output tile, whose fp32 partials the last of them
+    sums in a fixed order: _store_product) makes 224 x 4 programs for a 28672-row layer.
   * larger M: the same transposed tile with 32..128 tokens per tile, split-K 2 or none.
 On Hopper the entries up to M = 64 fetch the code tiles through a TMA descriptor
 (`_w4_kernel` with TMA=True): asynchronous copies that Triton's pipeliner multi-buffers, where pointer
