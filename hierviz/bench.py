@@ -205,6 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if stack.device.type == "cuda":
         import torch
         summary["machine"]["gpu"] = torch.cuda.get_device_name()
+    else:
+        from hierviz.quant.w4 import cpu_matmul_choices
+        summary["machine"]["cpu_matmul"] = cpu_matmul_choices()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     for m, rs in results.items():
         with open(out / f"{m}.jsonl", "w", encoding="utf-8") as f:

@@ -38,6 +38,7 @@ def test_bench_summary_is_well_formed(questions, tmp_path):
         assert m["outputs_identical_to_ar"] is True and m["identical_questions"] == m["questions"] == 3
         assert set(m["per_category"]) == {"writing", "qa"}
     assert s["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert s["machine"]["cpu_matmul"]["forms"]          # which product forms the CPU run chose
     assert s["methods"]["hierspec"]["tau_intermediate"] >= 1.0
     lines = (out / "hierspec.jsonl").read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0])["choices"][0]["new_tokens"][0] <= 8

@@ -13,6 +13,8 @@ and every kernel (torch reference, int4pack CPU, Triton) reads it.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -113,22 +115,67 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
 
 CPU_NT_MAX_ROWS = 128
 
+# Which form of x @ w^T is fastest for a few rows on the CPU depends on the machine's MKL: the
+# 2-core machine of session 9 ran (w @ x^T)^T 1.5-2.5x faster than x @ w^T for 2-64 rows (and one
+# row padded to two); the one of session 15 ran SmolLM2-135M's one-token forward at 38 ms plainly
+# and 71 ms that way. So each (N, K, dtype, row bucket) is timed once per process, on first use,
+# and the winner kept. HIERVIZ_CPU_MATMUL=plain|nt fixes the choice (reproducible rounding across
+# processes); the default is auto.
+_CPU_FORMS: dict[tuple, str] = {}
+_FORM_MARGIN = 0.85       # another form must beat plain by 15 %: near-equal timings keep plain
+
+
+def _form_product(form: str, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if form == "plain":
+        return x2 @ w.t()
+    if form == "nt2":    # one row padded to two: a two-column gemm instead of MKL's gemv
+        return torch.mm(w, x2.expand(2, -1).contiguous().t())[:, :1].t()
+    return torch.mm(w, x2.t()).t()
+
+
+def cpu_matmul_form(rows: int, w: torch.Tensor, x2: Optional[torch.Tensor] = None) -> str:
+    """The form matmul_nt uses on the CPU for `rows` rows against w (timed on first use)."""
+    fixed = os.environ.get("HIERVIZ_CPU_MATMUL", "auto") or "auto"
+    if fixed not in ("auto", "plain", "nt"):
+        raise ValueError(f"HIERVIZ_CPU_MATMUL must be auto, plain or nt, not {fixed!r}")
+    if fixed in ("plain", "nt"):
+        return "nt2" if fixed == "nt" and rows == 1 else fixed
+    bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
+    key = (w.shape[0], w.shape[1], w.dtype, bucket)
+    form = _CPU_FORMS.get(key)
+    if form is None:
+        if x2 is None:
+            x2 = torch.randn(rows, w.shape[1], dtype=w.dtype)
+        cands = ["plain", "nt", "nt2"] if rows == 1 else ["plain", "nt"]
+        best = {c: float("inf") for c in cands}
+        for _ in range(3):                  # interleaved, best of three: background load hits all alike
+            for c in cands:
+                t = time.perf_counter()
+                _form_product(c, x2, w)
+                best[c] = min(best[c], time.perf_counter() - t)
+        fastest = min(cands, key=best.get)
+        form = _CPU_FORMS[key] = fastest if best[fastest] < _FORM_MARGIN * best["plain"] else "plain"
+    return form
+
+
+def cpu_matmul_choices() -> dict[str, object]:
+    """What cpu_matmul_form chose in this process ("NxK dtype rows<=B" -> form), for reports."""
+    return {"setting": os.environ.get("HIERVIZ_CPU_MATMUL", "auto"),
+            "forms": {f"{n}x{k} {str(dt).replace('torch.', '')} rows<={b}": f
+                      for (n, k, dt, b), f in sorted(_CPU_FORMS.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3]))}}
+
 
 def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T: every dense product of the engine (layers, LM head, drafter heads).
 
-    On the CPU, MKL computes the same product as (w @ x^T)^T much faster for the few rows of a
-    decode or verification step (measured on the 2-core CI machine, SmolLM2-135M's 30 layers +
-    LM head in fp32: 2 rows 117 -> 46 ms, 8 rows 188 -> 88 ms, 64 rows 350 -> 235 ms); one row
-    is fastest padded to two (gemv: 67-79 ms, two-column gemm: 47 ms). Larger products (training,
-    long prefills) keep the plain form."""
+    On the CPU, for the few rows of a decode or verification step (up to CPU_NT_MAX_ROWS), the
+    fastest of x @ w^T and (w @ x^T)^T (see cpu_matmul_form); larger products (training, long
+    prefills) keep the plain form."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 0 < rows <= CPU_NT_MAX_ROWS:
         return x @ w.t()
     x2 = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        return torch.mm(w, x2.expand(2, -1).contiguous().t())[:, :1].t().reshape(*x.shape[:-1], w.shape[0])
-    return torch.mm(w, x2.t()).t().reshape(*x.shape[:-1], w.shape[0])
+    return _form_product(cpu_matmul_form(rows, w, x2), x2, w).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _matmul_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
