@@ -3,7 +3,9 @@
 A stack is a small JSON file:
   {"name": ..., "description": ...,
    "target":       {"path": P, "quantize": "rtn-g32"?},     # P: folder, .gguf file, hub id
-   "intermediate": {"path": P, "share_embeddings": true?},  # embeddings/LM head taken from T
+   "intermediate": {"path": P, "share_embeddings": true?,   # embeddings/LM head taken from T
+                    "w4_kernel"/"w4_kernel_cuda": name?},   # M's own kernel (a drafter: exactness
+                                                            # not needed; e.g. int4pack_cpu)
    "e_m": {"path": P}, "e_t": {"path": P},
    "tokenizer": P?,                                          # default: the target's folder
    "draft_vocab": P?,                                        # FR-Spec token list for the heads
@@ -109,6 +111,20 @@ def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
     return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device), folder
 
 
+def _drafter_kernel(model_spec: dict[str, Any], dev: torch.device, default: str) -> str:
+    """The W4 kernel the stack file asks for the intermediate on this device, if this machine
+    has it: M only drafts (T verifies every token), so it may run a faster, inexact kernel."""
+    want = model_spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel")
+    if not want:
+        return default
+    from hierviz.quant.w4 import get_kernel
+    try:
+        get_kernel(want)
+    except ValueError:       # e.g. int4pack_cpu on a torch build without the CPU int4 ops
+        return default
+    return want
+
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -139,11 +155,12 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         raise StackError(f"unknown dtype {dtype_name!r}; choose one of {', '.join(DTYPES)}")
     dtype = DTYPES[dtype_name]
     kernel = w4_kernel or spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel", "reference")
+    m_kernel = kernel if w4_kernel else _drafter_kernel(spec.get("intermediate") or {}, dev, kernel)
     try:
         target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
         inter = e_m = e_t = None
         if spec.get("intermediate"):
-            inter, _ = _load_model(spec["intermediate"], base, dev, dtype, kernel, share_from=target)
+            inter, _ = _load_model(spec["intermediate"], base, dev, dtype, m_kernel, share_from=target)
         if spec.get("e_m"):
             if inter is None:
                 raise StackError("e_m needs an intermediate model in the stack")
@@ -172,6 +189,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
             "e_m": (spec.get("e_m") or {}).get("path"), "e_t": (spec.get("e_t") or {}).get("path"),
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
+            "intermediate_w4_kernel": m_kernel if inter is not None else None,
             "draft_vocab": spec.get("draft_vocab") or "full",
             "intermediate_vocab": "draft" if spec.get("intermediate_draft_vocab") and spec.get("draft_vocab") else "full"}
     return Stack(spec.get("name", p.stem), models, tokenizer, meta)

@@ -29,6 +29,18 @@ def test_default_stack_loads_offline(stack):
     assert m.e_m.draft_vocab is not None and m.e_m.draft_vocab.numel() == 8192
 
 
+def test_intermediate_drafts_through_the_int4_kernel_target_stays_exact(stack):
+    """M (a drafter) runs torch's int4 CPU kernel where this torch has it; T keeps the exact fp32
+    kernel, and the trace says which ran."""
+    from hierviz.quant import int4pack_cpu
+    m, t = stack.models.intermediate, stack.models.target
+    want = "int4pack_cpu" if int4pack_cpu.available() else "dequant_cached"
+    assert stack.meta["intermediate_w4_kernel"] == want and stack.meta["w4_kernel"] == "dequant_cached"
+    def w4_kernels(model):                    # of the linears holding 4-bit weights (the LM heads are dense)
+        return {mod.w4_kernel for mod in model.modules() if getattr(mod, "w4", None)}
+    assert w4_kernels(m) == {want} and w4_kernels(t) == {"dequant_cached"}
+
+
 @pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a haiku about autumn leaves."])
 def test_hierspec_and_eagle2_match_ar(stack, prompt):
     from hierviz.engine import DecodeSettings, generate, output_tokens
@@ -39,3 +51,21 @@ def test_hierspec_and_eagle2_match_ar(stack, prompt):
         trace = generate(stack, method, prompt, s)
         assert output_tokens(trace) == ar, method
         assert trace.stats()["tau_target"] >= 1.0
+
+
+def test_drafter_kernel_choice_falls_back_and_follows_the_device():
+    import torch
+
+    from hierviz.stack import _drafter_kernel
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    spec = {"w4_kernel": "reference", "w4_kernel_cuda": "triton"}
+    assert _drafter_kernel(spec, cpu, "dequant_cached") == "reference"
+    assert _drafter_kernel({}, cpu, "dequant_cached") == "dequant_cached"
+    assert _drafter_kernel({"w4_kernel": "no-such-kernel"}, cpu, "dequant_cached") == "dequant_cached"
+    assert _drafter_kernel({"w4_kernel": "reference"}, cuda, "triton") == "triton"
+
+
+def test_command_line_kernel_applies_to_every_model():
+    from hierviz.stack import load_stack
+    st = load_stack("smollm2-offline", device="cpu", w4_kernel="reference")
+    assert st.meta["w4_kernel"] == st.meta["intermediate_w4_kernel"] == "reference"
