@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hierviz.trace import DraftTree, SeqToken, Step, Trace, TreeNode, comparison_from_json, save_comparison, trace_from_json
 from hierviz.viz import sample
 from hierviz.viz.latency import latency_figure, latency_rows, step_reaching
-from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_html, verdict_html
+from hierviz.viz.panels import legend_html, output_html, run_setup_line, sequence_html, stats_html, verdict_html
 from hierviz.viz.style import COLORS, visible_token
 from hierviz.viz.tree import BONUS, COL_PX, ROOT, _chip_px, layout_tree, node_status, tree_figure
 
@@ -262,3 +262,15 @@ def test_plotly_labels_keep_quotes_but_escape_markup():
     from hierviz.viz.style import plotly_label
     assert plotly_label('"') == '"'
     assert plotly_label("<b>") == "&lt;b&gt;"
+
+
+def test_stats_say_which_kernels_and_vocabulary_ran() -> None:
+    meta = {"device": "cpu", "dtype": "float32", "w4_kernel": "dequant_cached", "intermediate_w4_kernel": "int4pack_cpu",
+            "draft_vocab": "../models/smollm2-draft-vocab-8192.json", "intermediate_vocab": "draft"}
+    line = run_setup_line(meta)
+    assert line == ("cpu float32 · T kernel dequant_cached · M kernel int4pack_cpu · "
+                    "drafter vocabulary smollm2-draft-vocab-8192 (M too)")
+    assert run_setup_line({"w4_kernel": "triton", "intermediate_w4_kernel": "triton", "draft_vocab": "full"}) == "T kernel triton"
+    assert run_setup_line({}) == ""
+    t = Trace(meta={"method": "ar", **meta})
+    assert "Ran on cpu float32" in stats_html([t])

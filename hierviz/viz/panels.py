@@ -173,6 +173,22 @@ def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
     return "–" if v is None else f"{v:.{digits}f}{suffix}"
 
 
+def run_setup_line(meta: dict) -> str:
+    """Where a run ran and with which kernels and drafter vocabulary (from its trace's meta)."""
+    parts = []
+    if meta.get("device"):
+        parts.append(f'{meta["device"]} {meta.get("dtype", "")}'.strip())
+    if meta.get("w4_kernel"):
+        parts.append(f'T kernel {meta["w4_kernel"]}')
+    if meta.get("intermediate_w4_kernel") and meta.get("intermediate_w4_kernel") != meta.get("w4_kernel"):
+        parts.append(f'M kernel {meta["intermediate_w4_kernel"]}')
+    vocab = str(meta.get("draft_vocab") or "")
+    if vocab and vocab != "full":
+        name = vocab.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".json")
+        parts.append(f"drafter vocabulary {name}" + (" (M too)" if meta.get("intermediate_vocab") == "draft" else ""))
+    return " · ".join(esc(p) for p in parts)
+
+
 def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
     """A table with one column per run: speed, tau of each level, per-depth acceptance."""
     if not runs:
@@ -218,5 +234,8 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
         note = '<div class="hv-warn">Hand-made trace: no model ran and the timings are invented.</div>'
     elif any(str(t.meta.get("stack", "")).startswith("tiny") for t in runs):
         note = '<div class="hv-warn">Tiny random-weight stack: the text is gibberish and the numbers only test the plumbing.</div>'
+    setup = run_setup_line(runs[0].meta)
+    if setup:
+        note += f'<div class="hv-muted">Ran on {setup}.</div>'
     return _box(speed_html + f'<table class="hv-stats"><thead><tr><th></th>{head}</tr></thead>'
                 f'<tbody>{body}{"".join(depth_rows)}</tbody></table>' + note)
