@@ -142,34 +142,11 @@ def is_warm(stack: Stack, methods: list[str], settings: DecodeSettings) -> bool:
     return all(_warm_key(m, settings) in done for m in methods)
 
 
-def calibrate_cpu_matmul(stack: Stack) -> dict[int, str]:
-    """Pick the CPU's dense product form per row bucket by timing the target's whole forward
-    (hierviz.quant.w4.calibrate_cpu_forms; ~2-4 s for SmolLM2-135M). Skipped when
-    HIERVIZ_CPU_MATMUL fixes the form."""
-    import os
-
-    import torch
-
-    from hierviz.quant.w4 import calibrate_cpu_forms
-    if os.environ.get("HIERVIZ_CPU_MATMUL", "auto") not in ("", "auto"):
-        return {}
-    target = stack.models.target
-
-    def forward(rows: int) -> None:
-        tokens = torch.arange(rows, device=target.device) % target.cfg.vocab_size
-        with torch.no_grad():
-            target.logits(target.forward(tokens, torch.arange(rows, device=target.device)))
-    return calibrate_cpu_forms(forward)
-
-
 def warm_up(stack: Stack, methods: list[str], settings: DecodeSettings, max_new_tokens: int = 8) -> None:
     """Run each method briefly once per stack and settings, so that first-call costs (dequantized
     weight caches, kernel packing, CUDA-graph captures) stay out of the runs that are timed and
     compared: otherwise whichever method runs first pays them all."""
     done = stack.warmed
-    if stack.device.type == "cpu" and "cpu_matmul" not in done:
-        calibrate_cpu_matmul(stack)
-        done.add("cpu_matmul")
     short = type(settings)(**{**settings.to_dict(), "max_new_tokens": max_new_tokens})
     for m in methods:
         if _warm_key(m, settings) not in done:
@@ -177,4 +154,4 @@ def warm_up(stack: Stack, methods: list[str], settings: DecodeSettings, max_new_
             done.add(_warm_key(m, settings))
 
 
-__all__ += ["StackError", "output_tokens", "prepare", "warm_up", "is_warm", "calibrate_cpu_matmul"]
+__all__ += ["StackError", "output_tokens", "prepare", "warm_up", "is_warm"]

@@ -14,11 +14,10 @@ from hierviz.quant import w4
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
     monkeypatch.setattr(w4, "_CPU_FORMS", {})
-    monkeypatch.setattr(w4, "_BUCKET_FORMS", {})
     monkeypatch.delenv("HIERVIZ_CPU_MATMUL", raising=False)
 
 
-@pytest.mark.parametrize("setting", ["auto", "plain", "nt", "kn"])
+@pytest.mark.parametrize("setting", ["auto", "plain", "nt"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 128, 200])
 def test_every_form_is_the_product(setting, rows, monkeypatch) -> None:
     monkeypatch.setenv("HIERVIZ_CPU_MATMUL", setting)
@@ -34,30 +33,29 @@ def _slowed(slow: set[str], monkeypatch) -> list[str]:
     """Make the named forms take 3 ms longer; returns the log of forms run."""
     real, log = w4._form_product, []
 
-    def product(form, x2, w, kn=None):
+    def product(form, x2, w):
         log.append(form)
         if form in slow:
             time.sleep(0.003)
-        return real(form, x2, w, kn)
+        return real(form, x2, w)
     monkeypatch.setattr(w4, "_form_product", product)
     return log
 
 
 def test_the_fastest_form_is_chosen_once_per_bucket(monkeypatch) -> None:
-    log = _slowed({"plain", "kn"}, monkeypatch)
+    log = _slowed({"plain"}, monkeypatch)
     w = torch.randn(96, 64)
     assert w4.cpu_matmul_form(3, w) == "nt"
     n = len(log)
-    assert set(log) == {"plain", "nt", "kn"} and n == 9     # best of three, interleaved
+    assert set(log) == {"plain", "nt"} and n == 6           # best of three, interleaved
     assert w4.cpu_matmul_form(4, w) == "nt" and len(log) == n  # rows 3 and 4 share bucket 4
     assert w4.cpu_matmul_form(5, w) == "nt" and len(log) == 2 * n   # bucket 8: timed anew
     assert w4.cpu_matmul_form(1, w) in ("nt", "nt2")          # one row: gemv or padded to two
     assert w4.cpu_matmul_form(3, torch.randn(96, 32)) == "nt"  # another shape: timed anew
-    assert w4._KN_ATTR not in w.__dict__                     # the [K, N] copy is kept only when it wins
 
 
 def test_plain_stays_unless_clearly_beaten(monkeypatch) -> None:
-    _slowed({"nt", "nt2", "kn"}, monkeypatch)
+    _slowed({"nt", "nt2"}, monkeypatch)
     assert w4.cpu_matmul_form(2, torch.randn(96, 64)) == "plain"
     monkeypatch.setattr(w4, "_FORM_MARGIN", 0.0)         # nothing can beat plain by 100 %
     monkeypatch.setattr(w4, "_CPU_FORMS", {})
@@ -73,36 +71,5 @@ def test_setting_fixes_the_form(monkeypatch) -> None:
     monkeypatch.setenv("HIERVIZ_CPU_MATMUL", "plain")
     assert w4.cpu_matmul_form(7, w) == "plain" and log == [] and w4._CPU_FORMS == {}
     monkeypatch.setenv("HIERVIZ_CPU_MATMUL", "fast")
-    with pytest.raises(ValueError, match="auto, plain, nt or kn"):
+    with pytest.raises(ValueError, match="auto, plain or nt"):
         w4.matmul_nt(torch.randn(2, 64), w)
-
-
-def test_kept_copy_follows_the_weight_and_autograd(monkeypatch) -> None:
-    monkeypatch.setenv("HIERVIZ_CPU_MATMUL", "kn")
-    w = torch.randn(96, 64)
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(w4.matmul_nt(x, w), x @ w.t())
-    w.mul_(2)                                               # modified in place: the copy is rebuilt
-    torch.testing.assert_close(w4.matmul_nt(x, w), x @ w.t())
-    p = torch.nn.Parameter(w.clone())
-    w4.matmul_nt(x, p).sum().backward()                      # tracked by autograd: plain, gradient flows
-    torch.testing.assert_close(p.grad, x.sum(0).expand(96, -1))
-
-
-@pytest.mark.parametrize("slow,kept", [({"plain", "nt"}, True), ({"plain", "kn"}, False)])
-def test_model_level_calibration_sets_every_bucket(slow, kept) -> None:
-    """calibrate_cpu_forms times a whole forward per row bucket in each form and keeps the fastest
-    for every product of that bucket; the [K, N] copies go again when "kn" won nowhere."""
-    w = torch.randn(96, 64)
-
-    def forward(rows: int) -> None:
-        x = torch.randn(rows, 64)
-        if w4.cpu_matmul_form(rows, w, x) in slow or (w4.cpu_matmul_form(rows, w, x) == "nt2" and "nt" in slow):
-            time.sleep(0.003)
-        w4.matmul_nt(x, w)
-    chosen = w4.calibrate_cpu_forms(forward, probes=((1, (1,)), (4, (2, 4)), (16, (16,))))
-    want = ({"kn", "nt"} - slow).pop()
-    assert chosen == {1: want, 2: want, 4: want, 16: want} and w4._FORCED is None
-    assert w4.cpu_matmul_form(3, torch.randn(32, 8)) == want     # any shape in that bucket
-    assert (w4._KN_ATTR in w.__dict__) == kept
-    assert w4.cpu_matmul_choices()["by_row_bucket"]["rows<=4"] == want

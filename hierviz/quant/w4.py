@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -117,40 +116,18 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
 CPU_NT_MAX_ROWS = 128
 
 # Which form of x @ w^T is fastest for a few rows on the CPU depends on the machine's MKL: the
-# 2-core machine of session 9 ran (w @ x^T)^T ("nt") 1.5-2.5x faster than x @ w^T for 2-64 rows (and
-# one row padded to two, "nt2"); the one of session 15 ran SmolLM2-135M's one-token forward at 38 ms
-# plainly and 71 ms that way, and x @ w_t with a kept [K, N] copy of w ("kn") 2-4x faster than
-# either for 4-8 rows at the layer shapes. So each (N, K, dtype, row bucket) is timed once per
-# process, on first use, and the winner kept. HIERVIZ_CPU_MATMUL=plain|nt|kn fixes the choice
-# (reproducible rounding across processes); the default is auto.
+# 2-core machine of session 9 ran (w @ x^T)^T 1.5-2.5x faster than x @ w^T for 2-64 rows (and one
+# row padded to two); the one of session 15 ran SmolLM2-135M's one-token forward at 38 ms plainly
+# and 71 ms that way. So each (N, K, dtype, row bucket) is timed once per process, on first use,
+# and the winner kept. HIERVIZ_CPU_MATMUL=plain|nt fixes the choice (reproducible rounding across
+# processes); the default is auto.
 _CPU_FORMS: dict[tuple, str] = {}
 _FORM_MARGIN = 0.85       # another form must beat plain by 15 %: near-equal timings keep plain
-_KN_ATTR = "_hv_kn"
-# Per row bucket, from timing a whole model forward (calibrate_cpu_forms): within a model each
-# weight streams from memory, where the per-shape timing above runs on hot caches and picked
-# forms 4-14 % slower than the best one on session 15's machine.
-_BUCKET_FORMS: dict[int, str] = {}
-_FORCED: Optional[str] = None
-_KN_HOLDERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # id -> w
 
 
-def _kn_copy(w: torch.Tensor, keep: bool = True) -> torch.Tensor:
-    """w as a contiguous [K, N] copy, kept on w (rebuilt when w is modified in place or replaced)."""
-    hit = w.__dict__.get(_KN_ATTR)
-    if hit is not None and hit[0] == (w._version, w.data_ptr()):
-        return hit[1]
-    kn = w.detach().t().contiguous()
-    if keep:
-        w.__dict__[_KN_ATTR] = ((w._version, w.data_ptr()), kn)
-        _KN_HOLDERS[id(w)] = w
-    return kn
-
-
-def _form_product(form: str, x2: torch.Tensor, w: torch.Tensor, kn: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _form_product(form: str, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if form == "plain":
         return x2 @ w.t()
-    if form == "kn":
-        return x2 @ (kn if kn is not None else _kn_copy(w))
     if form == "nt2":    # one row padded to two: a two-column gemm instead of MKL's gemv
         return torch.mm(w, x2.expand(2, -1).contiguous().t())[:, :1].t()
     return torch.mm(w, x2.t()).t()
@@ -159,73 +136,31 @@ def _form_product(form: str, x2: torch.Tensor, w: torch.Tensor, kn: Optional[tor
 def cpu_matmul_form(rows: int, w: torch.Tensor, x2: Optional[torch.Tensor] = None) -> str:
     """The form matmul_nt uses on the CPU for `rows` rows against w (timed on first use)."""
     fixed = os.environ.get("HIERVIZ_CPU_MATMUL", "auto") or "auto"
-    if fixed not in ("auto", "plain", "nt", "kn"):
-        raise ValueError(f"HIERVIZ_CPU_MATMUL must be auto, plain, nt or kn, not {fixed!r}")
-    if fixed == "auto" and _FORCED is not None:
-        fixed = _FORCED
-    if fixed != "auto":
+    if fixed not in ("auto", "plain", "nt"):
+        raise ValueError(f"HIERVIZ_CPU_MATMUL must be auto, plain or nt, not {fixed!r}")
+    if fixed in ("plain", "nt"):
         return "nt2" if fixed == "nt" and rows == 1 else fixed
     bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
-    if bucket in _BUCKET_FORMS:
-        return _BUCKET_FORMS[bucket]
     key = (w.shape[0], w.shape[1], w.dtype, bucket)
     form = _CPU_FORMS.get(key)
     if form is None:
         if x2 is None:
             x2 = torch.randn(rows, w.shape[1], dtype=w.dtype)
-        kn = _kn_copy(w, keep=False)        # kept on w only if it wins (a weight-sized copy)
-        cands = ["plain", "nt", "kn"] + (["nt2"] if rows == 1 else [])
+        cands = ["plain", "nt", "nt2"] if rows == 1 else ["plain", "nt"]
         best = {c: float("inf") for c in cands}
         for _ in range(3):                  # interleaved, best of three: background load hits all alike
             for c in cands:
                 t = time.perf_counter()
-                _form_product(c, x2, w, kn)
+                _form_product(c, x2, w)
                 best[c] = min(best[c], time.perf_counter() - t)
         fastest = min(cands, key=best.get)
         form = _CPU_FORMS[key] = fastest if best[fastest] < _FORM_MARGIN * best["plain"] else "plain"
     return form
 
 
-# calibrate_cpu_forms: (rows timed, the row buckets that take its winner)
-CALIBRATION_PROBES: tuple[tuple[int, tuple[int, ...]], ...] = ((1, (1,)), (4, (2, 4, 8)), (32, (16, 32, 64, 128)))
-
-
-def calibrate_cpu_forms(forward: Callable[[int], object],
-                        probes: tuple[tuple[int, tuple[int, ...]], ...] = CALIBRATION_PROBES,
-                        reps: int = 3, margin: float = 0.95) -> dict[int, str]:
-    """Time `forward(rows)` (a whole model forward over that many tokens) with every product in
-    each form, interleaved, best of `reps`, for each probe's row count; its winner (plain unless
-    faster by 1 - margin) serves every few-row product of the probe's row buckets. The [K, N]
-    weight copies are dropped again if "kn" won nowhere. Returns bucket -> form."""
-    global _FORCED
-    forms = ("plain", "nt", "kn")
-    try:
-        for rows, buckets in probes:
-            best = {f: float("inf") for f in forms}
-            for f in forms:                  # first call per form: builds its copies, warms up
-                _FORCED = f
-                forward(rows)
-            for _ in range(reps):
-                for f in forms:
-                    _FORCED = f
-                    t = time.perf_counter()
-                    forward(rows)
-                    best[f] = min(best[f], time.perf_counter() - t)
-            fastest = min(forms, key=best.get)
-            for b in buckets:
-                _BUCKET_FORMS[b] = fastest if best[fastest] < margin * best["plain"] else "plain"
-    finally:
-        _FORCED = None
-    if "kn" not in _BUCKET_FORMS.values():
-        for w in list(_KN_HOLDERS.values()):
-            w.__dict__.pop(_KN_ATTR, None)
-    return dict(_BUCKET_FORMS)
-
-
 def cpu_matmul_choices() -> dict[str, object]:
     """What cpu_matmul_form chose in this process ("NxK dtype rows<=B" -> form), for reports."""
     return {"setting": os.environ.get("HIERVIZ_CPU_MATMUL", "auto"),
-            "by_row_bucket": {f"rows<={b}": f for b, f in sorted(_BUCKET_FORMS.items())},
             "forms": {f"{n}x{k} {str(dt).replace('torch.', '')} rows<={b}": f
                       for (n, k, dt, b), f in sorted(_CPU_FORMS.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3]))}}
 
@@ -234,17 +169,13 @@ def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T: every dense product of the engine (layers, LM head, drafter heads).
 
     On the CPU, for the few rows of a decode or verification step (up to CPU_NT_MAX_ROWS), the
-    fastest of x @ w^T, (w @ x^T)^T and x @ (a kept [K, N] copy of w) (see cpu_matmul_form); larger
-    products (training, long prefills) keep the plain form, and so does anything autograd tracks
-    through w (a kept copy would take no gradient)."""
+    fastest of x @ w^T and (w @ x^T)^T (see cpu_matmul_form); larger products (training, long
+    prefills) keep the plain form."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or not 0 < rows <= CPU_NT_MAX_ROWS:
         return x @ w.t()
     x2 = x.reshape(rows, x.shape[-1])
-    form = cpu_matmul_form(rows, w, x2)
-    if form == "kn" and w.requires_grad and torch.is_grad_enabled():
-        form = "plain"
-    return _form_product(form, x2, w).reshape(*x.shape[:-1], w.shape[0])
+    return _form_product(cpu_matmul_form(rows, w, x2), x2, w).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _matmul_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
