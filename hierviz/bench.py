@@ -1,8 +1,9 @@
 """`python -m hierviz bench`: methods side by side on Spec-Bench-format questions.
 
 Reads Spec-Bench's question JSONL ({"question_id", "category", "turns": [...]}; the first turn is
-the prompt), runs every method on every question in one process (greedy unless --temperature,
-one warm-up generation per method first), and writes to --out:
+the prompt), runs every method on every question in one process (greedy unless --temperature;
+first one warm-up generation per method, and on CUDA an untimed pass over every question: --warmup),
+and writes to --out:
   summary.json   per method (and per category): tokens_per_s, speedup_vs_ar, tau_target,
                  tau_intermediate, per_depth_acceptance, outputs_identical_to_ar (and
                  identical_questions: how many of the questions match AR token for token)
