@@ -140,3 +140,18 @@ def test_identical_cell_counts_the_questions_that_differ():
     assert _identical_cell({"outputs_identical_to_ar": False, "identical_questions": 12, "questions": 13}) == "no (12/13)"
     assert _identical_cell({"outputs_identical_to_ar": True, "identical_questions": 13, "questions": 13}) == "yes"
     assert _identical_cell({}) == ""
+
+
+def test_draft_sweep_script_runs(questions):
+    """scripts/draft_sweep.py (the CPU draft-length sweep in docs/benchmarks.md) stays runnable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "draft_sweep.py"), "--questions", str(questions),
+                           "--stack", "tiny-random", "--max-new-tokens", "4", "--device", "cpu"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "tok/s" in line]
+    assert len(lines) == 5 and lines[1].startswith("hierspec (defaults)")
