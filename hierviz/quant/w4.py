@@ -148,11 +148,12 @@ def cpu_matmul_form(rows: int, w: torch.Tensor, x2: Optional[torch.Tensor] = Non
             x2 = torch.randn(rows, w.shape[1], dtype=w.dtype)
         cands = ["plain", "nt", "nt2"] if rows == 1 else ["plain", "nt"]
         best = {c: float("inf") for c in cands}
-        for _ in range(3):                  # interleaved, best of three: background load hits all alike
-            for c in cands:
-                t = time.perf_counter()
-                _form_product(c, x2, w)
-                best[c] = min(best[c], time.perf_counter() - t)
+        with torch.no_grad():               # timing only: nothing for autograd to record
+            for _ in range(3):              # interleaved, best of three: background load hits all alike
+                for c in cands:
+                    t = time.perf_counter()
+                    _form_product(c, x2, w)
+                    best[c] = min(best[c], time.perf_counter() - t)
         fastest = min(cands, key=best.get)
         form = _CPU_FORMS[key] = fastest if best[fastest] < _FORM_MARGIN * best["plain"] else "plain"
     return form
