@@ -255,15 +255,12 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
                  for x, t in zip(xbf, tiny)], rep_ms)
         try:
             row["triton_err"] = _rel_err(triton_w4_matmul(x16[0], ws[0], cfg), want)
-            row["triton_us"] = _graph_time_us(
-                [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
-            # Split-K by atomic adds (HIERVIZ_W4_DETERMINISTIC=0) next to the default fixed-order
-            # sum, and whether 20 repeats of one product give the same bits in each mode.
+            # The default split-K (HIERVIZ_W4_DETERMINISTIC) next to atomic adds, and whether 20
+            # repeats of one product give the same bits in each mode.
             for mode, ordered in (("", triton_w4.DETERMINISTIC), ("_atomic", False)):
                 with triton_w4.split_k_mode(ordered):
-                    if mode:
-                        row["triton_atomic_us"] = _graph_time_us(
-                            [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
+                    row[f"triton{mode}_us"] = _graph_time_us(
+                        [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
                     first = triton_w4_matmul(x16[0], ws[0], cfg)
                     row[f"triton{mode}_repeatable"] = all(
                         torch.equal(first, triton_w4_matmul(x16[0], ws[0], cfg)) for _ in range(20))

@@ -111,10 +111,15 @@ def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
     return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device), folder
 
 
+def _for_device(spec: dict[str, Any], key: str, dev: torch.device, default: Any = None) -> Any:
+    """spec[key + "_cuda"] on a CUDA device, spec[key] elsewhere."""
+    return spec.get(f"{key}_cuda" if dev.type == "cuda" else key, default)
+
+
 def _drafter_kernel(model_spec: dict[str, Any], dev: torch.device, default: str) -> str:
     """The W4 kernel the stack file asks for the intermediate on this device, if this machine
     has it: M only drafts (T verifies every token), so it may run a faster, inexact kernel."""
-    want = model_spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel")
+    want = _for_device(model_spec, "w4_kernel", dev)
     if not want:
         return default
     from hierviz.quant.w4 import get_kernel
@@ -150,11 +155,11 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     if not isinstance(spec, dict) or "target" not in spec:
         raise StackError(f"stack file {p} has no 'target'")
     base = p.parent
-    dtype_name = dtype or spec.get("dtype_cuda" if dev.type == "cuda" else "dtype", "float32")
+    dtype_name = dtype or _for_device(spec, "dtype", dev, "float32")
     if dtype_name not in DTYPES:
         raise StackError(f"unknown dtype {dtype_name!r}; choose one of {', '.join(DTYPES)}")
     dtype = DTYPES[dtype_name]
-    kernel = w4_kernel or spec.get("w4_kernel_cuda" if dev.type == "cuda" else "w4_kernel", "reference")
+    kernel = w4_kernel or _for_device(spec, "w4_kernel", dev, "reference")
     m_kernel = kernel if w4_kernel else _drafter_kernel(spec.get("intermediate") or {}, dev, kernel)
     try:
         target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
