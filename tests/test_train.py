@@ -120,6 +120,46 @@ def test_heads_load_in_engine_like_training(trained):
     assert len(rep["heads"]["e_t"]["heldout_top1_by_depth"]["greedy"]) == 3
 
 
+def test_training_continues_from_shipped_checkpoints(trained, tmp_path):
+    """--init M_DIR starts a student from a saved M checkpoint (GPTQ codes dequantized) and --init-m
+    starts E_M from a saved head: the weights copied are the checkpoint's, and both commands run."""
+    from hierviz.train import distill, eagle_train
+    from hierviz.train.common import build_hf, load_base
+    t_cfg, t_w = load_base(trained / "target")
+    student = build_hf(t_cfg, distill.student_weights(t_w, distill.pick_layers(4, 2)), torch.device("cpu"),
+                       torch.float32, num_hidden_layers=2)
+    key = "model.layers.1.mlp.up_proj.weight"
+    assert not torch.equal(student.state_dict()[key], load_base(trained / "M")[1][key])
+    distill.init_student(student, trained / "M", 2)
+    assert torch.equal(student.state_dict()[key], load_base(trained / "M")[1][key].float())
+    assert torch.equal(student.state_dict()["model.embed_tokens.weight"], t_w["model.embed_tokens.weight"])
+    wrong = build_hf(t_cfg, distill.student_weights(t_w, distill.pick_layers(4, 3)), torch.device("cpu"),
+                     torch.float32, num_hidden_layers=3)
+    with pytest.raises(SystemExit, match="does not fit a 3-layer student"):
+        distill.init_student(wrong, trained / "M", 3)
+    with pytest.raises(SystemExit, match="no such file"):
+        distill.init_student(student, tmp_path / "absent", 2)
+
+    head = eagle_train.EagleTrainHead(json.loads((trained / "E_M" / "config.json").read_text()))
+    eagle_train.init_head(head, trained / "E_M")
+    from safetensors.torch import load_file
+    saved = load_file(str(trained / "E_M" / "model.safetensors"))
+    assert all(torch.equal(v, saved[k].float()) for k, v in head.state_dict().items())
+    with pytest.raises(SystemExit, match="cannot start a head"):
+        eagle_train.init_head(head, trained / "M")           # not a head
+
+    assert distill.main(["--target", str(trained / "target"), "--data", str(trained / "data.pt"), "--out",
+                         str(tmp_path / "M2"), "--layers", "2", "--steps", "2", "--batch-tokens", "512",
+                         "--group-size", "32", "--calib-samples", "4", "--init", str(trained / "M"),
+                         "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "M2" / "train_report.json").read_text())["init"] == str(trained / "M")
+    assert eagle_train.main(["--target", str(trained / "target"), "--intermediate", str(tmp_path / "M2"), "--data",
+                             str(trained / "data.pt"), "--out-m", str(tmp_path / "E_M2"), "--init-m",
+                             str(trained / "E_M"), "--steps", "2", "--batch-tokens", "512", "--device", "cpu",
+                             "--report", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["init_m"] == str(trained / "E_M")
+
+
 def test_derived_prompts_stage(tmp_path):
     """--derived: the target's own training answers become passages of long prompts, which the
     target then answers greedily; they land in the data with their own categories."""
@@ -156,7 +196,7 @@ def test_pipeline_in_two_calls(tmp_path):
     script = root / "hierviz" / "train" / "gpu_pipeline.sh"
     work, out = tmp_path / "w", tmp_path / "out"
     # the second call also continues the distillation from the student the first one saved
-    second = {"STAGES": "distill heads", "INIT": str(work / "M_float.safetensors")}
+    second = {"STAGES": "distill heads", "INIT": str(work / "M_float.safetensors"), "SEED": "3"}
     for extra, made in (({"STAGES": "data distill"}, "M.tar"), (second, "heads.tar")):
         p = subprocess.run(["bash", str(script), str(target), "byte", str(work), str(out)], cwd=root,
                            env={**env, **extra}, capture_output=True, text=True, timeout=600)

@@ -188,6 +188,31 @@ def save_intermediate(folder: str | Path, t_cfg: dict, student, packed: dict, gr
     return save_gptq_checkpoint(folder, cfg, floats, packed, qc)
 
 
+def init_student(student, path: str | Path, layers: int) -> None:
+    """Copy an earlier student's weights into `student`: a --save-float safetensors file, or a checkpoint
+    folder (GPTQ codes dequantized). The embedding and final norm stay T's (frozen, and not stored in a
+    shared-embedding M)."""
+    p = Path(path)
+    if p.is_dir():
+        _, init = load_base(p)
+    elif p.is_file():
+        from safetensors.torch import load_file
+        init = load_file(str(p))
+    else:
+        raise SystemExit(f"--init {path}: no such file or folder")
+    own = student.state_dict()
+    shared = ("lm_head.weight", "model.embed_tokens.weight")
+    init = {k: v for k, v in init.items() if k not in shared}
+    missing = sorted(k for k in own if k not in shared and k not in init)
+    bad = sorted(k for k in init if k not in own or init[k].shape != own[k].shape)
+    if missing or bad:
+        raise SystemExit(f"--init {path} does not fit a {layers}-layer student: "
+                         f"missing {missing[:3]}, mismatched {bad[:3]}")
+    with torch.no_grad():
+        for k, v in init.items():
+            own[k].copy_(v.to(torch.float32))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz.train.distill", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
@@ -205,8 +230,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--calib-samples", type=int, default=256)
     ap.add_argument("--save-float", default=None, help="also save the unquantized student here (safetensors)")
     ap.add_argument("--init", default=None,
-                    help="start from this unquantized student (a --save-float file of an earlier run with the same "
-                         "--layers) instead of T's layers: continues a distillation in a second device call")
+                    help="start from this student instead of T's layers: a --save-float file of an earlier run "
+                         "(continues a distillation in a second device call) or an M checkpoint folder with the same "
+                         "--layers (GPTQ or float; a shipped M, dequantized, goes on training on new data)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None)
@@ -226,17 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.requires_grad_(False)
     student = build_hf(t_cfg, student_weights(t_w, layer_ids), device, torch.float32, num_hidden_layers=a.layers)
     if a.init:
-        from safetensors.torch import load_file
-        init = load_file(a.init)
-        own = student.state_dict()
-        missing = sorted(k for k in own if k != "lm_head.weight" and k not in init)
-        bad = sorted(k for k in init if k not in own or init[k].shape != own[k].shape)
-        if missing or bad:
-            raise SystemExit(f"--init {a.init} does not fit a {a.layers}-layer student: "
-                             f"missing {missing[:3]}, mismatched {bad[:3]}")
-        with torch.no_grad():
-            for k, v in init.items():
-                own[k].copy_(v.to(torch.float32))
+        init_student(student, a.init, a.layers)
     student.model.embed_tokens.weight.requires_grad_(False)
     student.model.norm.weight.requires_grad_(False)
     log(f"teacher {n_t} layers, student layers {layer_ids} on {device} ({time.time() - t0:.1f}s)")

@@ -119,6 +119,24 @@ def save_head(head: EagleTrainHead, folder: str | Path, base_cfg: dict, extra: d
     return folder
 
 
+def init_head(head: EagleTrainHead, folder: str | Path) -> None:
+    """Load a saved head (SafeAILab layout, as save_head writes it) into `head` to train it further."""
+    from hierviz.models.eagle import load_eagle_weights
+    try:
+        _, weights = load_eagle_weights(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"cannot start a head from {folder}: {e}")
+    own = head.state_dict()
+    weights = {k: v for k, v in weights.items() if k in own}
+    missing = sorted(k for k in own if k not in weights)
+    bad = sorted(k for k in weights if weights[k].shape != own[k].shape)
+    if missing or bad:
+        raise SystemExit(f"head {folder} does not fit this base: missing {missing[:3]}, mismatched {bad[:3]}")
+    with torch.no_grad():
+        for k, v in weights.items():
+            own[k].copy_(v.to(own[k].dtype))
+
+
 class _Base:
     """A frozen base model: features (after the final norm), embedding and LM head."""
 
@@ -204,6 +222,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--p-w", type=float, default=0.1, help="weight of the token cross-entropy")
     ap.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (x feature std)")
     ap.add_argument("--no-bias", action="store_true")
+    ap.add_argument("--init-t", default=None, help="start E_T from this head folder (SafeAILab layout) instead of random")
+    ap.add_argument("--init-m", default=None, help="start E_M from this head folder (e.g. the shipped E_M, for a new M)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", default=None)
@@ -231,6 +251,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     heads, opts = {}, {}
     for k, (b, cfg) in bases.items():
         heads[k] = EagleTrainHead(cfg, bias=not a.no_bias).to(device)
+        init = a.init_t if k == "e_t" else a.init_m
+        if init:
+            init_head(heads[k], init)
         opts[k] = torch.optim.AdamW(heads[k].parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                     fused=device.type == "cuda")
     log(f"training {list(heads)} on {device} ({time.time() - t0:.1f}s)")
@@ -265,7 +288,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {"command": command_line("hierviz.train.eagle_train", argv), "target": str(a.target),
               "intermediate": a.intermediate, "data": str(a.data), "steps": prog.step,
               "seconds_training": round(time.time() - prog.t0, 1), "lr": a.lr, "batch_tokens": a.batch_tokens,
-              "p_w": a.p_w, "noise": a.noise, "heads": {}, "env": env_info(device)}
+              "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "heads": {}, "env": env_info(device)}
     for k, head in heads.items():
         base = bases[k][0]
         acc = {mode: head_accuracy(head, base, data, data.indices("heldout", mode), device, a.max_len, a.batch_tokens)

@@ -6,8 +6,9 @@
 # for "data distill", the next for "heads" with a full EAGLE_S: one call's 600 s limit no longer
 # caps the whole run); sizes from
 # NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, SAMPLES_PER_PROMPT, DERIVED (+ DERIVED_S), INSTRUCT (+ INSTRUCT_S), LAYERS,
-# GROUP, TOP1, LR; INIT=FILE continues the distillation from a saved student (every distill stage leaves
-# WORK_DIR/M_float.safetensors, so a second call can go on where the first stopped); HEADS=m trains only E_M (E_T depends
+# GROUP, TOP1, LR, EAGLE_LR, SEED (new prompts and batch orders); INIT=FILE continues the distillation from a saved student (every distill stage leaves
+# WORK_DIR/M_float.safetensors, so a second call can go on where the first stopped; INIT=M_DIR starts
+# from a shipped M checkpoint); INIT_M=HEAD_DIR starts E_M from a saved head; HEADS=m trains only E_M (E_T depends
 # on T alone, so a new M does not need a new E_T). Every stage logs to OUT_DIR/log.txt and leaves its
 # products in OUT_DIR as it finishes, so a run cut short still returns what it made.
 set -uo pipefail
@@ -31,23 +32,24 @@ $PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
   --batch-size "${GEN_BATCH:-1024}" --modes "${MODES:-greedy:0.5,t0.7:0.25,t1.0:0.25}" --time-budget "${DATA_S:-90}" ${Q:+--questions $Q} \
   --derived "${DERIVED:-0}" --derived-budget "${DERIVED_S:-0}" \
   --instruct "${INSTRUCT:-0}" --instruct-budget "${INSTRUCT_S:-0}" \
-  --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" --report "$W/data.json" || exit 1
+  --draft-vocab "${DRAFT_VOCAB:-8192}" --draft-vocab-out "$W/draft_vocab.json" ${SEED:+--seed $SEED} \
+  --report "$W/data.json" || exit 1
 cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
 fi
 if has distill; then
 $PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/$MDIR" \
   --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --top1-weight "${TOP1:-0}" \
-  --save-float "$W/M_float.safetensors" ${INIT:+--init "$INIT"} --lr "${LR:-4e-4}" \
+  --save-float "$W/M_float.safetensors" ${INIT:+--init "$INIT"} --lr "${LR:-4e-4}" ${SEED:+--seed $SEED} \
   --report "$W/distill.json" || exit 2
 cp "$W/distill.json" "$OUT/"
 tar -C "$W" -cf "$OUT/M.tar" "$MDIR"
 fi
 if has heads; then
-HEAD_OUT="--out-t $W/smollm2-eagle-t --out-m $W/smollm2-m${LAYERS:-8}-eagle"
-[ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-eagle"
+HEAD_OUT="--out-t $W/smollm2-eagle-t --out-m $W/smollm2-m${LAYERS:-8}-eagle ${INIT_M:+--init-m $INIT_M}"
+[ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-eagle ${INIT_M:+--init-m $INIT_M}"
 $PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/$MDIR" --data "$W/data.pt" \
-  $HEAD_OUT --steps "${EAGLE_STEPS:-4000}" \
+  $HEAD_OUT --steps "${EAGLE_STEPS:-4000}" --lr "${EAGLE_LR:-6e-4}" \
   --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
 cp "$W/eagle.json" "$OUT/"
 tar -C "$W" -cf "$OUT/heads.tar" $(cd "$W" && ls -d smollm2-eagle-t smollm2-m*-eagle 2>/dev/null)
