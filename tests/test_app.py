@@ -58,6 +58,7 @@ def test_live_run_streams_every_panel(client):
     assert any("Running HierSpec: step" in s for s in statuses)
     assert any("Running EAGLE-2" in s for s in statuses)
     assert "Traceback" not in "".join(statuses)
+    assert "paused while this page drew" not in status_of(final)   # an API client never reports drawing
     status, download, step, view, tree, seq, verdict, output, latency, stats = final
     fig = json.loads(tree["plot"])
     assert tree["type"] == "plotly" and fig["layout"]["annotations"]          # node chips
@@ -176,3 +177,32 @@ def test_tabs_are_pluggable():
         assert labels == ["Visualizer", "Profile", "What-if", "Extra", "How it works"]
     finally:
         ui.TAB_BUILDERS.clear()
+
+
+class _Req:
+    def __init__(self, session: str, host: str) -> None:
+        self.session_hash = session
+        self.client = type("Client", (), {"host": host})()
+
+
+def test_render_pacing_waits_only_for_pages_that_report(monkeypatch):
+    """A run waits for a page to draw each update only once that page has reported drawing one (API
+    clients never do), and by default only for a page on this machine, whose drawing competes with
+    the engine for the cores."""
+    from hierviz import ui
+    local, remote, silent = _Req("pace-local", "127.0.0.1"), _Req("pace-remote", "10.1.2.3"), _Req("pace-api", "::1")
+    monkeypatch.delenv("HIERVIZ_UI_PACE", raising=False)
+    assert ui.pace_mode() == "auto"
+    for r in (local, remote, silent):
+        assert not ui.should_pace(r)
+    ui.report_rendered(local)
+    ui.report_rendered(remote)
+    assert ui._rendered_flag(local).is_set()
+    assert ui.should_pace(local) and not ui.should_pace(remote) and not ui.should_pace(silent)
+    assert ui.should_pace(remote, "on") and not ui.should_pace(silent, "on")
+    assert not ui.should_pace(local, "off")
+    ui.forget_session(local)                       # the page closed
+    assert not ui.should_pace(local) and "pace-local" not in ui._RENDERED
+    monkeypatch.setenv("HIERVIZ_UI_PACE", "sometimes")
+    with pytest.raises(ValueError, match="HIERVIZ_UI_PACE must be auto, on or off"):
+        ui.pace_mode()

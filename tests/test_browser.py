@@ -101,6 +101,8 @@ def test_run_a_prompt_and_see_every_panel(page):
     pg.wait_for_function("() => document.querySelector('#hv-status').innerText.includes('Done.')", timeout=180_000)
     time.sleep(1.0)   # let plotly finish drawing the last update
     assert "HierSpec" in status_text(pg) and "EAGLE-2" in status_text(pg)
+    # the page reported drawing each update and the run waited for it (render pacing: local page)
+    assert "paused while this page drew" in status_text(pg)
     # tree: plotly drew node chips; sequence and verdict: token chips; latency: bars
     assert pg.locator("#hv-tree .annotation").count() > 3
     assert pg.locator("#hv-seq .hv-chip").count() >= 1
