@@ -216,8 +216,11 @@ def test_pick_config_splits_k_for_narrow_layers() -> None:
     down = pick_config(64, 8192, 28672, 128, sms=132)         # 64 tiles of 128 rows
     assert down.split_k == 5 and down.tma == TUNED[64].tma and down.block_n == TUNED[64].block_n
     assert pick_config(1, 28672, 8192, 128, sms=132) == TUNED_GEMV[1]       # one token: CUDA cores
-    assert pick_config(1, 28672, 8192, 128, sms=132, gemv=False) == TUNED[16]
-    assert pick_config(2, 28672, 8192, 128, sms=132) == TUNED[16]           # MMA measured faster at M >= 2
+    assert pick_config(1, 28672, 8192, 128, sms=132, gemv=False) == TUNED[8]
+    assert pick_config(2, 28672, 8192, 128, sms=132) == TUNED[8]            # MMA measured faster at M >= 2
+    assert not pick_config(8, 28672, 8192, 128, sms=132).factored           # plain unpack measured faster at M <= 8
+    assert pick_config(9, 28672, 8192, 128, sms=132) == TUNED[16]
+    assert pick_config(16, 28672, 8192, 128, sms=132).factored              # ... the factored one at M = 16
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).gemv    # the CUDA-core path is fp16 only
     assert not pick_config(1, 4096, 14336, 128, sms=132).gemv               # narrow layer: MMA measured faster
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).factored  # measured slower in bf16

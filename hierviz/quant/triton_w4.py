@@ -88,8 +88,13 @@ class Config:
 # (GEMV-like, split-K) path, the others the tiled path. The first was re-tuned in session 15 for
 # the fixed-order split-K (4 ways, 3 stages: 63.8-64.1 us at M = 2..8, 59.1 at 16, vs 67.6-68.5 /
 # 62.4 with the atomic-era 8 ways, 4 stages).
+# Session 16 tuned M = 2, 4, 8 separately (`--tune --tune-ms 2,8,16`, fixed-order split-K): the plain-
+# unpack 64-row entry (TUNED_PLAIN_SMALL_M below) measured 60.3-60.9 us at M = 2..8 against 64.0-64.7 for
+# the factored 128-row one, which stays for M = 9..16 (58.1 vs 62.1 at M = 16). (A tile-major code copy,
+# `tiled`, was 1-2 us faster still, but doubles the codes' memory: not a default.)
 TUNED_SMS = 132          # multiprocessors of the GPU TUNED was measured on (H200)
 TUNED: dict[int, Config] = {
+    8: Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True),
     16: Config(block_n=128, block_m=16, split_k=4, num_warps=4, num_stages=3, tma=True, factored=True),
     32: Config(block_n=128, block_m=32, split_k=1, num_warps=8, num_stages=3, tma=True),
     64: Config(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, tma=True),
