@@ -75,18 +75,25 @@ _STOP: dict[str, threading.Event] = {}
 _STOP_LOCK = threading.Lock()
 
 
-def _stop_flag(request: Optional[gr.Request]) -> threading.Event:
-    key = getattr(request, "session_hash", None) or "anonymous"
+def _session_key(request: Optional[gr.Request]) -> str:
+    return getattr(request, "session_hash", None) or "anonymous"
+
+
+def _session_flag(flags: dict[str, threading.Event], request: Optional[gr.Request]) -> threading.Event:
     with _STOP_LOCK:
-        return _STOP.setdefault(key, threading.Event())
+        return flags.setdefault(_session_key(request), threading.Event())
+
+
+def _stop_flag(request: Optional[gr.Request]) -> threading.Event:
+    return _session_flag(_STOP, request)
 
 
 # Render pacing. A browser on the machine that computes renders every streamed update on the same
-# cores: measured on the 2-core CPU (session 16), the offline stack ran at 6.1 / 10.3 / 8.2 tok/s
-# (HierSpec / EAGLE-2 / AR) watched in a local Chromium against 15.4 / 15.7 / 15.0 for the same run
-# streamed to an API client, so the comparison on the page said the opposite of `bench`. With
-# pacing, the page reports each rendered status update (a `change` listener, after two animation
-# frames) and the run waits for that report before its next step, up to PACE_MAX_S: steps are timed
+# cores: measured on the 2-core CPU (session 16), the offline stack ran at ~9.5 tok/s (5.3-10.3 per
+# method) watched in a local Chromium against 12-17 for the same runs streamed to an API client, and
+# a first run's comparison said the opposite of `bench` (HierSpec 0.59x EAGLE-2); paced, ~12. With
+# pacing, the page reports each rendered status update (a `change` listener, RENDERED_JS) and the
+# run waits for that report before its next step, up to PACE_MAX_S: steps are timed
 # by the engine, not the time between them, so the figures stay those of an unwatched run. Only
 # sessions whose page has reported at least once are waited for (API clients never report).
 PACE_MAX_S = 1.0
@@ -102,22 +109,19 @@ _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 def _rendered_flag(request: Optional[gr.Request]) -> threading.Event:
-    key = getattr(request, "session_hash", None) or "anonymous"
-    with _STOP_LOCK:
-        return _RENDERED.setdefault(key, threading.Event())
+    return _session_flag(_RENDERED, request)
 
 
 def report_rendered(request: gr.Request) -> None:
     """The page's report that it rendered the last status update."""
-    key = getattr(request, "session_hash", None) or "anonymous"
     with _STOP_LOCK:
-        _REPORTING.add(key)
+        _REPORTING.add(_session_key(request))
     _rendered_flag(request).set()
 
 
 def forget_session(request: gr.Request) -> None:
     """A closed page's per-session flags (stop, render pacing) go, so a public app does not grow."""
-    key = getattr(request, "session_hash", None) or "anonymous"
+    key = _session_key(request)
     with _STOP_LOCK:
         _STOP.pop(key, None)
         _RENDERED.pop(key, None)
@@ -137,9 +141,8 @@ def should_pace(request: Optional[gr.Request], mode: Optional[str] = None) -> bo
     mode = mode or pace_mode()
     if mode == "off":
         return False
-    key = getattr(request, "session_hash", None) or "anonymous"
     with _STOP_LOCK:
-        reporting = key in _REPORTING
+        reporting = _session_key(request) in _REPORTING
     if not reporting:
         return False
     if mode == "on":

@@ -139,6 +139,9 @@ def test_training_continues_from_shipped_checkpoints(trained, tmp_path):
         distill.init_student(wrong, trained / "M", 3)
     with pytest.raises(SystemExit, match="no such file"):
         distill.init_student(student, tmp_path / "absent", 2)
+    one = build_hf(t_cfg, distill.student_weights(t_w, [0]), torch.device("cpu"), torch.float32, num_hidden_layers=1)
+    with pytest.raises(SystemExit, match="does not fit a 1-layer student"):   # M's second layer has no place
+        distill.init_student(one, trained / "M", 1)
 
     head = eagle_train.EagleTrainHead(json.loads((trained / "E_M" / "config.json").read_text()))
     eagle_train.init_head(head, trained / "E_M")

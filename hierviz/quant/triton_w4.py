@@ -84,8 +84,8 @@ class Config:
 
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
-# see docs/kernels.md. Keyed by the largest M each entry serves: the first is the small-M
-# (GEMV-like, split-K) path, the others the tiled path. The first was re-tuned in session 15 for
+# see docs/kernels.md. Keyed by the largest M each entry serves: the first two are the small-M
+# (GEMV-like, split-K) path, the others the tiled path. The M <= 16 entry was re-tuned in session 15 for
 # the fixed-order split-K (4 ways, 3 stages: 63.8-64.1 us at M = 2..8, 59.1 at 16, vs 67.6-68.5 /
 # 62.4 with the atomic-era 8 ways, 4 stages).
 # Session 16 tuned M = 2, 4, 8 separately (`--tune --tune-ms 2,8,16`, fixed-order split-K): the plain-

@@ -93,6 +93,22 @@ def with_shared_embeddings(weights: dict[str, torch.Tensor], target: dict[str, t
     return w
 
 
+def copy_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], what: str,
+              skip: tuple[str, ...] = (), ignore_extra: bool = False) -> None:
+    """Copy saved `weights` into `module` (to continue training it): every tensor but `skip` must be
+    there with its shape, and (unless ignore_extra) nothing else, else SystemExit naming `what`."""
+    own = module.state_dict()
+    missing = sorted(k for k in own if k not in skip and k not in weights)
+    bad = sorted(k for k in weights if k not in skip and (weights[k].shape != own[k].shape if k in own
+                                                          else not ignore_extra))
+    if missing or bad:
+        raise SystemExit(f"{what}: missing {missing[:3]}, mismatched {bad[:3]}")
+    with torch.no_grad():
+        for k in own:
+            if k not in skip:
+                own[k].copy_(weights[k].to(own[k].dtype))
+
+
 def llama_config(cfg: dict[str, Any], **overrides: Any):
     from transformers import LlamaConfig
     kw = {k: cfg[k] for k in LLAMA_KEYS if k in cfg and cfg[k] is not None}

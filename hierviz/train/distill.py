@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, env_info,
-                                  hf_config_dict, load_base, log, pick_device, response_pred_mask, seed_all,
+from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, copy_into,
+                                  env_info, hf_config_dict, load_base, log, pick_device, response_pred_mask, seed_all,
                                   valid_mask, with_shared_embeddings, write_json)
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -200,17 +200,8 @@ def init_student(student, path: str | Path, layers: int) -> None:
         init = load_file(str(p))
     else:
         raise SystemExit(f"--init {path}: no such file or folder")
-    own = student.state_dict()
-    shared = ("lm_head.weight", "model.embed_tokens.weight")
-    init = {k: v for k, v in init.items() if k not in shared}
-    missing = sorted(k for k in own if k not in shared and k not in init)
-    bad = sorted(k for k in init if k not in own or init[k].shape != own[k].shape)
-    if missing or bad:
-        raise SystemExit(f"--init {path} does not fit a {layers}-layer student: "
-                         f"missing {missing[:3]}, mismatched {bad[:3]}")
-    with torch.no_grad():
-        for k, v in init.items():
-            own[k].copy_(v.to(torch.float32))
+    copy_into(student, init, f"--init {path} does not fit a {layers}-layer student",
+              skip=("lm_head.weight", "model.embed_tokens.weight"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

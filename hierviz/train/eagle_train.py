@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hierviz.models.llama import RMSNorm
-from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, env_info,
-                                  hf_config_dict, load_base, log, pick_device, seed_all, valid_mask,
+from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, copy_into,
+                                  env_info, hf_config_dict, load_base, log, pick_device, seed_all, valid_mask,
                                   with_shared_embeddings, write_json)
 
 
@@ -126,15 +126,7 @@ def init_head(head: EagleTrainHead, folder: str | Path) -> None:
         _, weights = load_eagle_weights(folder)
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"cannot start a head from {folder}: {e}")
-    own = head.state_dict()
-    weights = {k: v for k, v in weights.items() if k in own}
-    missing = sorted(k for k in own if k not in weights)
-    bad = sorted(k for k in weights if weights[k].shape != own[k].shape)
-    if missing or bad:
-        raise SystemExit(f"head {folder} does not fit this base: missing {missing[:3]}, mismatched {bad[:3]}")
-    with torch.no_grad():
-        for k, v in weights.items():
-            own[k].copy_(v.to(own[k].dtype))
+    copy_into(head, weights, f"head {folder} does not fit this base", ignore_extra=True)
 
 
 class _Base:
