@@ -35,7 +35,7 @@ def _layer_outputs(model, tokens, positions, cache) -> tuple[list[torch.Tensor],
     return outs, model.logits(hidden)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2")
     ap.add_argument("--group", type=int, default=32)
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="triton")
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--tokens", default="4,16,25,60")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     _, cfg = load_shape(a.shape)
     model = synthetic_model(cfg, "w4", dtype, a.device, a.kernel, seed=0, group=a.group)

@@ -155,3 +155,28 @@ def test_draft_sweep_script_runs(questions):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if "tok/s" in line]
     assert len(lines) == 5 and lines[1].startswith("hierspec (defaults)")
+
+
+def test_batch_invariance_script_runs(tmp_path):
+    """scripts/batch_invariance.py (the fp16 batch-invariance check in docs/gpu.md) runs on its CPU path:
+    one token against itself is identical, and every layer-0 product and the LM head are reported."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "batch_invariance.py"), "--shape",
+                           str(tmp_path / "config.json"), "--device", "cpu", "--dtype", "float32", "--kernel",
+                           "reference", "--tokens", "1,3", "--prompt", "5"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "K=  1: first differing layer output None, max |logit diff| 0," in out
+    assert "K=  3:" in out
+    assert sum(line.startswith("layer 0 ") for line in out.splitlines()) == 4    # qkv, o, gate_up, down
+    assert out.count("LM head M=") == 5
