@@ -105,7 +105,7 @@ RENDERED_JS = """() => new Promise((done) => requestAnimationFrame(() => request
 })))"""
 _RENDERED: dict[str, threading.Event] = {}
 _REPORTING: set[str] = set()
-_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+_LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost"}
 
 
 def _rendered_flag(request: Optional[gr.Request]) -> threading.Event:
