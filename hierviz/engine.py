@@ -17,7 +17,7 @@ from hierviz.decoding.decoders import DECODERS, cache_margin
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.decoding.verify import Sampler
 from hierviz.stack import Stack, StackError, load_stack, preset_names
-from hierviz.trace import METHODS, Trace
+from hierviz.trace import METHODS, Trace, output_tokens
 
 __all__ = ["EngineError", "run_method", "generate", "load_stack", "STACK_PRESETS", "DecodeSettings"]
 
@@ -123,10 +123,6 @@ def generate(stack: Stack, method: str, prompt: str, settings: DecodeSettings) -
         pass
     assert trace is not None
     return trace
-
-
-def output_tokens(trace: Trace) -> list[int]:
-    return [t for s in trace.steps for t in s.new_tokens]
 
 
 WARMUP_PROMPT = "Say hello."

@@ -100,6 +100,17 @@ class Trace:
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
 
+def output_tokens(trace: Trace, steps: Optional[list[Step]] = None) -> list[int]:
+    """The token ids a run produced (of `steps`, a prefix of its steps, when given)."""
+    return [t for s in (trace.steps if steps is None else steps) for t in s.new_tokens]
+
+
+def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    """The first position where two outputs differ, over their common length (one may have stopped
+    earlier, or be shown up to an earlier step); None when that common part is identical."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def trace_stats(steps: list[Step]) -> dict[str, Any]:
     """tokens/s, tau per level and per-depth acceptance, derived from steps."""
     n_tokens = sum(len(s.new_tokens) for s in steps)

@@ -274,3 +274,31 @@ def test_stats_say_which_kernels_and_vocabulary_ran() -> None:
     assert run_setup_line({}) == ""
     t = Trace(meta={"method": "ar", **meta})
     assert "Ran on cpu float32" in stats_html([t])
+
+
+def test_stats_check_each_run_against_autoregressive(runs):
+    """The lossless check in the stats table: same tokens as AR over the part both show, the first
+    differing token otherwise, nothing to check when sampling or without an AR run."""
+    import copy
+    from hierviz.trace import first_difference, output_tokens
+    hs, e2, ar = (copy.deepcopy(r) for r in runs)
+    want = output_tokens(ar)
+    for t in (hs, e2):                       # the hand-made runs become lossless copies of AR's text
+        k = 0
+        for s in t.steps:
+            s.new_tokens = want[k:k + len(s.new_tokens)]
+            k += len(s.new_tokens)
+    html = stats_html([hs, e2, ar])
+    assert "same text as Autoregressive" in html and html.count("✓ yes") == 2 and "reference" in html
+    step = next(s for s in e2.steps[3:] if s.new_tokens)
+    pos = sum(len(s.new_tokens) for s in e2.steps[:e2.steps.index(step)])
+    step.new_tokens = [step.new_tokens[0] + 1] + step.new_tokens[1:]
+    assert first_difference(output_tokens(e2), want) == pos
+    html = stats_html([hs, e2, ar])
+    assert html.count("✓ yes") == 1 and f"✗ from token {pos + 1}" in html
+    # scrubbed to a step before the difference: the part shown is identical
+    assert stats_html([hs, e2, ar], upto={"eagle2": 1}).count("✓ yes") == 2
+    sampled = copy.deepcopy(hs)
+    sampled.meta["settings"] = {**(sampled.meta.get("settings") or {}), "temperature": 0.7}
+    assert "✓ yes" not in stats_html([sampled, ar]) and "same text as Autoregressive" in stats_html([sampled, ar])
+    assert "same text as Autoregressive" not in stats_html([hs, e2])      # no AR run: nothing to check against

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hierviz.trace import Step, Trace, trace_stats
+from hierviz.trace import Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import COLORS, SOURCE_LABELS, TINTS, esc, method_label, token_label
 
 WHITE_TEXT = {"tree", "intermediate_bonus", "target_bonus", "rejected", "draft", "root"}
@@ -189,15 +189,30 @@ def run_setup_line(meta: dict) -> str:
     return " · ".join(esc(p) for p in parts)
 
 
+def _same_as_ar(method: str, tokens: list[int], ar: list[int], sampled: bool) -> str:
+    """Lossless check of one run against AR's output, over the tokens both show."""
+    if method == "ar":
+        return '<span class="hv-muted">reference</span>'
+    if sampled:   # sampling is lossless in distribution, not token for token
+        return '<span class="hv-muted" title="sampled: same distribution, not the same text">–</span>'
+    i = first_difference(tokens, ar)
+    if i is None:
+        return "✓ yes"
+    return (f'<span class="hv-warn-text" title="the target&#x27;s logits for 1 and for several verified tokens can '
+            f'round differently in fp16/bf16, so near-ties flip">✗ from token {i + 1}</span>')
+
+
 def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
     """A table with one column per run: speed, tau of each level, per-depth acceptance."""
     if not runs:
         return _box('<p class="hv-muted">Statistics appear once a run has steps.</p>')
     cols = []
+    shown: dict[str, list[int]] = {}       # each run's output up to the step shown
     for t in runs:
         method = t.meta.get("method", t.steps[0].method if t.steps else "?")
         steps = t.steps if not upto or method not in upto else t.steps[: upto[method] + 1]
         cols.append((method, trace_stats(steps)))
+        shown[method] = output_tokens(t, steps)
     by_method = {m: s for m, s in cols}
     rows = [
         ("tokens", lambda s: str(s["new_tokens"])),
@@ -210,6 +225,10 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
     head = "".join(f"<th>{esc(method_label(m))}</th>" for m, _ in cols)
     body = "".join(f"<tr><td>{name}</td>" + "".join(f"<td>{f(s)}</td>" for _, s in cols) + "</tr>"
                    for name, f in rows)
+    if "ar" in shown and len(cols) > 1:
+        sampled = float((runs[0].meta.get("settings") or {}).get("temperature") or 0) > 0
+        body += ("<tr><td>same text as Autoregressive</td>"
+                 + "".join(f"<td>{_same_as_ar(m, shown[m], shown['ar'], sampled)}</td>" for m, _ in cols) + "</tr>")
     # per-depth acceptance as small bars
     depth_rows = []
     max_d = max((max(s["per_depth_acceptance"], default=0) for _, s in cols), default=0)
