@@ -19,7 +19,7 @@ import torch
 
 from hierviz.models.llama import KVCache
 from hierviz.profile import load_shape
-from hierviz.quant.w4 import W4Weight, w4_linear
+from hierviz.quant.w4 import w4_linear
 from hierviz.whatif import synthetic_model
 
 
