@@ -179,6 +179,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         raise StackError(f"stack {spec.get('name', p.stem)!r}: {e}") from None
     except OSError as e:
         raise StackError(f"stack {spec.get('name', p.stem)!r}: cannot read a file: {e}") from None
+    target.set_batch_invariant(True)   # T's verifications must round as its one-token steps do
     models = Models(target, inter, e_m, e_t)
     check_vocab(models, tokenizer)
     if spec.get("draft_vocab"):
@@ -240,6 +241,7 @@ def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int 
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
     t_w = _quantize_dense(model_weights(4, h, inter, kv), 32)
     target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
+    target.set_batch_invariant(True)
     # the intermediate reuses two of the target's layers (dequantized), so it agrees with it often
     m_w = {"model.embed_tokens.weight": t_w["model.embed_tokens.weight"], "model.norm.weight": torch.ones(h)}
     for new, old in ((0, 0), (1, 3)):

@@ -130,6 +130,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
         raise WhatIfError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
     target = synthetic_model(t_cfg, "w4", dtype, device, kernel, seed)
+    target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
     return Models(target, inter, synthetic_head(inter, seed + 2), synthetic_head(target, seed + 3))
 

@@ -3,13 +3,16 @@ vs decoding them one at a time should give the same logits bit for bit, or greed
 can differ from AR on near-ties.
 
     PYTHONPATH=. python scripts/batch_invariance.py [--shape smollm2] [--group 32] [--device cuda] \
-        [--dtype float16] [--kernel triton] [--tokens 4,16,25,60]
+        [--dtype float16] [--kernel triton] [--tokens 4,16,25,60] [--static]
 
 A synthetic W4 model of the shape (random codes, hierviz.whatif.synthetic_model), a random prompt, then
 for each K: the hidden state after every layer and the logits at the K positions, one forward over K
 tokens against K one-token forwards (same cache contents before). Prints, per K, the first layer whose
 output differs and the largest logit difference; then the W4 product and the LM head alone, row 0 of an
-M-row product against the same row computed alone.
+M-row product against the same row computed alone. Those forwards take the dynamic (eager, SDPA) path;
+the engine verifies on the static path, which `--static` checks: a 24-node tree and a 6-token sequence
+verified in one forward against every node decoded alone after its path, with the W4 weights'
+`batch_invariant` flag off and on (the target of a loaded stack has it on).
 """
 from __future__ import annotations
 
@@ -35,6 +38,61 @@ def _layer_outputs(model, tokens, positions, cache) -> tuple[list[torch.Tensor],
     return outs, model.logits(hidden)
 
 
+def tree_paths(parents: list[int]) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """(depth per node, ancestor path per node (ascending, itself last), the tree's [T, T]
+    visibility window) for a tree given by parent indices (-1: the root; parents before children)."""
+    depth: list[int] = []
+    paths: list[list[int]] = []
+    win = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"node {i}'s parent {p} must come before it")
+        depth.append(0 if p < 0 else depth[p] + 1)
+        a, j = [], i
+        while j >= 0:
+            a.append(j)
+            j = parents[j]
+        paths.append(sorted(a))
+        win[i, a] = True
+    return depth, paths, win
+
+
+def static_tree_vs_paths(model, parents: list[int], prompt: list[int], tokens: list[int],
+                         nodes: list[int] | None = None, live: tuple[int, int] = (256, 512)) -> dict:
+    """The engine's static path (hierviz.models.cuda_graphs: CUDA graphs on a GPU, the fused kernels
+    in fp16/bf16): prefill `prompt`, verify the tree `parents` with `tokens` in one forward, then, in
+    a runner of another cache size, decode each of `nodes` (default: all) alone after its path, one
+    token per forward. Returns, per node, whether the hidden state and the logits are the same bits,
+    and the largest logit difference."""
+    from hierviz.models.cuda_graphs import StaticRunner, graphs_enabled
+    depth, paths, win = tree_paths(parents)
+    p = len(prompt)
+
+    def prefilled(n: int) -> StaticRunner:
+        r = StaticRunner(model, n, 0, graphs_enabled(model.device))
+        r.run(prompt, list(range(p)), 0, 0, torch.ones(p, p, dtype=torch.bool).tril())
+        return r
+    with torch.no_grad():
+        tree = prefilled(live[0]).run(tokens, [p + d for d in depth], p, p, win)
+        tree_logits = model.logits(tree)
+        hidden, logits, diff = [], [], 0.0
+        for i in nodes if nodes is not None else range(len(parents)):
+            r = prefilled(live[1])
+            for n, j in enumerate(paths[i]):
+                h = r.run([tokens[j]], [p + n], p + n, p + n, torch.ones(1, 1, dtype=torch.bool))
+            lg = model.logits(h)
+            hidden.append(bool(torch.equal(h[0], tree[i])))
+            logits.append(bool(torch.equal(lg[0], tree_logits[i])))
+            diff = max(diff, float((lg[0] - tree_logits[i]).abs().max()))
+    return {"hidden": hidden, "logits": logits, "max_logit_diff": diff}
+
+
+# a 24-node draft tree (bucket 32: the tree verification of EAGLE-2 / of M in HierSpec) and a 6-token
+# sequence (HierSpec's verification by the target)
+TREE_24 = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+CHAIN_6 = [-1, 0, 1, 2, 3, 4]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2")
@@ -44,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernel", default="triton")
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--tokens", default="4,16,25,60")
+    ap.add_argument("--static", action="store_true",
+                    help="also verify a 24-node tree and a 6-token sequence on the engine's static path (CUDA "
+                         "graphs, fused kernels) against their nodes decoded one by one, W4 batch-invariance off/on")
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     _, cfg = load_shape(a.shape)
@@ -84,6 +145,16 @@ def main(argv: list[str] | None = None) -> None:
         alone = model.logits(h[:1])
         for m in (2, 4, 16, 25, 60):
             print(f"LM head M={m:2d}: row 0 equal to M=1: {bool(torch.equal(model.logits(h[:m])[:1], alone))}")
+    if a.static:
+        prompt = torch.randint(0, cfg.vocab_size, (a.prompt,), generator=gen).tolist()
+        for name, parents in (("tree of 24", TREE_24), ("sequence of 6", CHAIN_6)):
+            toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
+            for inv in (False, True):
+                model.set_batch_invariant(inv)
+                r = static_tree_vs_paths(model, parents, prompt, toks)
+                print(f"static path, {name}, batch_invariant W4 {inv}: hidden same for {sum(r['hidden'])}/"
+                      f"{len(parents)} nodes, logits same for {sum(r['logits'])}/{len(parents)}, "
+                      f"max |logit diff| {r['max_logit_diff']:.3g}")
 
 
 if __name__ == "__main__":

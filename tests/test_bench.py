@@ -171,7 +171,7 @@ def test_batch_invariance_script_runs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     proc = subprocess.run([sys.executable, str(root / "scripts" / "batch_invariance.py"), "--shape",
                            str(tmp_path / "config.json"), "--device", "cpu", "--dtype", "float32", "--kernel",
-                           "reference", "--tokens", "1,3", "--prompt", "5"],
+                           "reference", "--tokens", "1,3", "--prompt", "5", "--static"],
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -180,3 +180,4 @@ def test_batch_invariance_script_runs(tmp_path):
     assert "K=  3:" in out
     assert sum(line.startswith("layer 0 ") for line in out.splitlines()) == 4    # qkv, o, gate_up, down
     assert out.count("LM head M=") == 5
+    assert out.count("static path, tree of 24") == 2 and out.count("static path, sequence of 6") == 2

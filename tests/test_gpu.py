@@ -106,3 +106,26 @@ def test_fastgen_graphed_step_equals_eager() -> None:
     sampled = dict(temperature=0.9, top_p=0.9, seed=5)
     assert (fastgen.generate(model, prompts, 30, eos, 0, cuda_graph=True, **sampled) ==
             fastgen.generate(model, prompts, 30, eos, 0, cuda_graph=False, **sampled))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
+    """What makes fp16 speculative decoding reproduce AR exactly: on the engine's path (CUDA graphs,
+    fused kernels, Triton W4 with the target's batch_invariant flag), a 24-node tree and a 6-token
+    sequence verified in one forward give every node the hidden state and logits of the same token
+    decoded alone after its path, bit for bit (SmolLM2's shape, random W4 codes in groups of 32)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts.batch_invariance import CHAIN_6, TREE_24, static_tree_vs_paths
+    from hierviz.profile import load_shape
+    from hierviz.whatif import synthetic_model
+    _, cfg = load_shape("smollm2")
+    model = synthetic_model(cfg, "w4", dtype, "cuda", "triton", seed=0, group=32)
+    model.set_batch_invariant(True)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, cfg.vocab_size, (70,), generator=gen).tolist()
+    for parents in (TREE_24, CHAIN_6):
+        toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
+        r = static_tree_vs_paths(model, parents, prompt, toks)
+        assert all(r["hidden"]) and all(r["logits"]), r

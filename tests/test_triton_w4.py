@@ -226,3 +226,54 @@ def test_pick_config_splits_k_for_narrow_layers() -> None:
     assert not pick_config(1, 28672, 8192, 128, sms=132, bf16=True).factored  # measured slower in bf16
     assert not pick_config(1, 1536, 576, 32, sms=132).factored                 # small groups: plain unpack
     assert pick_config(64, 256, 256, 128, sms=132).split_k == 2  # never more splits than K blocks
+
+
+def test_invariant_config_keeps_the_one_row_split() -> None:
+    """A verifier's products take M = 1's K split and unpack at every M (tile shapes may grow)."""
+    from hierviz.quant.triton_w4 import invariant_config, pick_config
+    for n, k, g in [(3072, 576, 32), (576, 1536, 32), (28672, 8192, 128), (8192, 28672, 128)]:
+        one = pick_config(1, n, k, g, sms=132, gemv=False)
+        for m in (2, 9, 16, 17, 33, 64, 128):
+            c = invariant_config(m, n, k, g, sms=132)
+            assert (c.split_k, c.factored, c.gemv) == (one.split_k, one.factored, False), (n, k, m)
+            assert c.block_m == pick_config(m, n, k, g, sms=132).block_m
+    # where it matters: the picked split changes with M (down projection of SmolLM2, M = 17)
+    assert pick_config(17, 576, 1536, 32, sms=132).split_k != pick_config(1, 576, 1536, 32, sms=132).split_k
+
+
+_INVARIANT_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from hierviz.quant.w4 import quantize_rtn
+    from hierviz.quant.triton_w4 import triton_w4_matmul
+    torch.manual_seed(0)
+    out = {}
+    w = quantize_rtn(torch.randn(512, 1536), 32)
+    x = torch.randn(40, 1536, dtype=torch.float16)
+    res = torch.randn(40, 512, dtype=torch.float16)
+    for inv in (True, False):
+        w.batch_invariant = inv
+        alone = triton_w4_matmul(x[:1], w)
+        alone_add = triton_w4_matmul(x[:1], w, add_to=res[:1].clone())
+        for m in (5, 17, 40):
+            out[f"{inv}_{m}"] = bool(torch.equal(triton_w4_matmul(x[:m], w)[0], alone[0]))
+            out[f"{inv}_{m}_add"] = bool(torch.equal(triton_w4_matmul(x[:m], w, add_to=res[:m].clone())[0],
+                                                     alone_add[0]))
+    print(json.dumps(out))
+""")
+
+
+def test_batch_invariant_weight_rounds_each_row_as_alone() -> None:
+    """Row 0 of an M-row product equals the one-row product bit for bit (fp16, split-K, residual
+    add inside) for a `batch_invariant` weight; without the flag the M = 17 and 40 products take
+    another K split, and with the residual added inside they differ (on the H200 the plain products
+    differed too: docs/gpu.md, session 16)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _INVARIANT_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(v for k, v in same.items() if k.startswith("True_")), same
+    assert same["False_5"] and same["False_5_add"], same
+    assert not (same["False_17_add"] and same["False_40_add"]), same

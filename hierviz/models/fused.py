@@ -12,10 +12,11 @@ These kernels do that work in five launches per layer:
   rope_to_cache             rotates q and k (HF rotate-half), writes k and v into their cache
                             slots, leaves q in [T, heads * head_dim], the layout o_proj reads
   masked_attention          flash-decoding over the preallocated cache with the static path's
-                            boolean mask [T, L]; GQA without copies (one program serves a KV
-                            head's group of query heads); blocks with no visible column are
-                            skipped, so the unused tail of the cache costs a mask read only;
-                            split along L for parallelism, then one combine launch
+                            boolean mask [T, L], turned once per forward into each token's list
+                            of visible columns (`visible_columns`); GQA without copies (one
+                            program serves a token's group of query heads); only visible columns
+                            are read; split along them for parallelism, then one combine launch;
+                            batch-invariant (see masked_attention)
   silu_mul                  silu(gate) * up from the fused gate_up output
 
 Arithmetic follows the unfused torch code: the same ops in the activation dtype where torch
@@ -31,8 +32,6 @@ from typing import Optional
 
 import torch
 
-from hierviz.quant.triton_w4 import sm_count
-
 try:  # must import on machines without triton
     import triton
     import triton.language as tl
@@ -44,6 +43,7 @@ except Exception:  # pragma: no cover - depends on the install
 
 _force = False
 ATTN_BLOCK_L = 64          # cache columns per attention step
+ATTN_SPLIT_BLOCKS = 2      # attention steps per program (longer contexts: more programs, then a combine)
 
 
 def force(on: bool) -> None:
@@ -110,18 +110,16 @@ if HAVE_TRITON:
         tl.store(dst_v + HALF, y2, mask=ok & is_v2)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
-                          T, L, HQ, scale, blocks_per_split, n_blocks,
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, cols_ptr, count_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+                          L, HQ, stride_cols, scale, blocks_per_split,
                           G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                           BL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
         h = tl.program_id(0)                       # KV head
-        rb = tl.program_id(1)                      # block of (token, group member) rows
-        sp = tl.program_id(2)                      # slice of the cache
-        r = rb * BR + tl.arange(0, BR)
-        t = r // G
-        row_ok = t < T
-        qh = h * G + r % G                         # query head of each row
-        orow = t * HQ + qh                         # row of the [T * HQ, HD] output
+        t = tl.program_id(1)                       # token: its G query heads are the rows
+        sp = tl.program_id(2)                      # slice of the token's visible columns
+        g = tl.arange(0, BR)
+        row_ok = g < G
+        orow = t * HQ + h * G + g                  # row of the [T * HQ, HD] output
         d = tl.arange(0, BD)
         d_ok = d < HD
         q = tl.load(q_ptr + orow[:, None] * HD + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -129,34 +127,32 @@ if HAVE_TRITON:
         l_i = tl.zeros([BR], tl.float32)
         acc = tl.zeros([BR, BD], tl.float32)
         kv = h * L * HD
+        n = tl.load(count_ptr + t)                 # the token's visible columns, listed first in cols
         b0 = sp * blocks_per_split
-        b1 = tl.minimum(b0 + blocks_per_split, n_blocks)
+        b1 = tl.minimum(b0 + blocks_per_split, tl.cdiv(n, BL))
         for b in range(b0, b1):
-            cols = b * BL + tl.arange(0, BL)
-            col_ok = cols < L
-            vis = tl.load(mask_ptr + t[:, None] * L + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
-            if tl.max(vis.to(tl.int32)) > 0:        # skip blocks no row can see (unused cache tail)
-                kv_ok = col_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + kv + cols[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(vis, s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + kv + cols[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+            j = b * BL + tl.arange(0, BL)          # logical key index: the j-th column this token sees
+            j_ok = j < n
+            col = tl.load(cols_ptr + t * stride_cols + j, mask=j_ok, other=0)
+            kv_ok = j_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv + col[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(j_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)            # m_new is finite: block b holds a visible key
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv + col[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         if SPLIT:
-            part = sp * T * HQ + orow
+            part = sp * tl.num_programs(1) * HQ + orow
             tl.store(m_ptr + part, m_i, mask=row_ok)
             tl.store(l_ptr + part, l_i, mask=row_ok)
             tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
@@ -228,39 +224,59 @@ def rope_to_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
     return q
 
 
-def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                     num_heads: int, head_dim: int) -> torch.Tensor:
+def visible_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a visibility mask [T, L] (True = visible): (cols [T, L + 1] int32 whose row t starts with
+    the columns token t sees, ascending; count [T] int32 of them). Device ops only (CUDA-graph safe);
+    computed once per forward and shared by every layer's `masked_attention`."""
+    t, length = mask.shape
+    count = mask.sum(1, dtype=torch.int32)
+    rank = torch.cumsum(mask, 1, dtype=torch.int32) - 1          # index among the row's visible columns
+    dest = torch.where(mask, rank, length).long()                # hidden columns go to a spare column
+    cols = torch.empty(t, length + 1, dtype=torch.int32, device=mask.device)
+    src = torch.arange(length, dtype=torch.int32, device=mask.device).expand(t, length)
+    cols.scatter_(1, dest, src)
+    return cols, count
+
+
+def attention_splits(length: int) -> int:
+    """Programs per (KV head, token) along the visible columns: a function of the cache size only."""
+    return triton.cdiv(triton.cdiv(length, ATTN_BLOCK_L), ATTN_SPLIT_BLOCKS)
+
+
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                     head_dim: int) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd), masked) v for q [T, Hq * hd] over k/v [Hkv, L, hd] with
-    mask [T, L] (True = visible); returns [T, Hq * hd]. Every row must see a column."""
+    mask [T, L] (True = visible) or its `visible_columns`; returns [T, Hq * hd]. Every row must
+    see a column.
+
+    Batch-invariant: a token's output depends only on its own query and the keys it sees, not on
+    how many tokens share the forward or where its keys sit in the cache. One program per (KV head,
+    token, slice); the program walks the token's visible columns in ascending order, so a tree
+    node whose ancestors are scattered among siblings reduces exactly as the same token decoded
+    alone after its path; tiles, slices and the combine order depend on the cache size only. This
+    is what lets fp16 speculative decoding reproduce AR bit for bit (docs/gpu.md, session 17)."""
     t = q.shape[0]
     hkv, length = k_cache.shape[0], k_cache.shape[1]
     group = num_heads // hkv
-    rows = t * group
-    br = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = triton.cdiv(rows, br)
-    n_blocks = triton.cdiv(length, ATTN_BLOCK_L)
-    # split the cache until about one program per multiprocessor runs
-    splits = max(1, min(n_blocks, sm_count(q.device) // (hkv * row_blocks)))
-    per = triton.cdiv(n_blocks, splits)
-    splits = triton.cdiv(n_blocks, per)
+    cols, count = visible_columns(mask) if isinstance(mask, torch.Tensor) else mask
+    splits = attention_splits(length)
     out = torch.empty(t, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    mask = mask.contiguous()
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    bd = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         m = torch.empty(splits, t * num_heads, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty(splits, t * num_heads, head_dim, dtype=torch.float32, device=q.device)
     else:
         m = l = acc = out
-    _attention_kernel[(hkv, row_blocks, splits)](
-        q.contiguous(), k_cache, v_cache, mask, out, m, l, acc, t, length, num_heads,
-        1.0 / math.sqrt(head_dim), per, n_blocks, G=group, HD=head_dim, BD=bd, BR=br, BL=ATTN_BLOCK_L,
-        SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
+    bd = max(16, triton.next_power_of_2(head_dim))
+    _attention_kernel[(hkv, t, splits)](
+        q.contiguous(), k_cache, v_cache, cols, count, out, m, l, acc, length, num_heads, cols.stride(0),
+        1.0 / math.sqrt(head_dim), ATTN_SPLIT_BLOCKS, G=group, HD=head_dim, BD=bd,
+        BR=max(16, triton.next_power_of_2(group)), BL=ATTN_BLOCK_L, SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32, num_warps=4)
     if splits > 1:
         rows_all = t * num_heads
-        brows = min(16, triton.next_power_of_2(rows_all))
+        brows = 16
         _attention_combine_kernel[(triton.cdiv(rows_all, brows),)](m, l, acc, out, rows_all, splits,
                                                                    HD=head_dim, BD=bd, BROWS=brows, num_warps=4)
     return out

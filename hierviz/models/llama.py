@@ -157,12 +157,14 @@ class DecoderLayer(nn.Module):
         self.down = Linear([get(f"{mlp}.down_proj.weight")], [None], w4_kernel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                cache: Optional[KVCache], attn_mask: Optional[torch.Tensor],
+                cache: Optional[KVCache], attn_mask: Optional[Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer's output. On the fused static path (CUDA, fp16/bf16) x is consumed: the
-        residual adds write into it in place (callers pass a tensor of their own)."""
+        residual adds write into it in place (callers pass a tensor of their own); there attn_mask
+        may come as `fused.visible_columns` (Transformer.run_layers computes them once)."""
         cfg = self.cfg
-        if cache is not None and slots is not None and attn_mask is not None and fused.usable(x):
+        if isinstance(attn_mask, tuple) or (cache is not None and slots is not None and attn_mask is not None
+                                            and fused.usable(x)):
             return self._forward_fused(x, cos, sin, cache.k[layer], cache.v[layer], attn_mask, slots)
         lead, t = x.shape[:-2], x.shape[-2]      # lead = () when decoding, (B,) for batched training
         h = x if self.input_norm is None else self.input_norm(x)
@@ -197,9 +199,10 @@ class DecoderLayer(nn.Module):
         return x + self.down(F.silu(g) * u)
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, attn_mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                       v_cache: torch.Tensor, attn_mask, slots: torch.Tensor) -> torch.Tensor:
         """The static path's forward with the non-GEMM work in fused kernels (hierviz.models.fused):
-        ~10 launches per layer instead of ~50; same arithmetic as `forward` up to rounding order."""
+        ~10 launches per layer instead of ~50; same arithmetic as `forward` up to rounding order.
+        attn_mask: the bool mask or its `fused.visible_columns` (computed once for all layers)."""
         cfg = self.cfg
         h = x if self.input_norm is None else fused.rms_norm(x, self.input_norm.weight, self.input_norm.eps)
         q = fused.rope_to_cache(self.qkv(h), cos, sin, slots, k_cache, v_cache,
@@ -272,6 +275,8 @@ class Transformer(nn.Module):
         if cache is not None and slots is None and cache.length + t > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length} + {t} tokens > {cache.max_len}")
         cos, sin = self.rope(positions)
+        if cache is not None and slots is not None and attn_mask is not None and fused.usable(x):
+            attn_mask = fused.visible_columns(attn_mask)      # once per forward, not per layer
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache, attn_mask, slots)
         if cache is not None and slots is None:
@@ -296,6 +301,15 @@ class Transformer(nn.Module):
             self.output_vocab = None
             return
         self.output_vocab, self._vocab_rows = self.lm_head_rows(token_ids)
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """Ask the W4 kernels for row results that do not depend on how many rows a product has
+        (up to a verification's size): for the verifier of record, so that verifying K tokens in
+        one forward gives the logits of K one-token forwards, bit for bit, in fp16 too. (The fused
+        attention is batch-invariant always; drafters need not be.)"""
+        for mod in self.modules():
+            for w in getattr(mod, "w4", None) or []:
+                w.batch_invariant = on
 
     def lm_head_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids on this device, the LM head's rows for them): the pieces of a reduced-vocabulary head."""

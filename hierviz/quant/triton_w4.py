@@ -149,6 +149,22 @@ def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
     return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
 
 
+# Rows up to this many (the largest static bucket, hierviz.models.cuda_graphs.BUCKETS) get the
+# same bits from a `batch_invariant` weight whatever M: every verification and one-token step.
+INVARIANT_MAX_M = 128
+
+
+def invariant_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
+                     bf16: bool = False) -> Config:
+    """pick_config for a product whose rows must round as they do at M = 1: M's own tile shape,
+    with the K split and the unpack (plain or factored) of M = 1, which decide the rounding
+    (the split sets each partial's K range and the fixed-order sum adds them; tile rows do not
+    interact). The CUDA-core path (M = 1 only) is left out: its sums run in another order."""
+    one = pick_config(1, n, k, group_size, sms, bf16, gemv=False)
+    cfg = pick_config(m, n, k, group_size, sms, bf16, gemv=False)
+    return dataclasses.replace(cfg, split_k=one.split_k, factored=one.factored)
+
+
 _SM_COUNTS: dict[int, int] = {}
 
 
@@ -741,8 +757,13 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     p = packed(w, x.dtype)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
-    cfg = config or pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16,
-                                gemv=_has_tma(x.device))
+    if config is not None:
+        cfg = config
+    elif w.batch_invariant and m <= INVARIANT_MAX_M:
+        cfg = invariant_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16)
+    else:
+        cfg = pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16,
+                          gemv=_has_tma(x.device))
     x = x.contiguous()
     if cfg.gemv and x.dtype == torch.float16:
         return _gemv(x, p, w.group_size, cfg, interp, add_to)

@@ -28,6 +28,9 @@ class W4Weight:
     offsets: torch.Tensor
     group_size: int
     perm: Optional[torch.Tensor] = None
+    # a verifier's weight: kernels must give a row the same bits whatever the number of rows (up
+    # to a verification's size), so verifying K tokens matches decoding them one by one
+    batch_invariant: bool = False
 
     @property
     def out_features(self) -> int:
@@ -54,7 +57,7 @@ class W4Weight:
     def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "W4Weight":
         """Move to a device; dtype applies to scales and offsets (codes stay uint8)."""
         return W4Weight(self.codes.to(device), self.scales.to(device, dtype), self.offsets.to(device, dtype),
-                        self.group_size, None if self.perm is None else self.perm.to(device))
+                        self.group_size, None if self.perm is None else self.perm.to(device), self.batch_invariant)
 
     @property
     def nbytes(self) -> int:
