@@ -16,12 +16,16 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 def record(path: str, stack_name: str, prompt: str, max_new_tokens: int, title: str) -> int:
     """Run HierSpec, EAGLE-2 and AR on one prompt and save them as one comparison trace for replay."""
     from hierviz.decoding.settings import DecodeSettings
-    from hierviz.engine import generate, load_stack
+    from hierviz.engine import generate, load_stack, warm_up
     from hierviz.trace import save_comparison
+    methods = ["hierspec", "eagle2", "ar"]
     try:
         stack = load_stack(stack_name)
         settings = DecodeSettings(max_new_tokens=max_new_tokens).validate()
-        runs = [generate(stack, m, prompt, settings) for m in ("hierspec", "eagle2", "ar")]
+        # as the app does before a live run: else the first method's trace carries every first-call
+        # cost (Triton compiles, CUDA-graph captures) and its timings are not comparable
+        warm_up(stack, methods, settings)
+        runs = [generate(stack, m, prompt, settings) for m in methods]
     except ValueError as e:          # EngineError, StackError, SettingsError carry user-facing messages
         print(f"error: {e}", file=sys.stderr)
         return 2
