@@ -483,9 +483,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     cache_len = len(prompt) + max_new + max(cache_margin(x) for x in [s] + sweep_settings)
     for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
         run_one(models, m, warm, make(m), prompt, cache_len)
-    for model in (models.target, models.intermediate, models.e_m, models.e_t):
-        if model is not None:     # buckets the short warm-up did not reach: compile and capture them too
-            cuda_graphs.prepare_all(model)
+    cuda_graphs.prepare_models(models.present())    # buckets the short warm-up did not reach
     w4_layers = list(models.target.layers) + (list(models.intermediate.layers) if a.intermediate_format == "w4" else [])
     for layer in w4_layers:   # Triton keeps its own code layout: hold the 70B codes once
         _free_codes(layer)

@@ -121,3 +121,15 @@ def test_prepare_all_runs_every_bucket(stack, static) -> None:
         h = st.run_pending()
     assert h.shape[0] == 10 and st.cache.length == 10
     cuda_graphs.drop_runners(t)
+
+
+def test_warm_up_prepares_every_bucket_of_every_model(static) -> None:
+    """engine.warm_up's short runs reach few buckets; it then prepares the rest for each model, so a
+    longer prompt's prefill does not compile inside the first timed or recorded run."""
+    from hierviz.engine import warm_up
+    st = tiny_random_stack()               # its own models: pools untouched by other tests
+    warm_up(st, ["hierspec", "eagle2", "ar"], DecodeSettings(max_new_tokens=4, m_depth=2, m_tree_size=6,
+                                                              t_depth=2, t_tree_size=6, min_draft_len=2))
+    for model in st.models.present():
+        runners = model.__dict__.get("_static_runners", [])
+        assert runners and all(sorted(r._buckets) == list(cuda_graphs.BUCKETS) for r in runners), model

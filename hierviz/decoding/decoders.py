@@ -31,6 +31,10 @@ class Models:
     e_m: Optional[EagleHead] = None     # EAGLE head on the intermediate (HierSpec)
     e_t: Optional[EagleHead] = None     # EAGLE head on the target (EAGLE-2 baseline)
 
+    def present(self) -> list:
+        """The models this stack has (target first)."""
+        return [m for m in (self.target, self.intermediate, self.e_m, self.e_t) if m is not None]
+
 
 class StageTimer:
     """Time per stage in ms.

@@ -324,6 +324,13 @@ def prepare_all(model) -> int:
     return len(runners)
 
 
+def prepare_models(models) -> int:
+    """prepare_all for each of `models`: after a short warm-up run, the buckets it did
+    not reach (a longer prompt's prefill, a longer draft's verification) are compiled and captured
+    too, so that no Triton compile lands inside a timed or recorded run. Returns runners prepared."""
+    return sum(prepare_all(m) for m in models)
+
+
 def drop_runners(model) -> None:
     """Free a model's pooled runners (their caches and graphs)."""
     with _lock:
