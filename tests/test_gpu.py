@@ -129,3 +129,28 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
         toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
         r = static_tree_vs_paths(model, parents, prompt, toks)
         assert all(r["hidden"]) and all(r["logits"]), r
+
+
+def test_long_prefill_products_of_the_shipped_intermediate() -> None:
+    """Session 17: the large-M entry's 128-row tiles gave whole row blocks of garbage / NaN, run to run,
+    for the shipped M's gate_up (GPTQ g64) at 800 rows (M's prefill of a long prompt). Every product of
+    three of M's layers at prefill sizes, three repeats each, against the dequantized fp32 matmul."""
+    from hierviz.models.llama import Transformer
+    from hierviz.models.loading import load_weights
+    from hierviz.quant.w4 import dequantize, w4_linear
+    from pathlib import Path
+    cfg, w, _ = load_weights(Path(__file__).resolve().parents[1] / "assets" / "models" / "smollm2-m10-gptq")
+    w = dict(w)
+    w["model.embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)   # M shares T's: not stored
+    m = Transformer(cfg, w, w4_kernel="triton", dtype=torch.float16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for li in (0, 1, 5):
+        for name in ("qkv", "o", "gate_up", "down"):
+            wt = getattr(m.layers[li], name).w4[0]
+            dense = dequantize(wt, torch.float32)
+            for rows in (300, 800, 1500):
+                x = (torch.randn(rows, wt.in_features, device="cuda", generator=g) * 4).half()
+                ref = x.float() @ dense.t()
+                for _ in range(3):
+                    y = w4_linear(x, wt, kernel="triton").float()
+                    assert float((y - ref).norm() / ref.norm()) < 1e-2, (li, name, rows)

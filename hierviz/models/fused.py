@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 
