@@ -120,16 +120,19 @@ def _drafter_kernel(model_spec: dict[str, Any], dev: torch.device, default: str)
     """The W4 kernel the stack file asks for the intermediate on this device, if this machine
     has it: M only drafts (T verifies every token), so it may run a faster, inexact kernel."""
     want = _for_device(model_spec, "w4_kernel", dev)
-    if not want:
-        return default
+    return want if want and _kernel_available(want) else default
+
+
+def _kernel_available(name: str) -> bool:
     from hierviz.quant.w4 import get_kernel
     try:
-        get_kernel(want)
+        get_kernel(name)
     except ValueError:       # e.g. int4pack_cpu on a torch build without the CPU int4 ops
-        return default
-    return want
+        return False
+    return True
 
 
+ROW_INVARIANT_CPU_KERNELS = ("int4pack_cpu",)   # measured: a row's bits do not depend on the other rows
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -160,6 +163,8 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         raise StackError(f"unknown dtype {dtype_name!r}; choose one of {', '.join(DTYPES)}")
     dtype = DTYPES[dtype_name]
     kernel = w4_kernel or _for_device(spec, "w4_kernel", dev, "reference")
+    if not w4_kernel and not _kernel_available(kernel):
+        kernel = "dequant_cached"     # e.g. int4pack_cpu on a torch build without the CPU int4 ops
     m_kernel = kernel if w4_kernel else _drafter_kernel(spec.get("intermediate") or {}, dev, kernel)
     try:
         target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
@@ -179,7 +184,10 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         raise StackError(f"stack {spec.get('name', p.stem)!r}: {e}") from None
     except OSError as e:
         raise StackError(f"stack {spec.get('name', p.stem)!r}: cannot read a file: {e}") from None
-    target.set_batch_invariant(True)   # T's verifications must round as its one-token steps do
+    # T's verifications must round as its one-token steps do: on a GPU always; on the CPU only a
+    # row-invariant W4 kernel makes that possible (BLAS's dense products are not), and then the
+    # per-token attention it needs is worth its cost
+    target.set_batch_invariant(dev.type != "cpu" or kernel in ROW_INVARIANT_CPU_KERNELS)
     models = Models(target, inter, e_m, e_t)
     check_vocab(models, tokenizer)
     if spec.get("draft_vocab"):
@@ -196,6 +204,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
             "e_m": (spec.get("e_m") or {}).get("path"), "e_t": (spec.get("e_t") or {}).get("path"),
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
             "intermediate_w4_kernel": m_kernel if inter is not None else None,
+            "target_batch_invariant": target.batch_invariant,
             "draft_vocab": spec.get("draft_vocab") or "full",
             "intermediate_vocab": "draft" if spec.get("intermediate_draft_vocab") and spec.get("draft_vocab") else "full"}
     return Stack(spec.get("name", p.stem), models, tokenizer, meta)

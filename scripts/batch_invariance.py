@@ -3,7 +3,7 @@ vs decoding them one at a time should give the same logits bit for bit, or greed
 can differ from AR on near-ties.
 
     PYTHONPATH=. python scripts/batch_invariance.py [--shape smollm2] [--group 32] [--device cuda] \
-        [--dtype float16] [--kernel triton] [--tokens 4,16,25,60] [--static]
+        [--dtype float16] [--kernel triton] [--tokens 4,16,25,60] [--static | --dynamic]
 
 A synthetic W4 model of the shape (random codes, hierviz.whatif.synthetic_model), a random prompt, then
 for each K: the hidden state after every layer and the logits at the K positions, one forward over K
@@ -12,7 +12,8 @@ output differs and the largest logit difference; then the W4 product and the LM 
 M-row product against the same row computed alone. Those forwards take the dynamic (eager, SDPA) path;
 the engine verifies on the static path, which `--static` checks: a 24-node tree and a 6-token sequence
 verified in one forward against every node decoded alone after its path, with the W4 weights'
-`batch_invariant` flag off and on (the target of a loaded stack has it on).
+`batch_invariant` flag off and on (the target of a loaded stack has it on); `--dynamic` the same on the
+CPU's dynamic path (per-token attention, chunked LM head, a row-invariant W4 kernel).
 """
 from __future__ import annotations
 
@@ -57,29 +58,43 @@ def tree_paths(parents: list[int]) -> tuple[list[int], list[list[int]], torch.Te
     return depth, paths, win
 
 
-def static_tree_vs_paths(model, parents: list[int], prompt: list[int], tokens: list[int],
-                         nodes: list[int] | None = None, live: tuple[int, int] = (256, 512)) -> dict:
-    """The engine's static path (hierviz.models.cuda_graphs: CUDA graphs on a GPU, the fused kernels
-    in fp16/bf16): prefill `prompt`, verify the tree `parents` with `tokens` in one forward, then, in
-    a runner of another cache size, decode each of `nodes` (default: all) alone after its path, one
-    token per forward. Returns, per node, whether the hidden state and the logits are the same bits,
-    and the largest logit difference."""
+def tree_vs_paths(model, parents: list[int], prompt: list[int], tokens: list[int],
+                  nodes: list[int] | None = None, static: bool = True,
+                  live: tuple[int, int] = (256, 512)) -> dict:
+    """Prefill `prompt`, verify the tree `parents` with `tokens` in one forward, then decode each of
+    `nodes` (default: all) alone after its path, one token per forward, from a fresh prefill. static:
+    the engine's GPU path (hierviz.models.cuda_graphs: CUDA graphs, the fused kernels in fp16/bf16;
+    the one-token runs in a runner of another cache size); else the dynamic path (the CPU's: the model
+    called with a KVCache and a mask). Returns, per node, whether the hidden state and the logits are
+    the same bits, and the largest logit difference."""
     from hierviz.models.cuda_graphs import StaticRunner, graphs_enabled
+    from hierviz.models.llama import block_mask
     depth, paths, win = tree_paths(parents)
     p = len(prompt)
+    dev = model.device
 
-    def prefilled(n: int) -> StaticRunner:
-        r = StaticRunner(model, n, 0, graphs_enabled(model.device))
-        r.run(prompt, list(range(p)), 0, 0, torch.ones(p, p, dtype=torch.bool).tril())
-        return r
+    def prefilled(n: int):
+        if static:
+            r = StaticRunner(model, n, 0, graphs_enabled(dev))
+            r.run(prompt, list(range(p)), 0, 0, torch.ones(p, p, dtype=torch.bool).tril())
+            return r
+        cache = model.new_cache(p + len(parents) + 1)
+        model(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), cache)
+        return cache
+
+    def forward(r, toks: list[int], pos: list[int], start: int, window: torch.Tensor) -> torch.Tensor:
+        if static:
+            return r.run(toks, pos, start, start, window)
+        mask = block_mask(start, window.to(dev)) if len(toks) > 1 else None
+        return model(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), r, mask)
     with torch.no_grad():
-        tree = prefilled(live[0]).run(tokens, [p + d for d in depth], p, p, win)
+        tree = forward(prefilled(live[0]), tokens, [p + d for d in depth], p, win)
         tree_logits = model.logits(tree)
         hidden, logits, diff = [], [], 0.0
         for i in nodes if nodes is not None else range(len(parents)):
             r = prefilled(live[1])
             for n, j in enumerate(paths[i]):
-                h = r.run([tokens[j]], [p + n], p + n, p + n, torch.ones(1, 1, dtype=torch.bool))
+                h = forward(r, [tokens[j]], [p + n], p + n, torch.ones(1, 1, dtype=torch.bool))
             lg = model.logits(h)
             hidden.append(bool(torch.equal(h[0], tree[i])))
             logits.append(bool(torch.equal(lg[0], tree_logits[i])))
@@ -102,9 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernel", default="triton")
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--tokens", default="4,16,25,60")
-    ap.add_argument("--static", action="store_true",
+    ap.add_argument("--static", action="store_const", const="static", dest="path",
                     help="also verify a 24-node tree and a 6-token sequence on the engine's static path (CUDA "
-                         "graphs, fused kernels) against their nodes decoded one by one, W4 batch-invariance off/on")
+                         "graphs, fused kernels) against their nodes decoded one by one, batch invariance off/on")
+    ap.add_argument("--dynamic", action="store_const", const="dynamic", dest="path",
+                    help="the same on the dynamic path (the CPU's; use --kernel int4pack_cpu --dtype float32)")
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     _, cfg = load_shape(a.shape)
@@ -145,14 +162,14 @@ def main(argv: list[str] | None = None) -> None:
         alone = model.logits(h[:1])
         for m in (2, 4, 16, 25, 60):
             print(f"LM head M={m:2d}: row 0 equal to M=1: {bool(torch.equal(model.logits(h[:m])[:1], alone))}")
-    if a.static:
+    if a.path:
         prompt = torch.randint(0, cfg.vocab_size, (a.prompt,), generator=gen).tolist()
         for name, parents in (("tree of 24", TREE_24), ("sequence of 6", CHAIN_6)):
             toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
             for inv in (False, True):
                 model.set_batch_invariant(inv)
-                r = static_tree_vs_paths(model, parents, prompt, toks)
-                print(f"static path, {name}, batch_invariant W4 {inv}: hidden same for {sum(r['hidden'])}/"
+                r = tree_vs_paths(model, parents, prompt, toks, static=a.path == "static")
+                print(f"{a.path} path, {name}, batch_invariant {inv}: hidden same for {sum(r['hidden'])}/"
                       f"{len(parents)} nodes, logits same for {sum(r['logits'])}/{len(parents)}, "
                       f"max |logit diff| {r['max_logit_diff']:.3g}")
 

@@ -1,7 +1,7 @@
 """HierSpec's sequence-draft settings against EAGLE-2, side by side in one process.
 
     PYTHONPATH=. python scripts/draft_sweep.py --questions ../shared/data/spec_bench_question.jsonl \
-        [--limit 1] [--max-new-tokens 64] [--device cpu] [--stack smollm2-offline]
+        [--limit 1] [--max-new-tokens 64] [--device cpu] [--stack smollm2-offline] [--eagle-trees 8,12]
 
 Every configuration runs on every question, interleaved per question (machine drift hits all
 alike), after one warm-up each; prints tokens/s, target tau per configuration.
@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default=None)
     ap.add_argument("--stack", default=None)
+    ap.add_argument("--eagle-trees", default="", help="also EAGLE-2 with these tree sizes, e.g. 8,12 (a fair baseline "
+                                                      "when the target's kernel changes what verifying a tree costs)")
     a = ap.parse_args()
     questions = read_questions(a.questions, a.limit)
     stack = load_stack(a.stack, a.device)
@@ -33,6 +35,8 @@ def main() -> None:
                "hierspec drafts >= 4": ("hierspec", replace(base, min_draft_len=4)),
                "hierspec E_M depth 3 / 12 nodes, drafts >= 3": ("hierspec", replace(base, m_depth=3, m_tree_size=12,
                                                                                      min_draft_len=3))}
+    for size in (int(x) for x in a.eagle_trees.split(",") if x.strip()):
+        configs[f"eagle2 tree size {size}"] = ("eagle2", replace(base, t_tree_size=size))
     for method, settings in configs.values():
         warm_up(stack, [method], settings)
     totals = {name: [0.0, 0, 0] for name in configs}

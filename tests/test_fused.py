@@ -118,8 +118,8 @@ _SCRIPT = textwrap.dedent("""
     model = synthetic_model(cfg, "w4", torch.float16, "cpu", "triton", seed=0, group=32)
     model.set_batch_invariant(True)
     fused.force(True)
-    from scripts.batch_invariance import static_tree_vs_paths
-    r = static_tree_vs_paths(model, [-1, 0, 0, 1, 1, 2, 3, 3, 6], list(range(3, 23)), [40 + i for i in range(9)],
+    from scripts.batch_invariance import tree_vs_paths
+    r = tree_vs_paths(model, [-1, 0, 0, 1, 1, 2, 3, 3, 6], list(range(3, 23)), [40 + i for i in range(9)],
                              nodes=[4, 5, 8])
     same = r["hidden"]     # (the logits go through the CPU's dense matmul, not part of this check)
     out["model_tree_invariant"] = same

@@ -117,7 +117,7 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from scripts.batch_invariance import CHAIN_6, TREE_24, static_tree_vs_paths
+    from scripts.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
     from hierviz.profile import load_shape
     from hierviz.whatif import synthetic_model
     _, cfg = load_shape("smollm2")
@@ -127,7 +127,7 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
     prompt = torch.randint(0, cfg.vocab_size, (70,), generator=gen).tolist()
     for parents in (TREE_24, CHAIN_6):
         toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
-        r = static_tree_vs_paths(model, parents, prompt, toks)
+        r = tree_vs_paths(model, parents, prompt, toks)
         assert all(r["hidden"]) and all(r["logits"]), r
 
 

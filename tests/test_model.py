@@ -138,3 +138,38 @@ def test_unsupported_architecture_is_a_clear_error():
         ModelConfig.from_dict({"model_type": "gpt2", "vocab_size": 10})
     with pytest.raises(ModelConfigError, match="missing or has a bad value"):
         ModelConfig.from_dict({"model_type": "llama", "vocab_size": 10})
+
+
+def _with_kernel(model: Transformer, kernel: str) -> Transformer:
+    for mod in model.modules():
+        if getattr(mod, "w4", None):
+            mod.w4_kernel = kernel
+    return model
+
+
+@pytest.mark.parametrize("kernel", ["int4pack_cpu", "reference"])
+def test_cpu_verification_is_batch_invariant(kernel):
+    """A batch-invariant target on the CPU: a 24-node tree and a 6-token sequence verified in one
+    forward give every node the hidden state and logits of decoding it alone after its path, bit for
+    bit, with the row-invariant int4 kernel (per-token attention, chunked LM head). Without the mode
+    (torch's SDPA and BLAS round one row differently from several) they do not; nor with the
+    `reference` kernel, whose BLAS product is not row-invariant."""
+    from hierviz.quant import int4pack_cpu
+    from hierviz.stack import tiny_models
+    from scripts.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
+    if kernel == "int4pack_cpu" and not int4pack_cpu.available():
+        pytest.skip("this torch build has no CPU int4 ops")
+    torch.set_num_threads(2)
+    target = _with_kernel(tiny_models(256, "cpu", 0).target, kernel)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (40,), generator=g).tolist()
+    results = {}
+    for inv in (True, False):
+        target.set_batch_invariant(inv)
+        for parents in (TREE_24, CHAIN_6):
+            toks = torch.randint(0, 256, (len(parents),), generator=g).tolist()
+            r = tree_vs_paths(target, parents, prompt, toks, static=False)
+            results[(inv, len(parents))] = all(r["hidden"]) and all(r["logits"])
+    if kernel == "int4pack_cpu":
+        assert results[(True, 24)] and results[(True, 6)], results
+    assert not results[(False, 24)], results

@@ -29,16 +29,33 @@ def test_default_stack_loads_offline(stack):
     assert m.e_m.draft_vocab is not None and m.e_m.draft_vocab.numel() == 8192
 
 
-def test_intermediate_drafts_through_the_int4_kernel_target_stays_exact(stack):
-    """M (a drafter) runs torch's int4 CPU kernel where this torch has it; T keeps the exact fp32
-    kernel, and the trace says which ran."""
+def test_both_models_run_the_int4_kernel_target_batch_invariant(stack):
+    """Where this torch has the CPU int4 ops, T and M run them (T exact fp32 otherwise); T is in its
+    batch-invariant mode exactly when its kernel is row-invariant, and the trace says which ran."""
     from hierviz.quant import int4pack_cpu
     m, t = stack.models.intermediate, stack.models.target
     want = "int4pack_cpu" if int4pack_cpu.available() else "dequant_cached"
-    assert stack.meta["intermediate_w4_kernel"] == want and stack.meta["w4_kernel"] == "dequant_cached"
+    assert stack.meta["intermediate_w4_kernel"] == want and stack.meta["w4_kernel"] == want
     def w4_kernels(model):                    # of the linears holding 4-bit weights (the LM heads are dense)
         return {mod.w4_kernel for mod in model.modules() if getattr(mod, "w4", None)}
-    assert w4_kernels(m) == {want} and w4_kernels(t) == {"dequant_cached"}
+    assert w4_kernels(m) == {want} and w4_kernels(t) == {want}
+    assert t.batch_invariant == (want == "int4pack_cpu") and not m.batch_invariant
+
+
+def test_shipped_target_verifies_a_tree_bit_for_bit(stack):
+    """The real T on the CPU: tree nodes verified in one forward get the hidden states and logits of
+    the same tokens decoded one at a time (scripts/batch_invariance.py --dynamic does all 24 nodes)."""
+    import torch
+
+    from scripts.batch_invariance import TREE_24, tree_vs_paths
+    t = stack.models.target
+    if not t.batch_invariant:
+        pytest.skip("no row-invariant CPU W4 kernel in this torch build")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, t.cfg.vocab_size, (40,), generator=g).tolist()
+    toks = torch.randint(0, t.cfg.vocab_size, (24,), generator=g).tolist()
+    r = tree_vs_paths(t, TREE_24, prompt, toks, nodes=[3, 9, 23], static=False)
+    assert all(r["hidden"]) and all(r["logits"]), r
 
 
 @pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a haiku about autumn leaves."])
@@ -69,3 +86,4 @@ def test_command_line_kernel_applies_to_every_model():
     from hierviz.stack import load_stack
     st = load_stack("smollm2-offline", device="cpu", w4_kernel="reference")
     assert st.meta["w4_kernel"] == st.meta["intermediate_w4_kernel"] == "reference"
+    assert not st.models.target.batch_invariant       # BLAS products: the per-token path would not help

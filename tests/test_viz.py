@@ -271,6 +271,8 @@ def test_stats_say_which_kernels_and_vocabulary_ran() -> None:
     assert line == ("cpu float32 · T kernel dequant_cached · M kernel int4pack_cpu · "
                     "drafter vocabulary smollm2-draft-vocab-8192 (M too)")
     assert run_setup_line({"w4_kernel": "triton", "intermediate_w4_kernel": "triton", "draft_vocab": "full"}) == "T kernel triton"
+    assert run_setup_line({"w4_kernel": "int4pack_cpu", "target_batch_invariant": True}) == \
+        "T kernel int4pack_cpu (batch-invariant)"
     assert run_setup_line({}) == ""
     t = Trace(meta={"method": "ar", **meta})
     assert "Ran on cpu float32" in stats_html([t])

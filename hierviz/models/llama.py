@@ -9,6 +9,7 @@ them through the LM head.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -60,6 +61,70 @@ class KVCache:
             # the gather makes a new tensor first: source and destination ranges may overlap
             self.kv[:, :, :, start:start + n] = self.kv[:, :, :, src]
         self.length = start + n
+
+
+# Forwards of up to this many tokens (every decode / verification step; the static path's largest
+# bucket) take the batch-invariant CPU path of a batch-invariant model; longer ones are prefills,
+# which every method runs alike.
+INVARIANT_MAX_ROWS = 128
+
+
+class TokenKeys:
+    """For each new token of a forward, the cache columns it sees, as (n, m, tail): n columns, the
+    first m of them 0..m-1, then `tail` (ascending, None when m == n): a tree node's ancestors
+    scattered among siblings. Built once per forward from the mask (Transformer.run_layers) for the
+    batch-invariant CPU attention."""
+
+    def __init__(self, spans: list[tuple[int, int, Optional[torch.Tensor]]]) -> None:
+        self.spans = spans
+
+    @classmethod
+    def from_mask(cls, attn_mask: Optional[torch.Tensor], prefix: int, t: int) -> "TokenKeys":
+        if attn_mask is None:       # causal over [cache | new]
+            return cls([(prefix + i + 1, prefix + i + 1, None) for i in range(t)])
+        spans: list[tuple[int, int, Optional[torch.Tensor]]] = []
+        for row in attn_mask:
+            cols = row.nonzero().flatten()
+            n = cols.numel()
+            off = (cols != torch.arange(n, device=cols.device)).nonzero()
+            m = int(off[0]) if off.numel() else n
+            spans.append((n, m, cols[m:] if m < n else None))
+        return cls(spans)
+
+
+def attention_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: TokenKeys) -> torch.Tensor:
+    """Attention for q [Hq, T, hd] over k/v [Hkv, L, hd] (views of the KV cache), each token alone
+    over the keys it sees: the same call, on a view of the same shape and the same values, as that
+    token's one-token step, so verifying a sequence or a tree gives each token the bits of decoding it
+    alone (torch's CPU SDPA rounds one query differently from several: 0 of 25 rows equal in fp32,
+    session 17; every token here takes `_one_query_attention`, the one-token step included). A tree node's scattered keys (its ancestors among siblings) are moved, for its call,
+    right after its contiguous prefix; the cache rows are put back afterwards."""
+    lo = min((m for _, m, tail in keys.spans if tail is not None), default=None)
+    saved = (k[..., lo:, :].clone(), v[..., lo:, :].clone()) if lo is not None else None
+    out = []
+    for i, (n, m, tail) in enumerate(keys.spans):
+        if saved is not None and n > lo:
+            # this token's columns from lo on, from the saved rows (an earlier token's call moved others there)
+            idx = torch.arange(m - lo, device=k.device)
+            if tail is not None:
+                idx = torch.cat([idx, tail - lo])
+            k[..., lo:n, :] = saved[0].index_select(-2, idx)
+            v[..., lo:n, :] = saved[1].index_select(-2, idx)
+        out.append(_one_query_attention(q[..., i:i + 1, :], k[..., :n, :], v[..., :n, :]))
+    if saved is not None:
+        k[..., lo:, :] = saved[0]
+        v[..., lo:, :] = saved[1]
+    return torch.cat(out, -2)
+
+
+def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v for one token's q [Hq, 1, hd] over k/v [Hkv, n, hd] (GQA: query
+    head h reads KV head h // (Hq / Hkv)). Three plain ops: ~65 us at n = 300 on the 2-core CPU where
+    torch's SDPA takes ~250 us for one query, a cost the per-token path pays once per token and layer."""
+    hkv, hd = k.shape[-3], k.shape[-1]
+    qg = q.reshape(hkv, q.shape[-3] // hkv, hd)
+    p = torch.softmax((qg @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd)), -1).to(v.dtype)
+    return (p @ v).reshape(q.shape)
 
 
 class RMSNorm(nn.Module):
@@ -186,7 +251,9 @@ class DecoderLayer(nn.Module):
             cache.v[layer, :, start:start + t] = v
             k = cache.k[layer, :, :start + t]
             v = cache.v[layer, :, :start + t]
-        if attn_mask is None:
+        if isinstance(attn_mask, TokenKeys):
+            a = attention_per_token(q, k, v, attn_mask)
+        elif attn_mask is None:
             # plain causal attention over [cache | new]
             prefix = k.shape[-2] - t
             a = F.scaled_dot_product_attention(q, k, v, is_causal=prefix == 0,
@@ -277,6 +344,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions)
         if cache is not None and slots is not None and attn_mask is not None and fused.usable(x):
             attn_mask = fused.visible_columns(attn_mask)      # once per forward, not per layer
+        elif self._invariant_cpu(x) and cache is not None and slots is None:
+            attn_mask = TokenKeys.from_mask(attn_mask, cache.length, t)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache, attn_mask, slots)
         if cache is not None and slots is None:
@@ -287,6 +356,8 @@ class Transformer(nn.Module):
         """[.., V] float32. With an output vocabulary set, only those rows of the LM head are
         computed and every other token gets -inf (argmax / softmax stay in global token ids)."""
         if self.output_vocab is None:
+            if self._invariant_cpu(hidden) and self.lm_head.weight is not None:
+                return _rows_invariant_product(hidden, self.lm_head.weight).float()
             return self.lm_head(hidden).float()
         out = torch.full((*hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), device=hidden.device)
         out[..., self.output_vocab] = matmul_nt(hidden, self._vocab_rows).float()
@@ -302,14 +373,24 @@ class Transformer(nn.Module):
             return
         self.output_vocab, self._vocab_rows = self.lm_head_rows(token_ids)
 
+    batch_invariant = False
+
     def set_batch_invariant(self, on: bool = True) -> None:
-        """Ask the W4 kernels for row results that do not depend on how many rows a product has
-        (up to a verification's size): for the verifier of record, so that verifying K tokens in
-        one forward gives the logits of K one-token forwards, bit for bit, in fp16 too. (The fused
-        attention is batch-invariant always; drafters need not be.)"""
+        """Make a token's logits independent of how many tokens one forward holds (up to a
+        verification's size): for the verifier of record, so that verifying K tokens in one forward
+        gives the logits of K one-token forwards, bit for bit. On a GPU: the W4 kernels keep one K
+        split (the fused attention is batch-invariant always). On the CPU: each token attends on its
+        own (`attention_per_token`) and the dense LM head runs in fixed-size chunks; the W4 products
+        must come from a row-invariant kernel (`int4pack_cpu` is, `dequant_cached`'s BLAS product is
+        not). Drafters need none of it."""
+        self.batch_invariant = on
         for mod in self.modules():
             for w in getattr(mod, "w4", None) or []:
                 w.batch_invariant = on
+
+    def _invariant_cpu(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.batch_invariant and x.device.type == "cpu" and 0 < rows <= INVARIANT_MAX_ROWS
 
     def lm_head_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids on this device, the LM head's rows for them): the pieces of a reduced-vocabulary head."""
@@ -317,6 +398,25 @@ class Transformer(nn.Module):
             raise WeightsError("a reduced vocabulary needs a dense LM head")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         return ids, self.lm_head.weight.data[ids]
+
+
+LM_HEAD_CHUNK = 8
+
+
+def _rows_invariant_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T on the CPU with each row's bits independent of the other rows: always
+    (w @ chunk^T)^T over chunks of LM_HEAD_CHUNK rows, zero-padded, so every BLAS call has one shape
+    (measured: rows equal alone and in any chunk position; the plain x @ w^T rounds a row differently
+    at every M > 1). A one-row product reads the weight once either way: the padding costs ~nothing."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = []
+    for s in range(0, x2.shape[0], LM_HEAD_CHUNK):
+        chunk = x2[s:s + LM_HEAD_CHUNK]
+        rows = chunk.shape[0]
+        if rows < LM_HEAD_CHUNK:
+            chunk = torch.cat([chunk, chunk.new_zeros(LM_HEAD_CHUNK - rows, chunk.shape[1])])
+        out.append((w @ chunk.t()).t()[:rows])
+    return torch.cat(out).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):

@@ -179,7 +179,7 @@ def run_setup_line(meta: dict) -> str:
     if meta.get("device"):
         parts.append(f'{meta["device"]} {meta.get("dtype", "")}'.strip())
     if meta.get("w4_kernel"):
-        parts.append(f'T kernel {meta["w4_kernel"]}')
+        parts.append(f'T kernel {meta["w4_kernel"]}' + (" (batch-invariant)" if meta.get("target_batch_invariant") else ""))
     if meta.get("intermediate_w4_kernel") and meta.get("intermediate_w4_kernel") != meta.get("w4_kernel"):
         parts.append(f'M kernel {meta["intermediate_w4_kernel"]}')
     vocab = str(meta.get("draft_vocab") or "")
