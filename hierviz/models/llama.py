@@ -97,8 +97,9 @@ def attention_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys:
     over the keys it sees: the same call, on a view of the same shape and the same values, as that
     token's one-token step, so verifying a sequence or a tree gives each token the bits of decoding it
     alone (torch's CPU SDPA rounds one query differently from several: 0 of 25 rows equal in fp32,
-    session 17; every token here takes `_one_query_attention`, the one-token step included). A tree node's scattered keys (its ancestors among siblings) are moved, for its call,
-    right after its contiguous prefix; the cache rows are put back afterwards."""
+    session 17; every token here takes `_one_query_attention`, the one-token step included). A tree
+    node's scattered keys (its ancestors among siblings) are moved, for its call, right after its
+    contiguous prefix; the cache rows are put back afterwards."""
     lo = min((m for _, m, tail in keys.spans if tail is not None), default=None)
     saved = (k[..., lo:, :].clone(), v[..., lo:, :].clone()) if lo is not None else None
     out = []
