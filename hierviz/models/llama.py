@@ -18,7 +18,7 @@ from torch import nn
 
 from hierviz.models import fused
 from hierviz.models.config import ModelConfig, rope_frequencies
-from hierviz.quant.w4 import W4Weight, matmul_nt, w4_linear
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, matmul_nt, w4_linear
 
 Weight = Union[torch.Tensor, W4Weight]
 
@@ -61,12 +61,6 @@ class KVCache:
             # the gather makes a new tensor first: source and destination ranges may overlap
             self.kv[:, :, :, start:start + n] = self.kv[:, :, :, src]
         self.length = start + n
-
-
-# Forwards of up to this many tokens (every decode / verification step; the static path's largest
-# bucket) take the batch-invariant CPU path of a batch-invariant model; longer ones are prefills,
-# which every method runs alike.
-INVARIANT_MAX_ROWS = 128
 
 
 class TokenKeys:

@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from hierviz.quant.w4 import W4Weight, register_kernel, unpack_codes
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, register_kernel, unpack_codes
 
 try:  # import must work on machines without a GPU (and without triton at all)
     import triton
@@ -151,11 +151,6 @@ def pick_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
         split = -(-2 * sms // tiles)
     split = max(1, min(split, n_kblocks))      # never finer than the number of K blocks
     return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
-
-
-# Rows up to this many (the largest static bucket, hierviz.models.cuda_graphs.BUCKETS) get the
-# same bits from a `batch_invariant` weight whatever M: every verification and one-token step.
-INVARIANT_MAX_M = 128
 
 
 def invariant_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_SMS,
@@ -763,7 +758,7 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
     if config is not None:
         cfg = config
-    elif w.batch_invariant and m <= INVARIANT_MAX_M:
+    elif w.batch_invariant and m <= INVARIANT_MAX_ROWS:
         cfg = invariant_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16)
     else:
         cfg = pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16,

@@ -21,6 +21,12 @@ from typing import Callable, Optional
 import torch
 
 
+# A batch-invariant model's forwards of up to this many tokens (every decode and verification step;
+# the static path's largest bucket, hierviz.models.cuda_graphs.BUCKETS) give each token the bits it
+# would get alone; longer ones are prefills, which every method runs alike.
+INVARIANT_MAX_ROWS = 128
+
+
 @dataclass
 class W4Weight:
     codes: torch.Tensor
