@@ -250,6 +250,8 @@ def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int 
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
     t_w = _quantize_dense(model_weights(4, h, inter, kv), 32)
     target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
+    # on unlike load_stack's rule (its `reference` kernel is not row-invariant on the CPU): every test that
+    # decodes on this stack then runs the per-token attention and its cache restore against AR
     target.set_batch_invariant(True)
     # the intermediate reuses two of the target's layers (dequantized), so it agrees with it often
     m_w = {"model.embed_tokens.weight": t_w["model.embed_tokens.weight"], "model.norm.weight": torch.ones(h)}

@@ -77,6 +77,7 @@ _SCRIPT = textwrap.dedent("""
     # batch invariance: a tree node's output (ancestors scattered among siblings, 6 tokens in the
     # forward) equals the same token's alone after its path laid out contiguously, bit for bit,
     # also in a cache of another size (other slices along the keys)
+    from scripts.batch_invariance import tree_paths, tree_vs_paths
     for dt in (torch.float32, torch.float16):
         k = str(dt).split(".")[-1]
         HQ, HKV, HD, L, P = 9, 3, 64, 300, 150
@@ -84,16 +85,10 @@ _SCRIPT = textwrap.dedent("""
         T = len(parents)
         q = torch.randn(T, HQ * HD, dtype=dt)
         kc, vc = torch.randn(HKV, L, HD, dtype=dt), torch.randn(HKV, L, HD, dtype=dt)
+        _, paths, win = tree_paths(parents)
         mask = torch.zeros(T, L, dtype=torch.bool)
         mask[:, :P] = True
-        paths = []
-        for i in range(T):
-            a, j = [], i
-            while j >= 0:
-                a.append(j)
-                j = parents[j]
-            paths.append(sorted(a))
-            mask[i, [P + x for x in a]] = True
+        mask[:, P:P + T] = win
         o = fused.masked_attention(q, kc, vc, mask, HQ, HD)
         same = []
         for L2 in (P + 8, 700):
@@ -118,7 +113,6 @@ _SCRIPT = textwrap.dedent("""
     model = synthetic_model(cfg, "w4", torch.float16, "cpu", "triton", seed=0, group=32)
     model.set_batch_invariant(True)
     fused.force(True)
-    from scripts.batch_invariance import tree_vs_paths
     r = tree_vs_paths(model, [-1, 0, 0, 1, 1, 2, 3, 3, 6], list(range(3, 23)), [40 + i for i in range(9)],
                              nodes=[4, 5, 8])
     same = r["hidden"]     # (the logits go through the CPU's dense matmul, not part of this check)
