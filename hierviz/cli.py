@@ -10,7 +10,8 @@ from hierviz.decoding.settings import DecodeSettings, default_settings
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
-             "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench"}
+             "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench",
+             "w4-sweep": "hierviz.quant.w4_sweep"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -98,7 +99,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "  profile       forward latency vs verified tokens, fp16 vs W4A16\n"
               "  whatif        real-scale projection with replayed acceptance\n"
               "  train         train the offline stack's intermediate model and EAGLE heads\n"
-              "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n")
+              "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n"
+              "  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)\n")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "generate":

@@ -16,14 +16,20 @@ triton = pytest.importorskip("triton")
 from hierviz.quant import triton_w4  # noqa: E402
 
 ARGS = ["x_ptr", "c_ptr", "s_ptr", "o_ptr", "y_ptr", "part_ptr", "cnt_ptr", "M", "N", "K", "stride_xm", "stride_ym",
-        "blocks_per_split", "n_blocks"]
-CONSTS = {"SUB": 128, "G": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False, "ACCUM": False,
+        "blocks_per_split", "n_blocks", "blocks_per_group"]
+CONSTS = {"SUB": 128, "BN": 64, "BM": 16, "ATOMIC": True, "USE_ASM": True, "IS_BF16": False, "ACCUM": False,
           "ORDERED": False, "CHUNK": 4}
 
 
 def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> str:
-    """PTX of a @triton.jit kernel for sm_<arch>: args (name -> type) and constexprs (name ->
-    value), put in the kernel's parameter order. Skips the test when this Triton install has no CUDA toolchain."""
+    """PTX of a @triton.jit kernel for sm_<arch> (see _compiled)."""
+    return _compiled(fn, args, consts, arch, num_warps, num_stages)["ptx"]
+
+
+def _compiled(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> dict:
+    """The compiled forms (ttgir, ptx, ...) of a @triton.jit kernel for sm_<arch>: args (name -> type)
+    and constexprs (name -> value), put in the kernel's parameter order. Skips the test when this
+    Triton install has no CUDA toolchain."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {**args, **{k: "constexpr" for k in consts}}
@@ -39,22 +45,29 @@ def _ptx_of(fn, args: dict[str, str], consts: dict, arch: int, num_warps: int = 
         if "ptxas" in str(e).lower() or isinstance(e, (ImportError, FileNotFoundError)):
             pytest.skip(f"Triton's CUDA toolchain is not available here: {e}")
         raise
-    ptx = compiled.asm["ptx"]
-    assert f".target sm_{arch}" in ptx
-    return ptx
+    assert f".target sm_{arch}" in compiled.asm["ptx"]
+    return compiled.asm
 
 
 def _ptx(arch: int, tma: bool, sox: bool = False, factored: bool = False, **consts) -> str:
+    return _w4_asm(arch, tma, sox, factored, **consts)["ptx"]
+
+
+def _w4_asm(arch: int, tma: bool, sox: bool = False, factored: bool = False, num_warps: int = 4, num_stages: int = 4,
+            **consts) -> dict:
     args = {a: "i32" for a in ARGS[7:]}
-    bn, half = CONSTS["BN"], CONSTS["SUB"] // 2
-    args.update({"x_ptr": "*fp16", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
-                 "c_ptr": f"tensordesc<u8[{bn}, {half}]>" if tma else "*u8"})
+    act = "*bf16" if consts.get("IS_BF16") else "*fp16"
+    args.update({"x_ptr": act, "s_ptr": act, "o_ptr": act, "y_ptr": act, "part_ptr": "*fp32", "cnt_ptr": "*i32",
+                 "c_ptr": "*u8"})
+    c = {**CONSTS, "TMA": tma, "TMA_SOX": sox, "FACTORED": factored, "TILED": tma and factored, **consts}
+    bn, half = c["BN"], c["SUB"] // 2
+    if tma:
+        args["c_ptr"] = f"tensordesc<u8[{bn}, {half}]>"
     if sox:
-        args.update({"x_ptr": f"tensordesc<fp16[{CONSTS['BM']}, {half}]>",
-                     "s_ptr": f"tensordesc<fp16[1, {bn}]>", "o_ptr": f"tensordesc<fp16[1, {bn}]>"})
-    return _ptx_of(triton_w4._w4_kernel, {a: args[a] for a in ARGS},
-                   {**CONSTS, "TMA": tma, "TMA_SOX": sox, "FACTORED": factored, "TILED": tma and factored, **consts},
-                   arch, num_stages=4)
+        e = act[1:]
+        args.update({"x_ptr": f"tensordesc<{e}[{c['BM']}, {half}]>",
+                     "s_ptr": f"tensordesc<{e}[1, {bn}]>", "o_ptr": f"tensordesc<{e}[1, {bn}]>"})
+    return _compiled(triton_w4._w4_kernel, {a: args[a] for a in ARGS}, c, arch, num_warps, num_stages)
 
 
 @pytest.mark.parametrize("arch,tma,sox,factored", [
@@ -69,8 +82,8 @@ def test_kernel_compiles_for_gpu(arch: int, tma: bool, sox: bool, factored: bool
 def _gemv_ptx(arch: int, **consts) -> str:
     args = {"x_ptr": "*i32", "c_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "y_ptr": "*fp16",
             "part_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "stride_c": "i32", "stride_xm": "i32", "stride_ym": "i32",
-            "quads_per_split": "i32", "n_quads": "i32", "n_groups": "i32"}
-    consts = {"SUB": 128, "G": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, "ORDERED": False,
+            "quads_per_split": "i32", "n_quads": "i32", "n_groups": "i32", "quads_per_group": "i32"}
+    consts = {"SUB": 128, "BN": 64, "BQ": 4, "ATOMIC": True, "USE_ASM": True, "ACCUM": False, "ORDERED": False,
               "PREFETCH": False, "CHUNK": 4, **consts}
     return _ptx_of(triton_w4._w4_gemv_kernel, args, consts, arch, num_stages=1)
 
@@ -134,3 +147,44 @@ def _fused_kernels():
 def test_fused_layer_kernels_compile_for_gpu(arch: int) -> None:
     for fn, args, consts in _fused_kernels():
         _ptx_of(fn, args, consts, arch)
+
+
+def _tuned_configs():
+    """Every MMA launch configuration the product can pick (tuned, invariant and pointer-load forms)."""
+    from hierviz.quant.triton_w4 import TUNED, TUNED_PLAIN_SMALL_M
+    return sorted({c for c in [*TUNED.values(), TUNED_PLAIN_SMALL_M]}, key=str)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("cfg", _tuned_configs(), ids=lambda c: f"bn{c.block_n}bm{c.block_m}w{c.num_warps}s{c.num_stages}"
+                         + ("f" if c.factored else "") + ("t" if c.tma else ""))
+def test_w4_kernel_leaves_no_register_wgmma_in_flight(arch: int, cfg) -> None:
+    """The installed Triton schedules every tuned W4 configuration without an asynchronous wgmma
+    whose register weight operand the next iteration rewrites (kernel_guard.async_register_hazards:
+    the cause of wrong 8-row groups under Triton 3.6). Both split-K modes, fp16 and bf16."""
+    from hierviz.quant.kernel_guard import async_register_hazards
+    tma = cfg.tma and arch >= 90
+    for bf16 in (False, True):
+        for ordered in (False, True):
+            asm = _w4_asm(arch, tma, False, cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                          BN=cfg.block_n, BM=cfg.block_m, IS_BF16=bf16, ORDERED=ordered, ATOMIC=False)
+            assert async_register_hazards(asm["ttgir"]) == [], (bf16, ordered)
+
+
+def test_hazard_check_flags_the_triton36_chained_dot_loop() -> None:
+    """The check against the recorded TTGIR loops of Triton 3.6 on the H200 (tests/data): the
+    chained `acc = tl.dot(w, x, acc)` loop (wrong rows on the GPU) is flagged, the factored loop
+    (every dot result consumed in the iteration) is not."""
+    from pathlib import Path
+    from hierviz.quant.kernel_guard import async_register_hazards
+    data = Path(__file__).parent / "data"
+    flagged = async_register_hazards((data / "ttgir_w4_loop_triton36_chained.txt").read_text())
+    assert len(flagged) == 1 and "%acc_144" in flagged[0]
+    assert async_register_hazards((data / "ttgir_w4_loop_triton36_factored.txt").read_text()) == []
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_fused_attention_leaves_no_register_wgmma_in_flight(arch: int) -> None:
+    from hierviz.quant.kernel_guard import async_register_hazards
+    fn, args, consts = next(k for k in _fused_kernels() if k[0].__name__ == "_attention_kernel")
+    assert async_register_hazards(_compiled(fn, args, consts, arch)["ttgir"]) == []

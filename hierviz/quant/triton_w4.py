@@ -35,12 +35,14 @@ import contextlib
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, register_kernel, unpack_codes
+from hierviz.quant import kernel_guard
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize, register_kernel, unpack_codes
 
 try:  # import must work on machines without a GPU (and without triton at all)
     import triton
@@ -455,8 +457,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _w4_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, part_ptr, cnt_ptr,
-                   M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks,
-                   SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   M, N, K, stride_xm, stride_ym, blocks_per_split, n_blocks, blocks_per_group,
+                   SUB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, IS_BF16: tl.constexpr,
                    TMA: tl.constexpr = False, TMA_SOX: tl.constexpr = False,
                    FACTORED: tl.constexpr = False, TILED: tl.constexpr = False, ACCUM: tl.constexpr = False,
@@ -493,7 +495,7 @@ if HAVE_TRITON:
                 codes = c_ptr.load([pid_n * BN, b * HALF])
             else:
                 codes = tl.load(c_ptrs + b * HALF)
-            g = (b * SUB) // G
+            g = b // blocks_per_group     # 1 (specialized away) for groups up to 256
             if TMA_SOX:
                 s = s_ptr.load([g, pid_n * BN]).reshape(BN)
                 o = o_ptr.load([g, pid_n * BN]).reshape(BN)
@@ -514,9 +516,17 @@ if HAVE_TRITON:
                 part += (tl.dot(qh, xh) - BIAS * sxh[None, :]) * INV_HS
                 acc += s.to(tl.float32)[:, None] * part + o.to(tl.float32)[:, None] * (sxl + sxh)[None, :]
             else:
+                # The block's two products are summed into `part` and only then into acc: the
+                # add is a use of the MMA result inside the iteration, so the last wgmma of an
+                # iteration completes before the next iteration's unpack rewrites the registers it
+                # reads its weight operand from. Chained as acc = dot(w, x, acc), Triton 3.6 left
+                # that wgmma in flight across the loop's back edge (the PTX ISA makes rewriting its
+                # register operand before wgmma.wait_group undefined) and on the H200 rows of
+                # 8-row groups came out wrong run to run (docs/kernels.md, "Correctness").
                 wl, wh = _dequant(codes, s, o, IS_BF16, USE_ASM)
-                acc = tl.dot(wl, xl, acc)
-                acc = tl.dot(wh, xh, acc)
+                part = tl.dot(wl, xl)
+                part = tl.dot(wh, xh, part)
+                acc += part
         _store_product(acc, y_ptr + rm[None, :] * stride_ym + rn[:, None], part_ptr + rm[None, :] * N + rn[:, None],
                        M * N, cnt_ptr, n_mask[:, None] & m_mask[None, :], ATOMIC, ACCUM, ORDERED, CHUNK)
 
@@ -559,7 +569,7 @@ if HAVE_TRITON:
                 _x_pair(p, hi + 6, mask), _x_pair(p, hi + 7, mask))
 
     @triton.jit
-    def _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups, q0, q_end, G: tl.constexpr):
+    def _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups, q0, q_end, quads_per_group):
         """The weight loads of one iteration (quads q0.. of every row): code words [BN, 4 BQ],
         and the rows' scale and offset of that group ([BN] each; past q_end: zeros / a valid
         group). One 2-D load with the words contiguous along the last axis, so that Triton lays
@@ -571,13 +581,13 @@ if HAVE_TRITON:
         words = tl.load(rows + q0 * 4 + words_q[None, :],
                         mask=(q0 * 4 + words_q < q_end * 4)[None, :], other=0,
                         eviction_policy="evict_first")   # read once: keep L2 for x and the scales
-        g = (tl.minimum(q0, q_end - 1) * 32) // G
+        g = tl.minimum(q0, q_end - 1) // quads_per_group
         return (words, tl.load(s_ptr + rn_safe * n_groups + g), tl.load(o_ptr + rn_safe * n_groups + g))
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, c_ptr, s_ptr, o_ptr, y_ptr, part_ptr, cnt_ptr, N, stride_c, stride_xm, stride_ym,
-                        quads_per_split, n_quads, n_groups,
-                        SUB: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
+                        quads_per_split, n_quads, n_groups, quads_per_group,
+                        SUB: tl.constexpr, BN: tl.constexpr, BQ: tl.constexpr,
                         ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, PREFETCH: tl.constexpr = False,
                         ACCUM: tl.constexpr = False, ORDERED: tl.constexpr = False, CHUNK: tl.constexpr = 4):
         # y[m, n] = sum_k W[n, k] x[m, k] on CUDA cores for token m = program_id(2) and BN
@@ -602,7 +612,7 @@ if HAVE_TRITON:
         acc = tl.zeros((BN, BQ), dtype=tl.float32)
         if PREFETCH:
             w_next, s_next, o_next = _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups,
-                                                 q_start, q_end, G)
+                                                 q_start, q_end, quads_per_group)
         for q0 in range(q_start, q_end, BQ):
             rq = q0 + tl.arange(0, BQ)
             q_ok = rq < q_end
@@ -611,10 +621,10 @@ if HAVE_TRITON:
                 # one computes, so a warp's DRAM round trip overlaps its own arithmetic.
                 words, s_raw, o_raw = w_next, s_next, o_next
                 w_next, s_next, o_next = _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups,
-                                                     q0 + BQ, q_end, G)
+                                                     q0 + BQ, q_end, quads_per_group)
             else:
                 words, s_raw, o_raw = _gemv_stage(rows, words_q, s_ptr, o_ptr, rn_safe, n_groups,
-                                                  q0, q_end, G)
+                                                  q0, q_end, quads_per_group)
             ca, cb = tl.split(words.reshape(BN, BQ, 2, 2))
             c0, c2 = tl.split(ca)
             c1, c3 = tl.split(cb)
@@ -754,16 +764,95 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
         raise ValueError(f"add_to must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(add_to.shape)} "
                          f"{add_to.dtype}")
     p = packed(w, x.dtype)
+    x = x.contiguous()
+    if config is not None:            # an explicit configuration runs as given (benchmarks, sweeps)
+        return _launch(x, w, p, config, interp, add_to)[0]
+    cfg = chosen_config(x, w)
+    if interp or x.device.type != "cuda":
+        return _launch(x, w, p, cfg, interp, add_to)[0]
+    safe = _verified(x, w, p, cfg)
+    if safe is None:
+        return _reference_product(x, w, add_to)
+    return _launch(x, w, p, safe, interp, add_to)[0]
+
+
+def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = None) -> Config:
+    """The configuration a product gets on x's device: the tuned one (batch-invariant where the
+    weight asks for it); on a GPU and Triton the correctness sweep has not passed on, the same
+    tiles without the Hopper-only variants (TMA loads, the CUDA-core one-token kernel).
+    hopper_paths=False forces that older-GPU choice anywhere (the sweep's pointer path)."""
+    m, k = x.shape
+    n = w.out_features
+    proven = kernel_guard.platform_proven(x.device) if hopper_paths is None else hopper_paths
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
-    if config is not None:
-        cfg = config
-    elif w.batch_invariant and m <= INVARIANT_MAX_ROWS:
+    if w.batch_invariant and m <= INVARIANT_MAX_ROWS:
         cfg = invariant_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16)
     else:
         cfg = pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16,
-                          gemv=_has_tma(x.device))
-    x = x.contiguous()
+                          gemv=_has_tma(x.device) and proven)
+    if not proven:
+        cfg = dataclasses.replace(cfg, tma=False, tma_sox=False, tiled=False)
+    return cfg
+
+
+# (device, dtype, N, K, group, config) -> the configuration that passed the first-use checks
+# (the chosen one or its pointer-load variant), or None: use the reference product.
+_VERIFIED: dict[tuple, Optional[Config]] = {}
+_HAZARD_FREE: dict[int, list[str]] = {}
+
+
+def _verified(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config) -> Optional[Config]:
+    """cfg if its compiled kernel is free of scheduling hazards and its first product agrees with
+    the dequantized reference, else the first variant that does (None: none does). Checked once
+    per key, eagerly: a product first met inside a CUDA-graph capture runs unchecked (the engine
+    warms every shape up eagerly before it captures)."""
+    key = (x.device, x.dtype, w.out_features, w.in_features, w.group_size, cfg)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return cfg
+    candidates = [cfg]
+    plain = dataclasses.replace(cfg, tma=False, tma_sox=False, tiled=False, gemv=False)
+    if plain != cfg:
+        candidates.append(plain)
+    chosen = None
+    for cand in candidates:
+        y, kernel = _launch(x, w, p, cand, False, None)
+        hazards = _hazards_of(kernel)
+        if not hazards and kernel_guard.product_agrees(y, x, w):
+            chosen = cand
+            break
+        warnings.warn(f"W4 kernel config {cand} for a [{w.out_features} x {w.in_features}] g{w.group_size} "
+                      f"weight failed its first-use check ({'; '.join(hazards) or 'wrong product'}); trying a "
+                      f"safer variant", RuntimeWarning, stacklevel=3)
+    if chosen is None:
+        warnings.warn(f"no W4 Triton kernel passed its check for a [{w.out_features} x {w.in_features}] "
+                      f"g{w.group_size} weight: using the dequantize-and-matmul reference", RuntimeWarning,
+                      stacklevel=3)
+    _VERIFIED[key] = chosen
+    return chosen
+
+
+def _hazards_of(kernel) -> list[str]:
+    """Scheduling hazards in a compiled kernel's TTGIR (cached per compiled kernel)."""
+    ident = id(kernel)
+    if ident not in _HAZARD_FREE:
+        asm = getattr(kernel, "asm", None) or {}
+        _HAZARD_FREE[ident] = kernel_guard.async_register_hazards(asm.get("ttgir", ""))
+    return _HAZARD_FREE[ident]
+
+
+def _reference_product(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor]) -> torch.Tensor:
+    y = x @ dequantize(w, x.dtype).t()
+    return y if add_to is None else add_to.add_(y)
+
+
+def _launch(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config, interp: bool,
+            add_to: Optional[torch.Tensor]) -> tuple[torch.Tensor, object]:
+    """One product with cfg: (y, the compiled kernel Triton launched)."""
+    m, k = x.shape
+    n = w.out_features
     if cfg.gemv and x.dtype == torch.float16:
         return _gemv(x, p, w.group_size, cfg, interp, add_to)
     n_blocks = k // p.sub
@@ -785,13 +874,13 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
         scales = _descriptor(p.scales, [1, cfg.block_n])
         offsets = _descriptor(p.offsets, [1, cfg.block_n])
         xa = _descriptor(x, [cfg.block_m, p.sub // 2])
-    _w4_kernel[grid](xa, codes, scales, offsets, y, parts, counters, m, n, k, x.stride(0), y.stride(-2),
-                     per, n_blocks, SUB=p.sub, G=w.group_size, BN=cfg.block_n, BM=cfg.block_m,
-                     ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
-                     IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
-                     FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, ORDERED=ordered,
-                     CHUNK=REDUCE_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _result(y, x, add_to)
+    kernel = _w4_kernel[grid](xa, codes, scales, offsets, y, parts, counters, m, n, k, x.stride(0), y.stride(-2),
+                              per, n_blocks, w.group_size // p.sub, SUB=p.sub, BN=cfg.block_n, BM=cfg.block_m,
+                              ATOMIC=atomic, USE_ASM=cfg.use_asm and not interp,
+                              IS_BF16=x.dtype == torch.bfloat16, TMA=tma, TMA_SOX=tma_sox,
+                              FACTORED=cfg.factored, TILED=tiled, ACCUM=accum, ORDERED=ordered,
+                              CHUNK=REDUCE_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _result(y, x, add_to), kernel
 
 
 def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -803,7 +892,7 @@ def _row_major_groups(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool,
-          add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+          add_to: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, object]:
     """The CUDA-core path: one token per program (used at M = 1; any M works)."""
     m, k = x.shape
     n = p.codes.shape[0]
@@ -814,13 +903,13 @@ def _gemv(x: torch.Tensor, p: Packed, group_size: int, cfg: Config, interp: bool
     grid = (triton.cdiv(n, cfg.block_n), split, m)
     y, parts, counters, atomic, accum, ordered = _split_k_buffers(m, n, x, split, add_to, grid[0] * grid[2])
     s_rows, o_rows = _row_major_groups(p)
-    _w4_gemv_kernel[grid](
+    kernel = _w4_gemv_kernel[grid](
         x.view(torch.int32), p.codes.view(torch.int32), s_rows, o_rows, y, parts, counters,
-        n, k // 8, k // 2, y.stride(-2), per, n_quads, k // group_size,
-        SUB=p.sub, G=group_size, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
+        n, k // 8, k // 2, y.stride(-2), per, n_quads, k // group_size, group_size // 32,
+        SUB=p.sub, BN=cfg.block_n, BQ=bq, ATOMIC=atomic,
         USE_ASM=cfg.use_asm and not interp, PREFETCH=cfg.num_stages >= 2, ACCUM=accum,
         ORDERED=ordered, CHUNK=REDUCE_CHUNK, num_warps=cfg.num_warps, num_stages=1)
-    return _result(y, x, add_to)
+    return _result(y, x, add_to), kernel
 
 
 triton_w4_matmul.accumulates = True       # takes add_to (w4.w4_linear)

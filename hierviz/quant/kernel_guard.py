@@ -1,0 +1,131 @@
+"""What makes a GPU W4 kernel launch trustworthy on a machine nobody here ran it on.
+
+Three checks, used by hierviz.quant.triton_w4 for every launch it chooses itself:
+
+* `platform_proven`: the (GPU architecture, Triton version) pairs the full correctness sweep
+  (`python -m hierviz w4-sweep`, docs/kernels.md) passed on. Elsewhere the Hopper-only
+  variants (TMA descriptor loads, the CUDA-core one-token kernel) are not used: the pointer-load
+  MMA kernel is, which the sweep proved with TMA forced off (the path an A100 takes).
+* `async_register_hazards`: a structural check of the compiled TTGIR. A wgmma whose weight
+  operand comes from registers computed inside the loop must complete before the loop's next
+  iteration; the PTX ISA leaves rewriting those registers before `wgmma.wait_group` undefined,
+  and Triton 3.6 produced exactly that for a chained `acc = tl.dot(w, x, acc)` (wrong 8-row groups
+  on the H200, run to run). A compiler that schedules our kernels that way again is caught here.
+* `product_agrees`: the first product of each (shape, dtype, configuration) is compared with a
+  dequantized fp32 reference on a slice of output features before its result is used.
+
+A launch that fails a check falls back to a variant that passes, and at worst to the
+dequantize-and-matmul reference (slow, always right), with a warning.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from hierviz.quant.w4 import W4Weight, dequantize
+
+# (compute capability major, Triton "major.minor") on which `hierviz w4-sweep` found 0 wrong rows
+# on every path, TMA included. Add a pair only with the sweep's result recorded in docs/kernels.md.
+PROVEN_PLATFORMS: frozenset[tuple[int, str]] = frozenset({(9, "3.6")})
+
+# Per-row relative error (over the checked output features) above which a product is wrong. The
+# kernels' rounding against the fp32 reference is ~3e-4 (fp16) and ~2.3e-3 (bf16) on synthetic
+# GPTQ-like weights; the faults met so far were 1e-2 and up.
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+CHECK_HEAD_ROWS = 1024   # output features checked from the start of the weight ...
+CHECK_TAIL_ROWS = 256    # ... and from its end (the ragged last tile)
+
+
+def triton_version() -> Optional[str]:
+    try:
+        import triton
+    except Exception:  # pragma: no cover - depends on the install
+        return None
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def platform_proven(device: torch.device) -> bool:
+    """Whether this GPU and Triton are a pair the full correctness sweep passed on."""
+    if device.type != "cuda":
+        return True          # the interpreter: the CPU tests check it
+    major = torch.cuda.get_device_capability(device)[0]
+    return (major, triton_version()) in PROVEN_PLATFORMS
+
+
+_DOT = re.compile(r"^\s*(%[\w#:]+)\s*=\s*ttng\.warp_group_dot\s+(%[\w]+)(?:#\d+)?\s*,.*?\}\s*:\s*(\S+)")
+_WAIT = re.compile(r"ttng\.warp_group_dot_wait\b.*pendings\s*=\s*(\d+)")
+_DEF = re.compile(r"^\s*(%[\w]+)(?::\d+)?\s*=")
+
+
+def async_register_hazards(ttgir: str) -> list[str]:
+    """Loops of a TTGIR module that carry an asynchronous wgmma across their back edge while its
+    A operand lives in registers defined inside the loop (see the module docstring). Returns one
+    line per such loop (empty: none)."""
+    lines = ttgir.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if "scf.for" not in line or not line.rstrip().endswith("{"):
+            continue
+        depth, body = 0, []
+        for j in range(i, len(lines)):
+            depth += lines[j].count("{") - lines[j].count("}")
+            body.append(lines[j])
+            if depth <= 0 and j > i:
+                break
+        defined = {m.group(1) for b in body[1:] if (m := _DEF.match(b))}
+        in_flight: list[str] = []
+        for b in body[1:]:
+            if "scf.for" in b and b is not body[0]:
+                continue
+            m = _DOT.match(b)
+            if m and "isAsync = true" in b:
+                result, a_operand, a_type = m.groups()
+                if a_type.startswith("tensor<") and a_operand in defined:
+                    in_flight.append(result)
+                else:
+                    in_flight.append("")          # shared-memory or loop-invariant operand
+                continue
+            w = _WAIT.search(b)
+            if w:
+                keep = int(w.group(1))
+                in_flight = in_flight[len(in_flight) - keep:] if keep else []
+            if "scf.yield" in b:
+                hazards = [r for r in in_flight if r]
+                if hazards:
+                    found.append(f"loop at TTGIR line {i + 1}: wgmma {', '.join(hazards)} with a register "
+                                 f"operand still in flight at the back edge")
+                break
+    return found
+
+
+def check_rows(n: int) -> torch.Tensor:
+    """The output features a product is checked on: the first and the last few."""
+    head = torch.arange(min(n, CHECK_HEAD_ROWS))
+    tail = torch.arange(max(n - CHECK_TAIL_ROWS, len(head)), n)
+    return torch.cat([head, tail])
+
+
+def reference_rows(x: torch.Tensor, w: W4Weight, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 x @ W[rows].T (W in the kernel's input order: x is already permuted)."""
+    idx = rows.to(w.codes.device)
+    part = W4Weight(w.codes.index_select(0, idx), w.scales.index_select(0, idx),
+                    w.offsets.index_select(0, idx), w.group_size)
+    return x.float() @ dequantize(part, torch.float32).t()
+
+
+def row_errors(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Relative error of each row of y against ref (inf where y is not finite)."""
+    d = (y.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
+    bad = ~torch.isfinite(y.float()).all(dim=-1)
+    return torch.where(bad, torch.full_like(d, float("inf")), d)
+
+
+def product_agrees(y: torch.Tensor, x: torch.Tensor, w: W4Weight) -> bool:
+    """Whether the product y = x @ W.T agrees with the fp32 reference on the checked features."""
+    rows = check_rows(w.out_features)
+    ref = reference_rows(x, w, rows)
+    got = y.index_select(-1, rows.to(y.device))
+    return bool((row_errors(got, ref) <= TOLERANCE.get(x.dtype, 1e-2)).all())

@@ -1,0 +1,128 @@
+"""The W4 product's safety net on GPUs nobody here ran (hierviz.quant.kernel_guard) and the
+correctness sweep command, on the CPU under TRITON_INTERPRET=1 (in a subprocess: the interpreter
+must be on before triton is imported). The sweep's full run is a GPU command (docs/kernels.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = textwrap.dedent("""
+    import dataclasses, json, os, sys, warnings
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from pathlib import Path
+    from hierviz.quant import triton_w4, w4_sweep
+    from hierviz.quant.triton_w4 import Config, packed
+    from hierviz.quant.w4 import quantize_rtn
+    out = {}
+    torch.manual_seed(0)
+    w = quantize_rtn(torch.randn(192, 256), 64)
+    x = torch.randn(5, 256, dtype=torch.float16)
+    p = packed(w, x.dtype)
+    ref = x.float() @ triton_w4.dequantize(w, torch.float32).t()
+    cfg = Config(64, 16, 2, 4, 2, tma=True)
+    real_launch = triton_w4._launch
+    class Kernel:
+        def __init__(self, ttgir): self.asm = {"ttgir": ttgir}
+    clean, chained = Kernel(""), Kernel(Path(sys.argv[1]).read_text())
+
+    def launch(bad_tma=False, bad_all=False, hazard=False):
+        def fake(x, w, p, c, interp, add_to):
+            y, _ = real_launch(x, w, p, c, True, add_to)
+            if bad_all or (bad_tma and c.tma):
+                y = y.clone(); y[:, :8] *= 1.5          # one 8-feature group wrong, as the GPU fault
+            return y, (chained if hazard and c.tma else clean)
+        return fake
+    for name, kw in (("good", {}), ("bad_tma", {"bad_tma": True}), ("bad_all", {"bad_all": True}),
+                     ("hazard", {"hazard": True})):
+        triton_w4._VERIFIED.clear()
+        triton_w4._HAZARD_FREE.clear()
+        triton_w4._launch = launch(**kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = triton_w4._verified(x, w, p, cfg)
+        out[name] = {"config": None if got is None else dataclasses.asdict(got), "warnings": len(caught)}
+    triton_w4._launch = real_launch
+    y = triton_w4._reference_product(x, w, None)
+    out["reference_err"] = float((y.float() - ref).norm() / ref.norm())
+    # the sweep: a clean run, then the same run with every product's first 8 features scaled
+    rc_clean = w4_sweep.main(["--shapes", "256x192", "--groups", "64,channel", "--rows", "1,17,33,70",
+                              "--modes", "normal", "--out", sys.argv[2]])
+    clean_json = json.loads((Path(sys.argv[2]) / "w4_sweep.json").read_text())
+    real_product = w4_sweep._product
+    def broken(x, w, path):
+        y = real_product(x, w, path)
+        if x.shape[0] >= 33:
+            y = y.clone(); y[:, :8] *= 1.05
+        return y
+    w4_sweep._product = broken
+    rc_broken = w4_sweep.main(["--shapes", "256x192", "--groups", "64", "--rows", "1,17,33,70", "--modes", "normal",
+                               "--act-order", "off", "--paths", "tma"])
+    out["sweep"] = {"rc_clean": rc_clean, "rc_broken": rc_broken, "summary": clean_json["summary"],
+                    "wrong": [r["wrong_rows_at"] for r in clean_json["results"]],
+                    "paths": sorted({r["path"] for r in clean_json["results"]}),
+                    "groups": sorted({r["group"] for r in clean_json["results"]}),
+                    "acts": sorted({r["act_order"] for r in clean_json["results"]})}
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sweep")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT / "tests/data/ttgir_w4_loop_triton36_chained.txt"),
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_first_use_check_keeps_a_config_that_agrees(guarded) -> None:
+    assert guarded["good"] == {"config": guarded["good"]["config"], "warnings": 0}
+    assert guarded["good"]["config"]["tma"] is True
+
+
+@pytest.mark.parametrize("case", ["bad_tma", "hazard"])
+def test_first_use_check_falls_back_to_the_pointer_path(guarded, case) -> None:
+    """A wrong product, or a compiled kernel whose TTGIR keeps a register-operand wgmma in flight
+    across its loop (the recorded Triton 3.6 loop), sends the product to the pointer-load variant."""
+    got = guarded[case]
+    assert got["config"] is not None and got["config"]["tma"] is False and got["warnings"] == 1
+
+
+def test_first_use_check_ends_at_the_reference(guarded) -> None:
+    assert guarded["bad_all"] == {"config": None, "warnings": 3}
+    assert guarded["reference_err"] < 1e-3
+
+
+def test_sweep_passes_the_kernel_and_catches_a_wrong_feature_group(guarded) -> None:
+    s = guarded["sweep"]
+    assert s["rc_clean"] == 0 and s["rc_broken"] == 1
+    # 2 groups x 2 act-orders x 2 paths, 4 row counts each, none wrong
+    assert s["summary"]["cases"] == 8 and s["summary"]["products"] == 32
+    assert s["wrong"] == [[]] * 8
+    assert s["paths"] == ["pointer", "tma"] and s["groups"] == [64, 256] and s["acts"] == [False, True]
+
+
+def test_platform_table_and_tolerances() -> None:
+    from hierviz.quant import kernel_guard
+    assert kernel_guard.platform_proven(torch.device("cpu"))
+    assert (9, "3.6") in kernel_guard.PROVEN_PLATFORMS
+    rows = kernel_guard.check_rows(3000)
+    assert rows[:3].tolist() == [0, 1, 2] and rows[-1].item() == 2999 and len(rows) == 1024 + 256
+    assert kernel_guard.check_rows(100).tolist() == list(range(100))
+    y = torch.ones(2, 4)
+    y[1, 0] = float("nan")
+    errs = kernel_guard.row_errors(y, torch.ones(2, 4))
+    assert errs[0].item() == 0.0 and errs[1].item() == float("inf")
