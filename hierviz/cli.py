@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Optional
 
-from hierviz.decoding.settings import DecodeSettings, default_settings
+from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_settings
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
@@ -36,6 +36,10 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--t-depth", type=int, default=None, help=f"E_T tree depth (EAGLE-2; {dflt('t_depth')})")
     p.add_argument("--t-topk", type=int, default=None, help=f"E_T tree top-k (EAGLE-2; {dflt('t_topk')})")
     p.add_argument("--t-tree-size", type=int, default=None, help=f"E_T tree size (EAGLE-2; {dflt('t_tree_size')})")
+    p.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS),
+                   help="reference tree settings: eagle2 = SafeAILab EAGLE-2 defaults (E_T depth 6, 59 nodes), "
+                        "paper = SpecMQuant's HierSpec and EAGLE-2 runs (E_T depth 3, 23 nodes); the tree flags "
+                        "above override single values")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens the intermediate drafts per round (spec)")
     p.add_argument("--stack", default=None,
                    help="preset name or stack JSON (default: smollm2-offline, the offline SmolLM2 stack; "
@@ -51,6 +55,8 @@ def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> D
     """Settings from the parsed flags; tree flags left out take the defaults of `device` (the
     device the stack runs on; default: --device, else this machine's)."""
     s = default_settings(device if device is not None else a.device)
+    for k, v in TREE_PRESETS.get(getattr(a, "trees", None) or "", {}).items():
+        setattr(s, k, v)
     for k in ("max_new_tokens", "temperature", "top_p", "seed", "spec_k") + TREE_ARGS:
         v = getattr(a, k)
         if v is not None:

@@ -34,7 +34,7 @@ log = logging.getLogger("hierviz.ui")
 
 ROOT = Path(__file__).resolve().parent.parent
 WHATIF_DIR = ROOT / "assets" / "whatif"
-HEADLINE_RESULT = "h200-llama3-70b-paper-stack-invariant.json"   # opens with the tab (docs/whatif.md, session 17)
+HEADLINE_RESULT = "h200-llama3-70b-paper-trees.json"   # opens with the tab (docs/whatif.md, headline)
 TRACE_DIR = ROOT / "assets" / "traces"
 MAX_RESULT_BYTES = 5 * 2**20
 MAX_TRACE_BYTES = 20 * 2**20

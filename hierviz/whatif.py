@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from hierviz.decoding.decoders import DECODERS, Models, cache_margin
-from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.models import cuda_graphs
@@ -340,10 +340,13 @@ def parser() -> argparse.ArgumentParser:
                                ("t-tree-size", None, "E_T tree size"), ("spec-k", None, "spec draft length")):
         ap.add_argument(f"--{name}", type=int, default=default,
                         help=f"{hlp} (default: the trace's settings when replaying, else {getattr(d, name.replace('-', '_'))})")
+    ap.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS),
+                    help="reference tree settings (eagle2: SafeAILab EAGLE-2 defaults; paper: SpecMQuant's runs); "
+                         "single tree flags override them")
     ap.add_argument("--sweep", action="store_true",
                     help="sensitivity study: speedup vs acceptance scale, E_T tree size and min draft length")
     ap.add_argument("--sweep-scales", default="0.6,0.8,0.9,1.0,1.1")
-    ap.add_argument("--sweep-tree-sizes", default="24,60")
+    ap.add_argument("--sweep-tree-sizes", default="23,59")
     ap.add_argument("--sweep-min-draft", default="4,6,8")
     ap.add_argument("--out", required=True)
     return ap
@@ -351,6 +354,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _settings(a: argparse.Namespace, base: dict[str, Any], max_new: int) -> DecodeSettings:
     s = DecodeSettings(**{k: v for k, v in base.items() if k in DecodeSettings.__dataclass_fields__})
+    for k, v in TREE_PRESETS.get(getattr(a, "trees", None) or "", {}).items():
+        setattr(s, k, v)
     for f in ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size", "spec_k"):
         if getattr(a, f) is not None:
             setattr(s, f, getattr(a, f))

@@ -162,7 +162,7 @@ def test_tree_defaults_follow_the_device() -> None:
     from hierviz.cli import add_settings_args, settings_from_args
     from hierviz.decoding.settings import CPU_TREES, DecodeSettings, default_settings
     gpu, cpu = default_settings("cuda"), default_settings("cpu")
-    assert gpu == DecodeSettings() and gpu.t_tree_size == 60
+    assert gpu == DecodeSettings() and (gpu.t_depth, gpu.t_tree_size) == (6, 59)
     assert all(getattr(cpu, k) == v for k, v in CPU_TREES.items()) and cpu.validate()
     import torch
     assert default_settings() == (gpu if torch.cuda.is_available() else cpu)   # None: this machine

@@ -15,15 +15,19 @@ class DecodeSettings:
     temperature: float = 0.0       # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    # E_M tree inside HierSpec (paper defaults: depth 3, top-k 10, size 30)
+    # Tree sizes count drafted nodes, not the root; depth counts drafted levels (TREE_PRESETS
+    # gives the mapping to SafeAILab's and SpecMQuant's numbers).
+    # E_M tree inside HierSpec: the paper's (SpecMQuant's --eagle-num-iter 3 --eagle-topk-per-iter 10
+    # --eagle-tree-size 30, root counted)
     m_depth: int = 3
     m_topk: int = 10
-    m_tree_size: int = 30
+    m_tree_size: int = 29
     min_draft_len: int = 6         # HierSpec: the sequence draft for T has at least this many tokens
-    # E_T tree for the EAGLE-2 baseline
-    t_depth: int = 5
+    # E_T tree for the EAGLE-2 baseline: EAGLE-2's published defaults (depth 5, total_token 60,
+    # top_k 10 in SafeAILab's counting)
+    t_depth: int = 6
     t_topk: int = 10
-    t_tree_size: int = 60
+    t_tree_size: int = 59
     spec_k: int = 5                # sequence speculative decoding: tokens M drafts per round
 
     def validate(self) -> "DecodeSettings":
@@ -57,11 +61,24 @@ class DecodeSettings:
 # Tree settings for a compute-bound CPU, where every verified token costs: the tree-size sweep on
 # the 2-core machine (docs/benchmarks.md, offline SmolLM2 stack) took EAGLE-2 from 5.04 to 6.69
 # tokens/s (60 -> 24 nodes) and HierSpec from 2.88 to 6.85 (E_M trees of 10 nodes at depth 2,
-# 2-token sequence drafts). GPUs keep the paper's defaults above. Session 17: the CPU target runs the
+# 2-token sequence drafts). GPUs keep the defaults above. The CPU target runs the
 # int4 kernel in its batch-invariant mode, where a verified token costs more (a 24-node tree 2x
 # the fp32 kernel's); EAGLE-2 re-swept (scripts/draft_sweep.py --eagle-trees 6,12): 6 nodes 18.96 tok/s,
 # 12 13.90, 24 10.19, so its CPU trees are 6 nodes now.
-CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_tree_size": 6}
+CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_depth": 5, "t_tree_size": 6}
+
+# Reference tree settings in hierviz's counting. SafeAILab's EAGLE counts the root in
+# `total_token` (S = total_token - 1) and drafts `depth + 1` levels (D = depth + 1); SpecMQuant's
+# scripts count the root in their tree sizes and draft `num_iter` levels.
+#   eagle2:        SafeAILab EAGLE-2 defaults, depth 5 / total_token 60 / top_k 10 -> D 6, S 59, K 10
+#   paper:         SpecMQuant's HierSpec run (E_M: num_iter 3, topk 10, tree size 30 -> D 3, S 29;
+#                  min draft length 6) and its EAGLE-2 baseline on the 70B (3 / 10 / 24 -> D 3, S 23)
+TREE_PRESETS: dict[str, dict[str, int]] = {
+    "eagle2": {"t_depth": 6, "t_topk": 10, "t_tree_size": 59, "m_depth": 3, "m_topk": 10, "m_tree_size": 29,
+               "min_draft_len": 6},
+    "paper": {"t_depth": 3, "t_topk": 10, "t_tree_size": 23, "m_depth": 3, "m_topk": 10, "m_tree_size": 29,
+              "min_draft_len": 6},
+}
 
 
 def default_settings(device: Optional[str] = None) -> DecodeSettings:
