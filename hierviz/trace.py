@@ -241,7 +241,7 @@ def trace_from_dict(d: Any) -> Trace:
 
 def _parse(text: str | bytes) -> Any:
     if len(text) > MAX_TRACE_BYTES:
-        raise TraceError(f"trace is {len(text) / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
+        raise TraceError(f"trace is {len(text) / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
     try:
         return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -256,11 +256,12 @@ def load_trace(path: str | Path) -> Trace:
     p = Path(path)
     try:
         size = p.stat().st_size
+        if size > MAX_TRACE_BYTES:
+            raise TraceError(f"trace is {size / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
+        data = p.read_bytes()   # a folder, or a file without read permission, fails here, not at stat
     except OSError as e:
         raise TraceError(f"cannot read trace file: {e.strerror}") from None
-    if size > MAX_TRACE_BYTES:
-        raise TraceError(f"trace is {size / 1e6:.1f} MB; the limit is {MAX_TRACE_BYTES / 1e6:.0f} MB")
-    return trace_from_json(p.read_bytes())
+    return trace_from_json(data)
 
 
 # A run that compares two methods on one prompt (HierSpec vs EAGLE-2, optionally AR) is a

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -10,7 +11,7 @@ import pytest
 
 from hierviz.bench import BenchError, main, read_questions
 
-QUESTIONS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench_question.jsonl")
+QUESTIONS = os.path.join(os.path.dirname(__file__), "..", "assets", "data", "spec_bench_question.jsonl")
 
 
 @pytest.fixture()
@@ -23,7 +24,17 @@ def questions(tmp_path):
     return p
 
 
-def test_bench_summary_is_well_formed(questions, tmp_path):
+def test_bench_summary_is_well_formed(questions, tmp_path, monkeypatch):
+    import hierviz.engine as engine
+    timed: dict[str, list[Any]] = {}
+    real = engine.generate
+
+    def keep(stack: Any, m: str, prompt: str, s: Any) -> Any:
+        tr = real(stack, m, prompt, s)
+        if prompt != engine.WARMUP_PROMPT:
+            timed.setdefault(m, []).append(tr)
+        return tr
+    monkeypatch.setattr(engine, "generate", keep)
     out = tmp_path / "out"
     rc = main(["--questions", str(questions), "--stack", "tiny-random", "--max-new-tokens", "8",
                "--methods", "ar,eagle2,hierspec", "--out", str(out), "--m-topk", "4", "--t-topk", "4",
@@ -39,7 +50,19 @@ def test_bench_summary_is_well_formed(questions, tmp_path):
         assert set(m["per_category"]) == {"writing", "qa"}
     assert s["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert s["machine"]["cpu_matmul"]["forms"]          # which product forms the CPU run chose
-    assert s["methods"]["hierspec"]["tau_intermediate"] >= 1.0
+    # tau recomputed from what each run did: T runs once per step (the Spec-Bench answers count the
+    # steps), and every tree M verified put its accepted path plus M's bonus into the sequence
+    for name, m in s["methods"].items():
+        answers = [json.loads(line)["choices"][0] for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert m["tau_target"] == pytest.approx(sum(a["new_tokens"][0] for a in answers) /
+                                                sum(a["decoding_steps"][0] for a in answers), rel=1e-12)
+    assert s["methods"]["ar"]["tau_target"] == 1.0
+    runs = timed["hierspec"]
+    assert len(runs) == 3
+    trees = sum(len(st.trees) for t in runs for st in t.steps)
+    assert trees > 0 and s["methods"]["hierspec"]["tau_intermediate"] == pytest.approx(
+        sum(len(st.sequence) for t in runs for st in t.steps) / trees, rel=1e-12)
+    assert s["methods"]["ar"]["tau_intermediate"] is None and s["methods"]["eagle2"]["tau_intermediate"] is None
     lines = (out / "hierspec.jsonl").read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0])["choices"][0]["new_tokens"][0] <= 8
     assert (out / "summary.md").read_text().startswith("| method") and "| yes |" in (out / "summary.md").read_text()
@@ -62,8 +85,6 @@ def test_warmup_all_runs_every_question_untimed_first(questions, tmp_path, monke
 
 
 def test_limit_is_per_category():
-    if not os.path.exists(QUESTIONS):
-        pytest.skip("shared Spec-Bench questions not present")
     qs = read_questions(QUESTIONS, limit=2)
     cats = {q["category"] for q in qs}
     assert len(cats) == 13 and len(qs) == 26

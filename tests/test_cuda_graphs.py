@@ -65,12 +65,28 @@ def test_static_forward_matches_dynamic(stack) -> None:
         torch.testing.assert_close(sta.cache.k[:, :, :n], dyn.cache.k[:, :, :n])
 
 
-def test_runner_falls_back_for_long_forwards(stack, static) -> None:
-    st = BaseState(stack.models.target, 400)
-    st.tokens = list(range(3, 3 + 150))          # > largest bucket: dynamic path on the runner's cache
+def test_runner_falls_back_for_long_forwards(stack) -> None:
+    """A forward longer than the largest bucket runs the dynamic path on the runner's cache: the
+    eager path's hidden states and cache, and the runner decodes on from there."""
+    t = stack.models.target
+    sta, dyn = _states(t, True), _states(t, False)
+    assert sta.runner is not None and dyn.runner is None
+    assert cuda_graphs.bucket_for(150) is None
+    outs = []
+    for st in (dyn, sta):
+        st.tokens = list(range(3, 3 + 150))
+        with torch.no_grad():
+            long = st.run_pending()
+            st.tokens += [7, 9]                  # two more tokens: a bucketed forward after the fallback
+            short = st.run_pending()
+        outs.append((long, short))
+    (dl, ds), (sl, ss) = outs
+    assert sl.shape == dl.shape == (150, t.cfg.hidden_size) and sta.cache.length == dyn.cache.length == 152
+    torch.testing.assert_close(sl, dl, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ss, ds, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        h = st.run_pending()
-    assert h.shape[0] == 150 and st.cache.length == 150
+        torch.testing.assert_close(sta.cache.k[:, :, :152], dyn.cache.k[:, :, :152])
+        torch.testing.assert_close(sta.cache.v[:, :, :152], dyn.cache.v[:, :, :152])
 
 
 @pytest.mark.parametrize("method", ["ar", "spec", "eagle2", "hierspec"])
@@ -119,8 +135,12 @@ def test_prepare_all_runs_every_bucket(stack, static) -> None:
     st.tokens = list(range(3, 13))       # the runner still decodes after the scratch-slot forwards
     with torch.no_grad():
         h = st.run_pending()
-    assert h.shape[0] == 10 and st.cache.length == 10
+    assert st.cache.length == 10
     cuda_graphs.drop_runners(t)
+    dyn = _states(t, False)
+    dyn.tokens = list(range(3, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(h, dyn.run_pending(), rtol=1e-5, atol=1e-5)
 
 
 def test_warm_up_prepares_every_bucket_of_every_model(static) -> None:

@@ -7,7 +7,7 @@ transformers, never from hierviz code.
 from __future__ import annotations
 
 import os
-import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -18,8 +18,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from hierviz.quant.errors import CheckpointError
-from hierviz.quant.gguf import (convert_gguf_cached, load_w4_safetensors, read_gguf, save_w4_safetensors,
-                                smollm2_gguf_path)
+from hierviz.quant.gguf import (convert_gguf_cached, file_sha256, load_w4_safetensors, read_gguf,
+                                save_w4_safetensors, smollm2_gguf_path)
 from hierviz.quant.w4 import W4Weight, dequantize, dequantize_unpermuted, quantize_rtn
 
 Q = gguf.GGMLQuantizationType
@@ -223,25 +223,33 @@ def test_cache_is_reused_and_rebuilt(tmp_path):
 def smol():
     """Convert SmolLM2's GGUF once (weights + tokenizer) into a temporary cache."""
     import tempfile
+    import hierviz.quant.gguf as gguf_mod
     path = smollm2_gguf_path()
     cache = tempfile.mkdtemp(prefix="hierviz-gguf-test-")
     folder = convert_gguf_cached(path, cache)
-    t0 = time.perf_counter()
-    assert convert_gguf_cached(path, cache) == folder
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    conversions = []
+    with pytest.MonkeyPatch.context() as mp:        # a second call must not convert again
+        mp.setattr(gguf_mod, "read_gguf", lambda *a, **k: conversions.append(a) or read_gguf(*a, **k))
+        again = convert_gguf_cached(path, cache)
+    reuse = {"same_folder": again == folder, "conversions": len(conversions),
+             "rewritten": (folder / "model.safetensors").stat().st_mtime_ns != stamp,
+             "folders": sorted(p.name for p in Path(cache).iterdir())}
     cfg, weights = load_w4_safetensors(folder)
-    load_s = time.perf_counter() - t0
-    return path, folder, cfg, weights, load_s
+    return path, folder, cfg, weights, reuse
 
 
-def test_smollm2_config_and_fast_reload(smol):
-    _, folder, cfg, weights, load_s = smol
+def test_smollm2_config_and_cached_reload(smol):
+    path, folder, cfg, weights, reuse = smol
     assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
     assert cfg["num_attention_heads"] == 9 and cfg["num_key_value_heads"] == 3
     assert cfg["vocab_size"] == 49152 and cfg["intermediate_size"] == 1536
     assert cfg["tie_word_embeddings"] is True and cfg["model_type"] == "llama"
     assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 100000.0
     assert cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
-    assert load_s < 5.0, f"cached reload took {load_s:.1f}s"
+    # the second call returned the cached folder: no GGUF read, nothing rewritten, no second copy
+    assert reuse == {"same_folder": True, "conversions": 0, "rewritten": False, "folders": [folder.name]}
+    assert folder.name == file_sha256(path)[:16]
     w4 = [k for k, v in weights.items() if isinstance(v, W4Weight)]
     assert len(w4) == 30 * 7 and all(weights[k].group_size == 32 for k in w4)
     assert weights["model.embed_tokens.weight"].dtype == torch.float32

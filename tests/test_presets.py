@@ -45,10 +45,13 @@ def test_preset_files_name_exactly_these_hub_ids(name: str) -> None:
     assert name in preset_names()
 
 
-def test_presets_are_not_the_default() -> None:
+def test_presets_are_not_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DEFAULT_STACK == "smollm2-offline"
     from hierviz.ui import default_stack
-    assert default_stack() == "smollm2-offline" or "HIERVIZ_STACK" in __import__("os").environ
+    monkeypatch.delenv("HIERVIZ_STACK", raising=False)
+    assert default_stack() == "smollm2-offline"
+    monkeypatch.setenv("HIERVIZ_STACK", "tiny-random")        # the app's override still wins
+    assert default_stack() == "tiny-random"
 
 
 def _gptq_standin(folder: Path, seed: int) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import plotly.graph_objects as go
 import pytest
 import torch
 
@@ -73,19 +72,31 @@ HAND = {"schema": "hierviz.profile/1", "shape": "llama3-70b", "device": "NVIDIA 
 
 def test_profile_figure_hand_made() -> None:
     fig = profile_figure(HAND)
-    assert isinstance(fig, go.Figure)
-    names = [t.name for t in fig.data]
-    assert "fp16" in names and "w4a16-triton" in names and "fp16 (estimated)" in names
-    assert sum("bandwidth floor" in n for n in names) == 4
+    # one line per series and one floor per series, in the file's order; a format's legend entry is
+    # shown once (first panel), an estimated curve always (its label says so)
+    assert [(t.name, t.xaxis, t.showlegend) for t in fig.data] == [
+        ("fp16", "x", True), ("fp16 bandwidth floor", "x", True),
+        ("w4a16-triton", "x", True), ("w4a16-triton bandwidth floor", "x", True),
+        ("fp16 (estimated)", "x2", True), ("fp16 bandwidth floor", "x2", False),
+        ("w4a16-triton", "x2", False), ("w4a16-triton bandwidth floor", "x2", False)]
+    assert [a.text for a in fig.layout.annotations] == ["one decoder layer", "whole model (80 layers + LM head)"]
     assert fig.layout.xaxis.type == "log" and fig.layout.xaxis2.type == "log"
-    # the model panel is in ms (values > 5 ms), the layer panel in µs
-    est = next(t for t in fig.data if t.name == "fp16 (estimated)")
-    assert est.y[0] == pytest.approx(80.0) and est.line.dash == "dash"
-    layer = next(t for t in fig.data if t.name == "fp16")
-    assert layer.y[0] == pytest.approx(1000.0)
-    floor = next(t for t in fig.data if t.name == "w4a16-triton bandwidth floor" and t.xaxis == "x")
-    assert list(floor.y) == [110, 110]
+    assert list(fig.layout.xaxis.tickvals) == [1, 8, 64]
+    # the model panel is in ms (values > 5 ms), the layer panel in µs: every point is the profile's
+    assert fig.layout.yaxis.title.text == "forward latency (µs)" and fig.layout.yaxis2.title.text == "forward latency (ms)"
+    lines = [t for t in fig.data if "floor" not in t.name]
+    floors = [t for t in fig.data if "floor" in t.name]
+    for row, line, floor in zip(HAND["series"], lines, floors):
+        div = 1000.0 if row["scope"] == "model" else 1.0
+        assert list(line.x) == HAND["tokens"] and list(line.y) == pytest.approx([u / div for u in row["us"]])
+        assert list(floor.x) == [1, 64] and list(floor.y) == pytest.approx([row["floor_us"] / div] * 2)
+        assert line.line.dash == ("dash" if row["estimated"] else "solid") and floor.line.dash == "dot"
+        assert line.line.color == floor.line.color
+    assert lines[0].line.color != lines[1].line.color
+    assert "llama3-70b · NVIDIA H200 · copy 4300 GB/s" in fig.layout.title.text
 
 
 def test_profile_figure_empty() -> None:
-    assert isinstance(profile_figure({"series": [], "tokens": []}), go.Figure)
+    fig = profile_figure({"series": [], "tokens": []})
+    assert fig.data == () and [a.text for a in fig.layout.annotations] == ["one decoder layer"]
+    assert fig.layout.title.text.endswith("<sup>? · ?</sup>")

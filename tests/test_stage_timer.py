@@ -11,14 +11,33 @@ from hierviz.decoding import decoders
 from hierviz.decoding.decoders import StageTimer
 
 
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
 def test_cpu_wall_time_per_stage() -> None:
+    """Each stage's time lies between the time it slept and the time measured around it (both in
+    ms; the small slack below a sleep is clock granularity): a unit slip or a stage counted twice
+    falls outside."""
+    outer = time.perf_counter()
     t = StageTimer(torch.device("cpu"))
+    a = time.perf_counter()
     with t.stage("draft"):
         time.sleep(0.02)
     with t.stage("draft"):
         time.sleep(0.01)
+    draft_ms = _ms_since(a)
+    time.sleep(0.005)
+    b = time.perf_counter()
+    with t.stage("target_verify"):
+        time.sleep(0.01)
+    verify_ms = _ms_since(b)
     out = t.finish()
-    assert out["draft"] >= 29.0 and out["overhead"] >= 0.0
+    total_ms = _ms_since(outer)
+    assert set(out) == {"draft", "target_verify", "overhead"}
+    assert 29.9 <= out["draft"] <= draft_ms
+    assert 9.9 <= out["target_verify"] <= verify_ms
+    assert 4.9 <= out["overhead"] and 44.9 <= sum(out.values()) <= total_ms
 
 
 class FakeEvent:
@@ -49,14 +68,21 @@ def fake_cuda(monkeypatch):
 
 
 def test_cuda_events_one_sync_per_round(fake_cuda) -> None:
+    outer = time.perf_counter()
     t = StageTimer(torch.device("cuda"))
     assert t.use_events
+    a = time.perf_counter()
     with t.stage("intermediate_verify"):
         time.sleep(0.01)
+    iv_ms = _ms_since(a)
+    b = time.perf_counter()
     with t.stage("target_verify"):
         time.sleep(0.02)
+    tv_ms = _ms_since(b)
     out = t.finish()
-    assert out["intermediate_verify"] >= 9.0 and out["target_verify"] >= 19.0
+    total_ms = _ms_since(outer)
+    assert 9.9 <= out["intermediate_verify"] <= iv_ms and 19.9 <= out["target_verify"] <= tv_ms
+    assert 29.9 <= sum(out.values()) <= total_ms
     assert FakeEvent.syncs == 1 and fake_cuda == []       # no device-wide sync inside the round
 
 
@@ -64,9 +90,11 @@ def test_no_sync_mode_uses_host_time(fake_cuda, monkeypatch) -> None:
     monkeypatch.setattr(StageTimer, "sync", False)
     t = StageTimer(torch.device("cuda"))
     assert not t.use_events
+    a = time.perf_counter()
     with t.stage("draft"):
         time.sleep(0.01)
-    assert t.finish()["draft"] >= 9.0 and FakeEvent.syncs == 0 and fake_cuda == []
+    draft_ms = _ms_since(a)
+    assert 9.9 <= t.finish()["draft"] <= draft_ms and FakeEvent.syncs == 0 and fake_cuda == []
 
 
 def test_sync_fallback(fake_cuda, monkeypatch) -> None:

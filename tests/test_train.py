@@ -12,7 +12,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-QUESTIONS = [p for p in (Path(__file__).resolve().parent.parent.parent / "shared" / "data").glob("*_question.jsonl")]
+# the benchmark questions the training prompts must not overlap (shipped: assets/data/README.md)
+QUESTIONS = [Path(__file__).resolve().parent.parent / "assets" / "data" / f for f in
+             ("spec_bench_question.jsonl", "mt_bench_question.jsonl")]
 
 
 def _tiny_target(folder: Path) -> Path:
@@ -36,7 +38,7 @@ def trained(tmp_path_factory):
     from hierviz.train import data, distill, eagle_train
     d = tmp_path_factory.mktemp("train")
     target = _tiny_target(d / "target")
-    qs = ["--questions", *map(str, QUESTIONS)] if QUESTIONS else []
+    qs = ["--questions", *map(str, QUESTIONS)]
     assert data.main(["--target", str(target), "--tokenizer", "byte", "--out", str(d / "data.pt"), "--num-prompts", "24",
                       "--max-new-tokens", "12", "--batch-size", "12", "--heldout-every", "4", "--device", "cpu",
                       "--draft-vocab", "64", *qs]) == 0
@@ -54,9 +56,8 @@ def test_data_file(trained):
     data = TokenData.load(trained / "data.pt")
     assert len(data) == 24 and data.indices("heldout") and data.indices("train")
     assert data.meta["response_tokens"] > 0
-    if QUESTIONS:
-        assert data.meta["overlap_check"]["exact_matches"] == 0
-        assert data.meta["overlap_check"]["prompts_sharing_an_ngram"] == 0
+    assert data.meta["overlap_check"]["exact_matches"] == 0
+    assert data.meta["overlap_check"]["prompts_sharing_an_ngram"] == 0
     vocab = json.loads((trained / "draft_vocab.json").read_text())
     assert len(vocab) == len(set(vocab)) <= 64 and 2 in vocab
 
@@ -170,7 +171,7 @@ def test_derived_prompts_stage(tmp_path):
     from hierviz.train.common import TokenData
     from hierviz.train.prompts import DERIVED_TEMPLATES, derived_prompts
     target = _tiny_target(tmp_path / "target")
-    qs = ["--questions", *map(str, QUESTIONS)] if QUESTIONS else []
+    qs = ["--questions", *map(str, QUESTIONS)]
     assert data.main(["--target", str(target), "--tokenizer", "byte", "--out", str(tmp_path / "d.pt"),
                       "--num-prompts", "12", "--max-new-tokens", "10", "--batch-size", "12", "--heldout-every", "4",
                       "--device", "cpu", "--derived", "6", "--derived-min-tokens", "4", *qs]) == 0
@@ -280,7 +281,7 @@ def test_instruct_stage(tmp_path, monkeypatch):
     # a random byte model writes no words: accept any non-empty text so the answering path runs
     monkeypatch.setattr(data, "parse_instruction", lambda t: t.strip() or None)
     target = _tiny_target(tmp_path / "target")
-    qs = ["--questions", *map(str, QUESTIONS)] if QUESTIONS else []
+    qs = ["--questions", *map(str, QUESTIONS)]
     assert data.main(["--target", str(target), "--tokenizer", "byte", "--out", str(tmp_path / "d.pt"),
                       "--num-prompts", "6", "--max-new-tokens", "8", "--batch-size", "8", "--device", "cpu",
                       "--instruct", "10", "--instruct-max-tokens", "12", *qs]) == 0

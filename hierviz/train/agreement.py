@@ -1,7 +1,7 @@
 """How well the intermediate M predicts the target T on benchmark prompts: the quantity that bounds
 HierSpec's target tau, measured directly.
 
-    python -m hierviz.train.agreement --questions ../shared/data/spec_bench_question.jsonl --limit 1 \
+    python -m hierviz.train.agreement --questions assets/data/spec_bench_question.jsonl --limit 1 \
         [--stack smollm2-offline] [--max-new-tokens 64] [--draft-len 6] [--device cpu] --out agreement.json
 
 For every question T writes its greedy answer (the engine's AR decoder); then T and M each read

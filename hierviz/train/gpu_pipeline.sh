@@ -14,7 +14,7 @@
 set -uo pipefail
 T=$1; TOK=$2; W=$3; OUT=$4
 mkdir -p "$W" "$OUT"
-Q="${QUESTIONS-../shared/data/spec_bench_question.jsonl ../shared/data/mt_bench_question.jsonl}"   # QUESTIONS="" skips the overlap check
+Q="${QUESTIONS-assets/data/spec_bench_question.jsonl assets/data/mt_bench_question.jsonl}"   # QUESTIONS="" skips the overlap check
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 {

@@ -1,0 +1,465 @@
+"""Trace loading rejects every malformed document with a TraceError that names the problem, and a
+saved trace loads back identical, field by field.
+
+Every `raise TraceError` in hierviz/trace.py, by the name the cases below use (23 in all;
+`test_every_rejection_path_has_a_case` fails when a raise is added, removed or left untested):
+
+| # | path               | where                 | what is rejected                                        |
+|---|--------------------|-----------------------|---------------------------------------------------------|
+| 1 | not_an_object      | _req                  | a step, tree, node or sequence entry that is no object  |
+| 2 | missing_field      | _req                  | a required field absent (trace, step, tree, node, seq)  |
+| 3 | wrong_type         | _req                  | a field of the wrong JSON type (bool is not an int)     |
+| 4 | unknown_parent     | _tree                 | a node whose parent is neither 0 nor a node of the tree |
+| 5 | accepted_not_nodes | _tree                 | tree.accepted naming ids that are not the tree's nodes  |
+| 6 | verifier           | _tree                 | tree.verifier other than "intermediate" / "target"      |
+| 7 | step_method        | _step                 | step.method not one of METHODS                          |
+| 8 | timings_entry      | _step                 | timings_ms key not a stage, value negative or no number |
+| 9 | new_lengths        | _step                 | new_tokens / new_text / new_sources lengths differ      |
+|10 | new_types          | _step                 | new_tokens not all integers or new_text not all strings |
+|11 | new_sources        | _step                 | a new_sources entry not one of SOURCES                  |
+|12 | sequence_source    | _step                 | a sequence entry's source not one of SOURCES            |
+|13 | sequence_tree      | _step                 | sequence[i].tree not an index into the step's trees     |
+|14 | forwards           | _step                 | forward counts negative or not integers                 |
+|15 | not_a_json_object  | trace_from_dict       | a document that is not a JSON object                    |
+|16 | version            | trace_from_dict       | a schema version other than SCHEMA_VERSION (or none)    |
+|17 | meta_method        | trace_from_dict       | meta.method absent or not one of METHODS                |
+|18 | text_too_large     | _parse                | JSON text over MAX_TRACE_BYTES                          |
+|19 | invalid_json       | _parse                | text that is not JSON (or not UTF-8)                    |
+|20 | file_unreadable    | load_trace            | a path that does not exist or cannot be read (a folder) |
+|21 | file_too_large     | load_trace            | a file over MAX_TRACE_BYTES, refused before reading it  |
+|22 | comparison_version | comparison_from_json  | a {"runs": [...]} file of another schema version        |
+|23 | comparison_runs    | comparison_from_json  | "runs" that is not a non-empty list                     |
+
+The valid documents mutated here are real engine traces (tiny random stack, every method) and the
+hand-made sample traces (whose trees have accepted paths, which random models rarely give).
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hierviz import trace as trace_mod
+from hierviz.decoding.settings import DecodeSettings
+from hierviz.engine import generate
+from hierviz.stack import tiny_random_stack
+from hierviz.trace import (MAX_TRACE_BYTES, METHODS, SOURCES, DraftTree, SeqToken, Step, Trace, TraceError, TreeNode,
+                           comparison_from_json, load_trace, save_comparison, trace_from_json)
+from hierviz.viz import sample
+
+# path name -> (function holding the raise, a literal fragment of its message)
+PATHS: dict[str, tuple[str, str]] = {
+    "not_an_object": ("_req", ": expected an object"),
+    "missing_field": ("_req", ": missing field '"),
+    "wrong_type": ("_req", ", got "),
+    "unknown_parent": ("_tree", " has unknown parent "),
+    "accepted_not_nodes": ("_tree", ".accepted: must list node ids of the tree"),
+    "verifier": ("_tree", ".verifier: must be 'intermediate' or 'target'"),
+    "step_method": ("_step", ".method: unknown method "),
+    "timings_entry": ("_step", ".timings_ms: bad entry "),
+    "new_lengths": ("_step", ": new_tokens, new_text and new_sources differ in length"),
+    "new_types": ("_step", ": new_tokens must be integers and new_text strings"),
+    "new_sources": ("_step", ".new_sources: entries must be one of "),
+    "sequence_source": ("_step", ".source: must be one of "),
+    "sequence_tree": ("_step", ".tree: no tree "),
+    "forwards": ("_step", ".forwards: counts must be non-negative integers"),
+    "not_a_json_object": ("trace_from_dict", "a trace must be a JSON object"),
+    "version": ("trace_from_dict", "unsupported trace schema version "),
+    "meta_method": ("trace_from_dict", "trace.meta.method: unknown method "),
+    "text_too_large": ("_parse", "; the limit is "),
+    "invalid_json": ("_parse", "not valid JSON: "),
+    "file_unreadable": ("load_trace", "cannot read trace file: "),
+    "file_too_large": ("load_trace", "; the limit is "),
+    "comparison_version": ("comparison_from_json", "unsupported trace schema version "),
+    "comparison_runs": ("comparison_from_json", "'runs' must be a non-empty list of traces"),
+}
+
+SETTINGS = DecodeSettings(max_new_tokens=12, m_depth=2, m_topk=3, m_tree_size=5, t_depth=3, t_topk=3,
+                          t_tree_size=8, min_draft_len=3, spec_k=3)
+MiB = 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def engine_traces() -> dict[str, Trace]:
+    stack = tiny_random_stack()
+    return {m: generate(stack, m, "w5 w7 w9", SETTINGS) for m in METHODS}
+
+
+@pytest.fixture(scope="module")
+def handmade_traces() -> dict[str, Trace]:
+    return {t.meta["method"]: t for t in sample.comparison(0, 24)}
+
+
+@pytest.fixture()
+def doc(engine_traces) -> dict[str, Any]:
+    """A valid HierSpec trace document: step 1 has M-verified trees and a sequence pointing into them."""
+    d = engine_traces["hierspec"].to_dict()
+    s1 = d["steps"][1]
+    assert len(s1["trees"]) >= 2 and len(s1["trees"][0]["nodes"]) >= 2 and s1["sequence"][0]["tree"] == 0
+    return d
+
+
+# ---- the table is complete -----------------------------------------------------------------------
+
+def _raises_in_trace_module() -> list[tuple[str, str]]:
+    """(enclosing function, literal text of the message) of every `raise TraceError(...)`."""
+    out: list[tuple[str, str]] = []
+
+    class Raises(ast.NodeVisitor):
+        def __init__(self) -> None:
+            self.fn = "<module>"
+
+        def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+            outer, self.fn = self.fn, node.name
+            self.generic_visit(node)
+            self.fn = outer
+
+        def visit_Raise(self, node: ast.Raise) -> None:
+            exc = node.exc
+            if isinstance(exc, ast.Call) and getattr(exc.func, "id", None) == "TraceError":
+                msg = exc.args[0]
+                parts = msg.values if isinstance(msg, ast.JoinedStr) else [msg]
+                out.append((self.fn, "".join(p.value for p in parts if isinstance(p, ast.Constant))))
+
+    Raises().visit(ast.parse(inspect.getsource(trace_mod)))
+    return out
+
+
+def test_every_rejection_path_has_a_case() -> None:
+    raises = _raises_in_trace_module()
+    assert len(raises) == len(PATHS) == 23
+    unmatched = list(raises)
+    for name, (fn, fragment) in PATHS.items():
+        hits = [r for r in unmatched if r[0] == fn and fragment in r[1]]
+        assert len(hits) == 1, f"{name}: {len(hits)} `raise TraceError` in {fn} say {fragment!r}"
+        unmatched.remove(hits[0])
+    assert not unmatched
+    tested = {p.values[0] for p in DOCUMENT_CASES + TEXT_CASES + FILE_CASES + COMPARISON_CASES}
+    assert tested == set(PATHS), set(PATHS) ^ tested
+
+
+# ---- a mutated document ------------------------------------------------------------------------
+
+def _set(path: str, value: Any) -> Callable[[dict], dict]:
+    """Mutation: set the field at a dotted path ("steps.1.trees.0.verifier") to value."""
+    def mutate(d: dict) -> dict:
+        *head, last = path.split(".")
+        obj: Any = d
+        for k in head:
+            obj = obj[int(k)] if isinstance(obj, list) else obj[k]
+        obj[int(last) if isinstance(obj, list) else last] = value
+        return d
+    return mutate
+
+
+def _del(path: str) -> Callable[[dict], dict]:
+    def mutate(d: dict) -> dict:
+        *head, last = path.split(".")
+        obj: Any = d
+        for k in head:
+            obj = obj[int(k)] if isinstance(obj, list) else obj[k]
+        del obj[last]
+        return d
+    return mutate
+
+
+def _edit(fn: Callable[[dict], Any]) -> Callable[[dict], dict]:
+    def mutate(d: dict) -> dict:
+        fn(d)
+        return d
+    return mutate
+
+
+def _last_node_parent(d: dict) -> None:
+    nodes = d["steps"][1]["trees"][0]["nodes"]
+    nodes[-1]["parent"] = 1000
+
+
+def _seq_tree_past_end(d: dict) -> None:
+    s = d["steps"][1]
+    s["sequence"][0]["tree"] = len(s["trees"])
+
+
+S1 = r"steps\[1\]"
+T0 = S1 + r"\.trees\[0\]"
+DOCUMENT_CASES = [
+    pytest.param("not_an_object", _set("steps.1", 7), rf"^{S1}: expected an object$", id="step-is-a-number"),
+    pytest.param("not_an_object", _set("steps.1.trees.0", [1]), rf"^{T0}: expected an object$", id="tree-is-a-list"),
+    pytest.param("not_an_object", _set("steps.1.trees.0.nodes.1", "node"), rf"^{T0}\.nodes\[1\]: expected an object$",
+                 id="node-is-a-string"),
+    pytest.param("not_an_object", _set("steps.1.sequence.0", None), rf"^{S1}\.sequence\[0\]: expected an object$",
+                 id="sequence-entry-is-null"),
+    pytest.param("missing_field", _del("meta"), r"^trace: missing field 'meta'$", id="no-meta"),
+    pytest.param("missing_field", _del("steps"), r"^trace: missing field 'steps'$", id="no-steps"),
+    pytest.param("missing_field", _del("steps.1.index"), rf"^{S1}: missing field 'index'$", id="no-step-index"),
+    pytest.param("missing_field", _del("steps.1.timings_ms"), rf"^{S1}: missing field 'timings_ms'$", id="no-timings"),
+    pytest.param("missing_field", _del("steps.1.trees.0.bonus_text"), rf"^{T0}: missing field 'bonus_text'$",
+                 id="no-tree-bonus-text"),
+    pytest.param("missing_field", _del("steps.1.trees.0.nodes.0.score"), rf"^{T0}\.nodes\[0\]: missing field 'score'$",
+                 id="no-node-score"),
+    pytest.param("missing_field", _del("steps.1.sequence.0.token"), rf"^{S1}\.sequence\[0\]: missing field 'token'$",
+                 id="no-sequence-token"),
+    pytest.param("wrong_type", _set("steps.1.index", "1"), rf"^{S1}\.index: expected int, got str$", id="index-str"),
+    pytest.param("wrong_type", _set("steps.1.trees.0.nodes.0.id", True), rf"^{T0}\.nodes\[0\]\.id: expected int, got bool$",
+                 id="node-id-bool"),
+    pytest.param("wrong_type", _set("steps.1.trees.0.nodes.0.score", "high"),
+                 rf"^{T0}\.nodes\[0\]\.score: expected float, got str$", id="node-score-str"),
+    pytest.param("wrong_type", _set("steps.1.trees", {}), rf"^{S1}\.trees: expected list, got dict$", id="trees-dict"),
+    pytest.param("wrong_type", _set("steps.1.target_bonus_text", 5), rf"^{S1}\.target_bonus_text: expected str, got int$",
+                 id="bonus-text-int"),
+    pytest.param("wrong_type", _set("meta", []), r"^trace\.meta: expected dict, got list$", id="meta-list"),
+    pytest.param("wrong_type", _set("steps", {}), r"^trace\.steps: expected list, got dict$", id="steps-dict"),
+    pytest.param("wrong_type", _set("prompt_tokens", 3.0), r"^trace\.prompt_tokens: expected int, got float$",
+                 id="prompt-tokens-float"),
+    pytest.param("wrong_type", _set("prefill_ms", "2"), r"^trace\.prefill_ms: expected float, got str$",
+                 id="prefill-str"),
+    pytest.param("unknown_parent", _edit(_last_node_parent), rf"^{T0}: node \d+ has unknown parent 1000$",
+                 id="parent-not-in-tree"),
+    pytest.param("accepted_not_nodes", _set("steps.1.trees.0.accepted", [1000]),
+                 rf"^{T0}\.accepted: must list node ids of the tree$", id="accepted-unknown-id"),
+    pytest.param("accepted_not_nodes", _set("steps.1.trees.0.accepted", ["1"]),
+                 rf"^{T0}\.accepted: must list node ids of the tree$", id="accepted-str"),
+    pytest.param("verifier", _set("steps.1.trees.0.verifier", "draft"),
+                 rf"^{T0}\.verifier: must be 'intermediate' or 'target'$", id="verifier-draft"),
+    pytest.param("verifier", _set("steps.1.trees.0.verifier", "Target"),
+                 rf"^{T0}\.verifier: must be 'intermediate' or 'target'$", id="verifier-case"),
+    pytest.param("step_method", _set("steps.1.method", "medusa"), rf"^{S1}\.method: unknown method 'medusa'$",
+                 id="step-medusa"),
+    pytest.param("timings_entry", _set("steps.1.timings_ms", {"sampling": 1.0}),
+                 rf"^{S1}\.timings_ms: bad entry 'sampling': 1\.0$", id="timing-unknown-stage"),
+    pytest.param("timings_entry", _set("steps.1.timings_ms.draft", -0.5), rf"^{S1}\.timings_ms: bad entry 'draft': -0\.5$",
+                 id="timing-negative"),
+    pytest.param("timings_entry", _set("steps.1.timings_ms.draft", "fast"),
+                 rf"^{S1}\.timings_ms: bad entry 'draft': 'fast'$", id="timing-str"),
+    pytest.param("timings_entry", _set("steps.1.timings_ms.draft", None), rf"^{S1}\.timings_ms: bad entry 'draft': None$",
+                 id="timing-null"),
+    pytest.param("new_lengths", _edit(lambda d: d["steps"][1]["new_text"].append("x")),
+                 rf"^{S1}: new_tokens, new_text and new_sources differ in length$", id="extra-text"),
+    pytest.param("new_lengths", _edit(lambda d: d["steps"][1]["new_sources"].pop()),
+                 rf"^{S1}: new_tokens, new_text and new_sources differ in length$", id="missing-source"),
+    pytest.param("new_types", _set("steps.1.new_tokens.0", "5"), rf"^{S1}: new_tokens must be integers and new_text strings$",
+                 id="token-str"),
+    pytest.param("new_types", _set("steps.1.new_tokens.0", 1.5), rf"^{S1}: new_tokens must be integers and new_text strings$",
+                 id="token-float"),
+    pytest.param("new_types", _set("steps.1.new_text.0", 5), rf"^{S1}: new_tokens must be integers and new_text strings$",
+                 id="text-int"),
+    pytest.param("new_sources", _set("steps.1.new_sources.0", "oracle"),
+                 rf"^{S1}\.new_sources: entries must be one of \('tree', ", id="source-oracle"),
+    pytest.param("sequence_source", _set("steps.1.sequence.0.source", "target"),
+                 rf"^{S1}\.sequence\[0\]\.source: must be one of \('tree', ", id="sequence-source-target"),
+    pytest.param("sequence_tree", _edit(_seq_tree_past_end), rf"^{S1}\.sequence\[0\]\.tree: no tree \d+ in this step$",
+                 id="sequence-tree-past-end"),
+    pytest.param("sequence_tree", _set("steps.1.sequence.0.tree", -1), rf"^{S1}\.sequence\[0\]\.tree: no tree -1 in this step$",
+                 id="sequence-tree-negative"),
+    pytest.param("forwards", _set("steps.1.forwards.target", -1), rf"^{S1}\.forwards: counts must be non-negative integers$",
+                 id="forwards-negative"),
+    pytest.param("forwards", _set("steps.1.forwards.e_m", 1.5), rf"^{S1}\.forwards: counts must be non-negative integers$",
+                 id="forwards-float"),
+    pytest.param("not_a_json_object", lambda d: [d], r"^a trace must be a JSON object$", id="list"),
+    pytest.param("not_a_json_object", lambda d: "trace", r"^a trace must be a JSON object$", id="string"),
+    pytest.param("version", _set("version", 2), r"^unsupported trace schema version 2 \(this hierviz reads version 1\)$",
+                 id="version-2"),
+    pytest.param("version", _del("version"), r"^unsupported trace schema version None \(", id="no-version"),
+    pytest.param("version", _set("version", "1"), r"^unsupported trace schema version '1' \(", id="version-str"),
+    pytest.param("meta_method", _set("meta.method", "medusa"), r"^trace\.meta\.method: unknown method 'medusa'$",
+                 id="meta-medusa"),
+    pytest.param("meta_method", _del("meta.method"), r"^trace\.meta\.method: unknown method None$", id="no-meta-method"),
+]
+
+
+@pytest.mark.parametrize("path,mutate,message", DOCUMENT_CASES)
+def test_malformed_document_is_rejected(doc, path: str, mutate: Callable[[dict], Any], message: str) -> None:
+    bad = mutate(copy.deepcopy(doc))
+    text = json.dumps(bad)
+    with pytest.raises(TraceError, match=message):
+        trace_from_json(text)
+    # the app's reader takes a single trace or a comparison: both report the same problem
+    with pytest.raises(TraceError, match=message):
+        comparison_from_json(text.encode())
+    with pytest.raises(TraceError, match=message):
+        comparison_from_json(json.dumps({"version": 1, "runs": [doc, bad]}))
+
+
+def test_the_unmutated_document_loads(doc) -> None:
+    """The cases above fail because of their one change, not because the base document is bad."""
+    assert trace_from_json(json.dumps(doc)).to_dict() == doc
+    assert [t.to_dict() for t in comparison_from_json(json.dumps({"version": 1, "runs": [doc, doc]}))] == [doc, doc]
+
+
+def test_whole_number_times_load_as_floats(doc) -> None:
+    """A hand-written file may say 2 for 2.0 ms: accepted, and held as floats like the engine's."""
+    doc["prefill_ms"] = 3
+    doc["steps"][1]["timings_ms"] = {"draft": 2, "target_verify": 0}
+    back = trace_from_json(json.dumps(doc))
+    assert type(back.prefill_ms) is float and back.prefill_ms == 3.0
+    t = back.steps[1].timings_ms
+    assert t == {"draft": 2.0, "target_verify": 0.0} and all(type(v) is float for v in t.values())
+
+
+# ---- text, files, comparisons ------------------------------------------------------------------
+
+TEXT_CASES = [
+    pytest.param("text_too_large", lambda d: b" " * (MAX_TRACE_BYTES + 1), r"^trace is 20\.0 MB; the limit is 20 MB$",
+                 id="bytes"),
+    pytest.param("text_too_large", lambda d: json.dumps({**d, "output_text": "x" * (25 * MiB)}),
+                 r"^trace is 25\.0 MB; the limit is 20 MB$", id="valid-json-str"),
+    pytest.param("invalid_json", lambda d: "{", r"^not valid JSON: Expecting property name", id="truncated"),
+    pytest.param("invalid_json", lambda d: "", r"^not valid JSON: Expecting value", id="empty"),
+    pytest.param("invalid_json", lambda d: json.dumps(d)[:-1] + ",}", r"^not valid JSON: ", id="trailing-comma"),
+    pytest.param("invalid_json", lambda d: b'{"version": 1, "meta": "\xff"}', r"^not valid JSON: .*utf-8", id="not-utf8"),
+]
+
+
+@pytest.mark.parametrize("path,make,message", TEXT_CASES)
+def test_bad_text_is_rejected(doc, path: str, make: Callable[[dict], str | bytes], message: str) -> None:
+    text = make(doc)
+    with pytest.raises(TraceError, match=message):
+        trace_from_json(text)
+    with pytest.raises(TraceError, match=message):
+        comparison_from_json(text)
+
+
+def _sparse(p: Path, size: int) -> Path:
+    with open(p, "wb") as f:
+        f.truncate(size)           # no disk blocks: only the size matters
+    return p
+
+
+FILE_CASES = [
+    pytest.param("file_unreadable", lambda tmp: tmp / "absent.json", r"^cannot read trace file: No such file or directory$",
+                 id="missing"),
+    pytest.param("file_unreadable", lambda tmp: tmp, r"^cannot read trace file: Is a directory$", id="folder"),
+    pytest.param("file_too_large", lambda tmp: _sparse(tmp / "big.json", 25 * MiB), r"^trace is 25\.0 MB; the limit is 20 MB$",
+                 id="25MiB"),
+]
+
+
+@pytest.mark.parametrize("path,make,message", FILE_CASES)
+def test_bad_file_is_rejected(tmp_path, monkeypatch, path: str, make: Callable[[Path], Path], message: str) -> None:
+    target = make(tmp_path)
+    if path == "file_too_large":
+        # refused from its size alone: the 25 MB are never read
+        monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read"))
+    with pytest.raises(TraceError, match=message):
+        load_trace(target)
+
+
+def test_file_at_the_size_limit_is_read(tmp_path) -> None:
+    """MAX_TRACE_BYTES itself is allowed: the (zero-filled) file is read and fails as JSON, not on size."""
+    with pytest.raises(TraceError, match=r"^not valid JSON: "):
+        load_trace(_sparse(tmp_path / "edge.json", MAX_TRACE_BYTES))
+
+
+COMPARISON_CASES = [
+    pytest.param("comparison_version", lambda d: {"version": 2, "runs": [d]}, r"^unsupported trace schema version 2$",
+                 id="version-2"),
+    pytest.param("comparison_version", lambda d: {"runs": [d]}, r"^unsupported trace schema version None$",
+                 id="no-version"),
+    pytest.param("comparison_runs", lambda d: {"version": 1, "runs": []}, r"^'runs' must be a non-empty list of traces$",
+                 id="empty"),
+    pytest.param("comparison_runs", lambda d: {"version": 1, "runs": d}, r"^'runs' must be a non-empty list of traces$",
+                 id="a-trace-not-a-list"),
+    pytest.param("comparison_runs", lambda d: {"version": 1, "runs": None}, r"^'runs' must be a non-empty list of traces$",
+                 id="null"),
+]
+
+
+@pytest.mark.parametrize("path,make,message", COMPARISON_CASES)
+def test_bad_comparison_is_rejected(doc, tmp_path, path: str, make: Callable[[dict], dict], message: str) -> None:
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(make(doc)))
+    with pytest.raises(TraceError, match=message):
+        comparison_from_json(f.read_bytes())
+
+
+# ---- save and load back ------------------------------------------------------------------------
+
+def _assert_same(a: Any, b: Any, where: str = "trace") -> int:
+    """a equals b field by field, with the same types all the way down (JSON would let 1 == 1.0 and
+    True == 1 pass a plain ==); returns the number of leaf values compared. A str subclass (the
+    engine's meta holds torch's TorchVersion) comes back as the str JSON has."""
+    if isinstance(a, str):
+        assert type(b) is str and str(a) == b, f"{where}: {a!r} became {b!r}"
+        return 1
+    assert type(a) is type(b), f"{where}: {type(a).__name__} became {type(b).__name__}"
+    if dataclasses.is_dataclass(a):
+        return sum(_assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+                   for f in dataclasses.fields(a))
+    if isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} became {list(b)}"
+        return sum(_assert_same(a[k], b[k], f"{where}[{k!r}]") for k in a)
+    if isinstance(a, list):
+        assert len(a) == len(b), f"{where}: {len(a)} entries became {len(b)}"
+        return sum(_assert_same(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    if isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), f"{where}: nan became {b!r}"
+    else:
+        assert a == b, f"{where}: {a!r} became {b!r}"
+    return 1
+
+
+def _leaves(t: Trace) -> int:
+    """Leaf values of a trace counted from its dataclasses, independently of _assert_same."""
+    def count(x: Any) -> int:
+        if isinstance(x, dict):
+            return sum(count(v) for v in x.values())
+        if isinstance(x, list):
+            return sum(count(v) for v in x)
+        return 1
+    return count(t.to_dict())
+
+
+ROUND_TRIPS = [("engine", m) for m in METHODS] + [("handmade", m) for m in ("hierspec", "eagle2", "ar")]
+
+
+@pytest.mark.parametrize("kind,method", ROUND_TRIPS, ids=[f"{k}-{m}" for k, m in ROUND_TRIPS])
+def test_save_and_load_give_back_every_field(engine_traces, handmade_traces, tmp_path, kind: str, method: str) -> None:
+    tr = (engine_traces if kind == "engine" else handmade_traces)[method]
+    # the comparison is only as strong as what the trace holds: each method's structures are there
+    steps = tr.steps[1:]
+    trees = [t for s in steps for t in s.trees]
+    assert tr.meta["method"] == method and len(tr.steps) >= 3 and tr.output_text
+    if method == "ar":
+        assert not trees and not any(s.sequence for s in steps)
+    if method == "spec":
+        assert all(s.sequence and all(q.tree is None and q.source == "draft" for q in s.sequence) for s in steps)
+    if method == "eagle2":
+        assert all(len(s.trees) == 1 and s.trees[0].verifier == "target" and s.trees[0].nodes for s in steps)
+    if method == "hierspec":
+        assert trees and all(t.verifier == "intermediate" for t in trees)
+        assert any(q.tree is not None for s in steps for q in s.sequence)
+        assert {"draft", "intermediate_verify", "target_verify"} <= set(steps[0].timings_ms)
+    if kind == "handmade" and method != "ar":
+        assert any(t.accepted for t in trees)           # accepted paths survive too
+
+    f = tmp_path / "t.json"
+    tr.save(f)
+    loaded = {"file": load_trace(f), "text": trace_from_json(tr.to_json()),
+              "bytes": trace_from_json(f.read_bytes()), "as-comparison": comparison_from_json(f.read_bytes())[0]}
+    want = _leaves(tr)
+    for how, back in loaded.items():
+        assert _assert_same(tr, back, f"{how}:trace") == want, how
+        assert type(back.steps[-1]) is Step
+        assert all(type(n) is TreeNode for s in back.steps for t in s.trees for n in t.nodes)
+        assert all(type(t) is DraftTree for s in back.steps for t in s.trees)
+        assert all(type(q) is SeqToken for s in back.steps for q in s.sequence)
+        assert back.stats() == tr.stats()
+        assert back.to_json() == tr.to_json()        # saving again writes the same bytes
+
+
+def test_comparison_file_gives_back_every_run(engine_traces, handmade_traces, tmp_path) -> None:
+    runs = [*engine_traces.values(), *handmade_traces.values()]
+    f = tmp_path / "c.json"
+    save_comparison(runs, f)
+    back = comparison_from_json(f.read_bytes())
+    assert len(back) == len(runs)
+    for i, (a, b) in enumerate(zip(runs, back)):
+        assert _assert_same(a, b, f"runs[{i}]") == _leaves(a)
+    assert {s for t in back for st in t.steps for s in st.new_sources} <= set(SOURCES)
