@@ -37,7 +37,8 @@ from hierviz.quant.w4 import W4Weight, register_kernel
 
 SCHEMA = "hierviz.profile/1"
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = {"llama3-8b": "llama3-8b.json", "llama3-70b": "llama3-70b.json", "smollm2": "smollm2-135m.json"}
+SHAPES = {"llama3-8b": "llama3-8b.json", "llama3-70b": "llama3-70b.json", "smollm2": "smollm2-135m.json",
+          "vicuna-7b": "vicuna-7b.json", "vicuna-13b": "vicuna-13b.json"}
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 NO_GPU = ("no CUDA GPU found: `python -m hierviz profile` measures GPU forward latency. "
           "The curve recorded on an H200 is assets/profile/h200.json (the app's Profile tab shows it); "

@@ -343,6 +343,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS),
                     help="reference tree settings (eagle2: SafeAILab EAGLE-2 defaults; paper: SpecMQuant's runs); "
                          "single tree flags override them")
+    ap.add_argument("--exact", action="store_true",
+                    help="no forced acceptance: check every method's output equals AR's, with the drafts as drawn "
+                         "and seeded from AR's continuation (hierviz/whatif_exact.py); exit code 1 on a difference")
+    ap.add_argument("--exact-trees", default="eagle2,paper", help=f"--exact: tree presets ({', '.join(TREE_PRESETS)})")
+    ap.add_argument("--exact-miss-every", type=int, default=7,
+                    help="--exact: the partly seeded drafts get every N-th position wrong (default 7)")
     ap.add_argument("--sweep", action="store_true",
                     help="sensitivity study: speedup vs acceptance scale, E_T tree size and min draft length")
     ap.add_argument("--sweep-scales", default="0.6,0.8,0.9,1.0,1.1")
@@ -472,6 +478,8 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format)
+    if a.exact:
+        return _run_exact(a, models, s, methods, names, dev)
     if a.draft_vocab is not None:
         if not 1 <= a.draft_vocab <= t_cfg.vocab_size:
             raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
@@ -516,6 +524,26 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     if a.sweep:
         info["sweep"] = run_sweep(a, models, s, prompt, results, cache_len)
     return info
+
+
+def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods: list[str],
+               names: dict[str, str], dev: str) -> dict[str, Any]:
+    from hierviz import whatif_exact
+    presets = [p.strip() for p in a.exact_trees.split(",") if p.strip()]
+    bad = [p for p in presets if p not in TREE_PRESETS]
+    if bad or not presets:
+        raise WhatIfError(f"unknown tree preset(s) {bad}; choose from {', '.join(TREE_PRESETS)}")
+    if a.draft_vocab is not None or a.acceptance or a.sweep:
+        raise WhatIfError("--exact takes no --draft-vocab, --acceptance or --sweep")
+    prompt = _prompt(models.target.cfg.vocab_size, a.prompt_len, a.seed)
+    _check_finite(models, prompt)
+    if a.exact_miss_every < 2:
+        raise WhatIfError("--exact-miss-every must be at least 2")
+    res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != "ar"], a.exact_miss_every,
+                                 log=lambda line: print(line, flush=True))
+    return {"exact": True, "shapes": names, "device": dev, "dtype": str(models.target.dtype).replace("torch.", ""),
+            "settings": s.to_dict(), "tree_presets": {p: TREE_PRESETS[p] for p in presets},
+            "machine": _machine(dev), **res}
 
 
 def _check_finite(models: Models, prompt: list[int]) -> None:
@@ -689,6 +717,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
         return 2
     info["command"] = "python -m hierviz whatif " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if info.get("exact"):
+        from hierviz import whatif_exact
+        whatif_exact.write(info, Path(a.out))
+        print(whatif_exact.markdown(info))
+        return 0 if info["identical"] else 1
     write_outputs(info, Path(a.out))
     print(markdown(info))
     return 0

@@ -187,3 +187,41 @@ def test_repeat_reports_the_median_run(tmp_path: Path) -> None:
     assert main(FAST + ["--sweep", "--sweep-scales", "1.0", "--sweep-tree-sizes", "8", "--sweep-min-draft", "4",
                         "--max-new-tokens", "6", "--repeat", "2", "--out", str(sweep_out)]) == 0
     assert json.loads((sweep_out / "sweep.json").read_text())["verdicts"][0]["winner"] in ("eagle2", "hierspec")
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_exact_mode_matches_ar_with_real_acceptance(tmp_path, monkeypatch, static) -> None:
+    """`whatif --exact` at tiny shapes: every method equals AR with the drafts as drawn and seeded
+    from AR's continuation (deep acceptance, and rejections where every 5th position is wrong);
+    a decoder whose output differs makes the command fail. static: through the static-shape
+    runners the GPU uses (their outputs are copies, which the steering must still find)."""
+    import json as _json
+
+    from hierviz import whatif, whatif_exact
+    from hierviz.models import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "_force", static)     # force_static, restored after the test
+    args = ["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "40",
+            "--methods", "ar,spec,eagle2,hierspec", "--exact-trees", "paper", "--exact-miss-every", "5",
+            "--out", str(tmp_path / "ok")]
+    assert whatif.main(args) == 0
+    info = _json.loads((tmp_path / "ok" / "whatif_exact.json").read_text())
+    runs = {(r["method"], r["seeded"], r["miss_every"]): r for r in info["runs"]}
+    assert len(runs) == 9 and all(r["identical"] and r["tokens"] == 40 for r in runs.values())
+    for m in ("eagle2", "hierspec"):
+        exact, partial = runs[(m, True, 0)], runs[(m, True, 5)]
+        # seeded: whole trees accepted (but for the last rounds, which draft past AR's 40 tokens)
+        assert exact["trees_n"] > 0 and exact["full_depth_trees"] >= 0.75 * exact["trees_n"]
+        assert 0 < partial["full_depth_trees"] < partial["trees_n"]      # some rejected partway
+        assert exact["tokens_per_round"] > 3 and runs[(m, False, 0)]["tokens_per_round"] < 1.2
+    assert runs[("spec", True, 0)]["target_accepted"] > runs[("spec", True, 5)]["target_accepted"] > 0
+    real = whatif_exact.decode
+
+    def off_by_one(models, method, s, prompt):
+        tokens, steps = real(models, method, s, prompt)
+        if method == "hierspec" and tokens:
+            tokens = tokens[:-1] + [(tokens[-1] + 1) % models.target.cfg.vocab_size]
+        return tokens, steps
+    monkeypatch.setattr(whatif_exact, "decode", off_by_one)
+    assert whatif.main(args[:-1] + [str(tmp_path / "bad")]) == 1
+    bad = _json.loads((tmp_path / "bad" / "whatif_exact.json").read_text())
+    assert [r["first_difference"] for r in bad["runs"] if not r["identical"]] == [39, 39, 39]

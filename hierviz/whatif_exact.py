@@ -1,0 +1,237 @@
+"""`python -m hierviz whatif --exact`: lossless decoding at real model shapes, with real acceptance.
+
+The what-if's timing runs force accept/reject decisions; this mode forces none. It builds the
+same synthetic full-shape models (W4A16 target with batch-invariant products, intermediate, EAGLE
+heads), decodes with AR, then with every speculative method twice:
+
+* unsteered: the random drafters as they are (acceptance is whatever the models give);
+* seeded: M, E_M and E_T have their logits raised for AR's own token at the position a row
+  predicts, so draft paths that follow AR's continuation rank first and get accepted, compacted
+  and rolled back (a path that left it proposes AR's later tokens, which the verifier rejects). Only proposals are steered: the target
+  verifies with its own logits, so every accept/reject decision still comes from the models.
+
+Each method's output must equal AR's token for token, for every tree preset asked for
+(`--exact-trees`, default eagle2,paper: hierviz.decoding.settings.TREE_PRESETS). Exit code 1 on
+any difference.
+
+Steering reaches rows through the forward outputs they are views of (data pointers), so it also
+works inside the CUDA graphs of the static path, where a forward runs only at capture time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hierviz.decoding.decoders import DECODERS, Models, cache_margin
+from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings
+from hierviz.decoding.verify import Sampler
+from hierviz.models.llama import Transformer
+
+BOOST = 30.0           # above every other logit of a row: the steered token ranks first
+
+
+class SuccessorTable:
+    """The reference sequence (prompt + AR's continuation) by position, on the device: a row at
+    position p of a model predicts position p + 1 (a head's row at p, fed token p + 1, predicts
+    p + 2); -1 past the sequence or when cleared."""
+
+    def __init__(self, length: int, device: torch.device) -> None:
+        self.by_position = torch.full((length + 2,), -1, dtype=torch.long, device=device)
+
+    def clear(self) -> None:
+        self.by_position.fill_(-1)
+
+    def fill(self, sequence: list[int], vocab: int, start: int, miss_every: int = 0) -> None:
+        """Steer to `sequence`, except that every miss_every-th position from `start` on gets a
+        wrong token (drafts are then rejected there: partial acceptance and rollbacks)."""
+        self.clear()
+        n = min(len(sequence), self.by_position.shape[0])
+        seq = torch.tensor(sequence[:n], dtype=torch.long, device=self.by_position.device)
+        if miss_every > 0:
+            pos = torch.arange(n, device=seq.device)
+            miss = (pos >= start) & ((pos - start) % miss_every == miss_every - 1)
+            seq = torch.where(miss, (seq + 1) % vocab, seq)
+        self.by_position[:n] = seq
+
+    def successors(self, positions: torch.Tensor, ahead: int) -> torch.Tensor:
+        idx = (positions.reshape(-1).long() + ahead).clamp(0, self.by_position.shape[0] - 1)
+        return self.by_position[idx]
+
+
+class _Registry:
+    """Forward outputs and the successor of each row's input token, so that logits computed
+    later from a slice of an output can be steered row by row."""
+
+    def __init__(self, table: SuccessorTable) -> None:
+        self.table = table
+        self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.eager: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(self, positions: torch.Tensor, ahead: int, out: torch.Tensor) -> None:
+        entry = (out, self.table.successors(positions, ahead))
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.captured.append(entry)          # a graph's static output: replays reuse it
+        else:
+            self.eager = ([entry] + self.eager)[:4]
+
+    def successors(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The successors of hidden's rows: hidden is a slice of a recorded output (found by its
+        data pointer: eager forwards, and inside a graph capture), or a copy of one (the static
+        path hands out clones of its graphs' outputs: found by value, eagerly)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        rows = flat.shape[0]
+        entries = [e for e in self.eager + self.captured
+                   if e[0].dim() >= 2 and e[0].shape[-1] == hidden.shape[-1] and e[0].dtype == hidden.dtype]
+        for out, succ in entries:
+            row_bytes = out.stride(-2) * out.element_size()
+            offset = hidden.data_ptr() - out.data_ptr()
+            if offset >= 0 and offset % row_bytes == 0 and offset // row_bytes + rows <= succ.shape[0]:
+                first = offset // row_bytes
+                return succ[first:first + rows]
+        if rows == 0 or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        for out, succ in entries:
+            o = out.reshape(-1, out.shape[-1])
+            for first in torch.nonzero((o == flat[0]).all(-1)).flatten().tolist():
+                if first + rows <= min(o.shape[0], succ.shape[0]) and torch.equal(o[first:first + rows], flat):
+                    return succ[first:first + rows]
+        return None
+
+
+def _boost(logits: torch.Tensor, succ: Optional[torch.Tensor]) -> torch.Tensor:
+    if succ is None:
+        return logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    top = flat.max(-1).values + BOOST
+    raised = flat.scatter(1, succ.clamp(min=0)[:, None], top[:, None])
+    return torch.where((succ >= 0)[:, None], raised, flat).reshape(logits.shape)
+
+
+def steer_model(model: Transformer, registry: _Registry) -> None:
+    """Make an intermediate model propose (and accept) the table's successors."""
+    base = type(model)
+
+    class Steered(base):  # type: ignore[misc, valid-type]
+        def forward(self, tokens, positions, *args, **kw):
+            out = base.forward(self, tokens, positions, *args, **kw)
+            registry.record(positions, 1, out)
+            return out
+
+        def logits(self, hidden):
+            return _boost(base.logits(self, hidden), registry.successors(hidden))
+
+    model.__class__ = Steered
+
+
+def steer_head(head, registry: _Registry) -> None:
+    """Make an EAGLE head draft the table's successors first."""
+    base = type(head)
+
+    class Steered(base):  # type: ignore[misc, valid-type]
+        def forward(self, tokens, features, positions, *args, **kw):
+            out = base.forward(self, tokens, features, positions, *args, **kw)
+            registry.record(positions, 2, out)
+            return out
+
+        def draft_logprobs(self, hidden):
+            logits, ids = self.draft_logits(hidden)
+            if ids is not None:
+                raise ValueError("--exact steers the full draft vocabulary; drop --draft-vocab")
+            scale = getattr(self, "_scale", None)
+            if scale is None:    # the what-if heads' sharpening (SharpHead), measured once
+                from hierviz.whatif import SHARPEN
+                scale = self._scale = SHARPEN / max(float(logits.std(-1).mean()), 1e-6)
+            return torch.log_softmax(_boost(logits * scale, registry.successors(hidden)), -1), ids
+
+    head.__class__ = Steered
+
+
+def decode(models: Models, method: str, s: DecodeSettings, prompt: list[int]) -> tuple[list[int], list]:
+    """Greedy output tokens (at most max_new_tokens) and the steps, no oracle."""
+    max_len = len(prompt) + s.max_new_tokens + cache_margin(s)
+    gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len, oracle=None)
+    tokens: list[int] = []
+    steps = []
+    with torch.no_grad():
+        for st in gen:
+            steps.append(st)
+            tokens.extend(st.new_tokens)
+            if len(tokens) >= s.max_new_tokens:
+                break
+    gen.close()
+    return tokens[:s.max_new_tokens], steps
+
+
+def acceptance(steps: list) -> dict[str, Any]:
+    decode_steps = steps[1:]
+    trees = [t for st in decode_steps for t in st.trees]
+    full = sum(1 for t in trees if t.accepted and max(n.depth for n in t.nodes if n.id in set(t.accepted))
+               == max(n.depth for n in t.nodes))
+    return {"rounds": len(decode_steps), "trees_n": len(trees),
+            "accepted_tree_nodes": sum(len(t.accepted) for t in trees), "full_depth_trees": full,
+            "target_accepted": sum(st.target_accepted for st in decode_steps),
+            "tokens_per_round": sum(len(st.new_tokens) for st in decode_steps) / max(1, len(decode_steps))}
+
+
+def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: list[str],
+              methods: list[str], miss_every: int = 7, log=print) -> dict[str, Any]:
+    """AR once, then every method unsteered, seeded with every miss_every-th draft position wrong,
+    and seeded exactly, for every preset; results per run."""
+    registry = _Registry(SuccessorTable(len(prompt) + base.max_new_tokens + cache_margin(base) + 64,
+                                        models.target.device))
+    steer_model(models.intermediate, registry)
+    steer_head(models.e_m, registry)
+    steer_head(models.e_t, registry)
+    want, _ = decode(models, "ar", base, prompt)
+    log(f"AR: {len(want)} tokens")
+    runs = []
+    for preset in presets:
+        s = dataclasses.replace(base, **TREE_PRESETS[preset])
+        for seeded, miss in ((False, 0), (True, miss_every), (True, 0)):
+            if seeded:
+                registry.table.fill(prompt + want, models.target.cfg.vocab_size, len(prompt), miss)
+            else:
+                registry.table.clear()
+            for method in methods:
+                got, steps = decode(models, method, s, prompt)
+                first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                                  None if len(got) == len(want) else min(len(got), len(want)))
+                row = {"trees": preset, "seeded": seeded, "miss_every": miss, "method": method, "identical": first_diff is None,
+                       "first_difference": first_diff, "tokens": len(got), **acceptance(steps)}
+                runs.append(row)
+                log(f"{'ok   ' if row['identical'] else 'DIFF '} trees={preset:6s} seeded={int(seeded)} miss={miss} {method:8s} "
+                    f"tokens={len(got)} tokens/round={row['tokens_per_round']:.2f} accepted tree nodes="
+                    f"{row['accepted_tree_nodes']} full-depth trees={row['full_depth_trees']}/{row['trees_n']} "
+                    f"target accepted={row['target_accepted']}"
+                    + ("" if row["identical"] else f" first difference at token {first_diff}"))
+    registry.table.clear()
+    return {"ar_tokens": len(want), "runs": runs, "identical": all(r["identical"] for r in runs)}
+
+
+def markdown(info: dict[str, Any]) -> str:
+    lines = [f"# What-if --exact: {info['shapes']['target']} / {info['shapes']['intermediate']} on "
+             f"{info['machine'].get('gpu', 'CPU')}, {info['settings']['max_new_tokens']} tokens",
+             "", "| trees | drafts | method | identical to AR | tokens/round | accepted tree nodes | full-depth trees | "
+             "target accepted |", "|---|---|---|---|---|---|---|---|"]
+    for r in info["runs"]:
+        lines.append(f"| {r['trees']} | {_drafts(r)} | {r['method']} | "
+                     f"{'yes' if r['identical'] else 'NO (token %s)' % r['first_difference']} | "
+                     f"{r['tokens_per_round']:.2f} | {r['accepted_tree_nodes']} | {r['full_depth_trees']}/{r['trees_n']} | "
+                     f"{r['target_accepted']} |")
+    return "\n".join(lines)
+
+
+def _drafts(r: dict[str, Any]) -> str:
+    if not r["seeded"]:
+        return "as drawn"
+    return f"seeded, every {r['miss_every']}th wrong" if r["miss_every"] else "seeded"
+
+
+def write(info: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "whatif_exact.json").write_text(json.dumps(info, indent=1, default=str))
+    (out / "whatif_exact.md").write_text(markdown(info) + "\n")
