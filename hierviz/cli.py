@@ -11,7 +11,7 @@ from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_sett
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench",
-             "w4-sweep": "hierviz.quant.w4_sweep"}
+             "w4-sweep": "hierviz.quant.w4_sweep", "memory": "hierviz.memory"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -106,7 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "  whatif        real-scale projection with replayed acceptance\n"
               "  train         train the offline stack's intermediate model and EAGLE heads\n"
               "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n"
-              "  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)\n")
+              "  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)\n"
+              "  memory        GPU memory each stack needs, against common GPUs\n")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "generate":

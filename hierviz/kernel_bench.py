@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn, unpack_codes
+from hierviz.quant.w4 import W4Weight, codes_of, dequantize, quantize_rtn, unpack_codes
 
 ROTATE = 3  # weight copies cycled through while timing (> L2 in total)
 
@@ -86,7 +86,7 @@ def tinygemm_pack(w: W4Weight, swap_nibbles: bool) -> tuple[torch.Tensor, torch.
     tinygemm computes (q - 8) * scale + zero, so zero = offset + 8 * scale. Its converter
     takes uint8 [N, K/2]; which nibble holds the even element is checked against the
     reference by the caller (swap_nibbles)."""
-    q = unpack_codes(w.codes)
+    q = unpack_codes(codes_of(w))
     even, odd = q[:, 0::2], q[:, 1::2]
     u8 = ((even << 4) | odd) if swap_nibbles else ((odd << 4) | even)
     packed = torch.ops.aten._convert_weight_to_int4pack(u8.to(torch.uint8).contiguous(), 8)

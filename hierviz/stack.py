@@ -136,6 +136,19 @@ ROW_INVARIANT_CPU_KERNELS = ("int4pack_cpu",)   # measured: a row's bits do not 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _check_gpu_memory(name: str, spec: dict[str, Any], base: Path, dev: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before any weight is read, a stack that cannot fit this GPU (hierviz.memory)."""
+    from hierviz import memory
+    parts = memory.stack_estimate(spec, lambda s: _resolve(s, base), act_bytes=torch.finfo(dtype).bits / 8)
+    if parts is None:
+        return           # a model's config.json is not readable yet: the load reports that
+    props = torch.cuda.get_device_properties(dev)
+    try:
+        memory.check_fits(name, parts, props.total_memory, props.name)
+    except memory.StackTooLarge as e:
+        raise StackError(str(e)) from None
+
+
 def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                w4_kernel: Optional[str] = None) -> Stack:
     """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json.
@@ -166,6 +179,8 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     if not w4_kernel and not _kernel_available(kernel):
         kernel = "dequant_cached"     # e.g. int4pack_cpu on a torch build without the CPU int4 ops
     m_kernel = kernel if w4_kernel else _drafter_kernel(spec.get("intermediate") or {}, dev, kernel)
+    if dev.type == "cuda":
+        _check_gpu_memory(spec.get("name", p.stem), spec, base, dev, dtype)
     try:
         target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
         inter = e_m = e_t = None

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .w4 import W4Weight
+from .w4 import W4Weight, codes_of
 
 __all__ = [
     "CheckpointError", "smollm2_gguf_path", "read_gguf", "gguf_name_to_hf", "unpermute_qk_rows",
@@ -302,7 +302,7 @@ def save_w4_safetensors(folder: PathLike, config: dict[str, Any],
     for name, w in weights.items():
         # clone: safetensors refuses tensors that share storage (views, tied or fused weights)
         if isinstance(w, W4Weight):
-            tensors[name + ".codes"] = w.codes.contiguous().clone()
+            tensors[name + ".codes"] = codes_of(w).contiguous().clone()
             tensors[name + ".scales"] = w.scales.contiguous().clone()
             tensors[name + ".offsets"] = w.offsets.contiguous().clone()
             if w.perm is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hierviz.quant.w4 import KERNELS, W4Weight, register_kernel, unpack_codes
+from hierviz.quant.w4 import KERNELS, W4Weight, codes_of, register_kernel, unpack_codes
 
 _CACHE_ATTR = "_int4pack_cpu_cache"
 FP32_VIA_BF16 = True
@@ -33,7 +33,7 @@ def _packed(w: W4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     hit = cache.get(dtype)
     if hit is None:
         # The CPU converter takes int32 codes [N, K] (one value per element), not our nibbles.
-        q = unpack_codes(w.codes).to(torch.int32).contiguous()
+        q = unpack_codes(codes_of(w)).to(torch.int32).contiguous()
         packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         scale = w.scales.float()
         zero = w.offsets.float() + 8.0 * scale  # (q - 8) * s + zero == s * q + offset

@@ -110,9 +110,9 @@ def check_rows(n: int) -> torch.Tensor:
 
 def reference_rows(x: torch.Tensor, w: W4Weight, rows: torch.Tensor) -> torch.Tensor:
     """fp32 x @ W[rows].T (W in the kernel's input order: x is already permuted)."""
-    idx = rows.to(w.codes.device)
-    part = W4Weight(w.codes.index_select(0, idx), w.scales.index_select(0, idx),
-                    w.offsets.index_select(0, idx), w.group_size)
+    from hierviz.quant.triton_w4 import source_codes
+    idx = rows.to(w.scales.device)
+    part = W4Weight(source_codes(w, idx), w.scales.index_select(0, idx), w.offsets.index_select(0, idx), w.group_size)
     return x.float() @ dequantize(part, torch.float32).t()
 
 

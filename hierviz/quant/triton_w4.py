@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from hierviz.quant import kernel_guard
-from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize, register_kernel, unpack_codes
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize, pack_codes, register_kernel, unpack_codes
 
 try:  # import must work on machines without a GPU (and without triton at all)
     import triton
@@ -223,9 +223,43 @@ def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
         codes = cache.get("codes")
         if codes is None or codes.device != w.codes.device:
             codes = cache["codes"] = repack_codes(w.codes, sub)
+            if w.codes.is_cuda:
+                # Hold a GPU model's codes once: the checkpoint's order is released (a zero-stride
+                # view keeps its shape) and rebuilt from this layout where needed (source_codes).
+                # A 70B target is then 35 GB of codes, not 70 (hierviz.memory).
+                w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
         hit = cache[key] = Packed(codes, w.scales.t().to(dtype).contiguous(),
                                   w.offsets.t().to(dtype).contiguous(), sub)
     return hit
+
+
+def unrepack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
+    """repack_codes undone: the W4Weight order (even/odd nibbles) of kernel-layout codes."""
+    n, half_k = codes.shape
+    q = torch.stack([(codes & 0xF).view(n, -1, sub // 2), (codes >> 4).view(n, -1, sub // 2)], dim=2)
+    return pack_codes(q.reshape(n, half_k * 2))
+
+
+def codes_released(w: W4Weight) -> bool:
+    return w.codes.dim() == 2 and w.codes.stride() == (0, 0) and w.codes.numel() > 1
+
+
+def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w's codes in the W4Weight order (rows of them), rebuilt from the kernel's layout when the
+    originals were released."""
+    if not codes_released(w):
+        return w.codes if rows is None else w.codes.index_select(0, rows.to(w.codes.device))
+    rep = w.__dict__[_CACHE_ATTR]["codes"]
+    if rows is not None:
+        rep = rep.index_select(0, rows.to(rep.device))
+    return unrepack_codes(rep, _sub_block(w.group_size))
+
+
+def source_weight(w: W4Weight) -> W4Weight:
+    """w with its codes in the W4Weight order (a copy when they were released)."""
+    if not codes_released(w):
+        return w
+    return W4Weight(source_codes(w), w.scales, w.offsets, w.group_size, w.perm, w.batch_invariant)
 
 
 def tiled_codes(w: W4Weight, block_n: int) -> torch.Tensor:
@@ -844,7 +878,7 @@ def _hazards_of(kernel) -> list[str]:
 
 
 def _reference_product(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor]) -> torch.Tensor:
-    y = x @ dequantize(w, x.dtype).t()
+    y = x @ dequantize(source_weight(w), x.dtype).t()
     return y if add_to is None else add_to.add_(y)
 
 

@@ -62,7 +62,7 @@ class W4Weight:
 
     def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "W4Weight":
         """Move to a device; dtype applies to scales and offsets (codes stay uint8)."""
-        return W4Weight(self.codes.to(device), self.scales.to(device, dtype), self.offsets.to(device, dtype),
+        return W4Weight(codes_of(self).to(device), self.scales.to(device, dtype), self.offsets.to(device, dtype),
                         self.group_size, None if self.perm is None else self.perm.to(device), self.batch_invariant)
 
     @property
@@ -86,9 +86,20 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
+def codes_of(w: W4Weight) -> torch.Tensor:
+    """w's codes in this format's order. A GPU weight's codes live only in the Triton kernel's
+    layout once it has run (hierviz.quant.triton_w4.packed releases them, keeping their shape
+    as a zero-stride view); they are rebuilt from it here for every other reader."""
+    c = w.codes
+    if c.dim() == 2 and c.numel() > 1 and c.stride() == (0, 0):
+        from hierviz.quant.triton_w4 import source_codes
+        return source_codes(w)
+    return c
+
+
 def dequantize(w: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float matrix [N, K] that w represents, in the permuted input order (see perm)."""
-    q = unpack_codes(w.codes).to(dtype)
+    q = unpack_codes(codes_of(w)).to(dtype)
     n, k = q.shape
     g = w.group_size
     q = q.view(n, k // g, g)

@@ -1,0 +1,229 @@
+"""GPU memory a stack needs, worked out from config.json facts before any weight is loaded.
+
+    python -m hierviz memory                    # every preset against common GPUs (a table)
+    python -m hierviz memory --stack NAME       # one stack file or preset
+
+`load_stack` calls `check_fits` on a CUDA device, so a stack that cannot fit is refused up
+front with a message that says by how much, instead of failing deep inside a load or a decode.
+
+What is counted (bytes), per model:
+  W4A16 (GPTQ) target: 4-bit codes held once (the Triton kernel's layout; the checkpoint's order
+    is released after packing), fp16 scales and offsets twice (checkpoint + kernel layout), fp16
+    embedding and LM head;
+  dense models: parameters x 2 (fp16/bf16) or x 4 (fp32);
+  EAGLE heads: one decoder layer, fc, and an embedding copy (SafeAILab heads usually carry one);
+  KV caches of target and intermediate at the longest context a run uses, twice (the static
+    runners' caches and a dynamic path's), plus a workspace for a 2048-token prefill chunk's fp32
+    logits and activations, and ~1 GB for the CUDA context and kernels.
+These are estimates within a few percent of the weights (the largest part); the margin is
+MARGIN.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+GB = 1e9
+MARGIN = 0.05                  # of the GPU's memory kept free for fragmentation and the allocator
+CONTEXT_BYTES = 1.0 * GB       # CUDA context, cuBLAS/Triton workspaces, compiled kernels
+PREFILL_CHUNK = 2048
+DEFAULT_CONTEXT = 4096
+
+# Cards a deployment picks (memory as the vendor states it, in GB of 1e9 bytes)
+GPUS = {"24 GB card (RTX 4090 / A10G)": 24.0, "A100-40GB": 40.0, "48 GB card (L40S / A6000)": 48.0,
+        "A100-80GB": 80.0, "H100-80GB": 80.0, "H200": 141.0}
+
+
+class StackTooLarge(ValueError):
+    """A stack that does not fit this GPU; the message is fit to show a user."""
+
+
+def _linear_params(c: dict[str, Any]) -> int:
+    h, inter = int(c["hidden_size"]), int(c["intermediate_size"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    hd = int(c.get("head_dim") or h // heads)
+    return h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h + 3 * h * inter
+
+
+def _vocab_bytes(c: dict[str, Any], bytes_per: float) -> float:
+    n = int(c["vocab_size"]) * int(c["hidden_size"])
+    return n * bytes_per * (1 if c.get("tie_word_embeddings") else 2)
+
+
+def model_bytes(c: dict[str, Any], fmt: str, group: int = 128, act_bytes: float = 2.0) -> float:
+    """Weights of one model: fmt "w4" (GPTQ, group `group`; -1 = per channel) or "dense"."""
+    lin = _linear_params(c) * int(c["num_hidden_layers"])
+    if fmt == "w4":
+        g = int(c["hidden_size"]) if group <= 0 else group
+        return lin * 0.5 + lin / g * 2 * 2 * 2 + _vocab_bytes(c, 2.0)
+    return (lin + (2 * int(c["num_hidden_layers"]) + 1) * int(c["hidden_size"])) * act_bytes + _vocab_bytes(c, act_bytes)
+
+
+def head_bytes(base: dict[str, Any], act_bytes: float = 2.0) -> float:
+    h = int(base["hidden_size"])
+    return (_linear_params(base) + 2 * h * h + int(base["vocab_size"]) * h) * act_bytes
+
+
+def kv_bytes(c: dict[str, Any], context: int, act_bytes: float = 2.0) -> float:
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    hd = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    return int(c["num_hidden_layers"]) * 2 * kv_heads * hd * context * act_bytes
+
+
+def workspace_bytes(c: dict[str, Any], act_bytes: float = 2.0) -> float:
+    v, inter = int(c["vocab_size"]), int(c["intermediate_size"])
+    return PREFILL_CHUNK * (v * 4 + 4 * inter * act_bytes)
+
+
+def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str], context: int = DEFAULT_CONTEXT,
+             act_bytes: float = 2.0) -> dict[str, float]:
+    """models: role -> (config dict, "w4" | "dense", group); heads: the roles whose models carry an
+    EAGLE head. Returns bytes per part and the total."""
+    parts: dict[str, float] = {}
+    for role, (c, fmt, g) in models.items():
+        parts[role] = model_bytes(c, fmt, g, act_bytes)
+    parts["heads"] = sum(head_bytes(models[r][0], act_bytes) for r in heads if r in models)
+    ctx = min(context, min(int(c.get("max_position_embeddings") or context) for c, _, _ in models.values()))
+    parts["kv caches"] = 2 * sum(kv_bytes(c, ctx, act_bytes) for c, _, _ in models.values())
+    parts["workspace"] = max(workspace_bytes(c, act_bytes) for c, _, _ in models.values()) + CONTEXT_BYTES
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ---- stack files ------------------------------------------------------------------------------
+
+def _config_of(source: str) -> Optional[tuple[dict[str, Any], str, int]]:
+    """(config.json, format, group) of a model source: a local folder, or a hub id whose
+    config.json (a few kB) is fetched alone; None when it cannot be read (then no check)."""
+    folder = Path(source).expanduser()
+    files: dict[str, Optional[Path]] = {}
+    if folder.is_dir():
+        files = {n: folder / n for n in ("config.json", "quantize_config.json")}
+    elif folder.suffix == ".gguf" or source.startswith("pypi:"):
+        return None          # the offline CPU stack: small, never checked
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+        except ImportError:
+            return None
+        for n in ("config.json", "quantize_config.json"):
+            try:
+                files[n] = Path(hf_hub_download(source, n))
+            except Exception:
+                files[n] = None
+    try:
+        cfg = json.loads(files["config.json"].read_text()) if files.get("config.json") else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(cfg, dict) or "hidden_size" not in cfg:
+        return None
+    qc = dict(cfg.get("quantization_config") or {})
+    qf = files.get("quantize_config.json")
+    if qf is not None and qf.exists():
+        try:
+            qc.update(json.loads(qf.read_text()))
+        except (OSError, json.JSONDecodeError):
+            pass
+    if qc.get("quant_method") == "gptq" or qc.get("bits") == 4:
+        return cfg, "w4", int(qc.get("group_size", 128))
+    return cfg, "dense", 0
+
+
+def stack_estimate(spec: dict[str, Any], resolve, context: int = DEFAULT_CONTEXT,
+                   act_bytes: float = 2.0) -> Optional[dict[str, float]]:
+    """The estimate for a stack file's models (resolve: the stack's path resolver); None when a
+    model's config cannot be read."""
+    models = {}
+    for role in ("target", "intermediate"):
+        if spec.get(role):
+            got = _config_of(resolve(spec[role]["path"]))
+            if got is None:
+                return None
+            cfg, fmt, g = got
+            if spec[role].get("quantize"):
+                fmt, g = "w4", int(str(spec[role]["quantize"])[5:] or 32)
+            models[role] = (cfg, fmt, g)
+    heads = [r for r, h in (("intermediate", "e_m"), ("target", "e_t")) if spec.get(h)]
+    return estimate(models, heads, context, act_bytes)
+
+
+def describe(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v / GB:.1f} GB" for k, v in parts.items() if k != "total")
+
+
+def check_fits(name: str, parts: dict[str, float], capacity_bytes: float, gpu: str) -> None:
+    """Raise StackTooLarge when the stack needs more than the GPU's usable memory."""
+    usable = capacity_bytes * (1 - MARGIN)
+    if parts["total"] > usable:
+        raise StackTooLarge(
+            f"stack {name!r} needs about {parts['total'] / GB:.0f} GB of GPU memory ({describe(parts)}); "
+            f"{gpu} has {capacity_bytes / GB:.0f} GB, of which {usable / GB:.0f} GB are usable. Choose a smaller "
+            f"stack (python -m hierviz memory lists what fits where) or a larger GPU.")
+
+
+def table(rows: list[tuple[str, dict[str, float]]]) -> str:
+    head = "| stack | weights (GB) | total (GB) | " + " | ".join(GPUS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(GPUS))]
+    for name, parts in rows:
+        w = sum(v for k, v in parts.items() if k in ("target", "intermediate", "heads"))
+        fits = ["fits" if parts["total"] <= gb * GB * (1 - MARGIN) else "no" for gb in GPUS.values()]
+        lines.append(f"| {name} | {w / GB:.1f} | {parts['total'] / GB:.1f} | " + " | ".join(fits) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hierviz memory", description=__doc__.split("\n")[0])
+    ap.add_argument("--stack", default=None, help="a preset name or stack JSON (default: every GPU preset)")
+    ap.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="longest prompt + new tokens")
+    a = ap.parse_args(argv)
+    from hierviz.stack import PRESET_DIR, StackError, _resolve, preset_names
+    names = [a.stack] if a.stack else [n for n in preset_names() if n not in ("tiny-random",)]
+    rows = []
+    for name in names:
+        p = Path(name).expanduser()
+        p = p / "stack.json" if p.is_dir() else p
+        if not p.exists():
+            p = PRESET_DIR / f"{name}.json"
+        try:
+            spec = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: cannot read stack {name!r}: {e}", file=sys.stderr)
+            return 2
+        parts = stack_estimate(spec, lambda s: _resolve(s, p.parent), a.context) if a.stack else None
+        if parts is None:
+            parts = shape_estimate(spec, a.context)
+        if parts is None:
+            if a.stack:
+                print(f"error: {StackError.__name__}: cannot read the model configs of {name!r}", file=sys.stderr)
+                return 2
+            continue
+        rows.append((spec.get("name", name), parts))
+    print(table(rows))
+    return 0
+
+
+# The bundled shape configs of the GPU presets' models (assets/configs), so the table needs no hub.
+PRESET_SHAPES = {
+    "paper-llama3-70b": {"target": ("llama3-70b.json", "w4", 128), "intermediate": ("llama3-8b.json", "dense", 0)},
+    "vicuna-13b-w4-single-gpu": {"target": ("vicuna-13b.json", "w4", 128),
+                                 "intermediate": ("vicuna-7b.json", "dense", 0)},
+}
+
+
+def shape_estimate(spec: dict[str, Any], context: int = DEFAULT_CONTEXT) -> Optional[dict[str, float]]:
+    shapes = PRESET_SHAPES.get(spec.get("name", ""))
+    if shapes is None:
+        return None
+    root = Path(__file__).resolve().parents[1] / "assets" / "configs"
+    models = {r: (json.loads((root / f).read_text()), fmt, g) for r, (f, fmt, g) in shapes.items()}
+    heads = [r for r, h in (("intermediate", "e_m"), ("target", "e_t")) if spec.get(h)]
+    return estimate(models, heads, context)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""GPU memory estimates (hierviz.memory) and the up-front refusal of a stack that cannot fit;
+the release of a GPU weight's checkpoint-order codes once the Triton layout exists."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hierviz import memory
+from hierviz.memory import GB
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(name: str) -> dict:
+    return json.loads((ROOT / "assets" / "configs" / name).read_text())
+
+
+def test_weight_bytes_follow_the_parameter_counts() -> None:
+    c = _cfg("llama3-8b.json")
+    # Llama-3-8B: 6.98e9 linear parameters + 2 x 128256 x 4096 embedding / LM head = 8.03e9
+    assert memory.model_bytes(c, "dense") == pytest.approx(8.03e9 * 2, rel=0.01)
+    big = _cfg("llama3-70b.json")
+    lin = 80 * (8192 * 8192 * 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    assert memory.model_bytes(big, "w4", 128) == pytest.approx(lin * 0.5 + lin / 128 * 8 + 2 * 128256 * 8192 * 2)
+    assert memory.kv_bytes(big, 4096) == 80 * 2 * 8 * 128 * 4096 * 2
+
+
+@pytest.mark.parametrize("preset,fits,no", [
+    ("paper-llama3-70b", ["A100-80GB", "H100-80GB", "H200"], ["48 GB card (L40S / A6000)", "A100-40GB"]),
+    ("vicuna-13b-w4-single-gpu", ["A100-40GB", "48 GB card (L40S / A6000)"], ["24 GB card (RTX 4090 / A10G)"]),
+])
+def test_preset_budgets(preset: str, fits: list[str], no: list[str]) -> None:
+    spec = json.loads((ROOT / "assets" / "stacks" / f"{preset}.json").read_text())
+    parts = memory.shape_estimate(spec)
+    assert parts is not None and parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    for gpu in fits:
+        memory.check_fits(preset, parts, memory.GPUS[gpu] * GB, gpu)
+    for gpu in no:
+        with pytest.raises(memory.StackTooLarge, match=rf"needs about \d+ GB.*{gpu.split()[0]}"):
+            memory.check_fits(preset, parts, memory.GPUS[gpu] * GB, gpu)
+
+
+def test_memory_command_prints_the_preset_table(capsys) -> None:
+    assert memory.main([]) == 0
+    out = capsys.readouterr().out
+    assert "| paper-llama3-70b |" in out and "| vicuna-13b-w4-single-gpu |" in out and "A100-80GB" in out
+
+
+def _stack(tmp_path: Path, hidden: int) -> Path:
+    """A stack file whose models have only config.json files (the check reads nothing else)."""
+    cfg = {"hidden_size": hidden, "intermediate_size": 4 * hidden, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_hidden_layers": 32, "vocab_size": 32000, "max_position_embeddings": 4096}
+    for role in ("t", "m"):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "t" / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
+    spec = {"name": "local", "target": {"path": "t"}, "intermediate": {"path": "m"}, "e_m": {"path": "h"}}
+    (tmp_path / "stack.json").write_text(json.dumps(spec))
+    return tmp_path
+
+
+def test_a_stack_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch) -> None:
+    from hierviz import stack as stack_mod
+    base = _stack(tmp_path, 4096)
+    spec = json.loads((base / "stack.json").read_text())
+    parts = memory.stack_estimate(spec, lambda s: str(base / s))
+    assert parts is not None and 20 * GB < parts["total"] < 30 * GB       # W4 ~5 GB + fp16 ~16 GB + head + caches
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=16 * GB, name="a 16 GB test GPU"))
+    with pytest.raises(stack_mod.StackError, match="stack 'local' needs about .* a 16 GB test GPU has 16 GB"):
+        stack_mod._check_gpu_memory("local", spec, base, torch.device("cuda"), torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=80 * GB, name="an 80 GB test GPU"))
+    stack_mod._check_gpu_memory("local", spec, base, torch.device("cuda"), torch.float16)   # fits: no error
+    # a model whose config cannot be read yet: no estimate (the load itself reports the problem)
+    assert memory.stack_estimate({"target": {"path": "missing"}}, lambda s: str(base / s)) is None
+
+
+def test_released_codes_are_rebuilt_from_the_kernel_layout() -> None:
+    pytest.importorskip("triton")
+    from hierviz.quant import triton_w4
+    from hierviz.quant.w4 import codes_of, dequantize, quantize_rtn
+    for g in (32, 128, 512):
+        w = quantize_rtn(torch.randn(96, 1024), g)
+        original, dense = w.codes.clone(), dequantize(w)
+        triton_w4.packed(w, torch.float16)
+        # what packed() does to a CUDA weight: the checkpoint order goes, the shape stays
+        w.codes = torch.empty(1, dtype=torch.uint8).expand(*w.codes.shape)
+        assert triton_w4.codes_released(w) and w.out_features == 96 and w.in_features == 1024
+        assert torch.equal(codes_of(w), original) and torch.equal(dequantize(w), dense)
+        rows = torch.tensor([0, 5, 95])
+        assert torch.equal(triton_w4.source_codes(w, rows), original[rows])
+        assert torch.equal(w.to("cpu").codes, original)
