@@ -141,7 +141,7 @@ def test_synthetic_weights_stay_finite_at_wide_shapes_in_fp16() -> None:
     fp16: over-scaled weights overflowed by layer 2 and silently flattened EAGLE-2's trees."""
     from hierviz.models.config import ModelConfig
     from hierviz.whatif import synthetic_model
-    cfg = ModelConfig(vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=3, num_heads=64,
+    cfg = ModelConfig(vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=2, num_heads=64,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=64)
     m = synthetic_model(cfg, "w4", torch.float16, "cpu", "reference", 0)
     toks = torch.arange(6)
