@@ -1,6 +1,6 @@
 """HierSpec's sequence-draft settings against EAGLE-2, side by side in one process.
 
-    PYTHONPATH=. python scripts/draft_sweep.py --questions ../shared/data/spec_bench_question.jsonl \
+    PYTHONPATH=. python scripts/draft_sweep.py --questions assets/data/spec_bench_question.jsonl \
         [--limit 1] [--max-new-tokens 64] [--device cpu] [--stack smollm2-offline] [--eagle-trees 8,12]
 
 Every configuration runs on every question, interleaved per question (machine drift hits all

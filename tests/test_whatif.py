@@ -136,9 +136,12 @@ def test_trace_without_the_method(engine_trace: Path, tmp_path: Path, capsys) ->
     assert "no run of spec" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_synthetic_weights_stay_finite_at_wide_shapes_in_fp16() -> None:
     """Synthetic W4 layers of a wide (70B-like hidden 8192 / MLP 28672) shape kept finite in
-    fp16: over-scaled weights overflowed by layer 2 and silently flattened EAGLE-2's trees."""
+    fp16: over-scaled weights overflowed by layer 2 and silently flattened EAGLE-2's trees.
+    Slow on a CPU (~40 s: fp16 dequantization of 0.7e9 weights); every what-if run also refuses
+    a synthetic model whose logits are not finite (whatif._check_finite, tested below)."""
     from hierviz.models.config import ModelConfig
     from hierviz.whatif import synthetic_model
     cfg = ModelConfig(vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=2, num_heads=64,

@@ -87,10 +87,10 @@ class Config:
 
 # Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
 # see docs/kernels.md. Keyed by the largest M each entry serves: the first two are the small-M
-# (GEMV-like, split-K) path, the others the tiled path. The M <= 16 entry was re-tuned in session 15 for
-# the fixed-order split-K (4 ways, 3 stages: 63.8-64.1 us at M = 2..8, 59.1 at 16, vs 67.6-68.5 /
-# 62.4 with the atomic-era 8 ways, 4 stages).
-# Session 16 tuned M = 2, 4, 8 separately (`--tune --tune-ms 2,8,16`, fixed-order split-K): the plain-
+# (GEMV-like, split-K) path, the others the tiled path. The M <= 16 entry is tuned for the
+# fixed-order split-K (4 ways, 3 stages: 63.8-64.1 us at M = 2..8, 59.1 at 16, vs 67.6-68.5 /
+# 62.4 with 8 ways, 4 stages).
+# M = 2, 4, 8 tuned separately (`--tune --tune-ms 2,8,16`, fixed-order split-K): the plain-
 # unpack 64-row entry (TUNED_PLAIN_SMALL_M below) measured 60.3-60.9 us at M = 2..8 against 64.0-64.7 for
 # the factored 128-row one, which stays for M = 9..16 (58.1 vs 62.1 at M = 16). (A tile-major code copy,
 # `tiled`, was 1-2 us faster still, but doubles the codes' memory: not a default.)
@@ -102,13 +102,14 @@ TUNED: dict[int, Config] = {
     64: Config(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, tma=True),
     # 64 rows, not 128: with 128-row tiles and one K split (pointer loads, 8 warps, 3 stages) the H200
     # returned garbage or NaN for whole row blocks, run to run, on the shipped M's GPTQ weights (g64)
-    # in long prefills (800+ rows; session 17: M's fp16 drafts for Spec-Bench's summarization prompt
-    # were never accepted); 64-row tiles were right in every repeat (tests/test_gpu.py)
+    # in long prefills (800+ rows: M's fp16 drafts for Spec-Bench's summarization prompt
+    # were never accepted); 64-row tiles were right in every repeat (tests/test_gpu.py). The likely
+    # cause is the in-flight wgmma hazard fixed in _w4_kernel; 64 rows stay, the tiles the sweep proved.
     1 << 30: Config(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=3),
 }
 
 
-# The plain-unpack small-M entry (session 9's tuning) for where the factored one was not
+# The plain-unpack small-M entry for where the factored one was not
 # shown to win: bf16 activations (factored measured slower: 83.6 vs 64.0 us at M = 1 on the
 # up-projection) and groups under 64 (its per-group reduction and correction then run 2-4x as
 # often per weight; the SmolLM2 stack's GGUF groups are 32, measured fast with this entry).
@@ -712,11 +713,11 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 # Split-K products meet in a fixed order by default (ORDERED, _store_product): bitwise repeatable
 # results, as lossless decoding needs (fp16 atomic adds made one prompt's AR output differ between
-# runs, session 14). HIERVIZ_W4_DETERMINISTIC=0 goes back to atomic adds (docs/kernels.md has both
+# runs). HIERVIZ_W4_DETERMINISTIC=0 goes back to atomic adds (docs/kernels.md has both
 # measured side by side).
 DETERMINISTIC = os.environ.get("HIERVIZ_W4_DETERMINISTIC", "1") != "0"
 
-# Partial tiles read per step of the ORDERED sum (H200, session 15: 1 and 4 tie at the 70B
+# Partial tiles read per step of the ORDERED sum (H200: 1 and 4 tie at the 70B
 # up-projection, 4 is 0.8 us faster at K=1536, N=576; 8 slowed the 70B shape by 26-37 us).
 REDUCE_CHUNK = 4
 
