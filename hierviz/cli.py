@@ -11,7 +11,8 @@ from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_sett
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench",
-             "w4-sweep": "hierviz.quant.w4_sweep", "memory": "hierviz.memory"}
+             "w4-sweep": "hierviz.quant.w4_sweep", "memory": "hierviz.memory",
+             "synthetic-stack": "hierviz.synthetic_stack"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -107,7 +108,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "  train         train the offline stack's intermediate model and EAGLE heads\n"
               "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n"
               "  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)\n"
-              "  memory        GPU memory each stack needs, against common GPUs\n")
+              "  memory        GPU memory each stack needs, against common GPUs\n"
+              "  synthetic-stack  a GPU preset's checkpoints with random weights, in its exact layouts\n")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "generate":
