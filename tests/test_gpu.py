@@ -154,3 +154,44 @@ def test_long_prefill_products_of_the_shipped_intermediate() -> None:
                 for _ in range(3):
                     y = w4_linear(x, wt, kernel="triton").float()
                     assert float((y - ref).norm() / ref.norm()) < 1e-2, (li, name, rows)
+
+
+def test_w4_codes_are_held_once_and_rebuilt_on_the_gpu() -> None:
+    """After the first Triton product a GPU weight keeps only the kernel's code layout; every other
+    reader (dequantize, .to) gets the checkpoint order back, bit for bit; the first-use check of
+    the production configuration passed."""
+    from hierviz.quant import triton_w4
+    from hierviz.quant.w4 import codes_of, dequantize, quantize_rtn
+    torch.manual_seed(0)
+    w = quantize_rtn(torch.randn(1024, 4096) * 0.02, 128)
+    w = type(w)(w.codes.cuda(), w.scales.half().cuda(), w.offsets.half().cuda(), 128)
+    original = w.codes.clone()
+    dense = dequantize(w, torch.float32)
+    for m in (1, 7, 48, 300):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        y = triton_w4.triton_w4_matmul(x, w)
+        ref = x.float() @ dense.t()
+        assert float((y.float() - ref).norm() / ref.norm()) < 5e-3
+    assert triton_w4.codes_released(w) and w.codes.untyped_storage().nbytes() == 1
+    assert torch.equal(codes_of(w), original) and torch.equal(dequantize(w, torch.float32), dense)
+    assert all(v is not None for k, v in triton_w4._VERIFIED.items() if k[2:4] == (1024, 4096))
+
+
+def test_w4_sweep_small_shapes_on_the_gpu(tmp_path) -> None:
+    from hierviz.quant import w4_sweep
+    assert w4_sweep.main(["--shapes", "4096x1024,1024x4096", "--rows", "1-70,129,512", "--groups", "64,128,channel",
+                          "--out", str(tmp_path)]) == 0
+
+
+def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -> None:
+    """The steering of --exact reaches rows the static runners hand out as copies of their graph
+    outputs: seeded drafts are accepted on the GPU path too, and every output equals AR's."""
+    import json
+
+    from hierviz import whatif
+    assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods",
+                        "ar,spec,eagle2,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
+    seeded = {r["method"]: r for r in runs if r["seeded"] and not r["miss_every"]}
+    assert all(r["identical"] for r in runs)
+    assert all(seeded[m]["tokens_per_round"] > 2 for m in ("spec", "eagle2", "hierspec")), seeded

@@ -47,12 +47,17 @@ def triton_version() -> Optional[str]:
     return ".".join(triton.__version__.split(".")[:2])
 
 
+_PROVEN: dict[int, bool] = {}
+
+
 def platform_proven(device: torch.device) -> bool:
     """Whether this GPU and Triton are a pair the full correctness sweep passed on."""
     if device.type != "cuda":
         return True          # the interpreter: the CPU tests check it
-    major = torch.cuda.get_device_capability(device)[0]
-    return (major, triton_version()) in PROVEN_PLATFORMS
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _PROVEN:     # asked on every product: a device query each time would cost host time
+        _PROVEN[i] = (torch.cuda.get_device_capability(i)[0], triton_version()) in PROVEN_PLATFORMS
+    return _PROVEN[i]
 
 
 _DOT = re.compile(r"^\s*(%[\w#:]+)\s*=\s*ttng\.warp_group_dot\s+(%[\w]+)(?:#\d+)?\s*,.*?\}\s*:\s*(\S+)")
