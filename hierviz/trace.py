@@ -8,6 +8,7 @@ malformed documents with a `TraceError` whose message is fit to show a user.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -146,6 +147,10 @@ def trace_stats(steps: list[Step]) -> dict[str, Any]:
 
 # ---- loading and validation --------------------------------------------------------------------
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)      # JSON true/false are no counts or ids
+
+
 def _req(d: Any, key: str, typ, where: str):
     if not isinstance(d, dict):
         raise TraceError(f"{where}: expected an object")
@@ -178,7 +183,7 @@ def _tree(d: Any, where: str) -> DraftTree:
         if n.parent != 0 and n.parent not in ids:
             raise TraceError(f"{where}: node {n.id} has unknown parent {n.parent}")
     accepted = _req(d, "accepted", list, where)
-    if not all(isinstance(a, int) and a in ids for a in accepted):
+    if not all(_is_int(a) and a in ids for a in accepted):
         raise TraceError(f"{where}.accepted: must list node ids of the tree")
     verifier = _req(d, "verifier", str, where)
     if verifier not in ("intermediate", "target"):
@@ -193,14 +198,14 @@ def _step(d: Any, where: str) -> Step:
         raise TraceError(f"{where}.method: unknown method {method!r}")
     timings = _req(d, "timings_ms", dict, where)
     for k, v in timings.items():
-        if k not in STAGES or not isinstance(v, (int, float)) or v < 0:
+        if k not in STAGES or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
             raise TraceError(f"{where}.timings_ms: bad entry {k!r}: {v!r}")
     new_tokens = _req(d, "new_tokens", list, where)
     new_text = _req(d, "new_text", list, where)
     new_sources = _req(d, "new_sources", list, where)
     if not (len(new_tokens) == len(new_text) == len(new_sources)):
         raise TraceError(f"{where}: new_tokens, new_text and new_sources differ in length")
-    if not all(isinstance(t, int) for t in new_tokens) or not all(isinstance(t, str) for t in new_text):
+    if not all(_is_int(t) for t in new_tokens) or not all(isinstance(t, str) for t in new_text):
         raise TraceError(f"{where}: new_tokens must be integers and new_text strings")
     if not all(s in SOURCES for s in new_sources):
         raise TraceError(f"{where}.new_sources: entries must be one of {SOURCES}")
@@ -216,7 +221,7 @@ def _step(d: Any, where: str) -> Step:
             raise TraceError(f"{w}.tree: no tree {tree_idx} in this step")
         seq.append(SeqToken(_req(s, "token", int, w), _req(s, "text", str, w), src, tree_idx))
     forwards = _opt(d, "forwards", dict, where, {})
-    if not all(isinstance(v, int) and v >= 0 for v in forwards.values()):
+    if not all(_is_int(v) and v >= 0 for v in forwards.values()):
         raise TraceError(f"{where}.forwards: counts must be non-negative integers")
     return Step(_req(d, "index", int, where), method, new_tokens, new_text, new_sources,
                 {k: float(v) for k, v in timings.items()}, trees, seq,
@@ -240,11 +245,14 @@ def trace_from_dict(d: Any) -> Trace:
 
 
 def _parse(text: str | bytes) -> Any:
-    if len(text) > MAX_TRACE_BYTES:
-        raise TraceError(f"trace is {len(text) / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
+    # a str is measured in UTF-8 bytes, as a file would be (characters undercount non-ASCII text)
+    size = len(text) if isinstance(text, bytes) or len(text) > MAX_TRACE_BYTES else len(text.encode("utf-8", "replace"))
+    if size > MAX_TRACE_BYTES:
+        raise TraceError(f"trace is {size / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    # RecursionError: JSON nested deeper than the parser's stack (an upload built to crash it)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TraceError(f"not valid JSON: {e}") from None
 
 
