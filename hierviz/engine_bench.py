@@ -7,7 +7,7 @@
    path without graphs; this checks the graphs).
 2. AR speed at SmolLM2-135M's shapes with synthetic weights (assets/configs/smollm2-135m.json):
    our engine with CUDA graphs vs our engine eager vs a plain transformers LlamaForCausalLM
-   greedy `generate` loop built from the same fp16 weights (what DESIGN.md 7 calls ~40-50
+   greedy `generate` loop built from the same fp16 weights (~40-50
    tokens/s on the H200), plus W4A16 (RTN g32, Triton kernel) for the target.
 3. One round of EAGLE-2 and of HierSpec at the same shapes (6-layer intermediate, random EAGLE
    heads: acceptance is ~0 with random heads, so only the per-round costs mean anything).

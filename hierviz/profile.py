@@ -4,7 +4,7 @@
     python -m hierviz profile --shape assets/configs/llama3-8b.json --tokens 1,8,64 --out DIR
     python -m hierviz profile --device cpu --shape smollm2 --tokens 1,4 --out DIR   # tiny CPU run
 
-What it measures (DESIGN.md 2): one forward of T new tokens (T = 1..128, as when verifying a
+What it measures: one forward of T new tokens (T = 1..128, as when verifying a
 draft of T tokens) over a KV cache that already holds `--context` tokens, at a real model's
 shapes with synthetic weights, for dense fp16 weights and for W4A16 weights (the engine's
 Triton kernel; torch's `_weight_int4pack_mm` "tinygemm" for one layer, bf16). Two scopes:

@@ -1,5 +1,5 @@
-"""The four decoders (DESIGN.md 3.6): AR, sequence speculative decoding, EAGLE-2 on the
-target, and HierSpec. Each is a generator of trace `Step`s, one per round, forever; the
+"""The four decoders, sharing the model code and the trace format: AR, sequence speculative
+decoding, EAGLE-2 on the target, and HierSpec. Each is a generator of trace `Step`s, one per round, forever; the
 driver (hierviz.engine) stops it on EOS, the token budget or a user's Stop. Step 0 is the
 prefill round that produces the first token.
 """

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft tree (Li et al. 2024), as DESIGN.md 3.2 states it.
+"""EAGLE-2 dynamic draft tree (Li et al. 2024).
 
 Root = the last accepted token. The head drafts the root's top-K children; at each further
 depth the K best nodes of the previous depth (by cumulative log-prob) are expanded in one head

@@ -1,4 +1,4 @@
-"""Accept/reject decisions (DESIGN.md 3.3-3.5), greedy and lossless sampling.
+"""Accept/reject decisions, greedy and lossless sampling (tree and sequence level).
 
 Tree level: a node's children are distinct, deterministic candidates; trying them in order
 with "accept x with probability p(x), else zero it and renormalise" samples exactly from p.

@@ -1,4 +1,5 @@
-"""The Profile chart: forward latency against the number of verified tokens (DESIGN.md 2).
+"""The Profile chart: forward latency against the number of verified tokens
+(the memory-bound range a W4 target keeps while it verifies few tokens).
 
 Input is the dict that `python -m hierviz profile` writes (hierviz.profile, schema
 "hierviz.profile/1"). One panel per scope (one decoder layer, the whole model); one line per
