@@ -190,30 +190,43 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.load:
         return measure_load(a.load, a.compare, a.trace, a.max_new_tokens, a.context)
-    from hierviz.stack import PRESET_DIR, StackError, _resolve, preset_names
+    from hierviz.stack import preset_names
     names = [a.stack] if a.stack else [n for n in preset_names() if n not in ("tiny-random",)]
     rows = []
     for name in names:
-        p = Path(name).expanduser()
-        p = p / "stack.json" if p.is_dir() else p
-        if not p.exists():
-            p = PRESET_DIR / f"{name}.json"
         try:
-            spec = json.loads(p.read_text())
+            spec, base = _stack_file(name)
         except (OSError, json.JSONDecodeError) as e:
             print(f"error: cannot read stack {name!r}: {e}", file=sys.stderr)
             return 2
-        parts = stack_estimate(spec, lambda s: _resolve(s, p.parent), a.context) if a.stack else None
+        # one stack: its own models' configs (local or fetched); the preset table: bundled shapes
+        parts = stack_estimate(spec, _resolver(base), a.context) if a.stack else None
         if parts is None:
             parts = shape_estimate(spec, a.context)
         if parts is None:
             if a.stack:
-                print(f"error: {StackError.__name__}: cannot read the model configs of {name!r}", file=sys.stderr)
+                print(f"error: cannot read the model configs of stack {name!r}", file=sys.stderr)
                 return 2
             continue
         rows.append((spec.get("name", name), parts))
     print(table(rows))
     return 0
+
+
+def _stack_file(name: str) -> tuple[dict[str, Any], Path]:
+    """(the stack JSON, its folder) of a stack file, a folder holding stack.json, or a preset name,
+    found as load_stack finds it."""
+    from hierviz.stack import PRESET_DIR
+    p = Path(name).expanduser()
+    p = p / "stack.json" if p.is_dir() else p
+    if not p.exists():
+        p = PRESET_DIR / f"{name}.json"
+    return json.loads(p.read_text()), p.parent
+
+
+def _resolver(base: Path):
+    from hierviz.stack import _resolve
+    return lambda source: _resolve(source, base)
 
 
 def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new: int, context: int) -> int:
@@ -236,6 +249,11 @@ def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new
     if cuda:
         out["gpu_allocated_gb"] = round(torch.cuda.memory_allocated() / GB, 2)
         out["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
+    if name != "tiny-random":
+        spec, base = _stack_file(name)
+        parts = stack_estimate(spec, _resolver(base), context, torch.finfo(stack.models.target.dtype).bits / 8)
+        if parts is not None:
+            out["estimate_gb"] = {k: round(v / GB, 2) for k, v in parts.items()}
     if prompt:
         from hierviz.decoding.settings import default_settings
         from hierviz.engine import generate, output_tokens
@@ -265,12 +283,14 @@ PRESET_SHAPES = {
 }
 
 
+CONFIGS = Path(__file__).resolve().parents[1] / "assets" / "configs"
+
+
 def shape_estimate(spec: dict[str, Any], context: int = DEFAULT_CONTEXT) -> Optional[dict[str, float]]:
     shapes = PRESET_SHAPES.get(spec.get("name", ""))
     if shapes is None:
         return None
-    root = Path(__file__).resolve().parents[1] / "assets" / "configs"
-    models = {r: (json.loads((root / f).read_text()), fmt, g) for r, (f, fmt, g) in shapes.items()}
+    models = {r: (json.loads((CONFIGS / f).read_text()), fmt, g) for r, (f, fmt, g) in shapes.items()}
     heads = [r for r, h in (("intermediate", "e_m"), ("target", "e_t")) if spec.get(h)]
     return estimate(models, heads, context)
 

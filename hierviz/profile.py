@@ -98,15 +98,6 @@ def _tinygemm(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 register_kernel("tinygemm", _tinygemm)
 
 
-def _free_codes(layer: DecoderLayer) -> None:
-    """After the Triton kernel built its own code layout, drop the original codes (keeping
-    their shape through a zero-stride view), so a 70B model is held once, not twice."""
-    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-        for w in lin.w4:
-            if w.__dict__.get("_triton_w4_cache"):
-                w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
-
-
 def build_layer(cfg: ModelConfig, fmt: str, kernel: str, g: int, dtype: torch.dtype, device: str,
                 seed: int) -> DecoderLayer:
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -262,8 +253,6 @@ def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda
             for t in tokens:
                 args = st.inputs(t)
                 layer_us.append(timer(lambda: st.forward(*args)))
-            if fmt["kernel"] == "triton":
-                _free_codes(layer)
         except Exception as e:
             info["notes"].append(f"{fmt['name']}: one-layer forward failed: {e}")
             log(f"[profile] {fmt['name']}: one-layer forward failed ({e})")
@@ -282,12 +271,11 @@ def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda
             try:
                 for i in range(1, cfg.num_layers):
                     lay = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, dtype, device, seed=10 + i)
-                    if fmt["kernel"] == "triton":
-                        from hierviz.quant.triton_w4 import packed
+                    if fmt["kernel"] == "triton":   # the kernel layout now, which releases the
+                        from hierviz.quant.triton_w4 import packed   # checkpoint-order codes
                         for lin in (lay.qkv, lay.o, lay.gate_up, lay.down):
                             for w in lin.w4:
                                 packed(w, dtype)
-                        _free_codes(lay)
                     layers.append(lay)
                 st = Stack(cfg, layers, head, dtype, device, context, max_t)
                 model_us = []

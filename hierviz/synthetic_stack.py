@@ -26,15 +26,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.stack import PRESET_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "assets" / "configs"
-# the bundled shape of each GPU preset's models
-PRESET_MODELS = {
-    "paper-llama3-70b": {"target": "llama3-70b.json", "intermediate": "llama3-8b.json"},
-    "vicuna-13b-w4-single-gpu": {"target": "vicuna-13b.json", "intermediate": "vicuna-7b.json"},
-}
+PRESET_MODELS = PRESET_SHAPES      # the presets with bundled shapes: the ones this can write
 SHARD_BYTES = 5 * 1024 ** 3      # what the hub's big checkpoints use (~5 GB shards)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -183,17 +178,18 @@ def write_stack(preset: str, out: Path, scale: str = "full", tokenizer_from: Opt
     spec = json.loads((PRESET_DIR / f"{preset}.json").read_text())
     vocab_tiny = 500
     cfgs = {}
-    for role, name in PRESET_MODELS[preset].items():
+    for role, (name, _, _) in PRESET_MODELS[preset].items():
         cfg = {k: v for k, v in json.loads((CONFIGS / name).read_text()).items() if not k.startswith("_")}
         cfgs[role] = tiny_config(cfg, vocab_tiny) if scale == "tiny" else cfg
     gen = _Gen(seed, device)
     info: dict[str, Any] = {"preset": preset, "scale": scale, "bytes": {}, "seconds": {}}
-    qc = {"bits": 4, "group_size": 128 if scale == "full" else 32, "desc_act": False, "sym": True,
+    group = PRESET_MODELS[preset]["target"][2] if scale == "full" else 32
+    qc = {"bits": 4, "group_size": group, "desc_act": False, "sym": True,
           "checkpoint_format": "gptq", "quant_method": "gptq", "damp_percent": 0.01}
     for role, cfg in cfgs.items():
         t0 = time.perf_counter()
         folder = out / role
-        gptq = role == "target"
+        gptq = PRESET_MODELS[preset][role][1] == "w4"
         info["bytes"][role] = write_sharded(folder, _model_tensors(cfg, gen, qc["group_size"] if gptq else None),
                                             SHARD_BYTES if scale == "full" else 40_000)
         written = {**cfg, "torch_dtype": "float16", **({"quantization_config": qc} if gptq else {})}

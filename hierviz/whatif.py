@@ -37,7 +37,7 @@ from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
-from hierviz.profile import _dense, _free_codes, _layer_weights, load_shape
+from hierviz.profile import _dense, _layer_weights, load_shape
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -497,9 +497,6 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
         run_one(models, m, warm, make(m), prompt, cache_len)
     cuda_graphs.prepare_models(models.present())    # buckets the short warm-up did not reach
-    w4_layers = list(models.target.layers) + (list(models.intermediate.layers) if a.intermediate_format == "w4" else [])
-    for layer in w4_layers:   # Triton keeps its own code layout: hold the 70B codes once
-        _free_codes(layer)
     results = {m: run_repeated(models, m, s, make, prompt, cache_len, a.repeat) for m in methods}
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,

@@ -137,15 +137,13 @@ def steer_head(head, registry: _Registry) -> None:
             registry.record(positions, 2, out)
             return out
 
-        def draft_logprobs(self, hidden):
-            logits, ids = self.draft_logits(hidden)
+        def draft_logits(self, hidden):
+            # raised before the head's own sharpening and log-softmax (SharpHead), which stay as
+            # they are: the boost keeps the steered token first at any positive scale
+            logits, ids = base.draft_logits(self, hidden)
             if ids is not None:
                 raise ValueError("--exact steers the full draft vocabulary; drop --draft-vocab")
-            scale = getattr(self, "_scale", None)
-            if scale is None:    # the what-if heads' sharpening (SharpHead), measured once
-                from hierviz.whatif import SHARPEN
-                scale = self._scale = SHARPEN / max(float(logits.std(-1).mean()), 1e-6)
-            return torch.log_softmax(_boost(logits * scale, registry.successors(hidden)), -1), ids
+            return _boost(logits, registry.successors(hidden)), ids
 
     head.__class__ = Steered
 

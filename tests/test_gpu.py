@@ -161,7 +161,7 @@ def test_w4_codes_are_held_once_and_rebuilt_on_the_gpu() -> None:
     reader (dequantize, .to) gets the checkpoint order back, bit for bit; the first-use check of
     the production configuration passed."""
     from hierviz.quant import triton_w4
-    from hierviz.quant.w4 import codes_of, dequantize, quantize_rtn
+    from hierviz.quant.w4 import codes_of, codes_released, dequantize, quantize_rtn
     torch.manual_seed(0)
     w = quantize_rtn(torch.randn(1024, 4096) * 0.02, 128)
     w = type(w)(w.codes.cuda(), w.scales.half().cuda(), w.offsets.half().cuda(), 128)
@@ -172,7 +172,7 @@ def test_w4_codes_are_held_once_and_rebuilt_on_the_gpu() -> None:
         y = triton_w4.triton_w4_matmul(x, w)
         ref = x.float() @ dense.t()
         assert float((y.float() - ref).norm() / ref.norm()) < 5e-3
-    assert triton_w4.codes_released(w) and w.codes.untyped_storage().nbytes() == 1
+    assert codes_released(w) and w.codes.untyped_storage().nbytes() == 1
     assert torch.equal(codes_of(w), original) and torch.equal(dequantize(w, torch.float32), dense)
     assert all(v is not None for k, v in triton_w4._VERIFIED.items() if k[2:4] == (1024, 4096))
 

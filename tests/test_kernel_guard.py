@@ -47,7 +47,7 @@ _SCRIPT = textwrap.dedent("""
     for name, kw in (("good", {}), ("bad_tma", {"bad_tma": True}), ("bad_all", {"bad_all": True}),
                      ("hazard", {"hazard": True})):
         triton_w4._VERIFIED.clear()
-        triton_w4._HAZARD_FREE.clear()
+        triton_w4._HAZARDS.clear()
         triton_w4._launch = launch(**kw)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

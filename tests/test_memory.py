@@ -83,14 +83,14 @@ def test_a_stack_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch
 def test_released_codes_are_rebuilt_from_the_kernel_layout() -> None:
     pytest.importorskip("triton")
     from hierviz.quant import triton_w4
-    from hierviz.quant.w4 import codes_of, dequantize, quantize_rtn
+    from hierviz.quant.w4 import codes_of, codes_released, dequantize, quantize_rtn
     for g in (32, 128, 512):
         w = quantize_rtn(torch.randn(96, 1024), g)
         original, dense = w.codes.clone(), dequantize(w)
         triton_w4.packed(w, torch.float16)
         # what packed() does to a CUDA weight: the checkpoint order goes, the shape stays
         w.codes = torch.empty(1, dtype=torch.uint8).expand(*w.codes.shape)
-        assert triton_w4.codes_released(w) and w.out_features == 96 and w.in_features == 1024
+        assert codes_released(w) and w.out_features == 96 and w.in_features == 1024
         assert torch.equal(codes_of(w), original) and torch.equal(dequantize(w), dense)
         rows = torch.tensor([0, 5, 95])
         assert torch.equal(triton_w4.source_codes(w, rows), original[rows])

@@ -63,5 +63,7 @@ def test_memory_load_measures_a_stack_and_records_a_comparison(tmp_path: Path, c
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["stack"] == "vicuna-13b-w4-single-gpu-synthetic" and got["load_s"] >= 0 and got["peak_host_rss_gb"] > 0
     assert got["identical_to_ar"] == {"hierspec": True, "eagle2": True}
+    assert got["estimate_gb"]["total"] == pytest.approx(sum(v for k, v in got["estimate_gb"].items() if k != "total"),
+                                                        abs=0.05)
     assert [t.meta["method"] for t in comparison_from_json(trace.read_text())] == ["hierspec", "eagle2", "ar"]
     assert memory.main(["--load", str(tmp_path / "missing")]) == 2

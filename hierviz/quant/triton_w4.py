@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 
 from hierviz.quant import kernel_guard
-from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize, pack_codes, register_kernel, unpack_codes
+from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_released, dequantize, pack_codes, register_kernel,
+                              unpack_codes)
 
 try:  # import must work on machines without a GPU (and without triton at all)
     import triton
@@ -241,10 +242,6 @@ def unrepack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
     return pack_codes(q.reshape(n, half_k * 2))
 
 
-def codes_released(w: W4Weight) -> bool:
-    return w.codes.dim() == 2 and w.codes.stride() == (0, 0) and w.codes.numel() > 1
-
-
 def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """w's codes in the W4Weight order (rows of them), rebuilt from the kernel's layout when the
     originals were released."""
@@ -254,13 +251,6 @@ def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tens
     if rows is not None:
         rep = rep.index_select(0, rows.to(rep.device))
     return unrepack_codes(rep, _sub_block(w.group_size))
-
-
-def source_weight(w: W4Weight) -> W4Weight:
-    """w with its codes in the W4Weight order (a copy when they were released)."""
-    if not codes_released(w):
-        return w
-    return W4Weight(source_codes(w), w.scales, w.offsets, w.group_size, w.perm, w.batch_invariant)
 
 
 def tiled_codes(w: W4Weight, block_n: int) -> torch.Tensor:
@@ -834,7 +824,7 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
 # (device, dtype, N, K, group, config) -> the configuration that passed the first-use checks
 # (the chosen one or its pointer-load variant), or None: use the reference product.
 _VERIFIED: dict[tuple, Optional[Config]] = {}
-_HAZARD_FREE: dict[int, list[str]] = {}
+_HAZARDS: dict[int, list[str]] = {}     # compiled kernel -> its TTGIR hazards
 
 
 def _verified(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config) -> Optional[Config]:
@@ -872,14 +862,14 @@ def _verified(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config) -> Optional[
 def _hazards_of(kernel) -> list[str]:
     """Scheduling hazards in a compiled kernel's TTGIR (cached per compiled kernel)."""
     ident = id(kernel)
-    if ident not in _HAZARD_FREE:
+    if ident not in _HAZARDS:
         asm = getattr(kernel, "asm", None) or {}
-        _HAZARD_FREE[ident] = kernel_guard.async_register_hazards(asm.get("ttgir", ""))
-    return _HAZARD_FREE[ident]
+        _HAZARDS[ident] = kernel_guard.async_register_hazards(asm.get("ttgir", ""))
+    return _HAZARDS[ident]
 
 
 def _reference_product(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor]) -> torch.Tensor:
-    y = x @ dequantize(source_weight(w), x.dtype).t()
+    y = x @ dequantize(w, x.dtype).t()      # dequantize rebuilds released codes (w4.codes_of)
     return y if add_to is None else add_to.add_(y)
 
 

@@ -86,15 +86,20 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
 
+def codes_released(w: W4Weight) -> bool:
+    """Whether w.codes is only a zero-stride placeholder (see codes_of)."""
+    c = w.codes
+    return c.dim() == 2 and c.numel() > 1 and c.stride() == (0, 0)
+
+
 def codes_of(w: W4Weight) -> torch.Tensor:
     """w's codes in this format's order. A GPU weight's codes live only in the Triton kernel's
     layout once it has run (hierviz.quant.triton_w4.packed releases them, keeping their shape
     as a zero-stride view); they are rebuilt from it here for every other reader."""
-    c = w.codes
-    if c.dim() == 2 and c.numel() > 1 and c.stride() == (0, 0):
+    if codes_released(w):
         from hierviz.quant.triton_w4 import source_codes
         return source_codes(w)
-    return c
+    return w.codes
 
 
 def dequantize(w: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -39,7 +39,6 @@ MODELS: dict[str, tuple[int, int, int]] = {
     "qwen2.5-32b": (5120, 27648, 1024), "qwen2.5-72b": (8192, 29568, 1024),
 }
 PREFILL_ROWS = [129, 160, 192, 255, 256, 320, 384, 511, 512, 640, 768, 1000, 1024, 1536, 2047, 2048]
-TOLERANCE_SCALE = 1.0
 
 
 def model_shapes(names: list[str]) -> dict[tuple[int, int], list[str]]:
@@ -93,7 +92,7 @@ def sweep_weight(k: int, n: int, g: int, act_order: bool, dtype: torch.dtype, ro
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     x = torch.randn(m_max, k, device=device, generator=gen).to(dtype)
     ref = x.float() @ dequantize_unpermuted(w, torch.float32).t()
-    tol = kernel_guard.TOLERANCE[dtype] * TOLERANCE_SCALE
+    tol = kernel_guard.TOLERANCE[dtype]
     results = []
     for path in paths:
         for mode in modes:
@@ -101,8 +100,7 @@ def sweep_weight(k: int, n: int, g: int, act_order: bool, dtype: torch.dtype, ro
             ms = [m for m in rows if mode == "normal" or m <= INVARIANT_MAX_ROWS]
             if not ms:
                 continue
-            worst = torch.zeros((), device=device)
-            wrong, bits = [], []
+            bits = []
             alone = None
             # Bit-invariance is a property of the GPU's MMA (each output's K order fixed whatever
             # the tile): the interpreter's numpy matmul rounds by its own blocking, so it is
