@@ -12,7 +12,7 @@ from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_sett
 DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench",
              "w4-sweep": "hierviz.quant.w4_sweep", "memory": "hierviz.memory",
-             "synthetic-stack": "hierviz.synthetic_stack"}
+             "synthetic-stack": "hierviz.synthetic_stack", "app-check": "hierviz.app_check"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -109,7 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n"
               "  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)\n"
               "  memory        GPU memory each stack needs, against common GPUs\n"
-              "  synthetic-stack  a GPU preset's checkpoints with random weights, in its exact layouts\n")
+              "  synthetic-stack  a GPU preset's checkpoints with random weights, in its exact layouts\n"
+              "  app-check     drive the web app once through its API and check the outputs\n")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "generate":

@@ -256,12 +256,14 @@ def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new
             out["estimate_gb"] = {k: round(v / GB, 2) for k, v in parts.items()}
     if prompt:
         from hierviz.decoding.settings import default_settings
-        from hierviz.engine import generate, output_tokens
+        from hierviz.engine import generate, output_tokens, warm_up
         from hierviz.trace import save_comparison
         s = default_settings(str(stack.device))
         s.max_new_tokens = max_new
         runs, outputs = [], {}
-        for method in ("hierspec", "eagle2", "ar"):
+        methods = ["hierspec", "eagle2", "ar"]
+        warm_up(stack, methods, s)     # first-call costs (compiles, graph captures) stay out of the timings
+        for method in methods:
             tr = generate(stack, method, prompt, s)
             runs.append(tr)
             outputs[method] = output_tokens(tr)

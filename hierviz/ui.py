@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import gradio as gr
+# Gradio's launch analytics phone home and, with this theme's plain font names, fail in launch()
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+import gradio as gr  # noqa: E402
 
 from hierviz.decoding.settings import DecodeSettings, SettingsError, default_settings
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json, save_comparison

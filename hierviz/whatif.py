@@ -347,6 +347,8 @@ def parser() -> argparse.ArgumentParser:
                     help="no forced acceptance: check every method's output equals AR's, with the drafts as drawn "
                          "and seeded from AR's continuation (hierviz/whatif_exact.py); exit code 1 on a difference")
     ap.add_argument("--exact-trees", default="eagle2,paper", help=f"--exact: tree presets ({', '.join(TREE_PRESETS)})")
+    ap.add_argument("--exact-variants", default="drawn,partly-seeded,seeded",
+                    help="--exact: which drafts to run: drawn (as the synthetic heads draw them), partly-seeded, seeded")
     ap.add_argument("--exact-miss-every", type=int, default=7,
                     help="--exact: the partly seeded drafts get every N-th position wrong (default 7)")
     ap.add_argument("--sweep", action="store_true",
@@ -536,8 +538,11 @@ def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods
     _check_finite(models, prompt)
     if a.exact_miss_every < 2:
         raise WhatIfError("--exact-miss-every must be at least 2")
+    variants = tuple(v.strip() for v in a.exact_variants.split(",") if v.strip())
+    if not variants or any(v not in whatif_exact.VARIANTS for v in variants):
+        raise WhatIfError(f"--exact-variants takes {', '.join(whatif_exact.VARIANTS)} (comma-separated)")
     res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != "ar"], a.exact_miss_every,
-                                 log=lambda line: print(line, flush=True))
+                                 log=lambda line: print(line, flush=True), variants=variants)
     return {"exact": True, "shapes": names, "device": dev, "dtype": str(models.target.dtype).replace("torch.", ""),
             "settings": s.to_dict(), "tree_presets": {p: TREE_PRESETS[p] for p in presets},
             "machine": _machine(dev), **res}

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -63,20 +64,30 @@ class SuccessorTable:
 
 
 class _Registry:
-    """Forward outputs and the successor of each row's input token, so that logits computed
-    later from a slice of an output can be steered row by row."""
+    """Forward outputs and the positions their rows sit at, so that logits computed later from a
+    slice of an output can be steered row by row."""
 
     def __init__(self, table: SuccessorTable) -> None:
         self.table = table
+        # (output, successors) of graph captures: the successors are computed in the graph, so
+        # every replay recomputes them from the table and the replay's positions
         self.captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.eager: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (output, positions, ahead) of eager forwards: the successors are looked up when a row is
+        # matched, never kept, since the table changes between runs while a CUDA graph's replays
+        # (which call no forward) hand out copies that still match an old eager output by value
+        self.eager: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def record(self, positions: torch.Tensor, ahead: int, out: torch.Tensor) -> None:
-        entry = (out, self.table.successors(positions, ahead))
         if out.is_cuda and torch.cuda.is_current_stream_capturing():
-            self.captured.append(entry)          # a graph's static output: replays reuse it
+            self.captured.append((out, self.table.successors(positions, ahead)))
         else:
-            self.eager = ([entry] + self.eager)[:4]
+            self.eager = ([(out, positions.reshape(-1).clone(), ahead)] + self.eager)[:4]
+
+    def _entries(self, hidden: torch.Tensor) -> Iterator[tuple[torch.Tensor, Callable[[int, int], torch.Tensor]]]:
+        for out, pos, ahead in self.eager:
+            yield out, lambda a, b, pos=pos, ahead=ahead: self.table.successors(pos[a:b], ahead)
+        for out, succ in self.captured:
+            yield out, lambda a, b, succ=succ: succ[a:b]
 
     def successors(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """The successors of hidden's rows: hidden is a slice of a recorded output (found by its
@@ -84,21 +95,22 @@ class _Registry:
         path hands out clones of its graphs' outputs: found by value, eagerly)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         rows = flat.shape[0]
-        entries = [e for e in self.eager + self.captured
-                   if e[0].dim() >= 2 and e[0].shape[-1] == hidden.shape[-1] and e[0].dtype == hidden.dtype]
+        entries = [(o, f) for o, f in self._entries(hidden)
+                   if o.dim() >= 2 and o.shape[-1] == hidden.shape[-1] and o.dtype == hidden.dtype]
         for out, succ in entries:
             row_bytes = out.stride(-2) * out.element_size()
             offset = hidden.data_ptr() - out.data_ptr()
-            if offset >= 0 and offset % row_bytes == 0 and offset // row_bytes + rows <= succ.shape[0]:
+            n_out = out.reshape(-1, out.shape[-1]).shape[0]
+            if offset >= 0 and offset % row_bytes == 0 and offset // row_bytes + rows <= n_out:
                 first = offset // row_bytes
-                return succ[first:first + rows]
+                return succ(first, first + rows)
         if rows == 0 or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None
         for out, succ in entries:
             o = out.reshape(-1, out.shape[-1])
             for first in torch.nonzero((o == flat[0]).all(-1)).flatten().tolist():
-                if first + rows <= min(o.shape[0], succ.shape[0]) and torch.equal(o[first:first + rows], flat):
-                    return succ[first:first + rows]
+                if first + rows <= o.shape[0] and torch.equal(o[first:first + rows], flat):
+                    return succ(first, first + rows)
         return None
 
 
@@ -137,6 +149,8 @@ def steer_head(head, registry: _Registry) -> None:
             registry.record(positions, 2, out)
             return out
 
+        steering = registry
+
         def draft_logits(self, hidden):
             # raised before the head's own sharpening and log-softmax (SharpHead), which stay as
             # they are: the boost keeps the steered token first at any positive scale
@@ -146,6 +160,27 @@ def steer_head(head, registry: _Registry) -> None:
             return _boost(logits, registry.successors(hidden)), ids
 
     head.__class__ = Steered
+    _steer_tree_graphs()
+
+
+def _steer_tree_graphs() -> None:
+    """A tree graph copies the root's hidden state into a buffer of its own before drafting (and
+    the capture cannot match that copy by value), so for a steered head the buffer is recorded
+    with the root's successor, computed on the device from the graph's root position: replays
+    then steer each tree's first depth too."""
+    from hierviz.decoding.tree import TreeGraph
+    if getattr(TreeGraph._body, "steered", False):
+        return
+    body = TreeGraph._body
+
+    def steered_body(self):
+        registry = getattr(self.draft_head, "steering", None)
+        if registry is not None:         # the root's pair sits at root_pos - 1 and predicts root_pos + 1
+            registry.record(self.scalars[1:2] - 1, 2, self.h_root[None])
+        return body(self)
+
+    steered_body.steered = True
+    TreeGraph._body = steered_body
 
 
 def decode(models: Models, method: str, s: DecodeSettings, prompt: list[int]) -> tuple[list[int], list]:
@@ -175,10 +210,14 @@ def acceptance(steps: list) -> dict[str, Any]:
             "tokens_per_round": sum(len(st.new_tokens) for st in decode_steps) / max(1, len(decode_steps))}
 
 
+VARIANTS = ("drawn", "partly-seeded", "seeded")
+
+
 def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: list[str],
-              methods: list[str], miss_every: int = 7, log=print) -> dict[str, Any]:
-    """AR once, then every method unsteered, seeded with every miss_every-th draft position wrong,
-    and seeded exactly, for every preset; results per run."""
+              methods: list[str], miss_every: int = 7, log=print,
+              variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """AR once, then for every preset every method: drafts as drawn, seeded with every
+    miss_every-th draft position wrong, and seeded exactly (those of `variants`); results per run."""
     registry = _Registry(SuccessorTable(len(prompt) + base.max_new_tokens + cache_margin(base) + 64,
                                         models.target.device))
     steer_model(models.intermediate, registry)
@@ -189,22 +228,25 @@ def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: 
     runs = []
     for preset in presets:
         s = dataclasses.replace(base, **TREE_PRESETS[preset])
-        for seeded, miss in ((False, 0), (True, miss_every), (True, 0)):
+        for variant in variants:
+            seeded, miss = variant != "drawn", miss_every if variant == "partly-seeded" else 0
             if seeded:
                 registry.table.fill(prompt + want, models.target.cfg.vocab_size, len(prompt), miss)
             else:
                 registry.table.clear()
             for method in methods:
+                t0 = time.perf_counter()
                 got, steps = decode(models, method, s, prompt)
+                secs = round(time.perf_counter() - t0, 1)
                 first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
                                   None if len(got) == len(want) else min(len(got), len(want)))
                 row = {"trees": preset, "seeded": seeded, "miss_every": miss, "method": method, "identical": first_diff is None,
-                       "first_difference": first_diff, "tokens": len(got), **acceptance(steps)}
+                       "first_difference": first_diff, "tokens": len(got), "seconds": secs, **acceptance(steps)}
                 runs.append(row)
                 log(f"{'ok   ' if row['identical'] else 'DIFF '} trees={preset:6s} seeded={int(seeded)} miss={miss} {method:8s} "
                     f"tokens={len(got)} tokens/round={row['tokens_per_round']:.2f} accepted tree nodes="
                     f"{row['accepted_tree_nodes']} full-depth trees={row['full_depth_trees']}/{row['trees_n']} "
-                    f"target accepted={row['target_accepted']}"
+                    f"target accepted={row['target_accepted']} ({secs} s)"
                     + ("" if row["identical"] else f" first difference at token {first_diff}"))
     registry.table.clear()
     return {"ar_tokens": len(want), "runs": runs, "identical": all(r["identical"] for r in runs)}

@@ -228,3 +228,16 @@ def test_record_warms_up_before_the_recorded_runs(tmp_path, monkeypatch):
     runs = comparison_from_json(out.read_text())
     assert [r.meta["method"] for r in runs] == ["hierspec", "eagle2", "ar"]
     assert app.record(str(tmp_path / "x.json"), "no-such-stack", "Hi", 6, "") == 2
+
+
+@needs_engine
+def test_app_check_drives_a_live_comparison(tmp_path, capsys) -> None:
+    """`python -m hierviz app-check`: starts the app, runs one comparison through /run, keeps the
+    downloaded trace and reports that every method equals AR."""
+    from hierviz import app_check
+    from hierviz.trace import comparison_from_json
+    out = tmp_path / "trace.json"
+    assert app_check.main(["--stack", "tiny-random", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["identical_to_ar"] == {"hierspec": True, "eagle2": True} and report["ar_tokens"] == 8
+    assert [t.meta["method"] for t in comparison_from_json(out.read_bytes())] == ["hierspec", "eagle2", "ar"]

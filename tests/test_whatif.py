@@ -228,3 +228,18 @@ def test_exact_mode_matches_ar_with_real_acceptance(tmp_path, monkeypatch, stati
     assert whatif.main(args[:-1] + [str(tmp_path / "bad")]) == 1
     bad = _json.loads((tmp_path / "bad" / "whatif_exact.json").read_text())
     assert [r["first_difference"] for r in bad["runs"] if not r["identical"]] == [39, 39, 39]
+
+
+def test_exact_steering_follows_the_table_after_it_changes() -> None:
+    """A CUDA graph's replays call no forward, so a copy of a replayed output can only be matched
+    against an output recorded before, perhaps while the table was cleared (the run with drafts
+    as drawn): the successors must come from the table as it is now, by the recorded positions."""
+    from hierviz.whatif_exact import SuccessorTable, _Registry
+    reg = _Registry(SuccessorTable(16, torch.device("cpu")))
+    out = torch.randn(4, 8)
+    reg.record(torch.arange(3, 7), 2, out)                  # recorded while the table is cleared
+    assert reg.successors(out[1:3].clone()).tolist() == [-1, -1]
+    reg.table.fill(list(range(100, 116)), vocab=200, start=0)
+    assert reg.successors(out[1:3].clone()).tolist() == [106, 107]    # rows at 4, 5 predict 6, 7
+    assert reg.successors(out[2:]).tolist() == [107, 108]             # a view: found by its pointer
+    assert reg.successors(torch.randn(2, 8)) is None
