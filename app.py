@@ -49,7 +49,7 @@ def main() -> int:
     if args.record:
         return record(args.record, args.stack or os.environ.get("HIERVIZ_STACK", "smollm2-offline"), args.prompt,
                       args.max_new_tokens, args.title)
-    from hierviz.ui import build_app, launch_kwargs
+    from hierviz.app.visualizer import build_app, launch_kwargs
     demo = build_app(args.stack)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
     return 0

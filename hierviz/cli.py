@@ -9,10 +9,10 @@ from typing import Optional
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_settings
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
-DELEGATED = {"bench": "hierviz.bench", "profile": "hierviz.profile", "whatif": "hierviz.whatif",
-             "train": "hierviz.train.cli", "kernel-bench": "hierviz.kernel_bench",
-             "w4-sweep": "hierviz.quant.w4_sweep", "memory": "hierviz.memory",
-             "synthetic-stack": "hierviz.synthetic_stack", "app-check": "hierviz.app_check"}
+DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profile", "whatif": "hierviz.measure.whatif",
+             "train": "hierviz.train.cli", "kernel-bench": "hierviz.measure.kernel_bench",
+             "w4-sweep": "hierviz.measure.w4_sweep", "memory": "hierviz.memory",
+             "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")

@@ -22,9 +22,9 @@ import argparse
 import torch
 
 from hierviz.models.llama import KVCache
-from hierviz.profile import load_shape
+from hierviz.measure.profile import load_shape
 from hierviz.quant.w4 import w4_linear
-from hierviz.whatif import synthetic_model
+from hierviz.measure.whatif import synthetic_model
 
 
 def _layer_outputs(model, tokens, positions, cache) -> tuple[list[torch.Tensor], torch.Tensor]:

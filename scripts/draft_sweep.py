@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from hierviz.bench import read_questions
+from hierviz.measure.bench import read_questions
 from hierviz.decoding.settings import default_settings
 from hierviz.engine import generate, load_stack, warm_up
 

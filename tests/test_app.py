@@ -30,7 +30,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app_url():
-    from hierviz.ui import build_app, launch_kwargs
+    from hierviz.app.visualizer import build_app, launch_kwargs
     demo = build_app("tiny-random")
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
@@ -153,7 +153,7 @@ def test_sessions_do_not_share_state(app_url, tmp_path):
 
 
 def test_gpu_work_is_one_concurrency_group():
-    from hierviz.ui import build_app
+    from hierviz.app.visualizer import build_app
     demo = build_app("tiny-random")
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     runs = [f for f in fns if f.name == "run_live"]
@@ -169,7 +169,7 @@ def test_gpu_work_is_one_concurrency_group():
 def test_tabs_are_pluggable():
     import gradio as gr
 
-    from hierviz import ui
+    from hierviz.app import visualizer as ui
     ui.register_tab("Extra", lambda: gr.Markdown("a plug-in tab"))
     try:
         demo = ui.build_app("tiny-random")
@@ -189,7 +189,7 @@ def test_render_pacing_waits_only_for_pages_that_report(monkeypatch):
     """A run waits for a page to draw each update only once that page has reported drawing one (API
     clients never do), and by default only for a page on this machine, whose drawing competes with
     the engine for the cores."""
-    from hierviz import ui
+    from hierviz.app import visualizer as ui
     local, remote, silent = _Req("pace-local", "127.0.0.1"), _Req("pace-remote", "10.1.2.3"), _Req("pace-api", "::1")
     monkeypatch.delenv("HIERVIZ_UI_PACE", raising=False)
     assert ui.pace_mode() == "auto"
@@ -234,7 +234,7 @@ def test_record_warms_up_before_the_recorded_runs(tmp_path, monkeypatch):
 def test_app_check_drives_a_live_comparison(tmp_path, capsys) -> None:
     """`python -m hierviz app-check`: starts the app, runs one comparison through /run, keeps the
     downloaded trace and reports that every method equals AR."""
-    from hierviz import app_check
+    from hierviz.app import check as app_check
     from hierviz.trace import comparison_from_json
     out = tmp_path / "trace.json"
     assert app_check.main(["--stack", "tiny-random", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out)]) == 0

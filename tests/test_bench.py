@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from hierviz.bench import BenchError, main, read_questions
+from hierviz.measure.bench import BenchError, main, read_questions
 
 QUESTIONS = os.path.join(os.path.dirname(__file__), "..", "assets", "data", "spec_bench_question.jsonl")
 
@@ -144,7 +144,7 @@ def test_agreement_with_the_target_as_intermediate_is_total(questions):
     """With M = T every position agrees, and tau_bound is 1 + the capped run to the answer's end."""
     import dataclasses
 
-    from hierviz.bench import read_questions
+    from hierviz.measure.bench import read_questions
     from hierviz.stack import tiny_random_stack
     from hierviz.train.agreement import measure
     stack = tiny_random_stack("cpu")
@@ -157,7 +157,7 @@ def test_agreement_with_the_target_as_intermediate_is_total(questions):
 
 
 def test_identical_cell_counts_the_questions_that_differ():
-    from hierviz.bench import _identical_cell
+    from hierviz.measure.bench import _identical_cell
     assert _identical_cell({"outputs_identical_to_ar": False, "identical_questions": 12, "questions": 13}) == "no (12/13)"
     assert _identical_cell({"outputs_identical_to_ar": True, "identical_questions": 13, "questions": 13}) == "yes"
     assert _identical_cell({}) == ""

@@ -155,7 +155,7 @@ def test_whatif_tab_renders_a_plot(page):
     pg = page
     pg.get_by_role("tab", name="What-if").click()
     pg.wait_for_selector("#hv-whatif-run")
-    from hierviz.ui_whatif import recorded_results
+    from hierviz.app.whatif_tab import recorded_results
     if recorded_results():      # shipped results open with the tab
         pg.wait_for_selector("#hv-whatif-a .js-plotly-plot")
         assert "projected with replayed acceptance" in pg.inner_text("#hv-whatif-a")

@@ -3,7 +3,7 @@
 Each kernel against the torch code it replaces (fp32 and fp16), then a tiny model on the
 static path with the kernels forced against the unfused path: hidden states, cache contents
 and AR's greedy output. The GPU compile of the kernels is checked in test_triton_compile.py;
-the decoders through them on a GPU by `python -m hierviz.engine_bench` (docs/gpu.md).
+the decoders through them on a GPU by `python -m hierviz.measure.engine_bench` (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ _SCRIPT = textwrap.dedent("""
     # the same through a whole fp16 W4 model on the static path (Triton W4 kernels, batch-invariant
     # target): a 9-node tree verified in one forward vs each node decoded alone after its path
     from hierviz.models.config import ModelConfig
-    from hierviz.whatif import synthetic_model
+    from hierviz.measure.whatif import synthetic_model
     cfg = ModelConfig.from_dict(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,

@@ -118,8 +118,8 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from scripts.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
-    from hierviz.profile import load_shape
-    from hierviz.whatif import synthetic_model
+    from hierviz.measure.profile import load_shape
+    from hierviz.measure.whatif import synthetic_model
     _, cfg = load_shape("smollm2")
     model = synthetic_model(cfg, "w4", dtype, "cuda", "triton", seed=0, group=32)
     model.set_batch_invariant(True)
@@ -178,7 +178,7 @@ def test_w4_codes_are_held_once_and_rebuilt_on_the_gpu() -> None:
 
 
 def test_w4_sweep_small_shapes_on_the_gpu(tmp_path) -> None:
-    from hierviz.quant import w4_sweep
+    from hierviz.measure import w4_sweep
     assert w4_sweep.main(["--shapes", "4096x1024,1024x4096", "--rows", "1-70,129,512", "--groups", "64,128,channel",
                           "--out", str(tmp_path)]) == 0
 
@@ -188,7 +188,7 @@ def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -
     outputs: seeded drafts are accepted on the GPU path too, and every output equals AR's."""
     import json
 
-    from hierviz import whatif
+    from hierviz.measure import whatif
     assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods",
                         "ar,spec,eagle2,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]

@@ -1,4 +1,4 @@
-"""`python -m hierviz.op_profile` at a small shape on the CPU: it profiles real decode steps
+"""`python -m hierviz.measure.op_profile` at a small shape on the CPU: it profiles real decode steps
 through the engine's decoding state and writes an operator table whose shares add up."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from hierviz.op_profile import main
+from hierviz.measure.op_profile import main
 
 
 def test_op_profile_on_cpu(tmp_path, capsys) -> None:

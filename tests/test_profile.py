@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hierviz import profile as prof
+from hierviz.measure import profile as prof
 from hierviz.viz.profile_fig import profile_figure
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

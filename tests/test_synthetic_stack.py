@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hierviz.synthetic_stack import PRESET_MODELS, main
+from hierviz.measure.synthetic_stack import PRESET_MODELS, main
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_MODELS))

@@ -127,7 +127,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
     # fp16 only: the interpreter (numpy has no bfloat16) gets tl.dot on bf16 operands and casts to
     # bf16 wrong, and it cannot run tl.inline_asm_elementwise (the PTX unpack; use_asm is ignored
     # when interpreting). Both are checked against the reference on the GPU by
-    # `python -m hierviz.kernel_bench` and tests/test_gpu.py.
+    # `python -m hierviz.measure.kernel_bench` and tests/test_gpu.py.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -1,7 +1,7 @@
 """The Profile tab shows the shipped H200 recordings and explains itself on a machine without a GPU."""
 import pytest
 
-from hierviz.ui_profile import _measure, _show, recorded_profiles
+from hierviz.app.profile_tab import _measure, _show, recorded_profiles
 
 
 def test_shipped_profiles_render():

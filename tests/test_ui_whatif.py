@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hierviz import ui_whatif as uw
+from hierviz.app import whatif_tab as uw
 from hierviz.viz import whatif_fig as wf
-from hierviz.whatif import LABEL, main, parser
+from hierviz.measure.whatif import LABEL, main, parser
 
 ROOT = Path(__file__).resolve().parent.parent
 H200_TRACE = ROOT / "assets" / "traces" / "h200-smollm2-python-tips.json"

@@ -1,4 +1,4 @@
-"""The what-if projection (hierviz.whatif) at tiny shapes on the CPU: forced acceptance replays a
+"""The what-if projection (hierviz.measure.whatif) at tiny shapes on the CPU: forced acceptance replays a
 trace's accepted lengths exactly through the real decoders; rates mode is seeded; bad
 arguments exit with code 2 and a one-line error."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hierviz.decoding.settings import DecodeSettings
-from hierviz.whatif import RatesOracle, build_models, main, run_one, tiny_config
+from hierviz.measure.whatif import RatesOracle, build_models, main, run_one, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--tiny", "--device", "cpu", "--threads", "1"]
@@ -44,7 +44,7 @@ def _replay(trace: Path, out: Path, methods: str, extra: tuple[str, ...] = ()) -
 
 def _lengths(trace: Path) -> dict[str, list]:
     from hierviz.trace import comparison_from_json
-    from hierviz.whatif import accepted_lengths
+    from hierviz.measure.whatif import accepted_lengths
     return {t.meta["method"]: accepted_lengths(t.steps) for t in comparison_from_json(trace.read_bytes())}
 
 
@@ -143,7 +143,7 @@ def test_synthetic_weights_stay_finite_at_wide_shapes_in_fp16() -> None:
     Slow on a CPU (~40 s: fp16 dequantization of 0.7e9 weights); every what-if run also refuses
     a synthetic model whose logits are not finite (whatif._check_finite, tested below)."""
     from hierviz.models.config import ModelConfig
-    from hierviz.whatif import synthetic_model
+    from hierviz.measure.whatif import synthetic_model
     cfg = ModelConfig(vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=2, num_heads=64,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=64)
     m = synthetic_model(cfg, "w4", torch.float16, "cpu", "reference", 0)
@@ -154,7 +154,7 @@ def test_synthetic_weights_stay_finite_at_wide_shapes_in_fp16() -> None:
 
 
 def test_non_finite_synthetic_model_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
-    import hierviz.whatif as w
+    import hierviz.measure.whatif as w
     real = w.synthetic_model
 
     def broken(cfg, fmt, *args, **kw):
@@ -200,7 +200,7 @@ def test_exact_mode_matches_ar_with_real_acceptance(tmp_path, monkeypatch, stati
     runners the GPU uses (their outputs are copies, which the steering must still find)."""
     import json as _json
 
-    from hierviz import whatif, whatif_exact
+    from hierviz.measure import whatif, whatif_exact
     from hierviz.models import cuda_graphs
     monkeypatch.setattr(cuda_graphs, "_force", static)     # force_static, restored after the test
     args = ["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "40",
@@ -234,7 +234,7 @@ def test_exact_steering_follows_the_table_after_it_changes() -> None:
     """A CUDA graph's replays call no forward, so a copy of a replayed output can only be matched
     against an output recorded before, perhaps while the table was cleared (the run with drafts
     as drawn): the successors must come from the table as it is now, by the recorded positions."""
-    from hierviz.whatif_exact import SuccessorTable, _Registry
+    from hierviz.measure.whatif_exact import SuccessorTable, _Registry
     reg = _Registry(SuccessorTable(16, torch.device("cpu")))
     out = torch.randn(4, 8)
     reg.record(torch.arange(3, 7), 2, out)                  # recorded while the table is cleared

@@ -120,7 +120,7 @@ def verify_sequence_sampling(draft: list[int], q: list[torch.Tensor], logits: to
 
 
 
-# ---- forced decisions (what-if replay, hierviz.whatif) ----------------------------------------
+# ---- forced decisions (what-if replay, hierviz.measure.whatif) ----------------------------------------
 # The what-if projection runs the real decoding loops on synthetic-weight models, whose own
 # argmax decisions mean nothing. An "oracle" then dictates only HOW MANY draft tokens the
 # verifier accepts; everything else (the forward over the same tokens, the logits readback,

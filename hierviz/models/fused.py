@@ -1,6 +1,6 @@
 """Fused Triton kernels for a decoder layer's non-GEMM work on the static (CUDA-graph) path.
 
-Why: `python -m hierviz.op_profile --shape llama3-70b --layers 80` on an H200 (W4A16, fp16,
+Why: `python -m hierviz.measure.op_profile --shape llama3-70b --layers 80` on an H200 (W4A16, fp16,
 CUDA graphs) measured 29.8 ms per token, of which the W4 GEMMs are 17.4 ms. The other ~45
 kernels per layer (RMSNorm's fp32 chain, RoPE's cat/neg/mul/add, the cache writes, SDPA's math
 path with its mask conversion and GQA copies, SiLU * up, residual adds) took ~110 us per layer

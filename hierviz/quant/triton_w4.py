@@ -86,7 +86,7 @@ class Config:
     block_q: int = 8
 
 
-# Picked by `python -m hierviz.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
+# Picked by `python -m hierviz.measure.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
 # see docs/kernels.md. Keyed by the largest M each entry serves: the first two are the small-M
 # (GEMV-like, split-K) path, the others the tiled path. The M <= 16 entry is tuned for the
 # fixed-order split-K (4 ways, 3 stages: 63.8-64.1 us at M = 2..8, 59.1 at 16, vs 67.6-68.5 /

@@ -101,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--max-new-tokens and --draft-len must be >= 1")
     from tqdm import tqdm
 
-    from hierviz.bench import BenchError, read_questions
+    from hierviz.measure.bench import BenchError, read_questions
     from hierviz.engine import EngineError, load_stack
     from hierviz.stack import StackError
     try:

@@ -1,7 +1,7 @@
 """The Profile chart: forward latency against the number of verified tokens
 (the memory-bound range a W4 target keeps while it verifies few tokens).
 
-Input is the dict that `python -m hierviz profile` writes (hierviz.profile, schema
+Input is the dict that `python -m hierviz profile` writes (hierviz.measure.profile, schema
 "hierviz.profile/1"). One panel per scope (one decoder layer, the whole model); one line per
 weight format; each format's bandwidth floor (weight bytes / measured copy rate) as a dotted
 horizontal line of the same colour. Estimated curves (a model too large for the device,

@@ -31,9 +31,9 @@ from hierviz.viz.panels import (PREFILL_TEXT, is_prefill, legend_html, output_ht
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.tree import tree_figure
 
-log = logging.getLogger("hierviz.ui")
+log = logging.getLogger("hierviz.app.visualizer")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"
 TRACE_DIR = ASSETS / "traces"
 FALLBACK_STACKS = ["smollm2-offline", "tiny-random"]
@@ -628,8 +628,8 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
         with gr.Tabs():
             with gr.Tab("Visualizer", id="viz"):
                 visualizer_tab(stack_default)
-            from hierviz.ui_profile import profile_tab
-            from hierviz.ui_whatif import whatif_tab
+            from hierviz.app.profile_tab import profile_tab
+            from hierviz.app.whatif_tab import whatif_tab
             for title, builder in [("Profile", profile_tab), ("What-if", whatif_tab), *TAB_BUILDERS]:
                 with gr.Tab(title):
                     builder()

@@ -25,14 +25,14 @@ from typing import Any, Iterator, Optional
 
 import gradio as gr
 
-from hierviz.ui import status_html
+from hierviz.app.visualizer import status_html
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
                                    reduced_draft_vocab, shapes_label, sweep_base_rates)
 
-log = logging.getLogger("hierviz.ui")
+log = logging.getLogger("hierviz.app.visualizer")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WHATIF_DIR = ROOT / "assets" / "whatif"
 HEADLINE_RESULT = "h200-llama3-70b-paper-trees.json"   # opens with the tab (docs/whatif.md, headline)
 TRACE_DIR = ROOT / "assets" / "traces"
@@ -388,7 +388,7 @@ def live_command(argv: list[str], out: str) -> str:
 
 def run_child(argv: list[str], timeout_s: float) -> dict[str, Any]:
     """Run the what-if command in a child process (killed after timeout_s) and read its whatif.json."""
-    from hierviz.whatif import parser
+    from hierviz.measure.whatif import parser
     try:
         a = parser().parse_args(argv)    # the same Namespace the child builds: catch bad arguments here
     except SystemExit:

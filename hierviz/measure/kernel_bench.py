@@ -1,7 +1,7 @@
 """W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs hierviz's Triton kernel.
 
-    python -m hierviz.kernel_bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
-    python -m hierviz.kernel_bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
+    python -m hierviz.measure.kernel_bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
+    python -m hierviz.measure.kernel_bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
     (KERNEL_BENCH_THREADS=N sets torch's CPU threads for the --cpu run)
 
 On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
@@ -383,7 +383,7 @@ def write_chart(res: dict, out: Path) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.kernel_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hierviz.measure.kernel_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--shape", default=None, help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU)")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
@@ -401,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tune_ms = [int(v) for v in a.tune_ms.split(",")] if a.tune_ms else None
     res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family) if use_gpu
            else cpu_bench(k, n, g, ms))
-    res["command"] = "python -m hierviz.kernel_bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    res["command"] = "python -m hierviz.measure.kernel_bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
     a.out.mkdir(parents=True, exist_ok=True)
     name = "kernel_bench.json" if use_gpu else "kernel_bench_cpu.json"
     (a.out / name).write_text(json.dumps(res, indent=1, default=str))

@@ -1,6 +1,6 @@
 """Engine speed and exactness on a GPU, side by side in one run.
 
-    python -m hierviz.engine_bench --out DIR [--tokens 128]
+    python -m hierviz.measure.engine_bench --out DIR [--tokens 128]
 
 1. Exactness: on tiny random models (fp32), every decoder through the static/CUDA-graph path
    must emit the tokens of AR through the dynamic path (the CPU test suite checks the static
@@ -33,7 +33,7 @@ from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
 from hierviz.quant.w4 import quantize_rtn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def smollm2_weights(cfg: ModelConfig, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -131,7 +131,7 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.engine_bench")
+    ap = argparse.ArgumentParser(prog="python -m hierviz.measure.engine_bench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -36,7 +36,7 @@ from hierviz.models.config import rope_frequencies
 from hierviz.quant.w4 import W4Weight, register_kernel
 
 SCHEMA = "hierviz.profile/1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"llama3-8b": "llama3-8b.json", "llama3-70b": "llama3-70b.json", "smollm2": "smollm2-135m.json",
           "vicuna-7b": "vicuna-7b.json", "vicuna-13b": "vicuna-13b.json"}
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
@@ -90,7 +90,7 @@ def _tinygemm(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """torch's `_weight_int4pack_mm` (bf16 only); operands built once, cached on w."""
     hit = w.__dict__.get("_tinygemm")
     if hit is None:
-        from hierviz.kernel_bench import tinygemm_pack
+        from hierviz.measure.kernel_bench import tinygemm_pack
         hit = w.__dict__["_tinygemm"] = tinygemm_pack(w, swap_nibbles=False)
     return torch.ops.aten._weight_int4pack_mm(x, hit[0], w.group_size, hit[1])
 

@@ -12,7 +12,7 @@ import gradio as gr
 
 from hierviz.viz.profile_fig import profile_figure
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "assets" / "profile"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "assets" / "profile"
 LIVE_SHAPES = ("smollm2", "llama3-8b", "llama3-70b")
 
 EXPLAIN = """**Why HierSpec exists, in one chart.** Each curve is the time of one forward pass against how many
@@ -49,7 +49,7 @@ def _measure(shape: str):
     import torch
     if not torch.cuda.is_available():
         return gr.update(), "No GPU on this machine: the chart shows the H200 recording instead."
-    from hierviz import profile as prof
+    from hierviz.measure import profile as prof
     try:
         name, cfg = prof.load_shape(shape)
         with torch.no_grad():

@@ -37,7 +37,7 @@ from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
-from hierviz.profile import _dense, _layer_weights, load_shape
+from hierviz.measure.profile import _dense, _layer_weights, load_shape
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -75,7 +75,7 @@ def _group(cfg: ModelConfig, g: int) -> int:
 def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str, kernel: str, seed: int,
                     group: int = 128) -> Transformer:
     """A Transformer of this shape with random weights; fmt "w4" (codes + scales as GPTQ
-    would store them) or "dense". Layer weights come from hierviz.profile's builder."""
+    would store them) or "dense". Layer weights come from hierviz.measure.profile's builder."""
     gen = torch.Generator(device=device).manual_seed(seed)
     g = _group(cfg, group)
     w: dict[str, Any] = {"model.embed_tokens.weight": _dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
@@ -345,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
                          "single tree flags override them")
     ap.add_argument("--exact", action="store_true",
                     help="no forced acceptance: check every method's output equals AR's, with the drafts as drawn "
-                         "and seeded from AR's continuation (hierviz/whatif_exact.py); exit code 1 on a difference")
+                         "and seeded from AR's continuation (hierviz/measure/whatif_exact.py); exit code 1 on a difference")
     ap.add_argument("--exact-trees", default="eagle2,paper", help=f"--exact: tree presets ({', '.join(TREE_PRESETS)})")
     ap.add_argument("--exact-variants", default="drawn,partly-seeded,seeded",
                     help="--exact: which drafts to run: drawn (as the synthetic heads draw them), partly-seeded, seeded")
@@ -527,7 +527,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
 
 def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods: list[str],
                names: dict[str, str], dev: str) -> dict[str, Any]:
-    from hierviz import whatif_exact
+    from hierviz.measure import whatif_exact
     presets = [p.strip() for p in a.exact_trees.split(",") if p.strip()]
     bad = [p for p in presets if p not in TREE_PRESETS]
     if bad or not presets:
@@ -720,7 +720,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     info["command"] = "python -m hierviz whatif " + shlex.join(sys.argv[1:] if argv is None else argv)
     if info.get("exact"):
-        from hierviz import whatif_exact
+        from hierviz.measure import whatif_exact
         whatif_exact.write(info, Path(a.out))
         print(whatif_exact.markdown(info))
         return 0 if info["identical"] else 1
