@@ -1,4 +1,4 @@
-"""`python -m hierviz <command>`: generate, bench, profile, whatif, train."""
+"""`python -m hierviz <command>`: every task a user runs (the app itself: `python app.py`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,8 @@ from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_sett
 DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profile", "whatif": "hierviz.measure.whatif",
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.measure.kernel_bench",
              "w4-sweep": "hierviz.measure.w4_sweep", "memory": "hierviz.memory",
-             "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check"}
+             "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
+             "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -96,25 +97,62 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def cmd_record(argv: list[str]) -> int:
+    """Run HierSpec, EAGLE-2 and AR on one prompt and save them as one comparison trace for replay."""
+    p = argparse.ArgumentParser(prog="python -m hierviz record",
+                                description="Record a HierSpec / EAGLE-2 / AR comparison trace the app can replay.")
+    p.add_argument("--out", required=True, help="the trace JSON to write")
+    p.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
+    p.add_argument("--title", default="", help="label of the recorded trace in the app")
+    add_settings_args(p)
+    a = p.parse_args(argv)
+    from hierviz.engine import generate, load_stack, warm_up
+    from hierviz.trace import save_comparison
+    methods = ["hierspec", "eagle2", "ar"]
+    try:
+        stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
+        settings = settings_from_args(a, str(stack.device)).validate()
+        # as the app does before a live run: else the first method's trace carries every first-call
+        # cost (Triton compiles, CUDA-graph captures) and its timings are not comparable
+        warm_up(stack, methods, settings)
+        runs = [generate(stack, m, a.prompt, settings) for m in methods]
+        for r in runs:
+            r.meta["title"] = a.title or f"{stack.name}: {a.prompt[:40]}"
+        save_comparison(runs, a.out)
+    except (ValueError, OSError) as e:     # EngineError, StackError, SettingsError carry user-facing messages
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}: " + ", ".join(f"{r.meta['method']} {len(r.steps)} steps" for r in runs))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "record": cmd_record}
+HELP = """\
+  generate      generate text with ar / spec / eagle2 / hierspec (writes a trace with --trace)
+  record        record a HierSpec / EAGLE-2 / AR comparison trace for the app's replay
+  bench         side-by-side benchmark on Spec-Bench-format questions
+  draft-sweep   HierSpec's sequence-draft settings against EAGLE-2, one process
+  profile       forward latency vs verified tokens, fp16 vs W4A16
+  whatif        real-scale projection with replayed acceptance (--exact: lossless at real shapes)
+  train         train the offline stack's intermediate model and EAGLE heads
+  kernel-bench  W4A16 kernel micro-benchmark (GPU)
+  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)
+  batch-invariance  where a target's forward stops being batch-invariant
+  memory        GPU memory each stack needs, against common GPUs (--load: measure a real load)
+  synthetic-stack  a GPU preset's checkpoints with random weights, in its exact layouts
+  app-check     drive the web app once through its API and check the outputs
+"""
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["generate", *DELEGATED]
+    commands = [*COMMANDS, *DELEGATED]
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m hierviz {" + ",".join(commands) + "} ...\n\n"
-              "  generate      generate text with ar / spec / eagle2 / hierspec (writes a trace with --trace)\n"
-              "  bench         side-by-side benchmark on Spec-Bench-format questions\n"
-              "  profile       forward latency vs verified tokens, fp16 vs W4A16\n"
-              "  whatif        real-scale projection with replayed acceptance\n"
-              "  train         train the offline stack's intermediate model and EAGLE heads\n"
-              "  kernel-bench  W4A16 kernel micro-benchmark (GPU)\n"
-              "  w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)\n"
-              "  memory        GPU memory each stack needs, against common GPUs\n"
-              "  synthetic-stack  a GPU preset's checkpoints with random weights, in its exact layouts\n"
-              "  app-check     drive the web app once through its API and check the outputs\n")
+        print("usage: python -m hierviz {" + ",".join(commands) + "} ...\n\n" + HELP)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "generate":
-        return cmd_generate(rest)
+    if cmd in COMMANDS:
+        return COMMANDS[cmd](rest)
     if cmd in DELEGATED:
         try:
             mod = importlib.import_module(DELEGATED[cmd])

@@ -209,28 +209,6 @@ def test_render_pacing_waits_only_for_pages_that_report(monkeypatch):
 
 
 @needs_engine
-def test_record_warms_up_before_the_recorded_runs(tmp_path, monkeypatch):
-    """`app.py --record` writes a loadable three-method trace, and warms the stack up first so the
-    first method's timings do not carry the first-call costs (compiles, graph captures)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import app
-    import hierviz.engine as engine
-    from hierviz.trace import comparison_from_json
-    calls = []
-    real_warm, real_generate = engine.warm_up, engine.generate
-    monkeypatch.setattr(engine, "warm_up", lambda *a, **k: (calls.append("warm_up"), real_warm(*a, **k))[1])
-    monkeypatch.setattr(engine, "generate", lambda stack, m, *a, **k: (calls.append(m), real_generate(stack, m, *a, **k))[1])
-    out = tmp_path / "t.json"
-    assert app.record(str(out), "tiny-random", "Hi", 6, "test") == 0
-    assert calls[0] == "warm_up" and calls[-3:] == ["hierspec", "eagle2", "ar"]
-    runs = comparison_from_json(out.read_text())
-    assert [r.meta["method"] for r in runs] == ["hierspec", "eagle2", "ar"]
-    assert app.record(str(tmp_path / "x.json"), "no-such-stack", "Hi", 6, "") == 2
-
-
-@needs_engine
 def test_app_check_drives_a_live_comparison(tmp_path, capsys) -> None:
     """`python -m hierviz app-check`: starts the app, runs one comparison through /run, keeps the
     downloaded trace and reports that every method equals AR."""

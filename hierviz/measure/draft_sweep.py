@@ -1,6 +1,6 @@
 """HierSpec's sequence-draft settings against EAGLE-2, side by side in one process.
 
-    PYTHONPATH=. python scripts/draft_sweep.py --questions assets/data/spec_bench_question.jsonl \
+    python -m hierviz draft-sweep --questions assets/data/spec_bench_question.jsonl \
         [--limit 1] [--max-new-tokens 64] [--device cpu] [--stack smollm2-offline] [--eagle-trees 8,12]
 
 Every configuration runs on every question, interleaved per question (machine drift hits all
@@ -16,8 +16,8 @@ from hierviz.decoding.settings import default_settings
 from hierviz.engine import generate, load_stack, warm_up
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hierviz draft-sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--questions", required=True)
     ap.add_argument("--limit", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--stack", default=None)
     ap.add_argument("--eagle-trees", default="", help="also EAGLE-2 with these tree sizes, e.g. 8,12 (a fair baseline "
                                                       "when the target's kernel changes what verifying a tree costs)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     questions = read_questions(a.questions, a.limit)
     stack = load_stack(a.stack, a.device)
     base = replace(default_settings(str(stack.device)), max_new_tokens=a.max_new_tokens)

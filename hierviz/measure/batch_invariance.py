@@ -2,7 +2,7 @@
 vs decoding them one at a time should give the same logits bit for bit, or greedy speculative decoding
 can differ from AR on near-ties.
 
-    PYTHONPATH=. python scripts/batch_invariance.py [--shape smollm2] [--group 32] [--device cuda] \
+    python -m hierviz batch-invariance [--shape smollm2] [--group 32] [--device cuda] \
         [--dtype float16] [--kernel triton] [--tokens 4,16,25,60] [--static | --dynamic]
 
 A synthetic W4 model of the shape (random codes, hierviz.whatif.synthetic_model), a random prompt, then
@@ -109,7 +109,7 @@ CHAIN_6 = [-1, 0, 1, 2, 3, 4]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m hierviz batch-invariance", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2")
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--device", default="cuda")
