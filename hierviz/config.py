@@ -1,0 +1,79 @@
+"""Runtime options: every HIERVIZ_* environment variable is read here and nowhere else.
+
+`options()` reads the environment on each call (cheap), so a test's monkeypatch or a deployment's
+variables take effect without re-imports; `overrides(...)` replaces single options for a block of
+code in this process without touching os.environ. docs/configuration.md lists every option.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+
+class ConfigError(ValueError):
+    """An environment variable with a value it cannot take; the message names it."""
+
+
+@dataclass(frozen=True)
+class Options:
+    stack: Optional[str]        # HIERVIZ_STACK: the app's default stack (preset name)
+    cache_dir: Path             # HIERVIZ_CACHE: converted GGUF weights (default ~/.cache/hierviz)
+    static: bool                # HIERVIZ_STATIC: static-shape runners on CUDA (default on)
+    cuda_graphs: bool           # HIERVIZ_CUDA_GRAPHS: CUDA graphs over the static runners (default on)
+    fused: bool                 # HIERVIZ_FUSED: fused Triton layer kernels on CUDA fp16/bf16 (default on)
+    w4_deterministic: bool      # HIERVIZ_W4_DETERMINISTIC: ordered split-K reduction (default on)
+    cpu_matmul: str             # HIERVIZ_CPU_MATMUL: auto | plain | nt, the CPU dense product's layout
+    timing_sync: bool           # HIERVIZ_TIMING_SYNC: per-stage device syncs for exact stage times
+    timing_events: bool         # HIERVIZ_TIMING_EVENTS: CUDA events for stage times (default on)
+    ui_pace: str                # HIERVIZ_UI_PACE: auto | on | off, the app's render pacing
+    train_bf16: bool            # HIERVIZ_TRAIN_BF16: bf16 training on the CPU too (dry runs)
+
+
+_FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",
+          "w4_deterministic": "HIERVIZ_W4_DETERMINISTIC", "timing_sync": "HIERVIZ_TIMING_SYNC",
+          "timing_events": "HIERVIZ_TIMING_EVENTS"}
+_CHOICES = {"cpu_matmul": ("HIERVIZ_CPU_MATMUL", ("auto", "plain", "nt")),
+            "ui_pace": ("HIERVIZ_UI_PACE", ("auto", "on", "off"))}
+ENV_NAMES = {**_FLAGS, **{k: v[0] for k, v in _CHOICES.items()}, "stack": "HIERVIZ_STACK",
+             "cache_dir": "HIERVIZ_CACHE", "train_bf16": "HIERVIZ_TRAIN_BF16"}
+
+_global_overrides: dict[str, Any] = {}
+
+
+def _choice(name: str, allowed: tuple[str, ...]) -> str:
+    v = (os.environ.get(name, allowed[0]).strip().lower() or allowed[0])
+    if v not in allowed:
+        raise ConfigError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, not {v!r}")
+    return v
+
+
+def options() -> Options:
+    """The options in effect: the environment, then any `overrides` around the caller."""
+    env = os.environ
+    values: dict[str, Any] = {k: env.get(v, "1") != "0" for k, v in _FLAGS.items()}
+    values.update({k: _choice(*spec) for k, spec in _CHOICES.items()})
+    values["stack"] = env.get("HIERVIZ_STACK") or None
+    values["cache_dir"] = Path(env.get("HIERVIZ_CACHE") or Path.home() / ".cache" / "hierviz")
+    values["train_bf16"] = env.get("HIERVIZ_TRAIN_BF16") == "1"
+    values.update(_global_overrides)
+    return Options(**values)
+
+
+@contextmanager
+def overrides(**kw: Any) -> Iterator[None]:
+    """Replace options for the code inside the block (None leaves one as it is). Process-wide,
+    since runners and kernels consult the options from whichever thread runs them."""
+    bad = [k for k in kw if k not in {f.name for f in dataclasses.fields(Options)}]
+    if bad:
+        raise TypeError(f"unknown option(s) {bad}")
+    saved = dict(_global_overrides)
+    _global_overrides.update({k: v for k, v in kw.items() if v is not None})
+    try:
+        yield
+    finally:
+        _global_overrides.clear()
+        _global_overrides.update(saved)
