@@ -51,8 +51,21 @@ def _choice(name: str, allowed: tuple[str, ...]) -> str:
     return v
 
 
+_cached: list[Any] = [None, None]     # (environment snapshot + overrides, Options)
+
+
 def options() -> Options:
-    """The options in effect: the environment, then any `overrides` around the caller."""
+    """The options in effect: the environment, then any `overrides` around the caller. Cached
+    against a snapshot of the variables, since kernels consult it on every launch."""
+    key = (tuple(os.environ.get(n) for n in ENV_NAMES.values()), tuple(sorted(_global_overrides.items())))
+    if _cached[0] == key:
+        return _cached[1]
+    opts = _read()
+    _cached[0], _cached[1] = key, opts
+    return opts
+
+
+def _read() -> Options:
     env = os.environ
     values: dict[str, Any] = {k: env.get(v, "1") != "0" for k, v in _FLAGS.items()}
     values.update({k: _choice(*spec) for k, spec in _CHOICES.items()})

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from hierviz.config import options
 from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead, load_eagle_weights
@@ -37,7 +37,7 @@ from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 PRESET_DIR = ROOT / "assets" / "stacks"
 DEFAULT_STACK = "smollm2-offline"
-CACHE_DIR = Path(os.environ.get("HIERVIZ_CACHE", Path.home() / ".cache" / "hierviz"))
+CACHE_DIR = options().cache_dir
 
 
 class StackError(ValueError):

@@ -163,13 +163,13 @@ def test_identical_cell_counts_the_questions_that_differ():
     assert _identical_cell({}) == ""
 
 
-def test_draft_sweep_script_runs(questions):
-    """scripts/draft_sweep.py (the CPU draft-length sweep in docs/benchmarks.md) stays runnable."""
+def test_draft_sweep_command_runs(questions):
+    """`python -m hierviz draft-sweep` (the CPU draft-length sweep in docs/benchmarks.md) stays runnable."""
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "draft_sweep.py"), "--questions", str(questions),
+    proc = subprocess.run([sys.executable, "-m", "hierviz", "draft-sweep", "--questions", str(questions),
                            "--stack", "tiny-random", "--max-new-tokens", "4", "--device", "cpu"],
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=300)
@@ -178,8 +178,8 @@ def test_draft_sweep_script_runs(questions):
     assert len(lines) == 5 and lines[1].startswith("hierspec (defaults)")
 
 
-def test_batch_invariance_script_runs(tmp_path):
-    """scripts/batch_invariance.py (the fp16 batch-invariance check in docs/gpu.md) runs on its CPU path:
+def test_batch_invariance_command_runs(tmp_path):
+    """`python -m hierviz batch-invariance` (the fp16 batch-invariance check in docs/gpu.md) runs on its CPU path:
     one token against itself is identical, and every layer-0 product and the LM head are reported."""
     import json
     import subprocess
@@ -190,7 +190,7 @@ def test_batch_invariance_script_runs(tmp_path):
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "batch_invariance.py"), "--shape",
+    proc = subprocess.run([sys.executable, "-m", "hierviz", "batch-invariance", "--shape",
                            str(tmp_path / "config.json"), "--device", "cpu", "--dtype", "float32", "--kernel",
                            "reference", "--tokens", "1,3", "--prompt", "5", "--static"],
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,

@@ -113,16 +113,24 @@ def test_runners_are_pooled(stack, static) -> None:
     assert c.runner is not r
 
 
-def test_path_switches_restore_the_environment(monkeypatch) -> None:
+def test_path_switches_override_the_options_and_restore_them(monkeypatch) -> None:
+    """path_switches changes the options for its block only, and never writes os.environ."""
     import os
+
+    from hierviz.config import options
     from hierviz.models import cuda_graphs
     monkeypatch.delenv("HIERVIZ_STATIC", raising=False)
-    monkeypatch.setenv("HIERVIZ_CUDA_GRAPHS", "1")
-    with cuda_graphs.path_switches(static=False, graphs=False):
-        assert os.environ["HIERVIZ_STATIC"] == "0" and os.environ["HIERVIZ_CUDA_GRAPHS"] == "0"
-    assert "HIERVIZ_STATIC" not in os.environ and os.environ["HIERVIZ_CUDA_GRAPHS"] == "1"
-    with cuda_graphs.path_switches(graphs=True):
-        assert "HIERVIZ_STATIC" not in os.environ
+    monkeypatch.setenv("HIERVIZ_CUDA_GRAPHS", "0")
+    before = dict(os.environ)
+    assert options().static and not options().cuda_graphs
+    with cuda_graphs.path_switches(static=False, graphs=True, fused=False):
+        o = options()
+        assert not o.static and o.cuda_graphs and not o.fused
+        with cuda_graphs.path_switches(static=True):
+            assert options().static and options().cuda_graphs
+        assert not options().static
+        assert dict(os.environ) == before
+    assert options().static and not options().cuda_graphs and options().fused
 
 
 def test_prepare_all_runs_every_bucket(stack, static) -> None:

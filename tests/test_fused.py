@@ -77,7 +77,7 @@ _SCRIPT = textwrap.dedent("""
     # batch invariance: a tree node's output (ancestors scattered among siblings, 6 tokens in the
     # forward) equals the same token's alone after its path laid out contiguously, bit for bit,
     # also in a cache of another size (other slices along the keys)
-    from scripts.batch_invariance import tree_paths, tree_vs_paths
+    from hierviz.measure.batch_invariance import tree_paths, tree_vs_paths
     for dt in (torch.float32, torch.float16):
         k = str(dt).split(".")[-1]
         HQ, HKV, HD, L, P = 9, 3, 64, 300, 150

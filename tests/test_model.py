@@ -156,7 +156,7 @@ def test_cpu_verification_is_batch_invariant(kernel):
     `reference` kernel, whose BLAS product is not row-invariant."""
     from hierviz.quant import int4pack_cpu
     from hierviz.stack import tiny_models
-    from scripts.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
+    from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
     if kernel == "int4pack_cpu" and not int4pack_cpu.available():
         pytest.skip("this torch build has no CPU int4 ops")
     torch.set_num_threads(2)

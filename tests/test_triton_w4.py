@@ -92,23 +92,23 @@ _SCRIPT = textwrap.dedent("""
     # Both split-K modes, both kernels, with and without add_to: ORDERED (the default; fixed-order
     # sums, the tile counters reset by the kernels themselves) and ATOMIC (HIERVIZ_W4_DETERMINISTIC=0).
     import hierviz.quant.triton_w4 as tw
-    assert tw.DETERMINISTIC
+    from hierviz.config import options
+    assert options().w4_deterministic
     for ordered in (True, False):
-        tw.DETERMINISTIC = ordered
-        for m, n, k, g, cfg in [(3, 72, 256, 64, Config(32, 16, 2, 4, 2)), (8, 33, 512, 128, Config(16, 16, 4, 4, 2)),
-                                (9, 72, 512, 128, Config(64, 16, 2, 4, 2, tma=True, factored=True)),
-                                (2, 33, 512, 128, Config(16, 1, 3, 4, 2, gemv=True, block_q=4))]:
-            w = quantize_rtn(torch.randn(n, k), g)
-            x = torch.randn(m, k, dtype=torch.float16)
-            res = torch.randn(m, n, dtype=torch.float16)
-            y = triton_w4_matmul(x, w, cfg)
-            assert y.shape == (m, n) and y.dtype == torch.float16
-            out[f"ordered{ordered}_M{m}_N{n}_{cfg}"] = err(y, x, w)
-            acc = res.clone()
-            assert triton_w4_matmul(x, w, cfg, add_to=acc) is acc
-            ref = x.double() @ dequantize(w, torch.float64).t() + res.double()
-            out[f"ordered{ordered}_add_to_M{m}_N{n}_{cfg}"] = float((acc.double() - ref).norm() / ref.norm())
-    tw.DETERMINISTIC = True
+        with tw.split_k_mode(ordered):
+            for m, n, k, g, cfg in [(3, 72, 256, 64, Config(32, 16, 2, 4, 2)), (8, 33, 512, 128, Config(16, 16, 4, 4, 2)),
+                                    (9, 72, 512, 128, Config(64, 16, 2, 4, 2, tma=True, factored=True)),
+                                    (2, 33, 512, 128, Config(16, 1, 3, 4, 2, gemv=True, block_q=4))]:
+                w = quantize_rtn(torch.randn(n, k), g)
+                x = torch.randn(m, k, dtype=torch.float16)
+                res = torch.randn(m, n, dtype=torch.float16)
+                y = triton_w4_matmul(x, w, cfg)
+                assert y.shape == (m, n) and y.dtype == torch.float16
+                out[f"ordered{ordered}_M{m}_N{n}_{cfg}"] = err(y, x, w)
+                acc = res.clone()
+                assert triton_w4_matmul(x, w, cfg, add_to=acc) is acc
+                ref = x.double() @ dequantize(w, torch.float64).t() + res.double()
+                out[f"ordered{ordered}_add_to_M{m}_N{n}_{cfg}"] = float((acc.double() - ref).norm() / ref.norm())
     counters = tw._COUNTERS[torch.device("cpu")]
     assert counters.numel() >= 1 << 16 and not counters.any(), "a tile counter was left non-zero"
 

@@ -5,7 +5,6 @@ prefill round that produces the first token.
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from hierviz.config import options
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.state import BaseState, HeadState
 from hierviz.decoding.tree import PendingTree, Tree, draft_tree_on_device
@@ -45,11 +45,10 @@ class StageTimer:
     two events, which includes any time the GPU waited for the host inside the stage.
     `StageTimer.sync = False` (or HIERVIZ_TIMING_SYNC=0) is the no-sync mode for benchmarks:
     no events, no syncs; stage times become host dispatch times. HIERVIZ_TIMING_EVENTS=0 falls
-    back to a device synchronize around every stage (the pre-event behaviour). On the CPU,
-    plain wall time."""
+    back to a device synchronize around every stage. On the CPU, plain wall time."""
 
-    sync = os.environ.get("HIERVIZ_TIMING_SYNC", "1") != "0"
-    events = os.environ.get("HIERVIZ_TIMING_EVENTS", "1") != "0"
+    sync = options().timing_sync
+    events = options().timing_events
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda" and StageTimer.sync

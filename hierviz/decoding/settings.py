@@ -63,7 +63,7 @@ class DecodeSettings:
 # tokens/s (60 -> 24 nodes) and HierSpec from 2.88 to 6.85 (E_M trees of 10 nodes at depth 2,
 # 2-token sequence drafts). GPUs keep the defaults above. The CPU target runs the
 # int4 kernel in its batch-invariant mode, where a verified token costs more (a 24-node tree 2x
-# the fp32 kernel's); EAGLE-2 re-swept (scripts/draft_sweep.py --eagle-trees 6,12): 6 nodes 18.96 tok/s,
+# the fp32 kernel's); EAGLE-2 re-swept (python -m hierviz draft-sweep --eagle-trees 6,12): 6 nodes 18.96 tok/s,
 # 12 13.90, 24 10.19, so its CPU trees are 6 nodes now.
 CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_depth": 5, "t_tree_size": 6}
 

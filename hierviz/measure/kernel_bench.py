@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hierviz.config import options
 from hierviz.quant.w4 import W4Weight, codes_of, dequantize, quantize_rtn, unpack_codes
 
 ROTATE = 3  # weight copies cycled through while timing (> L2 in total)
@@ -257,7 +258,7 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
             row["triton_err"] = _rel_err(triton_w4_matmul(x16[0], ws[0], cfg), want)
             # The default split-K (HIERVIZ_W4_DETERMINISTIC) next to atomic adds, and whether 20
             # repeats of one product give the same bits in each mode.
-            for mode, ordered in (("", triton_w4.DETERMINISTIC), ("_atomic", False)):
+            for mode, ordered in (("", options().w4_deterministic), ("_atomic", False)):
                 with triton_w4.split_k_mode(ordered):
                     row[f"triton{mode}_us"] = _graph_time_us(
                         [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)

@@ -25,7 +25,6 @@ caller uses the dynamic path on the same cache.
 """
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from contextlib import contextmanager
@@ -34,6 +33,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
+
+from hierviz.config import options, overrides
 
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 HEAD_WINDOW = 128        # extra window columns for an EAGLE head's tree-drafting masks
@@ -53,34 +54,22 @@ def static_enabled(device: torch.device) -> bool:
     """Static path on CUDA unless HIERVIZ_STATIC=0; elsewhere only when forced."""
     if _force:
         return True
-    return device.type == "cuda" and os.environ.get("HIERVIZ_STATIC", "1") != "0"
+    return device.type == "cuda" and options().static
 
 
 def graphs_enabled(device: torch.device) -> bool:
     """CUDA graphs on top of the static path (HIERVIZ_CUDA_GRAPHS=0 runs it eagerly, for debugging)."""
-    return device.type == "cuda" and os.environ.get("HIERVIZ_CUDA_GRAPHS", "1") != "0"
+    return device.type == "cuda" and options().cuda_graphs
 
 
 @contextmanager
 def path_switches(static: Optional[bool] = None, graphs: Optional[bool] = None,
                   fused: Optional[bool] = None) -> Iterator[None]:
-    """Set HIERVIZ_STATIC / HIERVIZ_CUDA_GRAPHS / HIERVIZ_FUSED (hierviz.models.fused) for runners
-    leased inside the block (None: leave as is), then restore what was there: benchmarks compare
-    the paths in one process. Graphs already captured keep the path they were captured with
-    (`drop_runners` first)."""
-    want = {"HIERVIZ_STATIC": static, "HIERVIZ_CUDA_GRAPHS": graphs, "HIERVIZ_FUSED": fused}
-    old = {k: os.environ.get(k) for k, v in want.items() if v is not None}
-    for k, v in want.items():
-        if v is not None:
-            os.environ[k] = "1" if v else "0"
-    try:
+    """The static path, CUDA graphs and the fused layer kernels (hierviz.models.fused) on or off
+    for runners leased inside the block (None: leave as is): benchmarks compare the paths in one
+    process. Graphs already captured keep the path they were captured with (`drop_runners` first)."""
+    with overrides(static=static, cuda_graphs=graphs, fused=fused):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def bucket_for(t: int) -> Optional[int]:

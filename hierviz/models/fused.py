@@ -27,9 +27,10 @@ it under TRITON_INTERPRET=1 and compare it with the unfused path.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from hierviz.config import options
 
 try:  # must import on machines without triton
     import triton
@@ -58,7 +59,7 @@ def usable(x: torch.Tensor) -> bool:
     if _force:
         return True
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and os.environ.get("HIERVIZ_FUSED", "1") != "0")
+            and options().fused)
 
 
 if HAVE_TRITON:

@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from hierviz.config import options, overrides
 from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_released, dequantize, pack_codes, register_kernel,
                               unpack_codes)
@@ -705,7 +706,6 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 # results, as lossless decoding needs (fp16 atomic adds made one prompt's AR output differ between
 # runs). HIERVIZ_W4_DETERMINISTIC=0 goes back to atomic adds (docs/kernels.md has both
 # measured side by side).
-DETERMINISTIC = os.environ.get("HIERVIZ_W4_DETERMINISTIC", "1") != "0"
 
 # Partial tiles read per step of the ORDERED sum (H200: 1 and 4 tie at the 70B
 # up-projection, 4 is 0.8 us faster at K=1536, N=576; 8 slowed the 70B shape by 26-37 us).
@@ -717,12 +717,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 @contextlib.contextmanager
 def split_k_mode(ordered: bool):
     """Products launched (or CUDA-graph captured) inside use ORDERED (True) or ATOMIC split-K."""
-    global DETERMINISTIC
-    before, DETERMINISTIC = DETERMINISTIC, ordered
-    try:
+    with overrides(w4_deterministic=ordered):
         yield
-    finally:
-        DETERMINISTIC = before
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -745,8 +741,9 @@ def _split_k_buffers(m: int, n: int, x: torch.Tensor, split: int, add_to: Option
     it, no separate add) where it can be. ORDERED keeps fp32 partials [split, M, N]. ATOMIC adds
     into a zeroed buffer or add_to; bf16 atomics are not available everywhere (nor in the
     interpreter), so atomic bf16 accumulates in a zeroed fp32 buffer, added afterwards (_result)."""
-    ordered = split > 1 and DETERMINISTIC
-    atomic = split > 1 and not DETERMINISTIC
+    deterministic = options().w4_deterministic
+    ordered = split > 1 and deterministic
+    atomic = split > 1 and not deterministic
     acc_dtype = torch.float32 if atomic and x.dtype == torch.bfloat16 else x.dtype
     if add_to is not None and acc_dtype == x.dtype:
         y, accum = add_to, not atomic

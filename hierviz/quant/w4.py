@@ -13,12 +13,13 @@ and every kernel (torch reference, int4pack CPU, Triton) reads it.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from hierviz.config import options
 
 
 # A batch-invariant model's forwards of up to this many tokens (every decode and verification step;
@@ -160,9 +161,7 @@ def _form_product(form: str, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def cpu_matmul_form(rows: int, w: torch.Tensor, x2: Optional[torch.Tensor] = None) -> str:
     """The form matmul_nt uses on the CPU for `rows` rows against w (timed on first use)."""
-    fixed = os.environ.get("HIERVIZ_CPU_MATMUL", "auto") or "auto"
-    if fixed not in ("auto", "plain", "nt"):
-        raise ValueError(f"HIERVIZ_CPU_MATMUL must be auto, plain or nt, not {fixed!r}")
+    fixed = options().cpu_matmul
     if fixed in ("plain", "nt"):
         return "nt2" if fixed == "nt" and rows == 1 else fixed
     bucket = 1 if rows == 1 else 1 << (rows - 1).bit_length()
@@ -186,7 +185,7 @@ def cpu_matmul_form(rows: int, w: torch.Tensor, x2: Optional[torch.Tensor] = Non
 
 def cpu_matmul_choices() -> dict[str, object]:
     """What cpu_matmul_form chose in this process ("NxK dtype rows<=B" -> form), for reports."""
-    return {"setting": os.environ.get("HIERVIZ_CPU_MATMUL", "auto"),
+    return {"setting": options().cpu_matmul,
             "forms": {f"{n}x{k} {str(dt).replace('torch.', '')} rows<={b}": f
                       for (n, k, dt, b), f in sorted(_CPU_FORMS.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3]))}}
 
