@@ -13,7 +13,8 @@ DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profi
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.measure.kernel_bench",
              "w4-sweep": "hierviz.measure.w4_sweep", "memory": "hierviz.memory",
              "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
-             "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep"}
+             "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
+             "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -136,6 +137,8 @@ HELP = """\
   whatif        real-scale projection with replayed acceptance (--exact: lossless at real shapes)
   train         train the offline stack's intermediate model and EAGLE heads
   kernel-bench  W4A16 kernel micro-benchmark (GPU)
+  engine-bench  the engine against transformers on the offline stack's shapes, exactness included
+  op-profile    where one decode step's time goes, operator by operator
   w4-sweep      W4A16 product correctness over every preset model shape (GPU; CPU interpreter)
   batch-invariance  where a target's forward stops being batch-invariant
   memory        GPU memory each stack needs, against common GPUs (--load: measure a real load)

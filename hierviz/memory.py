@@ -225,8 +225,8 @@ def _stack_file(name: str) -> tuple[dict[str, Any], Path]:
 
 
 def _resolver(base: Path):
-    from hierviz.stack import _resolve
-    return lambda source: _resolve(source, base)
+    from hierviz.stack import resolve_path
+    return lambda source: resolve_path(source, base)
 
 
 def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new: int, context: int) -> int:

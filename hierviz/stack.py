@@ -26,12 +26,13 @@ import torch
 
 from hierviz.config import options
 from hierviz.decoding.decoders import Models
-from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.config import ModelConfigError
 from hierviz.models.eagle import EagleHead, load_eagle_weights
-from hierviz.models.llama import Transformer, Weight, WeightsError
+from hierviz.models.llama import Transformer, WeightsError
 from hierviz.models.loading import load_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
-from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn
+from hierviz.models.synthetic import tiny_models
+from hierviz.quant.w4 import quantize_linears
 from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def preset_names() -> list[str]:
     return names + ["tiny-random"]
 
 
-def _resolve(path: str, base: Path) -> str:
+def resolve_path(path: str, base: Path) -> str:
     if path.startswith("pypi:"):
         pkg, _, rel = path[5:].partition("/")
         spec = importlib.util.find_spec(pkg)   # locate without importing the package
@@ -79,18 +80,9 @@ def _resolve(path: str, base: Path) -> str:
     return path
 
 
-def _quantize_dense(weights: dict[str, Weight], group: int) -> dict[str, Weight]:
-    """RTN-quantize every dense decoder-layer linear (keeps norms, embeddings, LM head)."""
-    out = dict(weights)
-    for k, w in weights.items():
-        if k.startswith("model.layers.") and k.endswith("_proj.weight") and isinstance(w, torch.Tensor):
-            out[k] = quantize_rtn(w, group)
-    return out
-
-
 def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
                 share_from: Optional[Transformer] = None) -> tuple[Transformer, Path]:
-    src = _resolve(spec["path"], base)
+    src = resolve_path(spec["path"], base)
     src_path = Path(src)
     if src_path.suffix == ".gguf" and src_path.is_file():
         from hierviz.quant.gguf import convert_gguf_cached
@@ -100,7 +92,7 @@ def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
     if q:
         if not (isinstance(q, str) and q.startswith("rtn-g") and q[5:].isdigit()):
             raise StackError(f"unknown quantize option {q!r} (use e.g. 'rtn-g32')")
-        weights = _quantize_dense(weights, int(q[5:]))
+        weights = quantize_linears(weights, int(q[5:]))
     if spec.get("share_embeddings"):
         if share_from is None:
             raise StackError("share_embeddings needs a target loaded first")
@@ -139,7 +131,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def _check_gpu_memory(name: str, spec: dict[str, Any], base: Path, dev: torch.device, dtype: torch.dtype) -> None:
     """Refuse, before any weight is read, a stack that cannot fit this GPU (hierviz.memory)."""
     from hierviz import memory
-    parts = memory.stack_estimate(spec, lambda s: _resolve(s, base), act_bytes=torch.finfo(dtype).bits / 8)
+    parts = memory.stack_estimate(spec, lambda s: resolve_path(s, base), act_bytes=torch.finfo(dtype).bits / 8)
     if parts is None:
         return           # a model's config.json is not readable yet: the load reports that
     props = torch.cuda.get_device_properties(dev)
@@ -190,10 +182,10 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
             if inter is None:
                 raise StackError("e_m needs an intermediate model in the stack")
             # resolve_source: a head may be a hub id (yuhuili/EAGLE-...) as well as a local folder
-            e_m = EagleHead(*load_eagle_weights(resolve_source(_resolve(spec["e_m"]["path"], base))), inter)
+            e_m = EagleHead(*load_eagle_weights(resolve_source(resolve_path(spec["e_m"]["path"], base))), inter)
         if spec.get("e_t"):
-            e_t = EagleHead(*load_eagle_weights(resolve_source(_resolve(spec["e_t"]["path"], base))), target)
-        tok_src = _resolve(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
+            e_t = EagleHead(*load_eagle_weights(resolve_source(resolve_path(spec["e_t"]["path"], base))), target)
+        tok_src = resolve_path(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
     except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
         raise StackError(f"stack {spec.get('name', p.stem)!r}: {e}") from None
@@ -206,7 +198,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     models = Models(target, inter, e_m, e_t)
     check_vocab(models, tokenizer)
     if spec.get("draft_vocab"):
-        ids = torch.tensor(json.loads(Path(_resolve(spec["draft_vocab"], base)).read_text()), dtype=torch.long)
+        ids = torch.tensor(json.loads(Path(resolve_path(spec["draft_vocab"], base)).read_text()), dtype=torch.long)
         for h in (e_m, e_t):
             if h is not None:
                 h.set_draft_vocab(ids)
@@ -240,54 +232,9 @@ def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
 
 # ---- a tiny random stack: loads instantly, for tests and UI development ------------------------
 
-def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int = 0) -> Models:
-    """Random tiny T (4 layers, W4 RTN g32), M (two of T's layers, dense) and random EAGLE heads."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, std=0.15):
-        return torch.randn(*shape, generator=g) * std
-
-    def model_weights(layers: int, h: int, inter: int, kv: int, prefix: str = "model.layers") -> dict[str, torch.Tensor]:
-        w = {"model.embed_tokens.weight": rnd(vocab, h, std=0.5), "model.norm.weight": torch.ones(h)}
-        for i in range(layers):
-            p = f"{prefix}.{i}"
-            w.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
-                      f"{p}.self_attn.q_proj.weight": rnd(h, h), f"{p}.self_attn.k_proj.weight": rnd(kv, h),
-                      f"{p}.self_attn.v_proj.weight": rnd(kv, h), f"{p}.self_attn.o_proj.weight": rnd(h, h),
-                      f"{p}.mlp.gate_proj.weight": rnd(inter, h), f"{p}.mlp.up_proj.weight": rnd(inter, h),
-                      f"{p}.mlp.down_proj.weight": rnd(h, inter)})
-        return w
-
-    h, heads, kvh, inter = 64, 4, 2, 128
-    kv = kvh * h // heads
-    cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
-               num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
-               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
-    t_w = _quantize_dense(model_weights(4, h, inter, kv), 32)
-    target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
-    # on unlike load_stack's rule (its `reference` kernel is not row-invariant on the CPU): every test that
-    # decodes on this stack then runs the per-token attention and its cache restore against AR
-    target.set_batch_invariant(True)
-    # the intermediate reuses two of the target's layers (dequantized), so it agrees with it often
-    m_w = {"model.embed_tokens.weight": t_w["model.embed_tokens.weight"], "model.norm.weight": torch.ones(h)}
-    for new, old in ((0, 0), (1, 3)):
-        for k, v in t_w.items():
-            if k.startswith(f"model.layers.{old}."):
-                m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = dequantize(v) if isinstance(v, W4Weight) else v
-    inter_m = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=2)), m_w, device=device)
-    head_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=1))
-
-    def head(base: Transformer) -> EagleHead:
-        w = {k: v for k, v in model_weights(1, h, inter, kv, prefix="layers").items() if k.startswith("layers.0.")}
-        w["fc.weight"] = rnd(h, 2 * h)
-        return EagleHead(head_cfg, w, base)
-
-    return Models(target, inter_m, head(inter_m), head(target))
-
-
 def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
     """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work)."""
-    models = tiny_models(ByteTokenizer.vocab_size, device, seed)
+    models = Models(*tiny_models(ByteTokenizer.vocab_size, device, seed))
     meta = {"stack": "tiny-random", "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
             "target": "random 4-layer W4 (RTN g32)", "intermediate": "2 of the target's layers",
             "e_m": "random", "e_t": "random", "device": str(device), "dtype": "float32", "w4_kernel": "reference",

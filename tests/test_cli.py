@@ -34,8 +34,8 @@ def test_every_command_answers_help(capsys):
 
 
 @pytest.mark.parametrize("name", ["generate", "record", "bench", "whatif", "memory", "app-check", "draft-sweep",
-                                  "batch-invariance", "synthetic-stack", "w4-sweep", "profile", "kernel-bench"])
+                                  "batch-invariance", "synthetic-stack", "w4-sweep", "profile", "kernel-bench", "op-profile", "engine-bench"])
 def test_each_command_has_its_own_help(name, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([name, "--help"])
-    assert e.value.code == 0 and "usage: python -m hierviz" in capsys.readouterr().out
+    assert e.value.code == 0 and f"usage: python -m hierviz {name} " in capsys.readouterr().out

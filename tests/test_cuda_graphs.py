@@ -159,5 +159,5 @@ def test_warm_up_prepares_every_bucket_of_every_model(static) -> None:
     warm_up(st, ["hierspec", "eagle2", "ar"], DecodeSettings(max_new_tokens=4, m_depth=2, m_tree_size=6,
                                                               t_depth=2, t_tree_size=6, min_draft_len=2))
     for model in st.models.present():
-        runners = model.__dict__.get("_static_runners", [])
+        runners = model.static_runners
         assert runners and all(sorted(r._buckets) == list(cuda_graphs.BUCKETS) for r in runners), model

@@ -20,7 +20,8 @@ from hierviz.decoding.verify import Sampler, verify_sequence_sampling, verify_tr
 from hierviz.engine import generate, output_tokens
 from hierviz.models.llama import Transformer
 from hierviz.quant.w4 import dequantize
-from hierviz.stack import Stack, tiny_models, tiny_random_stack
+from hierviz.models.synthetic import tiny_models
+from hierviz.stack import Stack, tiny_random_stack
 
 METHODS = ("ar", "spec", "eagle2", "hierspec")
 
@@ -201,7 +202,7 @@ def test_top_p_filter_keeps_nucleus():
 def test_reduced_vocabularies_stay_lossless():
     """FR-Spec: heads draft over a token subset and M predicts over it too; T keeps the full
     vocabulary, so every method still reproduces AR exactly."""
-    models = tiny_models(259, seed=7)
+    models = Models(*tiny_models(259, seed=7))
     vocab = torch.arange(3, 140)
     models.e_m.set_draft_vocab(vocab)
     models.e_t.set_draft_vocab(vocab)

@@ -105,7 +105,7 @@ _SCRIPT = textwrap.dedent("""
     # the same through a whole fp16 W4 model on the static path (Triton W4 kernels, batch-invariant
     # target): a 9-node tree verified in one forward vs each node decoded alone after its path
     from hierviz.models.config import ModelConfig
-    from hierviz.measure.whatif import synthetic_model
+    from hierviz.models.synthetic import synthetic_model
     cfg = ModelConfig.from_dict(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,

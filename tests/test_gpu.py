@@ -119,7 +119,7 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
     from hierviz.measure.profile import load_shape
-    from hierviz.measure.whatif import synthetic_model
+    from hierviz.models.synthetic import synthetic_model
     _, cfg = load_shape("smollm2")
     model = synthetic_model(cfg, "w4", dtype, "cuda", "triton", seed=0, group=32)
     model.set_batch_invariant(True)

@@ -155,12 +155,12 @@ def test_cpu_verification_is_batch_invariant(kernel):
     (torch's SDPA and BLAS round one row differently from several) they do not; nor with the
     `reference` kernel, whose BLAS product is not row-invariant."""
     from hierviz.quant import int4pack_cpu
-    from hierviz.stack import tiny_models
+    from hierviz.models.synthetic import tiny_models
     from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
     if kernel == "int4pack_cpu" and not int4pack_cpu.available():
         pytest.skip("this torch build has no CPU int4 ops")
     torch.set_num_threads(2)
-    target = _with_kernel(tiny_models(256, "cpu", 0).target, kernel)
+    target = _with_kernel(tiny_models(256, "cpu", 0)[0], kernel)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (40,), generator=g).tolist()
     results = {}

@@ -44,10 +44,10 @@ def test_both_models_run_the_int4_kernel_target_batch_invariant(stack):
 
 def test_shipped_target_verifies_a_tree_bit_for_bit(stack):
     """The real T on the CPU: tree nodes verified in one forward get the hidden states and logits of
-    the same tokens decoded one at a time (scripts/batch_invariance.py --dynamic does all 24 nodes)."""
+    the same tokens decoded one at a time (`python -m hierviz batch-invariance --dynamic` does all 24 nodes)."""
     import torch
 
-    from scripts.batch_invariance import TREE_24, tree_vs_paths
+    from hierviz.measure.batch_invariance import TREE_24, tree_vs_paths
     t = stack.models.target
     if not t.batch_invariant:
         pytest.skip("no row-invariant CPU W4 kernel in this torch build")

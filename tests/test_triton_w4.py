@@ -127,7 +127,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
     # fp16 only: the interpreter (numpy has no bfloat16) gets tl.dot on bf16 operands and casts to
     # bf16 wrong, and it cannot run tl.inline_asm_elementwise (the PTX unpack; use_asm is ignored
     # when interpreting). Both are checked against the reference on the GPU by
-    # `python -m hierviz.measure.kernel_bench` and tests/test_gpu.py.
+    # `python -m hierviz kernel-bench` and tests/test_gpu.py.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -187,7 +187,7 @@ def test_int4pack_cpu_matches_reference(m: int, n: int, k: int, g: int) -> None:
         int4pack.FP32_VIA_BF16 = True
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
     # packed once per dtype, reused
-    cache = w.__dict__["_int4pack_cpu_cache"]
+    cache = w.kernel_state["int4pack_cpu"]
     first = cache[torch.bfloat16][0]
     w4_linear(x, w, kernel="int4pack_cpu")
     assert cache[torch.bfloat16][0] is first

@@ -143,7 +143,7 @@ def test_synthetic_weights_stay_finite_at_wide_shapes_in_fp16() -> None:
     Slow on a CPU (~40 s: fp16 dequantization of 0.7e9 weights); every what-if run also refuses
     a synthetic model whose logits are not finite (whatif._check_finite, tested below)."""
     from hierviz.models.config import ModelConfig
-    from hierviz.measure.whatif import synthetic_model
+    from hierviz.models.synthetic import synthetic_model
     cfg = ModelConfig(vocab_size=256, hidden_size=8192, intermediate_size=28672, num_layers=2, num_heads=64,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=64)
     m = synthetic_model(cfg, "w4", torch.float16, "cpu", "reference", 0)

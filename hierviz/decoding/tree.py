@@ -209,7 +209,7 @@ class TreeGraph:
     @staticmethod
     def get(head: HeadState, depth: int, topk: int, size: int) -> "TreeGraph":
         key = (depth, topk, size, id(head.head.draft_vocab))
-        graphs = head.runner.__dict__.setdefault("tree_graphs", {})
+        graphs = head.runner.tree_graphs
         tg = graphs.pop(key, None)
         if tg is None or tg.draft_head is not head.head:
             tg = TreeGraph(head.head, head.runner, depth, topk, size)

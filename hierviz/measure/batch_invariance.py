@@ -5,7 +5,7 @@ can differ from AR on near-ties.
     python -m hierviz batch-invariance [--shape smollm2] [--group 32] [--device cuda] \
         [--dtype float16] [--kernel triton] [--tokens 4,16,25,60] [--static | --dynamic]
 
-A synthetic W4 model of the shape (random codes, hierviz.whatif.synthetic_model), a random prompt, then
+A synthetic W4 model of the shape (random codes, hierviz.models.synthetic.synthetic_model), a random prompt, then
 for each K: the hidden state after every layer and the logits at the K positions, one forward over K
 tokens against K one-token forwards (same cache contents before). Prints, per K, the first layer whose
 output differs and the largest logit difference; then the W4 product and the LM head alone, row 0 of an
@@ -24,7 +24,7 @@ import torch
 from hierviz.models.llama import KVCache
 from hierviz.measure.profile import load_shape
 from hierviz.quant.w4 import w4_linear
-from hierviz.measure.whatif import synthetic_model
+from hierviz.models.synthetic import synthetic_model
 
 
 def _layer_outputs(model, tokens, positions, cache) -> tuple[list[torch.Tensor], torch.Tensor]:

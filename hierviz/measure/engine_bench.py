@@ -1,6 +1,6 @@
 """Engine speed and exactness on a GPU, side by side in one run.
 
-    python -m hierviz.measure.engine_bench --out DIR [--tokens 128]
+    python -m hierviz engine-bench --out DIR [--tokens 128]
 
 1. Exactness: on tiny random models (fp32), every decoder through the static/CUDA-graph path
    must emit the tokens of AR through the dynamic path (the CPU test suite checks the static
@@ -31,30 +31,10 @@ from hierviz.models import cuda_graphs, fused
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
+from hierviz.models.synthetic import hf_weights, tiny_models
 from hierviz.quant.w4 import quantize_rtn
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def smollm2_weights(cfg: ModelConfig, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random fp32 weights with HF names at the config's shapes (std 0.02, norms 1)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g, device=device) * 0.02
-
-    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h) * 10, "model.norm.weight": torch.ones(h, device=device)}
-    for l in range(cfg.num_layers):
-        p = f"model.layers.{l}"
-        w.update({f"{p}.input_layernorm.weight": torch.ones(h, device=device),
-                  f"{p}.post_attention_layernorm.weight": torch.ones(h, device=device),
-                  f"{p}.self_attn.q_proj.weight": r(q, h), f"{p}.self_attn.k_proj.weight": r(kv, h),
-                  f"{p}.self_attn.v_proj.weight": r(kv, h), f"{p}.self_attn.o_proj.weight": r(h, q),
-                  f"{p}.mlp.gate_proj.weight": r(i, h), f"{p}.mlp.up_proj.weight": r(i, h),
-                  f"{p}.mlp.down_proj.weight": r(h, i)})
-    return w
 
 
 def w4_of(weights: dict[str, torch.Tensor], group: int = 32) -> dict:
@@ -89,8 +69,7 @@ def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: Decod
 def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
     """Every decoder on the static path (graphs on CUDA) against AR on the dynamic path, fp32.
     fused_ops: with the fused layer kernels forced (they serve fp16/bf16 by default)."""
-    from hierviz.stack import tiny_models
-    models = tiny_models(259, device)
+    models = Models(*tiny_models(259, device))
     s = DecodeSettings(m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
                        min_draft_len=4, spec_k=3)
     prompt = list(range(40, 60))
@@ -130,42 +109,28 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
     return toks, dt
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.measure.engine_bench")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--skip-hf", action="store_true")
-    a = ap.parse_args(argv)
-    dev = a.device
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "tokens": a.tokens}
+def _agree(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two outputs."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
 
-    def save() -> None:
-        if a.out:
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / "engine.json").write_text(json.dumps(res, indent=1))
 
+def _exactness(res: dict, dev: str) -> None:
     res["exact_tiny_fp32"] = exactness_tiny(dev)
     print("[engine] tiny fp32, static/graphs vs AR dynamic, identical:", res["exact_tiny_fp32"], flush=True)
     if fused.HAVE_TRITON and dev == "cuda":
         res["exact_tiny_fp32_fused"] = exactness_tiny(dev, fused_ops=True)
         print("[engine] tiny fp32, static/graphs with fused layer kernels vs AR dynamic, identical:",
               res["exact_tiny_fp32_fused"], flush=True)
-    save()
 
-    cfg_path = ROOT / "assets" / "configs" / "smollm2-135m.json"
-    cfg = ModelConfig.from_file(cfg_path)
-    dense = smollm2_weights(cfg, dev)
-    dtype = torch.float16 if dev == "cuda" else torch.float32
-    kernel = "triton" if dev == "cuda" else "reference"
-    prompt = [1] + list(range(100, 163))           # 64 prompt tokens
-    n = a.tokens
+
+def _ar_speeds(t_fp16: Transformer, t_w4: Transformer, prompt: list[int], n: int, s: DecodeSettings,
+               res: dict, save) -> tuple[dict, dict]:
+    """AR tokens/s of each engine path (graphs, eager, fused or not); outputs per path."""
+    rows, toks = {}, {}
     StageTimer.sync = False                        # benchmark mode: sync only where decisions are read
-    t_fp16 = Transformer(cfg, dense, dtype=dtype, device=dev)
-    t_w4 = Transformer(cfg, w4_of(dense), w4_kernel=kernel, dtype=dtype, device=dev)
-    s = DecodeSettings(max_new_tokens=n)
-    rows = {}
-    toks = {}
     for name, model, static, fused_ops in (
             ("ours fp16, CUDA graphs", t_fp16, True, None), ("ours fp16, eager", t_fp16, False, None),
             ("ours W4A16 triton, CUDA graphs", t_w4, True, None),
@@ -184,42 +149,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows["ours W4A16 triton, CUDA graphs, trace-mode syncs"] = n / dt
     print(f"[engine] AR W4A16 graphs with per-stage syncs      {n / dt:8.1f} tokens/s", flush=True)
     StageTimer.sync = False
+    return rows, toks
 
-    def agree(a_: list[int], b_: list[int]) -> int:
-        k = 0
-        while k < min(len(a_), len(b_)) and a_[k] == b_[k]:
-            k += 1
-        return k
 
-    res["identical_prefix"] = {
-        "fp16 graphs vs fp16 eager": agree(toks["ours fp16, CUDA graphs"], toks["ours fp16, eager"]),
-        "w4 graphs vs w4 eager": agree(toks["ours W4A16 triton, CUDA graphs"], toks["ours W4A16 triton, eager"]),
-    }
-    if not a.skip_hf:
-        try:
-            hf_toks, hf_dt = hf_generate(cfg_path, dense, prompt, n, dev, dtype)
-            rows["transformers LlamaForCausalLM.generate fp16"] = n / hf_dt
-            res["identical_prefix"]["ours fp16 graphs vs transformers"] = agree(toks["ours fp16, CUDA graphs"][:n],
-                                                                                hf_toks)
-            print(f"[engine] AR transformers generate fp16              {n / hf_dt:8.1f} tokens/s", flush=True)
-        except Exception as e:  # transformers API drift: report, keep the rest
-            res["hf_error"] = repr(e)
-            print("[engine] transformers loop failed:", repr(e), flush=True)
-    print("[engine] identical prefix lengths:", res["identical_prefix"], flush=True)
-    save()
+def _against_transformers(res: dict, rows: dict, toks: dict, cfg_path: Path, dense: dict, prompt: list[int],
+                          n: int, dev: str, dtype: torch.dtype) -> None:
+    try:
+        hf_toks, hf_dt = hf_generate(cfg_path, dense, prompt, n, dev, dtype)
+        rows["transformers LlamaForCausalLM.generate fp16"] = n / hf_dt
+        res["identical_prefix"]["ours fp16 graphs vs transformers"] = _agree(toks["ours fp16, CUDA graphs"][:n], hf_toks)
+        print(f"[engine] AR transformers generate fp16              {n / hf_dt:8.1f} tokens/s", flush=True)
+    except Exception as e:  # transformers API drift: report, keep the rest
+        res["hf_error"] = repr(e)
+        print("[engine] transformers loop failed:", repr(e), flush=True)
 
-    # per-round costs of the speculative methods at these shapes (random heads)
+
+def _speculative_rounds(t_w4: Transformer, dense: dict, cfg_path: Path, prompt: list[int], s: DecodeSettings,
+                        dev: str, dtype: torch.dtype) -> dict:
+    """Per-round costs of the speculative methods at these shapes: a 6-layer intermediate made of
+    the target's layers, random heads."""
+    cfg = ModelConfig.from_file(cfg_path)
+    raw = json.loads(cfg_path.read_text())
     keep = [0, 6, 12, 18, 24, 29]
     m_w = {"model.embed_tokens.weight": dense["model.embed_tokens.weight"], "model.norm.weight": dense["model.norm.weight"]}
     for new, old in enumerate(keep):
         for k, v in dense.items():
             if k.startswith(f"model.layers.{old}."):
                 m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = v
-    m_cfg = ModelConfig.from_dict(dict(json.loads(cfg_path.read_text()), num_hidden_layers=len(keep)))
-    inter = Transformer(m_cfg, m_w, dtype=dtype, device=dev)
-    h_cfg = ModelConfig.from_dict(dict(json.loads(cfg_path.read_text()), num_hidden_layers=1))
-    hw = {k.replace("model.layers.0.", "layers.0."): v for k, v in smollm2_weights(
-        ModelConfig.from_dict(dict(json.loads(cfg_path.read_text()), num_hidden_layers=1)), dev, seed=5).items()
+    inter = Transformer(ModelConfig.from_dict(dict(raw, num_hidden_layers=len(keep))), m_w, dtype=dtype, device=dev)
+    h_cfg = ModelConfig.from_dict(dict(raw, num_hidden_layers=1))
+    hw = {k.replace("model.layers.0.", "layers.0."): v for k, v in hf_weights(h_cfg, dev, seed=5).items()
           if k.startswith("model.layers.0.")}
     hw["fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size, device=dev) * 0.02
     models = Models(t_w4, inter, EagleHead(h_cfg, hw, inter), EagleHead(h_cfg, hw, t_w4))
@@ -234,13 +193,49 @@ def main(argv: Optional[list[str]] = None) -> int:
         except Exception as e:
             spec_rows[m] = {"error": repr(e)}
             print(f"[engine] {m} failed: {e!r}", flush=True)
-    res["rounds_random_heads"] = spec_rows
+    return spec_rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hierviz engine-bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args(argv)
+    dev, n = a.device, a.tokens
+    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "tokens": n}
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / "engine.json").write_text(json.dumps(res, indent=1))
+
+    _exactness(res, dev)
+    save()
+    cfg_path = ROOT / "assets" / "configs" / "smollm2-135m.json"
+    cfg = ModelConfig.from_file(cfg_path)
+    dense = hf_weights(cfg, dev)
+    dtype = torch.float16 if dev == "cuda" else torch.float32
+    prompt = [1] + list(range(100, 163))           # 64 prompt tokens
+    t_fp16 = Transformer(cfg, dense, dtype=dtype, device=dev)
+    t_w4 = Transformer(cfg, w4_of(dense), w4_kernel="triton" if dev == "cuda" else "reference", dtype=dtype, device=dev)
+    s = DecodeSettings(max_new_tokens=n)
+    rows, toks = _ar_speeds(t_fp16, t_w4, prompt, n, s, res, save)
+    res["identical_prefix"] = {
+        "fp16 graphs vs fp16 eager": _agree(toks["ours fp16, CUDA graphs"], toks["ours fp16, eager"]),
+        "w4 graphs vs w4 eager": _agree(toks["ours W4A16 triton, CUDA graphs"], toks["ours W4A16 triton, eager"]),
+    }
+    if not a.skip_hf:
+        _against_transformers(res, rows, toks, cfg_path, dense, prompt, n, dev, dtype)
+    print("[engine] identical prefix lengths:", res["identical_prefix"], flush=True)
+    save()
+    res["rounds_random_heads"] = _speculative_rounds(t_w4, dense, cfg_path, prompt, s, dev, dtype)
     save()
     print("\n| AR, SmolLM2-135M shapes, synthetic weights | tokens/s |\n|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v:.0f} |")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

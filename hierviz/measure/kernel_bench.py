@@ -1,7 +1,7 @@
 """W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs hierviz's Triton kernel.
 
-    python -m hierviz.measure.kernel_bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
-    python -m hierviz.measure.kernel_bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
+    python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
+    python -m hierviz kernel-bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
     (KERNEL_BENCH_THREADS=N sets torch's CPU threads for the --cpu run)
 
 On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from hierviz.config import options
+from hierviz.models.synthetic import random_w4
 from hierviz.quant.w4 import W4Weight, codes_of, dequantize, quantize_rtn, unpack_codes
 
 ROTATE = 3  # weight copies cycled through while timing (> L2 in total)
@@ -71,15 +72,6 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ---- weights --------------------------------------------------------------------------------
-
-def synthetic_w4(n: int, k: int, g: int, device: str, seed: int) -> W4Weight:
-    """Random codes and GPTQ-like scales/offsets (fp16), made on the device directly."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
-    scales = torch.rand(n, k // g, device=device, generator=gen) * 0.02 + 0.002
-    zeros = torch.randint(6, 10, (n, k // g), device=device, generator=gen).float()
-    return W4Weight(codes, scales.half(), (-scales * zeros).half(), g)
-
 
 def tinygemm_pack(w: W4Weight, swap_nibbles: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """torch._weight_int4pack_mm operands: packed int4 weight and bf16 [K/G, N, 2] scale/zero.
@@ -148,135 +140,143 @@ def tune_candidates(m: int, family: str = "all"):
 
 # ---- the GPU benchmark ----------------------------------------------------------------------
 
-def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
-              dry: bool = False, tune_ms: Optional[list[int]] = None, family: str = "all") -> dict:
-    """dry: run the same code on the CPU under TRITON_INTERPRET=1 (tiny shapes; no timing value)."""
+def _bench_device(dry: bool) -> tuple[str, dict, Callable]:
+    """The device, the run's facts and the timer: CUDA-graph replays, or (dry) one CPU call."""
     import triton
-
-    from hierviz.quant import triton_w4
-    from hierviz.quant.triton_w4 import sm_count, pick_config, triton_w4_matmul
-
-    global _graph_time_us
     if dry:
-        dev = "cpu"
-        _graph_time_us = lambda fns, rep_ms: _cpu_time_us(fns[0], 0.01)  # noqa: E731
-        name, sms, bw = "cpu (dry run)", 0, 1e11
+        dev, name, sms, bw = "cpu", "cpu (dry run)", 0, 1e11
+        timer = lambda fns, rep_ms: _cpu_time_us(fns[0], 0.01)  # noqa: E731
     else:
-        dev = "cuda"
+        dev, timer = "cuda", _graph_time_us
         props = torch.cuda.get_device_properties(0)
         name, sms, bw = props.name, props.multi_processor_count, _copy_bandwidth()
-    info = {"device": name, "sms": sms,
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "shape": {"K": k, "N": n, "G": g},
-            "timing": f"CUDA-graph replay median, {ROTATE} rotating weight copies"}
-    info["copy_bandwidth_TBps"] = bw / 1e12
+    info = {"device": name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "timing": f"CUDA-graph replay median, {ROTATE} rotating weight copies", "copy_bandwidth_TBps": bw / 1e12}
     print(f"{name}, {sms} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    return dev, info, timer
 
-    ws = [synthetic_w4(n, k, g, dev, seed) for seed in range(ROTATE)]
-    w_bytes = ws[0].codes.numel() + 2 * ws[0].scales.numel() * 2  # fp16 scales + offsets
-    floor_us = w_bytes / bw * 1e6
-    info["w4_bytes"] = w_bytes
-    info["floor_us"] = floor_us
-    dense = [dequantize(w, torch.float16) for w in ws]
-    ref_w = dequantize(ws[0], torch.float32)
 
-    # tinygemm operands; the nibble order is whichever matches the reference.
-    tiny = None
+def _tinygemm_operands(ws: list[W4Weight], ref_w: torch.Tensor, g: int, dev: str, info: dict) -> Optional[list]:
+    """tinygemm's packed operands per weight copy, in whichever nibble order matches the reference."""
     try:
-        xt = torch.randn(4, k, device=dev, dtype=torch.bfloat16)
+        xt = torch.randn(4, ws[0].in_features, device=dev, dtype=torch.bfloat16)
         want = xt.float() @ ref_w.t()
         for swap in (True, False):
             p0 = tinygemm_pack(ws[0], swap)
-            err = _rel_err(torch.ops.aten._weight_int4pack_mm(xt, p0[0], g, p0[1]), want)
-            if err < 2e-2:
-                tiny = [p0] + [tinygemm_pack(w, swap) for w in ws[1:]]
+            if _rel_err(torch.ops.aten._weight_int4pack_mm(xt, p0[0], g, p0[1]), want) < 2e-2:
                 info["tinygemm_even_nibble_high"] = swap
-                break
-        if tiny is None:
-            info["tinygemm_error"] = "no nibble order matched the reference"
+                return [p0] + [tinygemm_pack(w, swap) for w in ws[1:]]
+        info["tinygemm_error"] = "no nibble order matched the reference"
     except Exception as e:  # keep the rest of the run alive
         info["tinygemm_error"] = repr(e)[:300]
+    return None
+
+
+def _tune(ws: list[W4Weight], ref_w: torch.Tensor, dev: str, ms: list[int], family: str,
+          timer: Callable) -> tuple[list[dict], dict[int, object]]:
+    """Every candidate config per M, timed where its result is right; the fastest per M."""
+    from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
+    n, k, g = ws[0].out_features, ws[0].in_features, ws[0].group_size
+    rows, best_cfg = [], {}
+    t0 = time.time()
+    for m in ms:
+        xs = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
+        want = xs[0].float() @ ref_w.t()
+        best = None
+        cands = tune_candidates(m, family)
+        if family != "all":
+            cands.append(pick_config(m, n, k, g, sm_count(torch.device(dev)), gemv=False))
+        for cfg in cands:
+            row = {"M": m, **asdict(cfg)}
+            try:
+                row["rel_err"] = err = _rel_err(triton_w4_matmul(xs[0], ws[0], cfg), want)
+                if err > 1e-2:
+                    row["error"] = "wrong result"
+                else:
+                    row["us"] = timer([lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(xs, ws)], rep_ms=10)
+                    if best is None or row["us"] < best[0]:
+                        best = (row["us"], cfg)
+            except Exception as e:
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+            print("tune", row, flush=True)
+        if best is not None:
+            best_cfg[m] = best[1]
+    print(f"tuning took {time.time() - t0:.0f} s", flush=True)
+    return rows, best_cfg
+
+
+def _triton_timings(row: dict, x16: list, xbf: list, ws: list[W4Weight], cfg, cfg_bf16, want: torch.Tensor,
+                    ref_w: torch.Tensor, timer: Callable, rep_ms: float) -> None:
+    from hierviz.quant import triton_w4
+    from hierviz.quant.triton_w4 import triton_w4_matmul
+    row["triton_err"] = _rel_err(triton_w4_matmul(x16[0], ws[0], cfg), want)
+    # the default split-K (HIERVIZ_W4_DETERMINISTIC) next to atomic adds, and whether 20
+    # repeats of one product give the same bits in each mode
+    for mode, ordered in (("", options().w4_deterministic), ("_atomic", False)):
+        with triton_w4.split_k_mode(ordered):
+            row[f"triton{mode}_us"] = timer([lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
+            first = triton_w4_matmul(x16[0], ws[0], cfg)
+            row[f"triton{mode}_repeatable"] = all(torch.equal(first, triton_w4_matmul(x16[0], ws[0], cfg))
+                                                  for _ in range(20))
+    wantb = xbf[0].float() @ ref_w.t()
+    row["triton_bf16_err"] = _rel_err(triton_w4_matmul(xbf[0], ws[0], cfg_bf16), wantb)
+    row["triton_bf16_us"] = timer([lambda x=x, w=w: triton_w4_matmul(x, w, cfg_bf16) for x, w in zip(xbf, ws)], rep_ms)
+
+
+def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tiny: Optional[list],
+               best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool) -> dict:
+    """cuBLAS fp16, tinygemm and the Triton kernel (both split-K modes, fp16 and bf16) at M rows."""
+    from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
+    n, k, g = ws[0].out_features, ws[0].in_features, ws[0].group_size
+    x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
+    xbf = [x.to(torch.bfloat16) for x in x16]
+    want = x16[0].float() @ ref_w.t()
+    up = [t for t in sorted(best_cfg) if t >= m]      # untuned M: the next tuned M up's winner (same path)
+    sms = sm_count(torch.device(dev))
+    cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g, sms)
+    cfg_bf16 = cfg if up else pick_config(m, n, k, g, sms, bf16=True)
+    row: dict = {"M": m, "triton_config": asdict(cfg)}
+    if cfg_bf16 != cfg:
+        row["triton_bf16_config"] = asdict(cfg_bf16)
+    row["cublas_fp16_us"] = timer([lambda x=x, d=d: x @ d.t() for x, d in zip(x16, dense)], rep_ms)
+    row["cublas_fp16_err"] = _rel_err(x16[0] @ dense[0].t(), want)
+    if tiny is not None:
+        row["tinygemm_err"] = _rel_err(torch.ops.aten._weight_int4pack_mm(xbf[0], tiny[0][0], g, tiny[0][1]),
+                                       xbf[0].float() @ ref_w.t())
+        row["tinygemm_us"] = timer([lambda x=x, t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], g, t[1])
+                                    for x, t in zip(xbf, tiny)], rep_ms)
+    try:
+        _triton_timings(row, x16, xbf, ws, cfg, cfg_bf16, want, ref_w, timer, rep_ms)
+    except Exception as e:
+        row["triton_error"] = repr(e)[:300]
+    if m == 1 and not dry:  # launch overhead, for the record: plain launches, no graph
+        import triton.testing
+        row["triton_eager_us"] = 1000 * triton.testing.do_bench(lambda: triton_w4_matmul(x16[0], ws[0], cfg),
+                                                                return_mode="median")
+        row["cublas_fp16_eager_us"] = 1000 * triton.testing.do_bench(lambda: x16[0] @ dense[0].t(), return_mode="median")
+    return row
+
+
+def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
+              dry: bool = False, tune_ms: Optional[list[int]] = None, family: str = "all") -> dict:
+    """dry: run the same code on the CPU under TRITON_INTERPRET=1 (tiny shapes; no timing value)."""
+    from hierviz.quant import triton_w4
+    dev, info, timer = _bench_device(dry)
+    info["shape"] = {"K": k, "N": n, "G": g}
+    ws = [random_w4(n, k, g, torch.float16, dev, torch.Generator(device=dev).manual_seed(seed)) for seed in range(ROTATE)]
+    info["w4_bytes"] = w_bytes = ws[0].codes.numel() + 2 * ws[0].scales.numel() * 2  # fp16 scales + offsets
+    info["floor_us"] = floor_us = w_bytes / (info["copy_bandwidth_TBps"] * 1e12) * 1e6
+    dense = [dequantize(w, torch.float16) for w in ws]
+    ref_w = dequantize(ws[0], torch.float32)
+    tiny = _tinygemm_operands(ws, ref_w, g, dev, info)
     print("tinygemm:", info.get("tinygemm_error", "ok"), flush=True)
-
-    tune_rows = []
-    best_cfg: dict[int, object] = {}
-    if tune:
-        t0 = time.time()
-        for m in tune_ms or ms:
-            xs = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
-            want = xs[0].float() @ ref_w.t()
-            best = None
-            cands = tune_candidates(m, family)
-            if family != "all":
-                cands.append(pick_config(m, n, k, g, sm_count(torch.device(dev)), gemv=False))
-            for cfg in cands:
-                row = {"M": m, **asdict(cfg)}
-                try:
-                    err = _rel_err(triton_w4_matmul(xs[0], ws[0], cfg), want)
-                    row["rel_err"] = err
-                    if err > 1e-2:
-                        row["error"] = "wrong result"
-                    else:
-                        row["us"] = _graph_time_us(
-                            [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(xs, ws)],
-                            rep_ms=10)
-                        if best is None or row["us"] < best[0]:
-                            best = (row["us"], cfg)
-                except Exception as e:
-                    row["error"] = repr(e)[:300]
-                tune_rows.append(row)
-                print("tune", row, flush=True)
-            if best is not None:
-                best_cfg[m] = best[1]
-        print(f"tuning took {time.time() - t0:.0f} s", flush=True)
-
+    tune_rows, best_cfg = _tune(ws, ref_w, dev, tune_ms or ms, family, timer) if tune else ([], {})
     rows = []
     for m in ms:
-        x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
-        xbf = [x.to(torch.bfloat16) for x in x16]
-        want = x16[0].float() @ ref_w.t()
-        # untuned M: the winner of the next tuned M up (same kernel path)
-        up = [t for t in sorted(best_cfg) if t >= m]
-        sms_here = sm_count(torch.device(dev))
-        cfg = best_cfg[up[0]] if up else pick_config(m, n, k, g, sms_here)
-        cfg_bf16 = cfg if up else pick_config(m, n, k, g, sms_here, bf16=True)
-        row: dict = {"M": m, "triton_config": asdict(cfg)}
-        if cfg_bf16 != cfg:
-            row["triton_bf16_config"] = asdict(cfg_bf16)
-        row["cublas_fp16_us"] = _graph_time_us(
-            [lambda x=x, d=d: x @ d.t() for x, d in zip(x16, dense)], rep_ms)
-        row["cublas_fp16_err"] = _rel_err(x16[0] @ dense[0].t(), want)
-        if tiny is not None:
-            wantb = xbf[0].float() @ ref_w.t()
-            row["tinygemm_err"] = _rel_err(
-                torch.ops.aten._weight_int4pack_mm(xbf[0], tiny[0][0], g, tiny[0][1]), wantb)
-            row["tinygemm_us"] = _graph_time_us(
-                [lambda x=x, t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], g, t[1])
-                 for x, t in zip(xbf, tiny)], rep_ms)
-        try:
-            row["triton_err"] = _rel_err(triton_w4_matmul(x16[0], ws[0], cfg), want)
-            # The default split-K (HIERVIZ_W4_DETERMINISTIC) next to atomic adds, and whether 20
-            # repeats of one product give the same bits in each mode.
-            for mode, ordered in (("", options().w4_deterministic), ("_atomic", False)):
-                with triton_w4.split_k_mode(ordered):
-                    row[f"triton{mode}_us"] = _graph_time_us(
-                        [lambda x=x, w=w: triton_w4_matmul(x, w, cfg) for x, w in zip(x16, ws)], rep_ms)
-                    first = triton_w4_matmul(x16[0], ws[0], cfg)
-                    row[f"triton{mode}_repeatable"] = all(
-                        torch.equal(first, triton_w4_matmul(x16[0], ws[0], cfg)) for _ in range(20))
-            wantb = xbf[0].float() @ ref_w.t()
-            row["triton_bf16_err"] = _rel_err(triton_w4_matmul(xbf[0], ws[0], cfg_bf16), wantb)
-            row["triton_bf16_us"] = _graph_time_us(
-                [lambda x=x, w=w: triton_w4_matmul(x, w, cfg_bf16) for x, w in zip(xbf, ws)], rep_ms)
-        except Exception as e:
-            row["triton_error"] = repr(e)[:300]
-        if m == 1 and not dry:  # launch overhead, for the record: plain launches, no graph
-            import triton.testing
-            row["triton_eager_us"] = 1000 * triton.testing.do_bench(
-                lambda: triton_w4_matmul(x16[0], ws[0], cfg), return_mode="median")
-            row["cublas_fp16_eager_us"] = 1000 * triton.testing.do_bench(
-                lambda: x16[0] @ dense[0].t(), return_mode="median")
+        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry)
         row["floor_us"] = floor_us
         rows.append(row)
         print("bench", row, flush=True)
@@ -384,7 +384,7 @@ def write_chart(res: dict, out: Path) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.measure.kernel_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hierviz kernel-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--shape", default=None, help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU)")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
@@ -402,7 +402,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tune_ms = [int(v) for v in a.tune_ms.split(",")] if a.tune_ms else None
     res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family) if use_gpu
            else cpu_bench(k, n, g, ms))
-    res["command"] = "python -m hierviz.measure.kernel_bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    res["command"] = "python -m hierviz kernel-bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
     a.out.mkdir(parents=True, exist_ok=True)
     name = "kernel_bench.json" if use_gpu else "kernel_bench_cpu.json"
     (a.out / name).write_text(json.dumps(res, indent=1, default=str))

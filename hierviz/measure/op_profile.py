@@ -1,7 +1,7 @@
-"""`python -m hierviz.measure.op_profile`: where one decode step's time goes, operator by operator.
+"""`python -m hierviz op-profile`: where one decode step's time goes, operator by operator.
 
-    python -m hierviz.measure.op_profile --shape llama3-70b --layers 8 --out DIR        # on a GPU
-    python -m hierviz.measure.op_profile --shape smollm2 --layers 2 --device cpu --out DIR
+    python -m hierviz op-profile --shape llama3-70b --layers 8 --out DIR        # on a GPU
+    python -m hierviz op-profile --shape smollm2 --layers 2 --device cpu --out DIR
 
 Why: the engine's Llama-3-70B W4A16 one-token step takes ~36 ms on an H200 against a 9 ms
 weight-read floor, and a 12% faster W4 GEMM did not move it (docs/kernels.md, docs/whatif.md).
@@ -65,7 +65,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     from hierviz.decoding.state import BaseState
     from hierviz.models import cuda_graphs
     from hierviz.measure.profile import load_shape
-    from hierviz.measure.whatif import synthetic_model
+    from hierviz.models.synthetic import synthetic_model
 
     name, cfg = load_shape(shape)
     if layers < 1:
@@ -132,7 +132,7 @@ def table(info: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.measure.op_profile", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hierviz op-profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-70b", help="llama3-8b | llama3-70b | smollm2 | a config.json")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers to build (the shape's count at most)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])

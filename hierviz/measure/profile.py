@@ -25,14 +25,15 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from hierviz.models.config import ModelConfig
-from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm, Weight
-from hierviz.models.config import rope_frequencies
+from hierviz.models.config import ModelConfig, rope_frequencies
+from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm
+from hierviz.models.synthetic import layer_weights, random_dense
 from hierviz.quant.w4 import W4Weight, register_kernel
 
 SCHEMA = "hierviz.profile/1"
@@ -55,53 +56,22 @@ def load_shape(shape: str) -> tuple[str, ModelConfig]:
     return p.stem, ModelConfig.from_file(p)
 
 
-# ---- synthetic weights -----------------------------------------------------------------------
-
-def _w4(n: int, k: int, g: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> W4Weight:
-    """Random codes with GPTQ-like scales/offsets, made on the device directly."""
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
-    # Uniform codes have mean 7.5 and std 4.6: these scales give zero-mean weights of std
-    # ~1/sqrt(k), like a trained layer's, so 80 synthetic layers stay finite in fp16 (larger
-    # weights overflowed to inf by layer 2 of a 70B shape, and NaN features flattened the
-    # what-if's draft trees). Timings do not depend on the values.
-    scales = (torch.rand(n, k // g, device=device, generator=gen) * 0.5 + 0.75) / (4.6 * k ** 0.5)
-    return W4Weight(codes, scales.to(dtype), (-7.5 * scales).to(dtype), g)
-
-
-def _dense(n: int, k: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
-    return (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * k ** -0.5).to(dtype)
-
-
-def _layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device: str,
-                   gen: torch.Generator) -> dict[str, Weight]:
-    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
-    q = cfg.num_heads * cfg.head_dim
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    w: dict[str, Weight] = {"p.input_layernorm.weight": torch.ones(h, dtype=dtype, device=device),
-                            "p.post_attention_layernorm.weight": torch.ones(h, dtype=dtype, device=device)}
-    for name, (n, k) in shapes.items():
-        w[f"p.{name}.weight"] = (_dense(n, k, dtype, device, gen) if fmt == "dense"
-                                 else _w4(n, k, g, dtype, device, gen))
-    return w
-
-
 def _tinygemm(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """torch's `_weight_int4pack_mm` (bf16 only); operands built once, cached on w."""
-    hit = w.__dict__.get("_tinygemm")
+    hit = w.kernel_state.get("tinygemm")
     if hit is None:
         from hierviz.measure.kernel_bench import tinygemm_pack
-        hit = w.__dict__["_tinygemm"] = tinygemm_pack(w, swap_nibbles=False)
+        hit = w.kernel_state["tinygemm"] = tinygemm_pack(w, swap_nibbles=False)
     return torch.ops.aten._weight_int4pack_mm(x, hit[0], w.group_size, hit[1])
 
-
-register_kernel("tinygemm", _tinygemm)
 
 
 def build_layer(cfg: ModelConfig, fmt: str, kernel: str, g: int, dtype: torch.dtype, device: str,
                 seed: int) -> DecoderLayer:
+    if kernel == "tinygemm":        # a comparison kernel of this tool only, registered on use
+        register_kernel("tinygemm", _tinygemm)
     gen = torch.Generator(device=device).manual_seed(seed)
-    w = _layer_weights(cfg, fmt, g, dtype, device, gen)
+    w = {f"p.{k}": v for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items()}
     return DecoderLayer(cfg, w.__getitem__, "p", kernel)
 
 
@@ -208,14 +178,46 @@ def _formats(device: str, only: Optional[list[str]]) -> list[dict]:
     return [f for f in fmts if not only or f["name"] in only]
 
 
-def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda", context: int = 512,
-            group_size: int = 128, whole_model: bool = True, formats: Optional[list[str]] = None,
-            rep_ms: float = 60.0, log: Callable[[str], None] = print) -> dict:
-    """Measure; returns the profile dict (see SCHEMA in the module docstring)."""
+@dataclass
+class _Run:
+    """What every curve of one profile shares."""
+    cfg: ModelConfig
+    tokens: list[int]
+    device: str
+    context: int
+    rep_ms: float
+    timer: Callable
+    bw: float
+    info: dict
+    log: Callable[[str], None]
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def series(self, fmt: dict, scope: str, layers: int, nbytes: int, us: list[float], estimated: bool = False,
+               note: str = "") -> None:
+        row = {"format": fmt["name"], "dtype": str(fmt["dtype"]).replace("torch.", ""), "kernel": fmt["kernel"],
+               "scope": scope, "layers": layers, "weight_bytes": nbytes, "floor_us": 1e6 * nbytes / self.bw,
+               "us": us, "estimated": estimated, "note": note}
+        self.info["series"].append(row)
+        self.log(f"[profile] {fmt['name']:15s} {scope:5s} floor {row['floor_us']:9.1f} us | " +
+                 " ".join(f"T={t}:{u:.1f}" for t, u in zip(self.tokens, us)))
+
+    def curve(self, layers: list, head: Optional[Linear], dtype: torch.dtype,
+              rep_ms: Optional[float] = None) -> list[float]:
+        """Times of the layers (+ norm and head) at each token count."""
+        st = Stack(self.cfg, layers, head, dtype, self.device, self.context, max(self.tokens))
+        us = []
+        for t in self.tokens:
+            args = st.inputs(t)
+            us.append(self.timer(lambda: st.forward(*args), rep_ms or self.rep_ms))
+        return us
+
+
+def _header(cfg: ModelConfig, shape: str, tokens: list[int], device: str, context: int, group_size: int,
+            bw: float) -> dict:
     cuda = device == "cuda"
-    timer = (lambda fn, rep=rep_ms: _time_cuda_us(fn, rep)) if cuda else (lambda fn, rep=0: _time_cpu_us(fn))
-    bw = copy_bandwidth(device)
-    max_t = max(tokens)
     info = {"schema": SCHEMA, "shape": shape,
             "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                    "num_kv_heads", "head_dim", "vocab_size")},
@@ -226,85 +228,75 @@ def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda
     if cuda:
         import triton
         info["versions"]["triton"] = triton.__version__
+    return info
+
+
+def _whole_model(run: _Run, fmt: dict, g: int, layer: DecoderLayer, one: int, layer_us: list[float]) -> None:
+    """All layers + final norm + dense LM head (kept in the activation dtype, as GPTQ/AWQ
+    checkpoints keep it) applied to every row, as tree/sequence verification does; where the
+    weights do not fit, one layer's time x the layer count + the LM head measured alone."""
+    cfg, dtype = run.cfg, fmt["dtype"]
+    gen = torch.Generator(device=run.device).manual_seed(2)
+    head = Linear([random_dense(cfg.vocab_size, cfg.hidden_size, dtype, run.device, gen)], [None])
+    head_bytes = cfg.vocab_size * cfg.hidden_size * head.weight.element_size() + cfg.hidden_size * 2
+    total = one * cfg.num_layers + head_bytes
+    if _fits(one * (cfg.num_layers + 2) + head_bytes, run.device):   # + 2 layers of build transients
+        layers = [layer]
+        try:
+            for i in range(1, cfg.num_layers):
+                lay = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, dtype, run.device, seed=10 + i)
+                if fmt["kernel"] == "triton":   # the kernel layout now, which releases the checkpoint-order codes
+                    from hierviz.quant.triton_w4 import packed
+                    for lin in (lay.qkv, lay.o, lay.gate_up, lay.down):
+                        for w in lin.w4:
+                            packed(w, dtype)
+                layers.append(lay)
+            run.series(fmt, "model", cfg.num_layers, total, run.curve(layers, head, dtype, run.rep_ms * 3))
+            return
+        except torch.cuda.OutOfMemoryError:
+            run.info["notes"].append(f"{fmt['name']}: whole model ran out of memory; estimated from one layer")
+        finally:
+            layers = None
+            if run.cuda:
+                torch.cuda.empty_cache()
+    head_us = run.curve([], head, dtype)
+    est = [u * cfg.num_layers + h for u, h in zip(layer_us, head_us)]
+    note = (f"estimated: {total / 1e9:.0f} GB of weights do not fit this device; "
+            f"one layer's time x {cfg.num_layers} + the LM head measured alone")
+    run.info["notes"].append(f"{fmt['name']} whole model: {note}")
+    run.series(fmt, "model", cfg.num_layers, total, est, estimated=True, note=note)
+    if run.cuda:
+        torch.cuda.empty_cache()
+
+
+def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda", context: int = 512,
+            group_size: int = 128, whole_model: bool = True, formats: Optional[list[str]] = None,
+            rep_ms: float = 60.0, log: Callable[[str], None] = print) -> dict:
+    """Measure; returns the profile dict (see SCHEMA in the module docstring)."""
+    cuda = device == "cuda"
+    timer = (lambda fn, rep=rep_ms: _time_cuda_us(fn, rep)) if cuda else (lambda fn, rep=0: _time_cpu_us(fn))
+    bw = copy_bandwidth(device)
+    info = _header(cfg, shape, tokens, device, context, group_size, bw)
+    run = _Run(cfg, list(tokens), device, context, rep_ms, timer, bw, info, log)
     log(f"[profile] {shape} on {info['device']}: copy bandwidth {bw / 1e9:.0f} GB/s; tokens {tokens}")
-
-    def series(fmt: dict, scope: str, layers: int, nbytes: int, us: list[float], estimated: bool = False,
-               note: str = "") -> None:
-        row = {"format": fmt["name"], "dtype": str(fmt["dtype"]).replace("torch.", ""), "kernel": fmt["kernel"],
-               "scope": scope, "layers": layers, "weight_bytes": nbytes, "floor_us": 1e6 * nbytes / bw,
-               "us": us, "estimated": estimated, "note": note}
-        info["series"].append(row)
-        log(f"[profile] {fmt['name']:15s} {scope:5s} floor {row['floor_us']:9.1f} us | " +
-            " ".join(f"T={t}:{u:.1f}" for t, u in zip(tokens, us)))
-
     for fmt in _formats(device, formats):
-        dtype = fmt["dtype"]
         g = group_size if fmt["fmt"] == "w4" else 0
         try:
-            layer = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, dtype, device, seed=1)
+            layer = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, fmt["dtype"], device, seed=1)
         except Exception as e:  # e.g. a kernel that does not support this shape
             info["notes"].append(f"{fmt['name']}: cannot build a layer: {e}")
             log(f"[profile] {fmt['name']}: skipped ({e})")
             continue
         one = layer_bytes(layer)
         try:
-            st = Stack(cfg, [layer], None, dtype, device, context, max_t)
-            layer_us = []
-            for t in tokens:
-                args = st.inputs(t)
-                layer_us.append(timer(lambda: st.forward(*args)))
+            layer_us = run.curve([layer], None, fmt["dtype"])
         except Exception as e:
             info["notes"].append(f"{fmt['name']}: one-layer forward failed: {e}")
             log(f"[profile] {fmt['name']}: one-layer forward failed ({e})")
             continue
-        series(fmt, "layer", 1, one, layer_us)
-        if not (whole_model and fmt["model"]):
-            continue
-        # whole model: all layers + final norm + dense LM head (kept in the activation dtype, as
-        # GPTQ/AWQ checkpoints keep it) applied to every row, as tree/sequence verification does
-        gen = torch.Generator(device=device).manual_seed(2)
-        head = Linear([_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen)], [None])
-        head_bytes = cfg.vocab_size * cfg.hidden_size * head.weight.element_size() + cfg.hidden_size * 2
-        total = one * cfg.num_layers + head_bytes
-        if _fits(one * (cfg.num_layers + 2) + head_bytes, device):   # + 2 layers of build transients
-            layers = [layer]
-            try:
-                for i in range(1, cfg.num_layers):
-                    lay = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, dtype, device, seed=10 + i)
-                    if fmt["kernel"] == "triton":   # the kernel layout now, which releases the
-                        from hierviz.quant.triton_w4 import packed   # checkpoint-order codes
-                        for lin in (lay.qkv, lay.o, lay.gate_up, lay.down):
-                            for w in lin.w4:
-                                packed(w, dtype)
-                    layers.append(lay)
-                st = Stack(cfg, layers, head, dtype, device, context, max_t)
-                model_us = []
-                for t in tokens:
-                    args = st.inputs(t)
-                    model_us.append(timer(lambda: st.forward(*args), rep_ms * 3))
-                series(fmt, "model", cfg.num_layers, total, model_us)
-            except torch.cuda.OutOfMemoryError:
-                info["notes"].append(f"{fmt['name']}: whole model ran out of memory; estimated from one layer")
-                layers = None
-                model_us = None
-            finally:
-                st = None
-                layers = None
-                if cuda:
-                    torch.cuda.empty_cache()
-            if model_us is not None:
-                continue
-        # estimate: one layer x layer count + the LM head measured alone
-        hs = Stack(cfg, [], head, dtype, device, context, max_t)
-        head_us = [timer(lambda a=hs.inputs(t): hs.forward(*a)) for t in tokens]
-        est = [u * cfg.num_layers + h for u, h in zip(layer_us, head_us)]
-        note = (f"estimated: {total / 1e9:.0f} GB of weights do not fit this device; "
-                f"one layer's time x {cfg.num_layers} + the LM head measured alone")
-        info["notes"].append(f"{fmt['name']} whole model: {note}")
-        series(fmt, "model", cfg.num_layers, total, est, estimated=True, note=note)
-        del hs, head
-        if cuda:
-            torch.cuda.empty_cache()
+        run.series(fmt, "layer", 1, one, layer_us)
+        if whole_model and fmt["model"]:
+            _whole_model(run, fmt, g, layer, one, layer_us)
     return info
 
 

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from hierviz.memory import CONFIGS, PRESET_SHAPES
+from hierviz.models.synthetic import CheckpointWeights
 from hierviz.stack import PRESET_DIR
 
 PRESET_MODELS = PRESET_SHAPES      # the presets with bundled shapes: the ones this can write
@@ -58,28 +59,7 @@ def _linears(cfg: dict[str, Any], prefix: str) -> list[tuple[str, int, int]]:
             (f"{prefix}.mlp.down_proj", h, inter)]
 
 
-class _Gen:
-    def __init__(self, seed: int, device: str) -> None:
-        self.g = torch.Generator(device=device).manual_seed(seed)
-        self.device = device
-
-    def dense(self, *shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=self.g, device=self.device) * std).half().cpu()
-
-    def gptq(self, n: int, k: int, group: int) -> dict[str, torch.Tensor]:
-        """AutoGPTQ's tensors for an [n, k] linear, symmetric as the presets' checkpoints: random
-        4-bit codes (any int32 word is 8 valid codes), zero point 8 stored minus one (v1: 0x77777777),
-        scales giving weights of std ~ 1/sqrt(k)."""
-        groups = k // group
-        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, generator=self.g,
-                                device=self.device)
-        qzeros = torch.full((groups, n // 8), 0x77777777, dtype=torch.int32, device=self.device)
-        scales = (torch.rand(groups, n, generator=self.g, device=self.device) * 0.5 + 0.75) / (4.6 * k ** 0.5)
-        g_idx = torch.arange(k, dtype=torch.int32, device=self.device) // group
-        return {"qweight": qweight.cpu(), "qzeros": qzeros.cpu(), "scales": scales.half().cpu(), "g_idx": g_idx.cpu()}
-
-
-def _model_tensors(cfg: dict[str, Any], gen: _Gen, gptq_group: Optional[int]) -> Iterator[tuple[str, torch.Tensor]]:
+def _model_tensors(cfg: dict[str, Any], gen: CheckpointWeights, gptq_group: Optional[int]) -> Iterator[tuple[str, torch.Tensor]]:
     h, inter, _, _ = _dims(cfg)
     v = cfg["vocab_size"]
     yield "model.embed_tokens.weight", gen.dense(v, h, std=0.02)
@@ -139,7 +119,7 @@ def write_sharded(folder: Path, tensors: Iterator[tuple[str, torch.Tensor]], sha
     return total
 
 
-def write_head(folder: Path, base: dict[str, Any], gen: _Gen) -> None:
+def write_head(folder: Path, base: dict[str, Any], gen: CheckpointWeights) -> None:
     """A SafeAILab EAGLE-1/2 head for `base` (config.json + model.safetensors)."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True, exist_ok=True)
@@ -181,7 +161,7 @@ def write_stack(preset: str, out: Path, scale: str = "full", tokenizer_from: Opt
     for role, (name, _, _) in PRESET_MODELS[preset].items():
         cfg = {k: v for k, v in json.loads((CONFIGS / name).read_text()).items() if not k.startswith("_")}
         cfgs[role] = tiny_config(cfg, vocab_tiny) if scale == "tiny" else cfg
-    gen = _Gen(seed, device)
+    gen = CheckpointWeights(seed, device)
     info: dict[str, Any] = {"preset": preset, "scale": scale, "bytes": {}, "seconds": {}}
     group = PRESET_MODELS[preset]["target"][2] if scale == "full" else 32
     qc = {"bits": 4, "group_size": group, "desc_act": False, "sym": True,

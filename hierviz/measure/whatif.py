@@ -1,4 +1,4 @@
-"""`python -m hierviz whatif`: real-scale projection with replayed acceptance (issue 6).
+"""`python -m hierviz whatif`: real-scale projection with replayed acceptance.
 
 Latency does not depend on weight values, acceptance does not depend on the GPU. So this
 builds synthetic-weight models of real shapes (target W4A16, intermediate dense or W4A16, EAGLE heads
@@ -29,15 +29,15 @@ from typing import Any, Optional
 
 import torch
 
-from hierviz.decoding.decoders import DECODERS, Models, cache_margin
+from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
-from hierviz.models.llama import Transformer
-from hierviz.measure.profile import _dense, _layer_weights, load_shape
+from hierviz.measure.profile import load_shape
+from hierviz.models.synthetic import synthetic_head, synthetic_model, w4_group
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -66,28 +66,6 @@ def tiny_config(big: bool) -> ModelConfig:
                        num_kv_heads=2, head_dim=h // 4, rope_theta=500000.0, max_position=4096)
 
 
-def _group(cfg: ModelConfig, g: int) -> int:
-    """W4 group size: the requested one where it divides every input dimension, else 32."""
-    ok = all(k % g == 0 for k in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))
-    return g if ok else 32
-
-
-def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str, kernel: str, seed: int,
-                    group: int = 128) -> Transformer:
-    """A Transformer of this shape with random weights; fmt "w4" (codes + scales as GPTQ
-    would store them) or "dense". Layer weights come from hierviz.measure.profile's builder."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    g = _group(cfg, group)
-    w: dict[str, Any] = {"model.embed_tokens.weight": _dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
-                         "model.norm.weight": torch.ones(cfg.hidden_size, dtype=dtype, device=device)}
-    if not cfg.tie_embeddings:
-        w["lm_head.weight"] = _dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen)   # fp16, as GPTQ keeps it
-    for i in range(cfg.num_layers):
-        for k, v in _layer_weights(cfg, fmt, g, dtype, device, gen).items():
-            w[f"model.layers.{i}.{k[2:]}"] = v
-    return Transformer(cfg, w, w4_kernel=kernel if fmt == "w4" else "reference", dtype=dtype, device=device)
-
-
 class SharpHead(EagleHead):
     """An EAGLE head with random weights drafts from near-uniform distributions, so EAGLE-2's
     rerank keeps only shallow trees and a replayed path of depth 4 would not exist. Trained
@@ -106,16 +84,6 @@ class SharpHead(EagleHead):
         return torch.log_softmax(logits * self._scale, -1), ids
 
 
-def synthetic_head(base: Transformer, seed: int) -> SharpHead:
-    cfg = dataclasses.replace(base.cfg, num_layers=1)
-    gen = torch.Generator(device=base.device).manual_seed(seed)
-    dev = str(base.device)
-    w: dict[str, Any] = {f"layers.0.{k[2:]}": v for k, v in _layer_weights(cfg, "dense", 128, base.dtype, dev, gen).items()
-                         if not k.startswith("p.input_layernorm")}
-    w["fc.weight"] = _dense(cfg.hidden_size, 2 * cfg.hidden_size, base.dtype, dev, gen)
-    return SharpHead(cfg, w, base)
-
-
 def model_bytes(cfg: ModelConfig, fmt: str) -> float:
     h, i = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_kv_heads * cfg.head_dim
@@ -132,7 +100,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     target = synthetic_model(t_cfg, "w4", dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
-    return Models(target, inter, synthetic_head(inter, seed + 2), synthetic_head(target, seed + 3))
+    return Models(target, inter, synthetic_head(inter, seed + 2, SharpHead), synthetic_head(target, seed + 3, SharpHead))
 
 
 # ---- forced acceptance ------------------------------------------------------------------------
@@ -429,16 +397,18 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 
 def _w4_format(cfg: ModelConfig, kernel: str) -> str:
-    return f"W4A16 synthetic codes, group {_group(cfg, 128)}, kernel {kernel}"
+    return f"W4A16 synthetic codes, group {w4_group(cfg, 128)}, kernel {kernel}"
 
 
-def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+def _check_args(a: argparse.Namespace, methods: list[str]) -> None:
+    """Flag values that cannot run, refused before any model is built."""
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise WhatIfError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
     if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
         raise WhatIfError("give either --acceptance (a trace) or --acceptance-rates, not both")
+    if a.acceptance and a.sweep:
+        raise WhatIfError("--sweep varies acceptance rates: use --acceptance-rates (or the defaults), not a trace")
     if not 0.0 <= a.seq_rate <= 1.0:
         raise WhatIfError(f"--seq-rate must be between 0 and 1, got {a.seq_rate}")
     if a.prompt_len < 1:
@@ -447,11 +417,16 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
         raise WhatIfError(f"--repeat must be between 1 and 20, got {a.repeat}")
     if a.max_new_tokens is not None and a.max_new_tokens < 2:
         raise WhatIfError("--max-new-tokens must be at least 2")
+    if a.threads is not None and a.threads < 1:
+        raise WhatIfError("--threads must be at least 1")
+
+
+def _trace_and_settings(a: argparse.Namespace, methods: list[str]) -> tuple[Optional[dict], DecodeSettings, int]:
+    """The acceptance trace (if any), the decode settings (the trace's, then the flags') and the
+    number of new tokens."""
     trace = None
     base_settings: dict[str, Any] = {}
     if a.acceptance:
-        if a.sweep:
-            raise WhatIfError("--sweep varies acceptance rates: use --acceptance-rates (or the defaults), not a trace")
         trace = load_acceptance_trace(a.acceptance)
         missing = [m for m in methods if m != "ar" and m not in trace]
         if missing:
@@ -461,45 +436,21 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
         base_settings = spec["settings"] if spec else {}
     max_new = a.max_new_tokens or (max(trace[m]["tokens"] for m in methods if m in trace)
                                    if trace and any(m in trace for m in methods) else 128)
-    s = _settings(a, base_settings, max_new)
-    sweep_settings: list[DecodeSettings] = []
-    if a.sweep:   # check the sweep's lists before building (possibly 70B-sized) models
-        _scales(a.sweep_scales)
-        sweep_settings = ([_settings_copy(s, t_tree_size=z) for z in _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")]
-                          + [_settings_copy(s, min_draft_len=d) for d in _ints(a.sweep_min_draft, "--sweep-min-draft")])
-    dev, dtype, kernel = _environment(a)
-    if a.threads is not None:
-        if a.threads < 1:
-            raise WhatIfError("--threads must be at least 1")
-        torch.set_num_threads(a.threads)
-    names, t_cfg, m_cfg = _shapes(a, dev)
-    if a.prompt_len + max_new + cache_margin(s) > t_cfg.max_position:
-        raise WhatIfError(f"prompt ({a.prompt_len}) + new tokens ({max_new}) + draft room exceed the "
-                          f"{t_cfg.max_position}-token context of the target shape")
-    from hierviz.decoding.decoders import StageTimer
-    StageTimer.sync = not a.no_stage_sync
-    torch.manual_seed(a.seed)
-    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format)
-    if a.exact:
-        return _run_exact(a, models, s, methods, names, dev)
-    if a.draft_vocab is not None:
-        if not 1 <= a.draft_vocab <= t_cfg.vocab_size:
-            raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
-        # Which ids does not change the timing (acceptance is forced); real stacks use the most
-        # frequent tokens (stack.py "draft_vocab").
-        ids = torch.arange(a.draft_vocab, device=dev)
-        for head in (models.e_m, models.e_t):
-            head.set_draft_vocab(ids)
-    prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
-    _check_finite(models, prompt)
-    make, rates_info = _oracle_factory(a, trace)
-    warm = dataclasses.replace(s, max_new_tokens=min(16, max_new))
-    # one cache length for every run: all lease the same pooled runners, captured in the warm-up
-    cache_len = len(prompt) + max_new + max(cache_margin(x) for x in [s] + sweep_settings)
-    for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
-        run_one(models, m, warm, make(m), prompt, cache_len)
-    cuda_graphs.prepare_models(models.present())    # buckets the short warm-up did not reach
-    results = {m: run_repeated(models, m, s, make, prompt, cache_len, a.repeat) for m in methods}
+    return trace, _settings(a, base_settings, max_new), max_new
+
+
+def _use_draft_vocab(a: argparse.Namespace, models: Models, vocab: int, dev: str) -> None:
+    if not 1 <= a.draft_vocab <= vocab:
+        raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {vocab}")
+    # which ids does not change the timing (acceptance is forced); real stacks use the most
+    # frequent tokens (stack.py "draft_vocab")
+    ids = torch.arange(a.draft_vocab, device=dev)
+    for head in (models.e_m, models.e_t):
+        head.set_draft_vocab(ids)
+
+
+def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: ModelConfig, dev: str, dtype: torch.dtype,
+            kernel: str, trace: Optional[dict], rates_info: dict, s: DecodeSettings, results: dict) -> dict[str, Any]:
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
@@ -520,6 +471,43 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
                              if "ar" in results else {})
     if "hierspec" in results and "eagle2" in results:
         info["hierspec_vs_eagle2"] = results["hierspec"]["tokens_per_s"] / results["eagle2"]["tokens_per_s"]
+    return info
+
+
+def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    _check_args(a, methods)
+    trace, s, max_new = _trace_and_settings(a, methods)
+    sweep_settings: list[DecodeSettings] = []
+    if a.sweep:   # check the sweep's lists before building (possibly 70B-sized) models
+        _scales(a.sweep_scales)
+        sweep_settings = ([_settings_copy(s, t_tree_size=z) for z in _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")]
+                          + [_settings_copy(s, min_draft_len=d) for d in _ints(a.sweep_min_draft, "--sweep-min-draft")])
+    dev, dtype, kernel = _environment(a)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    names, t_cfg, m_cfg = _shapes(a, dev)
+    if a.prompt_len + max_new + cache_margin(s) > t_cfg.max_position:
+        raise WhatIfError(f"prompt ({a.prompt_len}) + new tokens ({max_new}) + draft room exceed the "
+                          f"{t_cfg.max_position}-token context of the target shape")
+    StageTimer.sync = not a.no_stage_sync
+    torch.manual_seed(a.seed)
+    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format)
+    if a.exact:
+        return _run_exact(a, models, s, methods, names, dev)
+    if a.draft_vocab is not None:
+        _use_draft_vocab(a, models, t_cfg.vocab_size, dev)
+    prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
+    _check_finite(models, prompt)
+    make, rates_info = _oracle_factory(a, trace)
+    warm = dataclasses.replace(s, max_new_tokens=min(16, max_new))
+    # one cache length for every run: all lease the same pooled runners, captured in the warm-up
+    cache_len = len(prompt) + max_new + max(cache_margin(x) for x in [s] + sweep_settings)
+    for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
+        run_one(models, m, warm, make(m), prompt, cache_len)
+    cuda_graphs.prepare_models(models.present())    # buckets the short warm-up did not reach
+    results = {m: run_repeated(models, m, s, make, prompt, cache_len, a.repeat) for m in methods}
+    info = _report(a, names, t_cfg, m_cfg, dev, dtype, kernel, trace, rates_info, s, results)
     if a.sweep:
         info["sweep"] = run_sweep(a, models, s, prompt, results, cache_len)
     return info

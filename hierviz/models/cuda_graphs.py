@@ -118,6 +118,7 @@ class StaticRunner:
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         self.in_use = False
+        self.tree_graphs: dict = {}      # hierviz.decoding.tree.TreeGraph per tree shape, most recent last
 
     # ---- buffers and the captured function -----------------------------------------------
 
@@ -284,7 +285,7 @@ def lease(model, max_len: int, owner: object, window_extra: int = 0) -> Optional
         return None
     live = -(-max_len // LEN_ROUND) * LEN_ROUND
     with _lock:
-        pool: list[StaticRunner] = model.__dict__.setdefault("_static_runners", [])
+        pool: list[StaticRunner] = model.static_runners
         runner = next((r for r in pool if not r.in_use and r.live_len == live and r.window_extra == window_extra),
                       None)
         if runner is None:
@@ -306,7 +307,7 @@ def prepare_all(model) -> int:
     Triton compiles a kernel variant per tile shape, seconds each, which must not land inside
     timed decoding). Returns the number of runners prepared."""
     with _lock:
-        runners = list(model.__dict__.get("_static_runners", []))
+        runners = list(model.static_runners)
     for r in runners:
         for b in BUCKETS:
             r.prepare(b)
@@ -323,4 +324,4 @@ def prepare_models(models) -> int:
 def drop_runners(model) -> None:
     """Free a model's pooled runners (their caches and graphs)."""
     with _lock:
-        model.__dict__.pop("_static_runners", None)
+        model.static_runners.clear()

@@ -16,7 +16,7 @@ from torch import nn
 from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.quant.gptq import load_state_dict_folder
 from hierviz.quant.w4 import matmul_nt
-from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, _getter
+from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, weight_getter
 
 
 class EagleHead(nn.Module):
@@ -28,8 +28,9 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         self.base = base
         self.dtype = base.dtype
+        self.static_runners: list = []    # hierviz.models.cuda_graphs pools its runners here
         self.device = base.device
-        get = _getter(weights, base.dtype, base.device)
+        get = weight_getter(weights, base.dtype, base.device)
         fc_w = get("fc.weight")
         if tuple(fc_w.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
             raise WeightsError(f"EAGLE fc.weight has shape {tuple(fc_w.shape)}, expected "

@@ -1,6 +1,6 @@
 """Fused Triton kernels for a decoder layer's non-GEMM work on the static (CUDA-graph) path.
 
-Why: `python -m hierviz.measure.op_profile --shape llama3-70b --layers 80` on an H200 (W4A16, fp16,
+Why: `python -m hierviz op-profile --shape llama3-70b --layers 80` on an H200 (W4A16, fp16,
 CUDA graphs) measured 29.8 ms per token, of which the W4 GEMMs are 17.4 ms. The other ~45
 kernels per layer (RMSNorm's fp32 chain, RoPE's cat/neg/mul/add, the cache writes, SDPA's math
 path with its mask conversion and GQA copies, SiLU * up, residual adds) took ~110 us per layer
@@ -255,7 +255,7 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     token, slice); the program walks the token's visible columns in ascending order, so a tree
     node whose ancestors are scattered among siblings reduces exactly as the same token decoded
     alone after its path; tiles, slices and the combine order depend on the cache size only. This
-    is what lets fp16 speculative decoding reproduce AR bit for bit (docs/gpu.md, session 17)."""
+    is what lets fp16 speculative decoding reproduce AR bit for bit (docs/exactness.md)."""
     t = q.shape[0]
     hkv, length = k_cache.shape[0], k_cache.shape[1]
     group = num_heads // hkv

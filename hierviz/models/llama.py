@@ -90,8 +90,8 @@ def attention_per_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys:
     """Attention for q [Hq, T, hd] over k/v [Hkv, L, hd] (views of the KV cache), each token alone
     over the keys it sees: the same call, on a view of the same shape and the same values, as that
     token's one-token step, so verifying a sequence or a tree gives each token the bits of decoding it
-    alone (torch's CPU SDPA rounds one query differently from several: 0 of 25 rows equal in fp32,
-    session 17; every token here takes `_one_query_attention`, the one-token step included). A tree
+    alone (torch's CPU SDPA rounds one query differently from several: 0 of 25 rows equal in fp32;
+    every token here takes `_one_query_attention`, the one-token step included). A tree
     node's scattered keys (its ancestors among siblings) are moved, for its call, right after its
     contiguous prefix; the cache rows are put back afterwards."""
     lo = min((m for _, m, tail in keys.spans if tail is not None), default=None)
@@ -299,7 +299,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        get = _getter(weights, dtype, self.device)
+        self.static_runners: list = []    # hierviz.models.cuda_graphs pools its runners here
+        get = weight_getter(weights, dtype, self.device)
         self.embed = nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
         if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise WeightsError(f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
@@ -414,7 +415,7 @@ def _rows_invariant_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).reshape(*x.shape[:-1], w.shape[0])
 
 
-def _getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):
+def weight_getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):
     def get(name: str) -> Weight:
         if name not in weights:
             raise WeightsError(f"checkpoint has no tensor {name!r}")

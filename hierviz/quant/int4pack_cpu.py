@@ -18,7 +18,7 @@ import torch
 
 from hierviz.quant.w4 import KERNELS, W4Weight, codes_of, register_kernel, unpack_codes
 
-_CACHE_ATTR = "_int4pack_cpu_cache"
+_CACHE_KEY = "int4pack_cpu"
 FP32_VIA_BF16 = True
 
 
@@ -29,7 +29,7 @@ def available() -> bool:
 
 
 def _packed(w: W4Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    cache = w.__dict__.setdefault(_CACHE_ATTR, {})
+    cache = w.kernel_state.setdefault(_CACHE_KEY, {})
     hit = cache.get(dtype)
     if hit is None:
         # The CPU converter takes int32 codes [N, K] (one value per element), not our nibbles.

@@ -20,7 +20,7 @@ one packed FMA applies scale and offset; no int->float conversions. The Triton i
 Triton ops runs instead; the tests run that one, the GPU benchmark checks both.
 
 Kernel-specific layout, built once per W4Weight and activation dtype, cached on it
-(`_triton_w4_cache`; the W4Weight fields keep their meaning):
+(`W4Weight.kernel_state["triton"]`; the W4Weight fields keep their meaning):
   codes  uint8 [N, K/2]: within each block of SUB input channels (SUB = group size, or 128
          for groups larger than 256), byte j holds channel j (low nibble) and channel
          j + SUB/2 (high nibble). Then the low nibbles of a tile multiply one contiguous half
@@ -55,7 +55,7 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
     HAVE_TRITON = False
 
-_CACHE_ATTR = "_triton_w4_cache"
+_CACHE_KEY = "triton"
 
 
 def interpreting() -> bool:
@@ -87,7 +87,7 @@ class Config:
     block_q: int = 8
 
 
-# Picked by `python -m hierviz.measure.kernel_bench --tune` on an H200 (K=8192, N=28672, G=128);
+# Picked by `python -m hierviz kernel-bench --tune` on an H200 (K=8192, N=28672, G=128);
 # see docs/kernels.md. Keyed by the largest M each entry serves: the first two are the small-M
 # (GEMV-like, split-K) path, the others the tiled path. The M <= 16 entry is tuned for the
 # fixed-order split-K (4 ways, 3 stages: 63.8-64.1 us at M = 2..8, 59.1 at 16, vs 67.6-68.5 /
@@ -218,7 +218,7 @@ class Packed:
 
 def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
     """The kernel's layout of w for activations of `dtype` (built once, cached on w)."""
-    cache = w.__dict__.setdefault(_CACHE_ATTR, {})
+    cache = w.kernel_state.setdefault(_CACHE_KEY, {})
     key = (dtype, w.codes.device)
     hit = cache.get(key)
     if hit is None:
@@ -248,7 +248,7 @@ def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tens
     originals were released."""
     if not codes_released(w):
         return w.codes if rows is None else w.codes.index_select(0, rows.to(w.codes.device))
-    rep = w.__dict__[_CACHE_ATTR]["codes"]
+    rep = w.kernel_state[_CACHE_KEY]["codes"]
     if rows is not None:
         rep = rep.index_select(0, rows.to(rep.device))
     return unrepack_codes(rep, _sub_block(w.group_size))
@@ -258,7 +258,7 @@ def tiled_codes(w: W4Weight, block_n: int) -> torch.Tensor:
     """The repacked codes as [N/block_n * K/SUB * block_n, SUB/2]: tile (i, b) (rows i*block_n..,
     K block b) is rows (i * K/SUB + b) * block_n onwards, so consecutive K blocks of one row
     block are adjacent in memory. N is padded with zero codes to a multiple of block_n."""
-    cache = w.__dict__.setdefault(_CACHE_ATTR, {})
+    cache = w.kernel_state.setdefault(_CACHE_KEY, {})
     key = ("tiled", block_n, w.codes.device)
     hit = cache.get(key)
     if hit is None:

@@ -14,8 +14,8 @@ and every kernel (torch reference, int4pack CPU, Triton) reads it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,6 +38,9 @@ class W4Weight:
     # a verifier's weight: kernels must give a row the same bits whatever the number of rows (up
     # to a verification's size), so verifying K tokens matches decoding them one by one
     batch_invariant: bool = False
+    # layouts kernels derive from this weight (packed codes, a dequantized copy), by kernel name;
+    # not copied by dataclasses.replace: a variant gets its own
+    kernel_state: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -137,14 +140,22 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
     return W4Weight(pack_codes(q.view(n, k)), scale, lo, group_size)
 
 
+def quantize_linears(weights: dict[str, Any], group: int) -> dict[str, Any]:
+    """RTN-quantize every dense decoder-layer linear (keeps norms, embeddings, LM head)."""
+    out = dict(weights)
+    for k, w in weights.items():
+        if k.startswith("model.layers.") and k.endswith("_proj.weight") and isinstance(w, torch.Tensor):
+            out[k] = quantize_rtn(w, group)
+    return out
+
+
 # ---- kernels: the seam where fast matmuls plug in ------------------------------------------
 
 CPU_NT_MAX_ROWS = 128
 
-# Which form of x @ w^T is fastest for a few rows on the CPU depends on the machine's MKL: the
-# 2-core machine of session 9 ran (w @ x^T)^T 1.5-2.5x faster than x @ w^T for 2-64 rows (and one
-# row padded to two); the one of session 15 ran SmolLM2-135M's one-token forward at 38 ms plainly
-# and 71 ms that way. So each (N, K, dtype, row bucket) is timed once per process, on first use,
+# Which form of x @ w^T is fastest for a few rows on the CPU depends on the machine's MKL: one
+# 2-core machine ran (w @ x^T)^T 1.5-2.5x faster than x @ w^T for 2-64 rows (and one row padded
+# to two); another ran SmolLM2-135M's one-token forward at 38 ms plainly and 71 ms that way. So each (N, K, dtype, row bucket) is timed once per process, on first use,
 # and the winner kept. HIERVIZ_CPU_MATMUL=plain|nt fixes the choice (reproducible rounding across
 # processes); the default is auto.
 _CPU_FORMS: dict[tuple, str] = {}
@@ -211,7 +222,7 @@ def _matmul_reference(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 def _matmul_dequant_cached(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
     """Dequantize once and keep the float matrix: 4-bit storage, float compute (a baseline that
     shows what the W4 kernels save or cost)."""
-    cache = w.__dict__.setdefault("_dense_cache", {})
+    cache = w.kernel_state.setdefault("dequantized", {})
     dense = cache.get(x.dtype)
     if dense is None:
         dense = cache[x.dtype] = dequantize(w, x.dtype)

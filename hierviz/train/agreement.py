@@ -1,7 +1,7 @@
 """How well the intermediate M predicts the target T on benchmark prompts: the quantity that bounds
 HierSpec's target tau, measured directly.
 
-    python -m hierviz.train.agreement --questions assets/data/spec_bench_question.jsonl --limit 1 \
+    python -m hierviz train agreement --questions assets/data/spec_bench_question.jsonl --limit 1 \
         [--stack smollm2-offline] [--max-new-tokens 64] [--draft-len 6] [--device cpu] --out agreement.json
 
 For every question T writes its greedy answer (the engine's AR decoder); then T and M each read
@@ -88,7 +88,7 @@ def measure(stack, questions: list[dict[str, Any]], max_new_tokens: int, draft_l
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.train.agreement", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hierviz train agreement", description=__doc__.split("\n")[0])
     ap.add_argument("--questions", required=True, help="Spec-Bench-style JSONL")
     ap.add_argument("--limit", type=int, default=None, help="questions per category (file order)")
     ap.add_argument("--stack", default=None, help="preset name or stack JSON (default: smollm2-offline)")
@@ -113,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (BenchError, EngineError, StackError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report["command"] = " ".join(["python -m hierviz.train.agreement", *(argv if argv is not None else sys.argv[1:])])
+    report["command"] = " ".join(["python -m hierviz train agreement", *(argv if argv is not None else sys.argv[1:])])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
     print(f"{'category':16s} {'positions':>9s} {'top-1':>7s} {'tau_bound':>9s}")

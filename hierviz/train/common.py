@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from hierviz.config import options
 from hierviz.quant.w4 import W4Weight, dequantize_unpermuted
 
 LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -262,8 +263,9 @@ class Progress:
 
 
 def use_bf16(device: torch.device) -> bool:
-    """bf16 frozen models + bf16 autocast on GPU; HIERVIZ_TRAIN_BF16=1 forces it on CPU (dry runs)."""
-    return device.type == "cuda" or os.environ.get("HIERVIZ_TRAIN_BF16") == "1"
+    """bf16 frozen models + bf16 autocast on GPU; the train_bf16 option (HIERVIZ_TRAIN_BF16=1) forces
+    it on the CPU too, for dry runs of the GPU's arithmetic."""
+    return device.type == "cuda" or options().train_bf16
 
 
 def base_dtype(device: torch.device) -> torch.dtype:

@@ -1,6 +1,6 @@
 """Distil the intermediate model M from the target T, then GPTQ-quantize it to W4.
 
-    python -m hierviz.train.distill --target T.gguf --data data.pt --out M_DIR \
+    python -m hierviz train distill --target T.gguf --data data.pt --out M_DIR \
         --layers 8 --steps 3000 --time-budget 150 --group-size 64
 
 M is a shallower copy of T: --layers decoder layers taken from T at evenly spaced depths
@@ -205,7 +205,7 @@ def init_student(student, path: str | Path, layers: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.train.distill", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hierviz train distill", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True, help="output folder (GPTQ checkpoint)")
@@ -264,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tq = time.time()
     packed = gptq_student(student, data, calib_idx, device, a.group_size, a.max_len, a.batch_tokens)
     gptq_s = round(time.time() - tq, 1)
-    report = {"command": command_line("hierviz.train.distill", argv), "target": str(a.target), "data": str(a.data),
+    report = {"command": command_line("hierviz train distill", argv), "target": str(a.target), "data": str(a.data),
               "data_meta": {k: data.meta.get(k) for k in ("samples", "response_tokens", "prompt_tokens")},
               "student_layers_from_target": layer_ids, "init": a.init, "lr": a.lr, "batch_tokens": a.batch_tokens,
               "loss": "KL(T||M)" + (f" + {a.top1_weight:g} x CE(M, argmax T)" if a.top1_weight else ""),

@@ -1,13 +1,13 @@
 """Train EAGLE-1/2 draft heads: E_T on the target's features, E_M on the intermediate's.
 
-    python -m hierviz.train.eagle_train --target T.gguf --intermediate M_DIR --data data.pt \
+    python -m hierviz train eagle --target T.gguf --intermediate M_DIR --data data.pt \
         --out-t E_T_DIR --out-m E_M_DIR --steps 3000 --time-budget 150
 
 A head is one Llama decoder layer without input norm, fed fc(cat(embed(token_{t+1}), feature_t))
 at position t, where feature_t is the base model's last hidden state after its final norm; its
-output predicts feature_{t+1}, and the base's frozen LM head turns it into draft logits (DESIGN
-3.1). Loss (EAGLE): SmoothL1(pred, feature_{t+1}) + w * CE(softmax(LM(feature_{t+1})),
-LM(pred)), with uniform noise on the input features. Data = the base model's own outputs on
+output predicts feature_{t+1}, and the base's frozen LM head turns it into draft logits. Loss
+(EAGLE): SmoothL1(pred, feature_{t+1}) + w * CE(softmax(LM(feature_{t+1})), LM(pred)), with
+uniform noise on the input features. Data = the base model's own outputs on
 T's generated text: E_M sees the *quantized* M exactly as shipped (GPTQ checkpoint, embeddings
 shared with T). Heads are saved in SafeAILab's layout (config.json + model.safetensors, fp16,
 no embed_tokens copy) and load with hierviz.models.eagle.load_eagle_weights. Reported: held-out
@@ -199,8 +199,8 @@ def head_accuracy(head: EagleTrainHead, base: _Base, data: TokenData, idx: list[
     return [round(h / max(t, 1), 4) for h, t in zip(hits, tots)]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz.train.eagle_train", description=__doc__.split("\n")[0])
+def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hierviz train eagle", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--intermediate", default=None, help="M's checkpoint folder (for E_M)")
     ap.add_argument("--data", required=True)
@@ -224,11 +224,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("give --out-t and/or --out-m")
     if a.out_m and not a.intermediate:
         ap.error("--out-m needs --intermediate")
-    t0 = time.time()
-    seed_all(a.seed)
-    device = pick_device(a.device)
+    return a
+
+
+def _load_bases(a: argparse.Namespace, device: torch.device) -> dict[str, tuple[_Base, dict]]:
+    """The frozen base of each head to train ("e_t": T, "e_m": M with T's embeddings), with its config."""
     dtype = base_dtype(device)
-    data = TokenData.load(a.data)
     t_cfg, t_w = load_base(a.target)
     bases: dict[str, tuple[_Base, dict]] = {}
     if a.out_t:
@@ -240,15 +241,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     for b, _ in bases.values():
         for p in b.model.parameters():
             p.requires_grad_(False)
+    return bases
+
+
+def _make_heads(bases: dict[str, tuple[_Base, dict]], a: argparse.Namespace,
+                device: torch.device) -> tuple[dict[str, EagleTrainHead], dict[str, torch.optim.Optimizer]]:
     heads, opts = {}, {}
-    for k, (b, cfg) in bases.items():
+    for k, (_, cfg) in bases.items():
         heads[k] = EagleTrainHead(cfg, bias=not a.no_bias).to(device)
         init = a.init_t if k == "e_t" else a.init_m
         if init:
             init_head(heads[k], init)
         opts[k] = torch.optim.AdamW(heads[k].parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                     fused=device.type == "cuda")
-    log(f"training {list(heads)} on {device} ({time.time() - t0:.1f}s)")
+    return heads, opts
+
+
+def _train(heads: dict[str, EagleTrainHead], opts: dict, bases: dict[str, tuple[_Base, dict]], data: TokenData,
+           a: argparse.Namespace, device: torch.device) -> tuple[Progress, dict[str, list], dict[str, dict]]:
+    """Train every head on the same batches until the step count or time budget runs out; returns
+    the progress, the logged loss figures per head and each head's last ones."""
     prog = Progress(a.steps, a.time_budget)
     it = batches(data, data.indices("train"), a.batch_tokens, a.max_len, a.seed)
     logs: dict[str, list] = {k: [] for k in heads}
@@ -277,10 +289,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(f"eagle step {prog.step} " + " | ".join(
                 f"{k}: v {last[k]['vloss']:.4f} p {last[k]['ploss']:.3f} acc {last[k]['acc']:.3f}" for k in heads)
                 + f" ({time.time() - prog.t0:.0f}s)")
-    report = {"command": command_line("hierviz.train.eagle_train", argv), "target": str(a.target),
-              "intermediate": a.intermediate, "data": str(a.data), "steps": prog.step,
-              "seconds_training": round(time.time() - prog.t0, 1), "lr": a.lr, "batch_tokens": a.batch_tokens,
-              "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "heads": {}, "env": env_info(device)}
+    return prog, logs, last
+
+
+def _evaluate_and_save(heads: dict[str, EagleTrainHead], bases: dict[str, tuple[_Base, dict]], data: TokenData,
+                       a: argparse.Namespace, device: torch.device, prog: Progress, logs: dict[str, list],
+                       last: dict[str, dict]) -> dict[str, dict]:
+    """Held-out accuracy of each head, written into its saved folder; the report entry per head."""
+    out_heads = {}
     for k, head in heads.items():
         base = bases[k][0]
         acc = {mode: head_accuracy(head, base, data, data.indices("heldout", mode), device, a.max_len, a.batch_tokens)
@@ -290,8 +306,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "heldout_top1_by_depth": acc, "log": logs[k]}
         save_head(head, out, bases[k][1], {"base": base.name, "steps": prog.step,
                                            "heldout_top1_by_depth": acc})
-        report["heads"][k] = info
+        out_heads[k] = info
         log(f"{k} -> {out}: held-out top-1 by depth {acc}")
+    return out_heads
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = _parse_args(argv)
+    t0 = time.time()
+    seed_all(a.seed)
+    device = pick_device(a.device)
+    data = TokenData.load(a.data)
+    bases = _load_bases(a, device)
+    heads, opts = _make_heads(bases, a, device)
+    log(f"training {list(heads)} on {device} ({time.time() - t0:.1f}s)")
+    prog, logs, last = _train(heads, opts, bases, data, a, device)
+    report = {"command": command_line("hierviz train eagle", argv), "target": str(a.target),
+              "intermediate": a.intermediate, "data": str(a.data), "steps": prog.step,
+              "seconds_training": round(time.time() - prog.t0, 1), "lr": a.lr, "batch_tokens": a.batch_tokens,
+              "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "heads": {}, "env": env_info(device)}
+    report["heads"] = _evaluate_and_save(heads, bases, data, a, device, prog, logs, last)
     report["seconds_total"] = round(time.time() - t0, 1)
     write_json(a.report, report)
     return 0

@@ -3,8 +3,8 @@
 #   bash hierviz/train/gpu_pipeline.sh TARGET.gguf TOKENIZER_DIR WORK_DIR OUT_DIR
 # Budgets (seconds) come from the environment: DATA_S, DISTILL_S, EAGLE_S; STAGES (default
 # "data distill heads") runs a subset, reusing WORK_DIR's products of the others (e.g. one device call
-# for "data distill", the next for "heads" with a full EAGLE_S: one call's 600 s limit no longer
-# caps the whole run); sizes from
+# for "data distill", the next for "heads" with a full EAGLE_S, so one call's 600 s limit does
+# not cap the whole pipeline); sizes from
 # NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, SAMPLES_PER_PROMPT, DERIVED (+ DERIVED_S), INSTRUCT (+ INSTRUCT_S), LAYERS,
 # GROUP, TOP1, LR, EAGLE_LR, SEED (new prompts and batch orders); INIT=FILE continues the distillation from a saved student (every distill stage leaves
 # WORK_DIR/M_float.safetensors, so a second call can go on where the first stopped; INIT=M_DIR starts
@@ -27,7 +27,7 @@ SRC=$T; T=$W/target   # exact dequantized copy of the GGUF target (fp32), fast t
 echo "target $SRC as fp32 in $T; stages:$STAGES"
 MDIR=smollm2-m${LAYERS:-8}-gptq
 if has data; then
-$PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
+$PY -m hierviz train data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
   --num-prompts "${NUM_PROMPTS:-8000}" --samples-per-prompt "${SAMPLES_PER_PROMPT:-1}" --max-new-tokens "${MAX_NEW:-256}" \
   --batch-size "${GEN_BATCH:-1024}" --modes "${MODES:-greedy:0.5,t0.7:0.25,t1.0:0.25}" --time-budget "${DATA_S:-90}" ${Q:+--questions $Q} \
   --derived "${DERIVED:-0}" --derived-budget "${DERIVED_S:-0}" \
@@ -37,7 +37,7 @@ $PY -m hierviz.train.data --target "$T" --tokenizer "$TOK" --out "$W/data.pt" \
 cp "$W/data.pt" "$W/data.json" "$W/draft_vocab.json" "$OUT/" 2>/dev/null
 fi
 if has distill; then
-$PY -m hierviz.train.distill --target "$T" --data "$W/data.pt" --out "$W/$MDIR" \
+$PY -m hierviz train distill --target "$T" --data "$W/data.pt" --out "$W/$MDIR" \
   --layers "${LAYERS:-8}" --steps "${DISTILL_STEPS:-4000}" --time-budget "${DISTILL_S:-150}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --group-size "${GROUP:-64}" --top1-weight "${TOP1:-0}" \
   --save-float "$W/M_float.safetensors" ${INIT:+--init "$INIT"} --lr "${LR:-4e-4}" ${SEED:+--seed $SEED} \
@@ -48,7 +48,7 @@ fi
 if has heads; then
 HEAD_OUT="--out-t $W/smollm2-eagle-t --out-m $W/smollm2-m${LAYERS:-8}-eagle ${INIT_M:+--init-m $INIT_M}"
 [ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-eagle ${INIT_M:+--init-m $INIT_M}"
-$PY -m hierviz.train.eagle_train --target "$T" --intermediate "$W/$MDIR" --data "$W/data.pt" \
+$PY -m hierviz train eagle --target "$T" --intermediate "$W/$MDIR" --data "$W/data.pt" \
   $HEAD_OUT --steps "${EAGLE_STEPS:-4000}" --lr "${EAGLE_LR:-6e-4}" \
   --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
 cp "$W/eagle.json" "$OUT/"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from hierviz.trace import DraftTree, Step
+from hierviz.trace import DraftTree
 from hierviz.viz.style import COLORS, plotly_label, visible_token
 
 COL_PX = 104        # pixels per depth column; the figure width is fixed so labels never overlap
@@ -141,19 +141,31 @@ def _hover(p: PlacedNode, tree_idx: int) -> str:
     return "<br>".join(l for l in lines if l)
 
 
-def tree_figure(trees: list[DraftTree], title: str = "",
-                empty: str = "No draft tree in this step (autoregressive or sequence drafting).") -> go.Figure:
-    """All trees of a step, left to right, as one figure with a fixed pixel size."""
-    fig = go.Figure()
-    if not trees:
-        fig.update_layout(height=170, xaxis_visible=False, yaxis_visible=False,
-                          title=dict(text=title, x=0.01, font_size=15) if title else None,
-                          annotations=[dict(text=empty,
-                                            showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                                            font_size=15)],
-                          margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white")
-        return fig
+_UNIT = 1.0 / COL_PX    # data units per pixel along x
+_EDGE_KIND = {"tree": "tree", "intermediate_bonus": "bonus", "target_bonus": "bonus"}
+_EDGE_STYLES = {"other": dict(color="#B8BEC8", width=1.2), "tree": dict(color=COLORS["tree"], width=3.5),
+                "bonus": dict(color="#555", width=2.5, dash="dot")}
+_STATUS_ORDER = ("root", "tree", "rejected", "discarded", "intermediate_bonus", "target_bonus")
 
+
+def _title(title: str) -> dict | None:
+    return dict(text=title, x=0.01, font_size=15) if title else None
+
+
+def _empty_figure(title: str, empty: str) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(height=170, xaxis_visible=False, yaxis_visible=False,
+                      title=_title(title),
+                      annotations=[dict(text=empty,
+                                        showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                                        font_size=15)],
+                      margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white")
+    return fig
+
+
+def _place_trees(trees: list[DraftTree]) -> tuple[list[tuple[int, PlacedNode]], list[tuple[PlacedNode, PlacedNode]]]:
+    """(tree index, node) of every tree laid out left to right, and the (bonus, next root)
+    connectors: each next tree grows from the previous tree's bonus token."""
     all_nodes: list[tuple[int, PlacedNode]] = []
     x0 = 0.0
     prev_bonus: PlacedNode | None = None
@@ -166,6 +178,11 @@ def tree_figure(trees: list[DraftTree], title: str = "",
             connectors.append((prev_bonus, root))
         prev_bonus = next((p for p in placed if p.id == BONUS), None)
         x0 = max(p.x for p in placed) + 1 + GAP_COLS
+    return all_nodes, connectors
+
+
+def _figure_size(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[int, int, int, float]:
+    """(rows, width px, height px, right end of the x range) of the laid-out nodes."""
     n_rows = int(max(p.y for _, p in all_nodes)) + 1
     # the right edge is the end of the widest chip in the last columns, not the last column itself
     x_end = max(p.x + _chip_px(p.text) / COL_PX for _, p in all_nodes) + 0.1
@@ -173,15 +190,19 @@ def tree_figure(trees: list[DraftTree], title: str = "",
     width = max(int((x_end + 0.1) * COL_PX) + 20, MIN_WIDTH)
     x_end = (width - 20) / COL_PX - 0.1
     height = n_rows * ROW_PX + 90
+    return n_rows, width, height, x_end
 
-    pos = {(ti, p.id): p for ti, p in all_nodes}
-    unit = 1.0 / COL_PX  # data units per pixel along x
 
-    def elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
-        xs = round(a.x + _chip_px(a.text) * unit, 3)     # rounded: keeps the streamed JSON small
-        xm = round(b.x - 10 * unit, 3)
-        return [xs, xm, xm, b.x, None], [a.y, a.y, b.y, b.y, None]
+def _elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
+    """An edge from the right end of a's chip to the left of b: across, down, across."""
+    xs = round(a.x + _chip_px(a.text) * _UNIT, 3)     # rounded: keeps the streamed JSON small
+    xm = round(b.x - 10 * _UNIT, 3)
+    return [xs, xm, xm, b.x, None], [a.y, a.y, b.y, b.y, None]
 
+
+def _add_edges(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]], pos: dict[tuple[int, int], PlacedNode],
+               connectors: list[tuple[PlacedNode, PlacedNode]]) -> None:
+    """Parent-child edges, one trace per kind (other, accepted, bonus), then the tree-to-tree connectors."""
     edge_groups: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
     for ti, p in all_nodes:
         if p.id == ROOT:
@@ -189,50 +210,71 @@ def tree_figure(trees: list[DraftTree], title: str = "",
         parent = pos.get((ti, p.parent if p.parent is not None else ROOT))
         if parent is None:
             continue
-        kind = {"tree": "tree", "intermediate_bonus": "bonus", "target_bonus": "bonus"}.get(p.status, "other")
-        ex, ey = elbow(parent, p)
+        kind = _EDGE_KIND.get(p.status, "other")
+        ex, ey = _elbow(parent, p)
         edge_groups[kind][0].extend(ex)
         edge_groups[kind][1].extend(ey)
-    styles = {"other": dict(color="#B8BEC8", width=1.2), "tree": dict(color=COLORS["tree"], width=3.5),
-              "bonus": dict(color="#555", width=2.5, dash="dot")}
     for kind in ("other", "tree", "bonus"):
         if kind in edge_groups:
             ex, ey = edge_groups[kind]
-            fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=styles[kind], hoverinfo="skip", showlegend=False))
+            fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=_EDGE_STYLES[kind], hoverinfo="skip",
+                                     showlegend=False))
     for a, b in connectors:
-        fig.add_trace(go.Scatter(x=[a.x + _chip_px(a.text) * unit, b.x], y=[a.y, b.y], mode="lines",
+        fig.add_trace(go.Scatter(x=[a.x + _chip_px(a.text) * _UNIT, b.x], y=[a.y, b.y], mode="lines",
                                  line=dict(color="#555", width=2, dash="dash"), hoverinfo="skip", showlegend=False))
 
-    # Node chips are annotations (they size to their text); an invisible marker per node carries
-    # the hover text. Legend entries are empty traces in the node colours.
+
+def _chip(p: PlacedNode) -> dict:
+    """The annotation drawing one node: its token text on the status colour (the bonus outlined)."""
+    dark_text = p.status == "discarded"
+    return dict(
+        x=p.x, y=p.y, xanchor="left", yanchor="middle", showarrow=False,
+        text=plotly_label(p.text, LABEL_CHARS),
+        font=dict(size=13, color="#222" if dark_text else "white", family="DejaVu Sans Mono, monospace"),
+        bgcolor=COLORS[p.status], borderpad=3,
+        bordercolor="#222" if p.id == BONUS else COLORS[p.status], borderwidth=1.5 if p.id == BONUS else 0)
+
+
+def _add_nodes(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]]) -> list[dict]:
+    """Per status: an invisible marker trace carrying the hover texts and a legend entry; returns
+    the node chips. Chips are annotations because annotations size to their text."""
     annotations = []
-    for status in ("root", "tree", "rejected", "discarded", "intermediate_bonus", "target_bonus"):
+    for status in _STATUS_ORDER:
         group = [(ti, p) for ti, p in all_nodes if p.status == status]
         if not group:
             continue
         fig.add_trace(go.Scatter(
-            x=[round(p.x + _chip_px(p.text) * unit / 2, 3) for _, p in group], y=[p.y for _, p in group], mode="markers",
+            x=[round(p.x + _chip_px(p.text) * _UNIT / 2, 3) for _, p in group], y=[p.y for _, p in group], mode="markers",
             marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
             hovertext=[_hover(p, ti) for ti, p in group], hoverinfo="text", name=STATUS_NAMES[status],
             showlegend=False))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS_NAMES[status],
                                  marker=dict(size=13, color=COLORS[status], symbol="square")))
-        dark_text = status == "discarded"
-        for ti, p in group:
-            annotations.append(dict(
-                x=p.x, y=p.y, xanchor="left", yanchor="middle", showarrow=False,
-                text=plotly_label(p.text, LABEL_CHARS),
-                font=dict(size=13, color="#222" if dark_text else "white", family="DejaVu Sans Mono, monospace"),
-                bgcolor=COLORS[status], borderpad=3,
-                bordercolor="#222" if p.id == BONUS else COLORS[status], borderwidth=1.5 if p.id == BONUS else 0))
-    for ti, t in enumerate(trees):
-        root = pos[(ti, ROOT)]
-        label = f"tree {ti + 1}" if len(trees) > 1 else ""
-        if label:
-            annotations.append(dict(x=root.x, y=-0.85, xanchor="left", showarrow=False, text=f"<i>{label}</i>",
-                                    font=dict(size=12, color="#555")))
+        annotations += [_chip(p) for _, p in group]
+    return annotations
+
+
+def _tree_labels(trees: list[DraftTree], pos: dict[tuple[int, int], PlacedNode]) -> list[dict]:
+    """'tree N' above each tree's root when a step has several trees."""
+    if len(trees) <= 1:
+        return []
+    return [dict(x=pos[(ti, ROOT)].x, y=-0.85, xanchor="left", showarrow=False, text=f"<i>tree {ti + 1}</i>",
+                 font=dict(size=12, color="#555")) for ti in range(len(trees))]
+
+
+def tree_figure(trees: list[DraftTree], title: str = "",
+                empty: str = "No draft tree in this step (autoregressive or sequence drafting).") -> go.Figure:
+    """All trees of a step, left to right, as one figure with a fixed pixel size."""
+    if not trees:
+        return _empty_figure(title, empty)
+    all_nodes, connectors = _place_trees(trees)
+    n_rows, width, height, x_end = _figure_size(all_nodes)
+    pos = {(ti, p.id): p for ti, p in all_nodes}
+    fig = go.Figure()
+    _add_edges(fig, all_nodes, pos, connectors)
+    annotations = _add_nodes(fig, all_nodes) + _tree_labels(trees, pos)
     fig.update_layout(
-        title=dict(text=title, x=0.01, font_size=15) if title else None,
+        title=_title(title),
         width=width, height=height, autosize=False,
         margin=dict(l=10, r=10, t=60 if title else 36, b=10),
         template="none", plot_bgcolor="white", paper_bgcolor="white", annotations=annotations,
@@ -242,7 +284,3 @@ def tree_figure(trees: list[DraftTree], title: str = "",
         hoverlabel=dict(font_size=13),
     )
     return fig
-
-
-def step_tree_figure(step: Step, title: str = "") -> go.Figure:
-    return tree_figure(step.trees, title)

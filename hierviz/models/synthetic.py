@@ -1,0 +1,181 @@
+"""Random weights at any model shape: the one place that makes them.
+
+Used by the tiny-random stack (tests, UI work), the what-if and profile tools (full-size shapes
+with no checkpoint), the kernel and engine benchmarks, and `synthetic-stack` (checkpoint files in
+GPTQ/HF layouts). Values are chosen so that deep stacks stay finite in fp16 (weights of std
+~1/sqrt(fan-in), like a trained layer's); timings never depend on them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from hierviz.models.config import ModelConfig
+from hierviz.models.eagle import EagleHead
+from hierviz.models.llama import Transformer, Weight
+from hierviz.quant.w4 import W4Weight, dequantize, quantize_linears
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of each decoder-layer linear."""
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    q = cfg.num_heads * cfg.head_dim
+    return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
+
+def random_dense(n: int, k: int, dtype: torch.dtype, device: str | torch.device, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(n, k, device=device, generator=gen, dtype=torch.float32) * k ** -0.5).to(dtype)
+
+
+def random_w4(n: int, k: int, g: int, dtype: torch.dtype, device: str | torch.device, gen: torch.Generator) -> W4Weight:
+    """Random codes with GPTQ-like scales/offsets, made on the device directly."""
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    # Uniform codes have mean 7.5 and std 4.6: these scales give zero-mean weights of std
+    # ~1/sqrt(k), so 80 synthetic layers stay finite in fp16 (larger weights overflow to inf
+    # within two layers of a 70B shape, and NaN features flatten the draft trees).
+    scales = (torch.rand(n, k // g, device=device, generator=gen) * 0.5 + 0.75) / (4.6 * k ** 0.5)
+    return W4Weight(codes, scales.to(dtype), (-7.5 * scales).to(dtype), g)
+
+
+def layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device: str | torch.device,
+                  gen: torch.Generator) -> dict[str, Weight]:
+    """One decoder layer's weights, keys without the "model.layers.N." prefix; fmt "w4" or "dense"."""
+    h = cfg.hidden_size
+    w: dict[str, Weight] = {"input_layernorm.weight": torch.ones(h, dtype=dtype, device=device),
+                            "post_attention_layernorm.weight": torch.ones(h, dtype=dtype, device=device)}
+    for name, (n, k) in linear_shapes(cfg).items():
+        w[f"{name}.weight"] = random_dense(n, k, dtype, device, gen) if fmt == "dense" else random_w4(n, k, g, dtype, device, gen)
+    return w
+
+
+def w4_group(cfg: ModelConfig, g: int) -> int:
+    """W4 group size: the requested one where it divides every input dimension, else 32."""
+    ok = all(k % g == 0 for k in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))
+    return g if ok else 32
+
+
+def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str, kernel: str, seed: int,
+                    group: int = 128) -> Transformer:
+    """A Transformer of this shape with random weights; fmt "w4" (codes + scales as GPTQ would
+    store them, fp16 embedding and LM head as GPTQ keeps them) or "dense"."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    g = w4_group(cfg, group)
+    w: dict[str, Any] = {"model.embed_tokens.weight": random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
+                         "model.norm.weight": torch.ones(cfg.hidden_size, dtype=dtype, device=device)}
+    if not cfg.tie_embeddings:
+        w["lm_head.weight"] = random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen)
+    for i in range(cfg.num_layers):
+        for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items():
+            w[f"model.layers.{i}.{k}"] = v
+    return Transformer(cfg, w, w4_kernel=kernel if fmt == "w4" else "reference", dtype=dtype, device=device)
+
+
+def synthetic_head(base: Transformer, seed: int, head_class: type[EagleHead] = EagleHead) -> EagleHead:
+    """A random EAGLE-1/2 head over `base` (one decoder layer without its input norm, and fc)."""
+    cfg = dataclasses.replace(base.cfg, num_layers=1)
+    gen = torch.Generator(device=base.device).manual_seed(seed)
+    w: dict[str, Any] = {f"layers.0.{k}": v for k, v in layer_weights(cfg, "dense", 128, base.dtype, base.device, gen).items()
+                         if not k.startswith("input_layernorm")}
+    w["fc.weight"] = random_dense(cfg.hidden_size, 2 * cfg.hidden_size, base.dtype, base.device, gen)
+    return head_class(cfg, w, base)
+
+
+def hf_weights(cfg: ModelConfig, device: str, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random fp32 weights with HF names at the config's shapes (norms 1), for comparisons with
+    transformers' reference implementation."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = cfg.hidden_size
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device) * std
+
+    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h) * 10, "model.norm.weight": torch.ones(h, device=device)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}"
+        w[f"{p}.input_layernorm.weight"] = torch.ones(h, device=device)
+        w[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, device=device)
+        for name, (n, k) in linear_shapes(cfg).items():
+            w[f"{p}.{name}.weight"] = r(n, k)
+    return w
+
+
+def tiny_models(vocab: int = 259, device: torch.device | str = "cpu",
+                seed: int = 0) -> tuple[Transformer, Transformer, EagleHead, EagleHead]:
+    """Random tiny T (4 layers, W4 RTN g32), M (two of T's layers, dense) and random EAGLE heads
+    (E_M, E_T): the tiny-random stack."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    h, heads, kvh, inter = 64, 4, 2, 128
+    kv = kvh * h // heads
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+              "mlp.down_proj": (h, inter)}
+
+    def model_weights(layers: int, prefix: str = "model.layers") -> dict[str, torch.Tensor]:
+        w = {"model.embed_tokens.weight": rnd(vocab, h, std=0.5), "model.norm.weight": torch.ones(h)}
+        for i in range(layers):
+            p = f"{prefix}.{i}"
+            w[f"{p}.input_layernorm.weight"] = torch.ones(h)
+            w[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
+            for name, shape in shapes.items():
+                w[f"{p}.{name}.weight"] = rnd(*shape)
+        return w
+
+    cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
+               num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
+    t_w = quantize_linears(model_weights(4), 32)
+    target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
+    # batch-invariant although load_stack's rule would not ask for it here (its `reference`
+    # kernel is not row-invariant on the CPU): every test decoding on this stack then runs the
+    # per-token attention and its cache restore against AR
+    target.set_batch_invariant(True)
+    # the intermediate reuses two of the target's layers (dequantized), so it agrees with it often
+    m_w = {"model.embed_tokens.weight": t_w["model.embed_tokens.weight"], "model.norm.weight": torch.ones(h)}
+    for new, old in ((0, 0), (1, 3)):
+        for k, v in t_w.items():
+            if k.startswith(f"model.layers.{old}."):
+                m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = dequantize(v) if isinstance(v, W4Weight) else v
+    inter_m = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=2)), m_w, device=device)
+    head_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=1))
+
+    def head(base: Transformer) -> EagleHead:
+        w = {k: v for k, v in model_weights(1, prefix="layers").items() if k.startswith("layers.0.")}
+        w["fc.weight"] = rnd(h, 2 * h)
+        return EagleHead(head_cfg, w, base)
+
+    return target, inter_m, head(inter_m), head(target)
+
+
+class CheckpointWeights:
+    """Random tensors as checkpoints store them (fp16 on the host; AutoGPTQ's int32 layout),
+    made on `device` for speed: `synthetic-stack` writes them to disk."""
+
+    def __init__(self, seed: int, device: str) -> None:
+        self.g = torch.Generator(device=device).manual_seed(seed)
+        self.device = device
+
+    def dense(self, *shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.g, device=self.device) * std).half().cpu()
+
+    def gptq(self, n: int, k: int, group: int) -> dict[str, torch.Tensor]:
+        """AutoGPTQ's tensors for an [n, k] linear, symmetric as the presets' checkpoints: random
+        4-bit codes (any int32 word is 8 valid codes), zero point 8 stored minus one (v1: 0x77777777),
+        scales giving weights of std ~ 1/sqrt(k)."""
+        groups = k // group
+        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 8, n), dtype=torch.int32, generator=self.g,
+                                device=self.device)
+        qzeros = torch.full((groups, n // 8), 0x77777777, dtype=torch.int32, device=self.device)
+        scales = (torch.rand(groups, n, generator=self.g, device=self.device) * 0.5 + 0.75) / (4.6 * k ** 0.5)
+        g_idx = torch.arange(k, dtype=torch.int32, device=self.device) // group
+        return {"qweight": qweight.cpu(), "qzeros": qzeros.cpu(), "scales": scales.half().cpu(), "g_idx": g_idx.cpu()}
+
