@@ -17,7 +17,7 @@ def test_synthetic_preset_loads_and_decodes_losslessly(preset: str, tmp_path: Pa
     from hierviz.decoding.settings import DecodeSettings
     from hierviz.engine import generate, output_tokens
     from hierviz.quant.w4 import W4Weight, dequantize
-    from hierviz.stack import _resolve, load_stack
+    from hierviz.stack import resolve_path, load_stack
     assert main(["--preset", preset, "--scale", "tiny", "--out", str(tmp_path)]) == 0
     index = json.loads((tmp_path / "target" / "model.safetensors.index.json").read_text())
     shards = sorted({f for f in index["weight_map"].values()})
@@ -30,7 +30,7 @@ def test_synthetic_preset_loads_and_decodes_losslessly(preset: str, tmp_path: Pa
     original = json.loads((Path(__file__).resolve().parents[1] / "assets" / "stacks" / f"{preset}.json").read_text())
     assert {k: v for k, v in spec.items() if k.startswith(("w4_kernel", "dtype"))} == \
         {k: v for k, v in original.items() if k.startswith(("w4_kernel", "dtype"))}
-    parts = memory.stack_estimate(spec, lambda s: _resolve(s, tmp_path))
+    parts = memory.stack_estimate(spec, lambda s: resolve_path(s, tmp_path))
     assert parts is not None and parts["target"] < parts["intermediate"]          # W4 vs fp16
     stack = load_stack(str(tmp_path), "cpu")
     down = stack.models.target.layers[0].down.w4[0]
