@@ -20,7 +20,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     ap.add_argument("--stack", default=None, help="default model stack preset (or HIERVIZ_STACK)")
     args = ap.parse_args()
-    from hierviz.app.visualizer import build_app, launch_kwargs
+    from hierviz.app import build_app, launch_kwargs
     demo = build_app(args.stack)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())
     return 0

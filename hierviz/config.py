@@ -31,6 +31,12 @@ class Options:
     timing_events: bool         # HIERVIZ_TIMING_EVENTS: CUDA events for stage times (default on)
     ui_pace: str                # HIERVIZ_UI_PACE: auto | on | off, the app's render pacing
     train_bf16: bool            # HIERVIZ_TRAIN_BF16: bf16 training on the CPU too (dry runs)
+    # the public app (docs/security.md)
+    allow_custom_stacks: bool   # HIERVIZ_ALLOW_CUSTOM_STACKS: visitors may name stack files (default off)
+    queue_size: int             # HIERVIZ_QUEUE_SIZE: visitors waiting for a run at most (default 20)
+    runs_per_minute: int        # HIERVIZ_RUNS_PER_MINUTE: live runs one visitor may start a minute (default 6)
+    max_new_tokens: int         # HIERVIZ_MAX_NEW_TOKENS: cap on a live run's new tokens (default: by device)
+    max_tree_size: int          # HIERVIZ_MAX_TREE_SIZE: cap on a live run's tree sizes (default: by device)
 
 
 _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",
@@ -38,8 +44,11 @@ _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fus
           "timing_events": "HIERVIZ_TIMING_EVENTS"}
 _CHOICES = {"cpu_matmul": ("HIERVIZ_CPU_MATMUL", ("auto", "plain", "nt")),
             "ui_pace": ("HIERVIZ_UI_PACE", ("auto", "on", "off"))}
-ENV_NAMES = {**_FLAGS, **{k: v[0] for k, v in _CHOICES.items()}, "stack": "HIERVIZ_STACK",
-             "cache_dir": "HIERVIZ_CACHE", "train_bf16": "HIERVIZ_TRAIN_BF16"}
+_INTS = {"queue_size": ("HIERVIZ_QUEUE_SIZE", 20, 1, 1000), "runs_per_minute": ("HIERVIZ_RUNS_PER_MINUTE", 6, 1, 600),
+         "max_new_tokens": ("HIERVIZ_MAX_NEW_TOKENS", 0, 0, 8192), "max_tree_size": ("HIERVIZ_MAX_TREE_SIZE", 0, 0, 512)}
+ENV_NAMES = {**_FLAGS, **{k: v[0] for k, v in _CHOICES.items()}, **{k: v[0] for k, v in _INTS.items()},
+             "stack": "HIERVIZ_STACK", "cache_dir": "HIERVIZ_CACHE", "train_bf16": "HIERVIZ_TRAIN_BF16",
+             "allow_custom_stacks": "HIERVIZ_ALLOW_CUSTOM_STACKS"}
 
 _global_overrides: dict[str, Any] = {}
 
@@ -52,6 +61,19 @@ def _choice(name: str, allowed: tuple[str, ...]) -> str:
 
 
 _cached: list[Any] = [None, None]     # (environment snapshot + overrides, Options)
+
+
+def _int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, not {raw!r}") from None
+    if not lo <= v <= hi:
+        raise ConfigError(f"{name} must be between {lo} and {hi}, not {v}")
+    return v
 
 
 def options() -> Options:
@@ -72,6 +94,8 @@ def _read() -> Options:
     values["stack"] = env.get("HIERVIZ_STACK") or None
     values["cache_dir"] = Path(env.get("HIERVIZ_CACHE") or Path.home() / ".cache" / "hierviz")
     values["train_bf16"] = env.get("HIERVIZ_TRAIN_BF16") == "1"
+    values["allow_custom_stacks"] = env.get("HIERVIZ_ALLOW_CUSTOM_STACKS") == "1"
+    values.update({k: _int(*spec) for k, spec in _INTS.items()})
     values.update(_global_overrides)
     return Options(**values)
 

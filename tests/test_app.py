@@ -2,11 +2,13 @@
 stopping, and every bad input answered by a message in the status box."""
 from __future__ import annotations
 
-import importlib.util
+import ast
 import json
 import os
+import re
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 gradio_client = pytest.importorskip("gradio_client")
-
-HAS_ENGINE = importlib.util.find_spec("hierviz.engine") is not None
-needs_engine = pytest.mark.skipif(not HAS_ENGINE, reason="hierviz.engine is not in this checkout yet: live runs need it")
 
 # prompt, stack, max_new, temperature, E_M depth/top-k/size, min draft, E_T depth/top-k/size, with AR
 SMALL = ["hello there", "tiny-random", 6, 0.0, 2, 4, 8, 3, 2, 4, 8, False]
@@ -30,7 +29,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app_url():
-    from hierviz.app.visualizer import build_app, launch_kwargs
+    from hierviz.app import build_app, launch_kwargs
     demo = build_app("tiny-random")
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
@@ -47,7 +46,6 @@ def status_of(outputs) -> str:
     return outputs[0]
 
 
-@needs_engine
 def test_live_run_streams_every_panel(client):
     job = client.submit(*SMALL, api_name="/run")
     statuses = []
@@ -79,7 +77,6 @@ def test_live_run_streams_every_panel(client):
     assert "Step 2:" in json.loads(scrub[0]["plot"])["layout"]["title"]["text"]
 
 
-@needs_engine
 def test_stop_ends_the_run_cleanly(client):
     job = client.submit("hello", "tiny-random", 200, 0.0, 2, 4, 8, 3, 2, 4, 8, True, api_name="/run")
     t0 = time.time()
@@ -106,7 +103,6 @@ def test_bad_run_inputs_show_a_message(client, args, message):
     assert "hv-status-error" in status_of(final) and message in status_of(final)
 
 
-@needs_engine
 def test_unknown_stack_is_reported(client):
     final = client.predict("hi", "no-such-stack", *SMALL[2:], api_name="/run")
     assert "hv-status-error" in status_of(final) and "Traceback" not in status_of(final)
@@ -153,7 +149,7 @@ def test_sessions_do_not_share_state(app_url, tmp_path):
 
 
 def test_gpu_work_is_one_concurrency_group():
-    from hierviz.app.visualizer import build_app
+    from hierviz.app import build_app
     demo = build_app("tiny-random")
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     runs = [f for f in fns if f.name == "run_live"]
@@ -163,20 +159,20 @@ def test_gpu_work_is_one_concurrency_group():
     assert whatif and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in whatif)
     # only GPU work joins the group (runs, the Profile tab's live measurement, the live what-if):
     # scrubbing, replay and uploads never wait for a run
-    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("run_live", "_measure", "live_run"))
+    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("run_live", "measure_profile", "live_run"))
 
 
 def test_tabs_are_pluggable():
     import gradio as gr
 
-    from hierviz.app import visualizer as ui
-    ui.register_tab("Extra", lambda: gr.Markdown("a plug-in tab"))
+    from hierviz.app import build_app, layout, register_tab
+    register_tab("Extra", lambda: gr.Markdown("a plug-in tab"))
     try:
-        demo = ui.build_app("tiny-random")
+        demo = build_app("tiny-random")
         labels = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
         assert labels == ["Visualizer", "Profile", "What-if", "Extra", "How it works"]
     finally:
-        ui.TAB_BUILDERS.clear()
+        layout.TAB_BUILDERS.clear()
 
 
 class _Req:
@@ -189,26 +185,29 @@ def test_render_pacing_waits_only_for_pages_that_report(monkeypatch):
     """A run waits for a page to draw each update only once that page has reported drawing one (API
     clients never do), and by default only for a page on this machine, whose drawing competes with
     the engine for the cores."""
-    from hierviz.app import visualizer as ui
+    from hierviz.app.handlers import forget_session, live_pace_mode, report_rendered
+    from hierviz.app.pacing import pace_mode, should_pace
+    from hierviz.app.session import SESSIONS
+    from hierviz.config import ConfigError
     local, remote, silent = _Req("pace-local", "127.0.0.1"), _Req("pace-remote", "10.1.2.3"), _Req("pace-api", "::1")
     monkeypatch.delenv("HIERVIZ_UI_PACE", raising=False)
-    assert ui.pace_mode() == "auto"
+    assert pace_mode() == "auto"
     for r in (local, remote, silent):
-        assert not ui.should_pace(r)
-    ui.report_rendered(local)
-    ui.report_rendered(remote)
-    assert ui._rendered_flag(local).is_set()
-    assert ui.should_pace(local) and not ui.should_pace(remote) and not ui.should_pace(silent)
-    assert ui.should_pace(remote, "on") and not ui.should_pace(silent, "on")
-    assert not ui.should_pace(local, "off")
-    ui.forget_session(local)                       # the page closed
-    assert not ui.should_pace(local) and "pace-local" not in ui._RENDERED
+        assert not should_pace(r)
+    report_rendered(local)
+    report_rendered(remote)
+    assert SESSIONS.flags("pace-local").rendered.is_set()
+    assert should_pace(local) and not should_pace(remote) and not should_pace(silent)
+    assert should_pace(remote, "on") and not should_pace(silent, "on")
+    assert not should_pace(local, "off")
+    forget_session(local)                          # the page closed
+    assert not should_pace(local) and "pace-local" not in SESSIONS
     monkeypatch.setenv("HIERVIZ_UI_PACE", "sometimes")
-    with pytest.raises(ValueError, match="HIERVIZ_UI_PACE must be auto, on or off"):
-        ui.pace_mode()
+    with pytest.raises(ConfigError, match="HIERVIZ_UI_PACE must be auto, on or off, not 'sometimes'"):
+        pace_mode()
+    assert live_pace_mode() == "off"               # a bad value does not stop a run: it is not paced
 
 
-@needs_engine
 def test_app_check_drives_a_live_comparison(tmp_path, capsys) -> None:
     """`python -m hierviz app-check`: starts the app, runs one comparison through /run, keeps the
     downloaded trace and reports that every method equals AR."""
@@ -219,3 +218,65 @@ def test_app_check_drives_a_live_comparison(tmp_path, capsys) -> None:
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["identical_to_ar"] == {"hierspec": True, "eagle2": True} and report["ar_tokens"] == 8
     assert [t.meta["method"] for t in comparison_from_json(out.read_bytes())] == ["hierspec", "eagle2", "ar"]
+
+
+APP_DIR = Path(__file__).resolve().parent.parent / "hierviz" / "app"
+
+
+def _app_sources() -> dict[str, ast.Module]:
+    """hierviz.app's modules by dotted name, parsed."""
+    out = {}
+    for p in sorted(APP_DIR.glob("*.py")):
+        name = "hierviz.app" if p.stem == "__init__" else f"hierviz.app.{p.stem}"
+        out[name] = ast.parse(p.read_text(encoding="utf-8"), str(p))
+    return out
+
+
+def _imports(tree: ast.Module, modules: set[str]) -> set[str]:
+    """The hierviz.app modules a module imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module in modules:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+            out |= subs or {node.module}
+    return out
+
+
+def test_app_modules_import_without_cycles():
+    """No hierviz.app module imports itself back through others (a package's submodules count as
+    their own modules; importing one runs hierviz/app/__init__.py first, which is not a cycle)."""
+    trees = _app_sources()
+    graph = {m: _imports(t, set(trees)) - {m} for m, t in trees.items()}
+    assert graph["hierviz.app.layout"] and graph["hierviz.app.handlers"]   # the parse sees the imports
+
+    def cycle_from(m: str, path: list[str]) -> list[str] | None:
+        for n in sorted(graph[m]):
+            if n in path:
+                return path[path.index(n):] + [n]
+            found = cycle_from(n, path + [n])
+            if found:
+                return found
+        return None
+
+    for m in graph:
+        assert cycle_from(m, [m]) is None, f"import cycle: {' -> '.join(cycle_from(m, [m]))}"
+
+
+def test_app_code_stays_readable():
+    """No function over 80 lines, no private name imported from another module, the engine
+    imported like any module, and HIERVIZ_* options only through hierviz.config."""
+    for name, tree in _app_sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 80, f"{name}.{node.name} is {n} lines long"
+            if isinstance(node, ast.ImportFrom):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{name} imports private {private} from {node.module}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(m.startswith("importlib") for m in mods), f"{name} imports through importlib"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"HIERVIZ_\w+", node.value):
+                raise AssertionError(f"{name} names {node.value}: read options through hierviz.config.options()")

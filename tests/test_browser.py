@@ -24,8 +24,6 @@ pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (apt-get install -y chromium)"),
     pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="the playwright package is not installed"),
 ]
-needs_engine = pytest.mark.skipif(importlib.util.find_spec("hierviz.engine") is None,
-                                  reason="hierviz.engine is not in this checkout yet: live runs need it")
 
 
 def _free_port() -> int:
@@ -83,7 +81,6 @@ def status_text(pg) -> str:
     return pg.inner_text("#hv-status")
 
 
-@needs_engine
 def test_run_a_prompt_and_see_every_panel(page):
     pg = page
     # the page opens on a recorded trace, so a projector never shows empty panels

@@ -47,7 +47,7 @@ def test_preset_files_name_exactly_these_hub_ids(name: str) -> None:
 
 def test_presets_are_not_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DEFAULT_STACK == "smollm2-offline"
-    from hierviz.app.visualizer import default_stack
+    from hierviz.app.stacks import default_stack
     monkeypatch.delenv("HIERVIZ_STACK", raising=False)
     assert default_stack() == "smollm2-offline"
     monkeypatch.setenv("HIERVIZ_STACK", "tiny-random")        # the app's override still wins

@@ -125,7 +125,7 @@ def test_recorded_whatif_table_matches_json(shipped, results):
 
 
 def test_table_says_how_repeated_runs_spread(results):
-    d = json.loads((ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-stack.json").read_text())
+    d = json.loads((ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-trees.json").read_text())
     assert d["repeat"] == 3
     table = uw.summary_markdown(d)
     runs = d["methods"]["hierspec"]["decode_s_runs"]

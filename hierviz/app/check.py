@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _start_app(stack: str) -> tuple[str, Any]:
-    from hierviz.app.visualizer import build_app, launch_kwargs
+    from hierviz.app import build_app, launch_kwargs
     demo = build_app(stack)
     port = _free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())

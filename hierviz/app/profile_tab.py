@@ -10,9 +10,10 @@ from typing import Optional
 
 import gradio as gr
 
+from hierviz.app.common import ASSETS
 from hierviz.viz.profile_fig import profile_figure
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "assets" / "profile"
+PROFILE_DIR = ASSETS / "profile"
 LIVE_SHAPES = ("smollm2", "llama3-8b", "llama3-70b")
 
 EXPLAIN = """**Why HierSpec exists, in one chart.** Each curve is the time of one forward pass against how many
@@ -36,7 +37,8 @@ def recorded_profiles() -> dict[str, Path]:
     return out
 
 
-def _show(label: str):
+def show_profile(label: Optional[str]):
+    """(figure, note) of one recorded profile, chosen by its label."""
     files = recorded_profiles()
     if label not in files:
         return gr.update(), "Choose a recorded profile."
@@ -45,7 +47,8 @@ def _show(label: str):
                               f"copy bandwidth {d.get('copy_bandwidth_GBps', 0):.0f} GB/s."
 
 
-def _measure(shape: str):
+def measure_profile(shape: str):
+    """(figure, note) of one decoder layer of `shape` measured now on this GPU; a message without one."""
     import torch
     if not torch.cuda.is_available():
         return gr.update(), "No GPU on this machine: the chart shows the H200 recording instead."
@@ -67,14 +70,16 @@ def profile_tab() -> None:
     files = recorded_profiles()
     labels = list(files)
     first: Optional[str] = next((l for l in labels if "70b" in l), labels[0] if labels else None)
+    fig, text = show_profile(first) if first else (None, "No recorded profile is shipped.")
     with gr.Row():
         with gr.Column(scale=3):
-            plot = gr.Plot(label="forward latency vs verified tokens", value=_show(first)[0] if first else None)
-            note = gr.Markdown(_show(first)[1] if first else "No recorded profile is shipped.")
+            plot = gr.Plot(label="forward latency vs verified tokens", value=fig)
+            note = gr.Markdown(text)
         with gr.Column(scale=2):
             gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
             choice = gr.Dropdown(labels, value=first, label="recorded profile")
             shape = gr.Dropdown(list(LIVE_SHAPES), value="llama3-8b", label="measure one layer on this GPU")
             go_btn = gr.Button("Measure on this device")
-    choice.change(_show, choice, [plot, note], api_visibility="private")
-    go_btn.click(_measure, shape, [plot, note], concurrency_id="gpu", concurrency_limit=1, api_visibility="private")
+    choice.change(show_profile, choice, [plot, note], api_visibility="private")
+    go_btn.click(measure_profile, shape, [plot, note], concurrency_id="gpu", concurrency_limit=1,
+                 api_visibility="private")

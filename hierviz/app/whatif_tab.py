@@ -1,4 +1,4 @@
-"""The app's What-if tab (issue 6; docs/whatif.md): which method wins at real model sizes?
+"""The app's What-if tab (docs/whatif.md): which method wins at real model sizes?
 
 Shows the results that `python -m hierviz whatif` recorded (whatif.json / sweep.json files
 copied to assets/whatif/) and runs a small what-if live: at real small shapes on a machine
@@ -8,7 +8,7 @@ decisions given (a recorded trace or per-depth rates).
 
 Only files listed from assets/whatif/ (recorded results) and assets/traces/ (acceptance
 traces) are ever read; the browser picks among their labels, never sends a path. The live run
-is the command itself (hierviz.whatif.main: parser().parse_args -> run_whatif) in a child
+is the command itself (hierviz.measure.whatif.main: parser().parse_args -> run_whatif) in a child
 process, so it can be killed when it runs past its time limit; it joins the app's "gpu"
 concurrency group.
 """
@@ -25,19 +25,17 @@ from typing import Any, Iterator, Optional
 
 import gradio as gr
 
-from hierviz.app.visualizer import status_html
+from hierviz.app.common import ROOT, TRACE_DIR, status_html
+from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
                                    reduced_draft_vocab, shapes_label, sweep_base_rates)
 
-log = logging.getLogger("hierviz.app.visualizer")
+log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
 WHATIF_DIR = ROOT / "assets" / "whatif"
 HEADLINE_RESULT = "h200-llama3-70b-paper-trees.json"   # opens with the tab (docs/whatif.md, headline)
-TRACE_DIR = ROOT / "assets" / "traces"
 MAX_RESULT_BYTES = 5 * 2**20
-MAX_TRACE_BYTES = 20 * 2**20
 
 # Live run. Shapes (target, intermediate) that build and run in well under the time limit on
 # one GPU; a CPU gets only the tiny stand-ins.
@@ -47,7 +45,7 @@ LIVE_SHAPES = {
     "Llama-3-8B target / Llama-3.2-1B-shaped M": ("llama3-8b", "assets/configs/llama3.2-1b.json"),
 }
 RATES_SOURCE = "per-depth acceptance rates (below)"
-DEFAULT_RATES_TEXT = "0.9,0.8,0.75,0.7,0.65,0.6"    # == hierviz.whatif.DEFAULT_RATES (torch-free import)
+DEFAULT_RATES_TEXT = "0.9,0.8,0.75,0.7,0.65,0.6"    # == hierviz.measure.whatif.DEFAULT_RATES (torch-free import)
 DEFAULT_SEQ_RATE = 0.85
 MAX_NEW_CAP = 64
 PROMPT_LEN = 64

@@ -1,0 +1,58 @@
+"""The whole page: the header, the tabs in order, the page-open and page-close events, launch options."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import gradio as gr
+
+from hierviz.app.common import ASSETS
+from hierviz.app.handlers import LOAD_OUTPUTS, forget_session, on_open
+from hierviz.app.profile_tab import profile_tab
+from hierviz.app.visualizer import pick, visualizer_tab
+from hierviz.app.whatif_tab import whatif_tab
+from hierviz.trace import MAX_TRACE_BYTES
+
+HEADER = """<div class="hv-header"><h1>HierSpec, step by step</h1>
+<p>A tiny draft head guesses a <b>tree</b> of tokens → a mid-size model <b>M</b> checks the tree and turns it into a
+short <b>sequence</b> → the big <b>4-bit target T</b> checks only that sequence. Same text as T alone, fewer expensive
+passes. Compare it live with EAGLE-2, where T checks the whole tree itself.</p></div>"""
+
+# (tab title, builder). A builder is called inside `with gr.Tab(title):` and builds that tab.
+TAB_BUILDERS: list[tuple[str, Callable[[], None]]] = []
+
+
+def register_tab(title: str, builder: Callable[[], None]) -> None:
+    """Add a tab after the Profile and What-if tabs; call before build_app()."""
+    TAB_BUILDERS.append((title, builder))
+
+
+def about_tab() -> None:
+    about = ASSETS / "about.md"
+    gr.Markdown(about.read_text(encoding="utf-8") if about.exists() else "HierSpec visualizer.")
+
+
+def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
+    """The app; stack_default preselects a stack (default: HIERVIZ_STACK, else the offline stack)."""
+    with gr.Blocks(title="hierviz: hierarchical speculative decoding", fill_width=True) as demo:
+        gr.HTML(HEADER)
+        with gr.Tabs():
+            with gr.Tab("Visualizer", id="viz"):
+                viz = visualizer_tab(stack_default)
+            for title, builder in [("Profile", profile_tab), ("What-if", whatif_tab), *TAB_BUILDERS]:
+                with gr.Tab(title):
+                    builder()
+            with gr.Tab("How it works", id="about"):
+                about_tab()
+        demo.load(on_open, None, pick(viz, LOAD_OUTPUTS), show_progress="hidden", api_visibility="private")
+        demo.unload(forget_session)
+    demo.queue(default_concurrency_limit=8)
+    return demo
+
+
+def launch_kwargs() -> dict:
+    """Theme, CSS and limits; Gradio 6 takes these in launch()."""
+    css_file = ASSETS / "app.css"
+    css = css_file.read_text(encoding="utf-8") if css_file.exists() else ""
+    theme = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "DejaVu Sans", "sans-serif"),
+                           font_mono=("DejaVu Sans Mono", "ui-monospace", "monospace"))
+    return dict(css=css, theme=theme, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False)

@@ -1,0 +1,89 @@
+"""What the visualizer's panels show for a session: plain values and component updates, by panel name.
+
+Handlers combine these dicts and `handlers.pack` puts them in an event's output order, so nothing
+here knows about the components themselves.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import gradio as gr
+
+from hierviz.app.session import Session
+from hierviz.trace import Trace, save_comparison
+from hierviz.viz.latency import latency_figure
+from hierviz.viz.panels import PREFILL_TEXT, is_prefill, output_html, sequence_html, stats_html, verdict_html
+from hierviz.viz.style import method_label
+from hierviz.viz.tree import tree_figure
+
+PANELS = ("tree", "seq", "verdict", "output", "latency", "stats")
+# the panels that change with every step; the others only grow and are sent less often
+STEP_PANELS = {"tree", "seq", "verdict"}
+NO_TREE_TEXT = "No draft tree in this step: the target decodes one token at a time."
+
+
+def tree_title(trace: Trace, i: int) -> str:
+    st = trace.steps[i]
+    if is_prefill(st):
+        return f"Step {i + 1}: prefill"
+    if st.method == "hierspec":
+        n = len(st.trees)
+        return f"Step {i + 1}: {n} tree{'s' if n != 1 else ''} drafted by E_M and checked by the intermediate M"
+    if st.method == "eagle2":
+        return f"Step {i + 1}: EAGLE-2 tree drafted by E_T and checked by the target T"
+    return f"Step {i + 1} ({method_label(st.method)})"
+
+
+def render_panels(sess: Session, step: Optional[int] = None) -> dict[str, Any]:
+    """Everything the panels show for the inspected run and step (None or -1: the latest)."""
+    main = sess.run()
+    if main is None or not main.steps:
+        return dict(tree=tree_figure([]), seq=sequence_html(None), verdict=verdict_html(None),
+                    output=output_html(None), latency=latency_figure(None), stats=stats_html([]))
+    last = len(main.steps) - 1
+    i = last if step is None or step < 0 else min(step, last)
+    st = main.steps[i]
+    empty = PREFILL_TEXT if is_prefill(st) else NO_TREE_TEXT
+    return dict(tree=tree_figure(st.trees, tree_title(main, i), empty), seq=sequence_html(st),
+                verdict=verdict_html(st), output=output_html(main, i, i),
+                latency=latency_figure(main, i, sess.others(main)),
+                stats=stats_html(sess.runs, {main.meta.get("method", ""): i}))
+
+
+def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[str]] = None) -> dict[str, Any]:
+    """render_panels, limited to the panels named in `only` (default: all)."""
+    return {k: v for k, v in render_panels(sess, step).items() if only is None or k in only}
+
+
+def run_label(t: Trace) -> str:
+    return method_label(str(t.meta.get("method", "?")))
+
+
+def view_choices(sess: Session) -> list[tuple[str, str]]:
+    return [(run_label(t), str(t.meta.get("method"))) for t in sess.runs]
+
+
+def nav_updates(sess: Session) -> dict[str, Any]:
+    """The step slider and the run chooser, set to the inspected run and step."""
+    main = sess.run()
+    n = len(main.steps) if main else 0
+    i = (n if sess.step < 0 else sess.step + 1) if n else 1
+    return {"step": gr.Slider(minimum=1, maximum=max(n, 2), value=max(1, min(i, n or 1)), interactive=n > 1),
+            "view": gr.Radio(choices=view_choices(sess), value=sess.view if sess.runs else None)}
+
+
+def download_update(sess: Session) -> Any:
+    return gr.DownloadButton(value=sess.download, interactive=sess.download is not None)
+
+
+def save_download(sess: Session) -> Optional[str]:
+    """The session's runs as one comparison JSON in a fresh temporary folder; its path."""
+    if not sess.runs:
+        return None
+    d = tempfile.mkdtemp(prefix="hierviz-")
+    methods = "-".join(str(t.meta.get("method")) for t in sess.runs)
+    path = Path(d) / f"hierviz-trace-{methods}.json"
+    save_comparison(sess.runs, path)
+    return str(path)
