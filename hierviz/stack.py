@@ -67,6 +67,18 @@ def preset_names() -> list[str]:
     return names + ["tiny-random"]
 
 
+def is_local_preset(name: str) -> bool:
+    """Whether a preset's models all ship with hierviz or its pip packages (no hub download)."""
+    if name == "tiny-random":
+        return True
+    try:
+        spec = json.loads((PRESET_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    paths = [spec.get(k, {}).get("path", "") for k in ("target", "intermediate", "e_m", "e_t")]
+    return all(isinstance(p, str) and (p.startswith("pypi:") or (PRESET_DIR / p).exists()) for p in paths if p)
+
+
 def resolve_path(path: str, base: Path) -> str:
     if path.startswith("pypi:"):
         pkg, _, rel = path[5:].partition("/")

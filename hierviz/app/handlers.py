@@ -17,12 +17,14 @@ import gradio as gr
 
 from hierviz.app.common import status_html
 from hierviz.app.pacing import Pacer, pace_mode
-from hierviz.app.render import (PANELS, STEP_PANELS, download_update, nav_updates, panel_updates, run_label,
-                                save_download)
+from hierviz.app import downloads
+from hierviz.app.gpu import on_gpu, run_duration
+from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, redact_paths
+from hierviz.app.render import PANELS, STEP_PANELS, download_update, nav_updates, panel_updates, run_label
 from hierviz.app.session import SESSIONS, Session, session_key
 from hierviz.app.shipped import shipped_traces
-from hierviz.app.stacks import clear_stacks, get_stack
-from hierviz.config import ConfigError
+from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
+from hierviz.config import ConfigError, options
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.engine import is_warm, run_method, warm_up
 from hierviz.trace import MAX_TRACE_BYTES, TraceError, comparison_from_json
@@ -82,17 +84,24 @@ class Throttle:
         return slow
 
 
+@on_gpu(run_duration)
 def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_depth: Any, m_topk: Any, m_size: Any,
              min_draft: Any, t_depth: Any, t_topk: Any, t_size: Any, with_ar: Any, sess: Session,
              request: gr.Request) -> Iterator[tuple]:
     """/run: HierSpec, EAGLE-2 and (with_ar) AR on the prompt, one after the other so that their
     timings do not disturb each other, streaming the panels of the viewed run."""
-    flags = SESSIONS.flags(session_key(request))
+    key = session_key(request)
+    flags = SESSIONS.flags(key)
     flags.stop.clear()
     try:
         settings = DecodeSettings(max_new_tokens=max_new, temperature=temperature, m_depth=m_depth, m_topk=m_topk,
                                   m_tree_size=m_size, min_draft_len=min_draft, t_depth=t_depth, t_topk=t_topk,
                                   t_tree_size=t_size).validate()
+        check_caps(settings, device_kind())
+        stack_name = check_stack(stack, stack_choices())
+    except VisitorError as e:
+        yield input_error(str(e), str(e))
+        return
     except SettingsError as e:
         yield input_error(str(e), f"Check the settings: {e}")
         return
@@ -102,13 +111,20 @@ def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_depth: A
     if not isinstance(prompt, str) or not prompt.strip():
         yield input_error("The prompt is empty.", "The prompt is empty: type a question or an instruction first.")
         return
+    try:
+        RATE.admit(key)
+    except VisitorError as e:
+        yield input_error(str(e), str(e))
+        return
     new = Session(view="hierspec", source="live run")
     methods = [m for m in RUN_ORDER if m != "ar" or with_ar]
     try:
-        yield from live_comparison(new, str(stack), prompt, methods, settings, Pacer(request, flags, live_pace_mode()))
+        yield from live_comparison(new, key, stack_name, prompt, methods, settings,
+                                   Pacer(request, flags, live_pace_mode()))
     except (SettingsError, TraceError, ValueError) as e:   # EngineError and StackError are ValueErrors
-        gr.Warning(str(e))
-        yield run_update(status=status_html(f"Could not run: {e}", "error"), session=new,
+        msg = str(e) if options().allow_custom_stacks else redact_paths(str(e))
+        gr.Warning(msg)
+        yield run_update(status=status_html(f"Could not run: {msg}", "error"), session=new,
                          **(panel_updates(new) | nav_updates(new) if new.runs else {}))
     except MemoryError:
         clear_stacks()
@@ -140,8 +156,8 @@ def live_pace_mode() -> str:
         return "off"
 
 
-def live_comparison(new: Session, stack_name: str, prompt: str, methods: list[str], settings: DecodeSettings,
-                    pacer: Pacer) -> Iterator[tuple]:
+def live_comparison(new: Session, key: str, stack_name: str, prompt: str, methods: list[str],
+                    settings: DecodeSettings, pacer: Pacer) -> Iterator[tuple]:
     """Load and warm the stack, run each method into `new`, then the final state with the download."""
     # clear the panels of the previous run or trace, so nothing stale is on screen
     yield run_update(status=status_html(f"Loading the model stack '{stack_name}'…"), session=new,
@@ -155,7 +171,7 @@ def live_comparison(new: Session, stack_name: str, prompt: str, methods: list[st
         if pacer.flags.stop.is_set():
             break
         yield from stream_method(new, stack, method, prompt, settings, pacer)
-    new.download = save_download(new)
+    new.download = downloads.save(key, new.runs)
     yield finished_update(new, pacer.flags.stop.is_set(), pacer.paced)
 
 
@@ -209,8 +225,11 @@ def report_rendered(request: gr.Request) -> None:
 
 
 def forget_session(request: gr.Request) -> None:
-    """A closed page's flags (stop, render pacing) go."""
-    SESSIONS.forget(session_key(request))
+    """A closed page's flags (stop, render pacing), run count and download go."""
+    key = session_key(request)
+    SESSIONS.forget(key)
+    RATE.forget(key)
+    downloads.forget(key)
 
 
 # ---- inspecting -------------------------------------------------------------------------------
@@ -236,13 +255,13 @@ def switch_view(sess: Session, method: Optional[str]) -> tuple:
 
 # ---- recorded traces --------------------------------------------------------------------------
 
-def load_runs(text: bytes | str, name: str) -> Session:
+def load_runs(text: bytes | str, name: str, key: str) -> Session:
     """A session showing the runs of a comparison file (hierviz.trace validates it; TraceError)."""
     runs = comparison_from_json(text)
     order = {m: i for i, m in enumerate(RUN_ORDER)}
     runs.sort(key=lambda t: order.get(str(t.meta.get("method")), 9))
     sess = Session(runs=runs, view=str(runs[0].meta.get("method")), source=name)
-    sess.download = save_download(sess)
+    sess.download = downloads.save(key, sess.runs)
     return sess
 
 
@@ -255,7 +274,7 @@ def loaded_updates(sess: Session, msg: str) -> dict[str, Any]:
             "download": download_update(sess), **panel_updates(sess), **nav_updates(sess)}
 
 
-def file_updates(path: Optional[str]) -> dict[str, Any]:
+def file_updates(path: Optional[str], key: str) -> dict[str, Any]:
     """The updates (LOAD_OUTPUTS names) of loading the trace file at `path`; a message if it is bad."""
     if not path:
         return {}
@@ -264,32 +283,32 @@ def file_updates(path: Optional[str]) -> dict[str, Any]:
         size = Path(path).stat().st_size
         if size > MAX_TRACE_BYTES:
             raise TraceError(f"the file is {size / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
-        sess = load_runs(Path(path).read_bytes(), name)
+        sess = load_runs(Path(path).read_bytes(), name, key)
     except (TraceError, OSError) as e:
         gr.Warning(f"Could not read {name}: {e}")
         return {"status": status_html(f"Could not read {name}: {e}", "error")}
     return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in sess.runs) + ". Press Replay.")
 
 
-def load_file(path: Optional[str]) -> tuple:
+def load_file(path: Optional[str], request: gr.Request) -> tuple:
     """/load_trace: an uploaded trace file."""
-    return pack(LOAD_OUTPUTS, file_updates(path))
+    return pack(LOAD_OUTPUTS, file_updates(path, session_key(request)))
 
 
-def load_shipped(path: Optional[str]) -> tuple:
+def load_shipped(path: Optional[str], request: gr.Request) -> tuple:
     """One of the recorded traces; the browser sends a path, so only the listed ones are read."""
     known = {p for _, p in shipped_traces()}
     if not path or path not in known:
         return pack(LOAD_OUTPUTS, {"status": status_html("Pick one of the recorded traces first.", "error")})
-    return load_file(path)
+    return load_file(path, request)
 
 
-def on_open() -> tuple:
+def on_open(request: gr.Request) -> tuple:
     """A new page shows the first recorded trace, if any, so it never opens on empty panels."""
     shipped = shipped_traces()
     if not shipped:
         return pack(LOAD_OUTPUTS, {})
-    out = file_updates(shipped[0][1])
+    out = file_updates(shipped[0][1], session_key(request))
     if "status" in out:
         out["status"] = status_html(OPEN_STATUS)
     return pack(LOAD_OUTPUTS, out)

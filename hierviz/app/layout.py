@@ -8,8 +8,10 @@ import gradio as gr
 from hierviz.app.common import ASSETS
 from hierviz.app.handlers import LOAD_OUTPUTS, forget_session, on_open
 from hierviz.app.profile_tab import profile_tab
+from hierviz.app.stacks import set_operator_stack
 from hierviz.app.visualizer import pick, visualizer_tab
 from hierviz.app.whatif_tab import whatif_tab
+from hierviz.config import options
 from hierviz.trace import MAX_TRACE_BYTES
 
 HEADER = """<div class="hv-header"><h1>HierSpec, step by step</h1>
@@ -33,7 +35,10 @@ def about_tab() -> None:
 
 def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
     """The app; stack_default preselects a stack (default: HIERVIZ_STACK, else the offline stack)."""
-    with gr.Blocks(title="hierviz: hierarchical speculative decoding", fill_width=True) as demo:
+    set_operator_stack(stack_default)
+    # Gradio's own cache (uploads, served files) is swept every 10 minutes of files older than 15
+    with gr.Blocks(title="hierviz: hierarchical speculative decoding", fill_width=True,
+                   delete_cache=(600, 900)) as demo:
         gr.HTML(HEADER)
         with gr.Tabs():
             with gr.Tab("Visualizer", id="viz"):
@@ -45,7 +50,8 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
                 about_tab()
         demo.load(on_open, None, pick(viz, LOAD_OUTPUTS), show_progress="hidden", api_visibility="private")
         demo.unload(forget_session)
-    demo.queue(default_concurrency_limit=8)
+    # a bounded line: a visitor past it is told the app is busy; the others see their place in it
+    demo.queue(max_size=options().queue_size, default_concurrency_limit=8)
     return demo
 
 

@@ -5,14 +5,12 @@ here knows about the components themselves.
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any, Optional
 
 import gradio as gr
 
 from hierviz.app.session import Session
-from hierviz.trace import Trace, save_comparison
+from hierviz.trace import Trace
 from hierviz.viz.latency import latency_figure
 from hierviz.viz.panels import PREFILL_TEXT, is_prefill, output_html, sequence_html, stats_html, verdict_html
 from hierviz.viz.style import method_label
@@ -76,14 +74,3 @@ def nav_updates(sess: Session) -> dict[str, Any]:
 
 def download_update(sess: Session) -> Any:
     return gr.DownloadButton(value=sess.download, interactive=sess.download is not None)
-
-
-def save_download(sess: Session) -> Optional[str]:
-    """The session's runs as one comparison JSON in a fresh temporary folder; its path."""
-    if not sess.runs:
-        return None
-    d = tempfile.mkdtemp(prefix="hierviz-")
-    methods = "-".join(str(t.meta.get("method")) for t in sess.runs)
-    path = Path(d) / f"hierviz-trace-{methods}.json"
-    save_comparison(sess.runs, path)
-    return str(path)

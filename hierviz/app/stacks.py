@@ -6,10 +6,13 @@ presets frees the previous one's memory (live runs are one at a time: the "gpu" 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Optional
 
+import torch
+
+from hierviz.app.guard import offered_stacks
 from hierviz.config import options
-from hierviz.engine import STACK_PRESETS, load_stack
+from hierviz.engine import load_stack
 from hierviz.stack import DEFAULT_STACK
 
 
@@ -44,8 +47,23 @@ def clear_stacks() -> None:
     STACKS.clear()
 
 
+def device_kind() -> str:
+    """Where live runs go: "cuda" with a GPU, else "cpu" (what caps and offered stacks depend on)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_operator: dict[str, Optional[str]] = {"stack": None}
+
+
+def set_operator_stack(name: Optional[str]) -> None:
+    """The stack the operator started the app with (`python app.py --stack`): always offered."""
+    _operator["stack"] = name
+
+
 def stack_choices() -> list[str]:
-    return list(STACK_PRESETS) or [DEFAULT_STACK]
+    """The stacks a visitor may pick: see hierviz.app.guard.offered_stacks."""
+    operator = _operator["stack"] or options().stack
+    return offered_stacks(operator, device_kind() == "cuda") or [DEFAULT_STACK]
 
 
 def default_stack() -> str:

@@ -15,6 +15,7 @@ from hierviz.app.pacing import RENDERED_JS
 from hierviz.app.session import Session
 from hierviz.app.shipped import example_prompts, shipped_traces
 from hierviz.app.stacks import default_stack, stack_choices
+from hierviz.config import options
 from hierviz.decoding.settings import default_settings
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_html, verdict_html
@@ -96,7 +97,7 @@ def run_panel(ui: Components, stack_default: str | None) -> None:
 def settings_panel(ui: Components, stack_default: str | None) -> None:
     """The stack and every DecodeSettings field the page offers, starting from this machine's defaults."""
     ui["stack"] = gr.Dropdown(stack_choices(), value=stack_default or default_stack(), label="Model stack",
-                              allow_custom_value=True, elem_id="hv-stack",
+                              allow_custom_value=options().allow_custom_stacks, elem_id="hv-stack",
                               info="Target T (4-bit), intermediate M and EAGLE heads")
     d = default_settings()   # this machine's: small trees on a CPU (settings.CPU_TREES)
     ui["max_new"] = gr.Slider(1, 512, value=d.max_new_tokens, step=1, label="Max new tokens", elem_id="hv-max-new")
@@ -160,10 +161,11 @@ def live_view(ui: Components) -> None:
 def wire_run(ui: Components) -> None:
     """Run (button or Enter in the prompt), Stop, and the page's drawn-update reports."""
     inputs, outputs = pick(ui, h.RUN_INPUTS), pick(ui, h.RUN_OUTPUTS)
-    ui["run_btn"].click(h.run_live, inputs, outputs, concurrency_id="gpu", concurrency_limit=1,
-                        show_progress="hidden", api_name="run")
-    ui["prompt"].submit(h.run_live, inputs, outputs, concurrency_id="gpu", concurrency_limit=1,
-                        show_progress="hidden", api_visibility="private")
+    # one live run at a time (the "gpu" group); a waiting visitor sees their place in the line and
+    # Gradio's estimate on the status box only, the panels stay as they are
+    queued = dict(concurrency_id="gpu", concurrency_limit=1, show_progress="minimal", show_progress_on=[ui["status"]])
+    ui["run_btn"].click(h.run_live, inputs, outputs, api_name="run", **queued)
+    ui["prompt"].submit(h.run_live, inputs, outputs, api_visibility="private", **queued)
     ui["stop_btn"].click(h.request_stop, None, [ui["status"]], queue=False, api_name="stop")
     # the page reports each drawn status update (render pacing, hierviz.app.pacing)
     ui["status"].change(h.report_rendered, None, None, queue=False, show_progress="hidden",

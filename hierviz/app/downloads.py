@@ -1,0 +1,57 @@
+"""The comparison file the page offers for download, one per visitor.
+
+Each visitor's file lives in its own folder under DOWNLOAD_ROOT; a new run replaces it, a closed
+page removes it, and the process keeps at most MAX_KEPT visitors' files (the oldest go first), so
+a public app's disk use stays bounded however many visitors come.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+from hierviz.trace import Trace, save_comparison
+
+DOWNLOAD_ROOT = Path(tempfile.gettempdir()) / f"hierviz-downloads-{os.getpid()}"
+MAX_KEPT = 64
+_lock = threading.Lock()
+
+
+def _folder(key: str) -> Path:
+    return DOWNLOAD_ROOT / (re.sub(r"[^A-Za-z0-9_-]", "_", key)[:64] or "anonymous")
+
+
+def save(key: str, runs: list[Trace]) -> Optional[str]:
+    """Write `runs` as the visitor `key`'s download, replacing their previous one; its path."""
+    if not runs:
+        return None
+    folder = _folder(key)
+    methods = "-".join(str(t.meta.get("method")) for t in runs)
+    with _lock:
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"hierviz-trace-{methods}.json"
+        save_comparison(runs, path)
+        _trim()
+    return str(path)
+
+
+def forget(key: str) -> None:
+    """A closed page's download goes."""
+    with _lock:
+        shutil.rmtree(_folder(key), ignore_errors=True)
+
+
+def _trim() -> None:
+    folders = sorted((p for p in DOWNLOAD_ROOT.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in folders[:-MAX_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def file_count() -> int:
+    return sum(1 for p in DOWNLOAD_ROOT.rglob("*") if p.is_file()) if DOWNLOAD_ROOT.exists() else 0

@@ -1,0 +1,34 @@
+"""Where a Space's GPU comes from: ZeroGPU's `@spaces.GPU` when the `spaces` package is there.
+
+On ZeroGPU (the free Hugging Face tier) a GPU is attached only inside a function decorated with
+`spaces.GPU`, for at most the duration it asks for; the live run asks for a duration sized from
+its settings. Elsewhere (a dedicated GPU Space, a CPU, a laptop) the decorator does nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+try:
+    import spaces  # type: ignore[import-not-found]
+except ImportError:          # not on a Hugging Face Space
+    spaces = None
+
+# seconds: load/warm-up allowance, and per new token of each method (a GPU decodes the 70B
+# preset's HierSpec at tens of tokens a second; AR at ~20)
+BASE_S, PER_TOKEN_S, MAX_S = 60, 0.15, 300
+
+
+def run_duration(prompt: Any = None, stack: Any = None, max_new: Any = 64, *rest: Any, **kw: Any) -> int:
+    """The GPU time a live run asks ZeroGPU for, from its new-token count (three methods)."""
+    try:
+        tokens = max(1, min(int(max_new), 8192))
+    except (TypeError, ValueError):
+        tokens = 64
+    return int(min(MAX_S, BASE_S + 3 * PER_TOKEN_S * tokens))
+
+
+def on_gpu(duration: Callable[..., int]) -> Callable[[Callable], Callable]:
+    """`spaces.GPU(duration=duration)` where the spaces package is installed, else nothing."""
+    def wrap(fn: Callable) -> Callable:
+        return fn if spaces is None else spaces.GPU(duration=duration)(fn)
+    return wrap
