@@ -14,7 +14,8 @@ DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profi
              "w4-sweep": "hierviz.measure.w4_sweep", "memory": "hierviz.memory",
              "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
              "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
-             "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench"}
+             "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench",
+             "endurance": "hierviz.measure.endurance"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -144,6 +145,7 @@ HELP = """\
   memory        GPU memory each stack needs, against common GPUs (--load: measure a real load)
   synthetic-stack  a GPU preset's checkpoints with random weights, in its exact layouts
   app-check     drive the web app once through its API and check the outputs
+  endurance     many live runs through the app's API: memory and temp files every N runs
 """
 
 

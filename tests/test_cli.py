@@ -34,7 +34,7 @@ def test_every_command_answers_help(capsys):
 
 
 @pytest.mark.parametrize("name", ["generate", "record", "bench", "whatif", "memory", "app-check", "draft-sweep",
-                                  "batch-invariance", "synthetic-stack", "w4-sweep", "profile", "kernel-bench", "op-profile", "engine-bench"])
+                                  "batch-invariance", "synthetic-stack", "w4-sweep", "profile", "kernel-bench", "op-profile", "engine-bench", "endurance"])
 def test_each_command_has_its_own_help(name, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([name, "--help"])

@@ -1,6 +1,6 @@
 """GPU-only checks of what only a GPU runs: CUDA-graph replays of the decoders' forwards and of
 whole draft trees (tree.TreeGraph). Skipped without CUDA (CI); on the device machine:
-`python -m pytest -q tests/test_gpu.py` (session 13, H200: 3 passed). The same code runs eagerly
+`python -m pytest -q tests/test_gpu.py` (H200 results: docs/gpu.md). The same code runs eagerly
 through the static path in CPU tests (test_tree.py, test_cuda_graphs.py)."""
 from __future__ import annotations
 

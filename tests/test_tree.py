@@ -1,6 +1,6 @@
 """draft_tree_on_device keeps every depth, the rerank and the verifier's mask on the device (the
 tree is read back once, with the verifier's results); this checks it builds exactly the tree of
-a plain host-side statement of EAGLE-2's drafting (DESIGN.md 3.2), on the dynamic path and
+a plain host-side statement of EAGLE-2's drafting (docs/architecture.md), on the dynamic path and
 through the static (CUDA-graph-shaped) runner."""
 from __future__ import annotations
 

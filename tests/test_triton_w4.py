@@ -253,7 +253,7 @@ def test_batch_invariant_weight_rounds_each_row_as_alone() -> None:
     """Row 0 of an M-row product equals the one-row product bit for bit (fp16, split-K, residual
     add inside) for a `batch_invariant` weight; without the flag the M = 17 and 40 products take
     another K split, and with the residual added inside they differ (on the H200 the plain products
-    differed too: docs/gpu.md, session 16)."""
+    differed too: docs/exactness.md)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _INVARIANT_SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -52,6 +52,3 @@ def _trim() -> None:
     for old in folders[:-MAX_KEPT]:
         shutil.rmtree(old, ignore_errors=True)
 
-
-def file_count() -> int:
-    return sum(1 for p in DOWNLOAD_ROOT.rglob("*") if p.is_file()) if DOWNLOAD_ROOT.exists() else 0

@@ -5,9 +5,11 @@ from typing import Callable, Optional
 
 import gradio as gr
 
+from hierviz.app import downloads
 from hierviz.app.common import ASSETS
 from hierviz.app.handlers import LOAD_OUTPUTS, forget_session, on_open
 from hierviz.app.profile_tab import profile_tab
+from hierviz.app.session import STATE_CAPACITY
 from hierviz.app.stacks import set_operator_stack
 from hierviz.app.visualizer import pick, visualizer_tab
 from hierviz.app.whatif_tab import whatif_tab
@@ -36,6 +38,10 @@ def about_tab() -> None:
 def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
     """The app; stack_default preselects a stack (default: HIERVIZ_STACK, else the offline stack)."""
     set_operator_stack(stack_default)
+    # the download files are served from their own bounded folder (hierviz/app/downloads.py)
+    # instead of a copy in Gradio's cache per run
+    downloads.DOWNLOAD_ROOT.mkdir(parents=True, exist_ok=True)
+    gr.set_static_paths([downloads.DOWNLOAD_ROOT])
     # Gradio's own cache (uploads, served files) is swept every 10 minutes of files older than 15
     with gr.Blocks(title="hierviz: hierarchical speculative decoding", fill_width=True,
                    delete_cache=(600, 900)) as demo:
@@ -61,4 +67,5 @@ def launch_kwargs() -> dict:
     css = css_file.read_text(encoding="utf-8") if css_file.exists() else ""
     theme = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "DejaVu Sans", "sans-serif"),
                            font_mono=("DejaVu Sans Mono", "ui-monospace", "monospace"))
-    return dict(css=css, theme=theme, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False)
+    return dict(css=css, theme=theme, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False,
+                state_session_capacity=STATE_CAPACITY)

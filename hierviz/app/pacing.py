@@ -1,9 +1,8 @@
 """Render pacing: a live run waits for a page on this machine to draw each streamed update.
 
 A browser on the machine that computes draws every update on the same cores as the engine: on a
-2-core CPU the offline stack ran at ~9.5 tokens/s (5.3-10.3 per method) watched in a local Chromium
-against 12-17 for the same runs streamed to an API client, and a first run's comparison could say
-the opposite of `bench`; paced, ~12 (docs/app.md has the measurements). So the page reports each
+2-core CPU the offline stack ran markedly slower watched in a local Chromium than streamed to an
+API client, and a first run's comparison could say the opposite of `bench`. So the page reports each
 drawn status update (a `change` listener running RENDERED_JS) and the run waits for that report
 before its next step, up to PACE_MAX_S. Steps are timed by the engine, not the time between them,
 so the figures stay those of an unwatched run. Only pages that have reported at least once are

@@ -15,6 +15,9 @@ from typing import Any, Optional
 
 from hierviz.trace import Trace
 
+SESSION_TTL_S = 1800        # an idle visitor's runs are dropped after this many seconds
+STATE_CAPACITY = 64         # visitors whose state Gradio keeps at most (the least recent go first)
+
 
 @dataclass
 class Session:

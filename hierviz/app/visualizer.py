@@ -12,7 +12,7 @@ import gradio as gr
 from hierviz.app import handlers as h
 from hierviz.app.common import status_html
 from hierviz.app.pacing import RENDERED_JS
-from hierviz.app.session import Session
+from hierviz.app.session import SESSION_TTL_S, Session
 from hierviz.app.shipped import example_prompts, shipped_traces
 from hierviz.app.stacks import default_stack, stack_choices
 from hierviz.config import options
@@ -65,7 +65,9 @@ def pick(ui: Components, names: Iterable[str]) -> list:
 
 def visualizer_tab(stack_default: str | None = None) -> Components:
     """Build the tab inside the current gr.Tab and wire its events; its components by name."""
-    ui: Components = {"session": gr.State(Session())}
+    # an idle visitor's state (their runs) is dropped after SESSION_TTL_S; API clients never close
+    # a page, so without it every one of them would stay in memory
+    ui: Components = {"session": gr.State(Session(), time_to_live=SESSION_TTL_S)}
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=320, elem_classes=["hv-side"]):
             run_panel(ui, stack_default)

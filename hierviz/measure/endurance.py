@@ -52,6 +52,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.runs < 1 or a.every < 1:
         print("error: --runs and --every must be at least 1", file=sys.stderr)
         return 2
+    # Gradio's cache in a folder of this run's own, so the count is of this server's files only
+    os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="hierviz-endurance-"))
     import gradio_client
 
     from hierviz.app import build_app, launch_kwargs
