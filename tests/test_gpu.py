@@ -132,7 +132,7 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
 
 
 def test_long_prefill_products_of_the_shipped_intermediate() -> None:
-    """Session 17: the large-M entry's 128-row tiles gave whole row blocks of garbage / NaN, run to run,
+    """Large-M 128-row tiles once gave whole row blocks of garbage / NaN, run to run,
     for the shipped M's gate_up (GPTQ g64) at 800 rows (M's prefill of a long prompt). Every product of
     three of M's layers at prefill sizes, three repeats each, against the dequantized fp32 matmul."""
     from hierviz.models.llama import Transformer
