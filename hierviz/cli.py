@@ -11,7 +11,7 @@ from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_sett
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profile", "whatif": "hierviz.measure.whatif",
              "train": "hierviz.train.cli", "kernel-bench": "hierviz.measure.kernel_bench",
-             "w4-sweep": "hierviz.measure.w4_sweep", "memory": "hierviz.memory",
+             "w4-sweep": "hierviz.measure.w4_sweep", "memory": "hierviz.measure.memory_report",
              "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
              "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
              "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench",

@@ -1,10 +1,5 @@
-"""GPU memory a stack needs, worked out from config.json facts before any weight is loaded.
-
-    python -m hierviz memory                    # every preset against common GPUs (a table)
-    python -m hierviz memory --stack NAME       # one stack file or preset
-    python -m hierviz memory --load STACK [--compare PROMPT --trace FILE]
-                                                # load it: time, peak host RSS, GPU memory vs
-                                                # the estimate; optionally one AR/EAGLE-2/HierSpec run
+"""GPU memory a stack needs, worked out from config.json facts before any weight is loaded
+(the `python -m hierviz memory` command: hierviz/measure/memory_report.py).
 
 `load_stack` calls `check_fits` on a CUDA device, so a stack that cannot fit is refused up
 front with a message that says by how much, instead of failing deep inside a load or a decode.
@@ -23,9 +18,7 @@ MARGIN.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -179,104 +172,6 @@ def table(rows: list[tuple[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hierviz memory", description=__doc__.split("\n")[0])
-    ap.add_argument("--stack", default=None, help="a preset name or stack JSON (default: every GPU preset)")
-    ap.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="longest prompt + new tokens")
-    ap.add_argument("--load", default=None, help="load this stack and measure it (on this machine's device)")
-    ap.add_argument("--compare", default=None, help="with --load: a prompt run with ar, eagle2 and hierspec")
-    ap.add_argument("--trace", default=None, help="with --compare: write the comparison trace here")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    a = ap.parse_args(argv)
-    if a.load:
-        return measure_load(a.load, a.compare, a.trace, a.max_new_tokens, a.context)
-    from hierviz.stack import preset_names
-    names = [a.stack] if a.stack else [n for n in preset_names() if n not in ("tiny-random",)]
-    rows = []
-    for name in names:
-        try:
-            spec, base = _stack_file(name)
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: cannot read stack {name!r}: {e}", file=sys.stderr)
-            return 2
-        # one stack: its own models' configs (local or fetched); the preset table: bundled shapes
-        parts = stack_estimate(spec, _resolver(base), a.context) if a.stack else None
-        if parts is None:
-            parts = shape_estimate(spec, a.context)
-        if parts is None:
-            if a.stack:
-                print(f"error: cannot read the model configs of stack {name!r}", file=sys.stderr)
-                return 2
-            continue
-        rows.append((spec.get("name", name), parts))
-    print(table(rows))
-    return 0
-
-
-def _stack_file(name: str) -> tuple[dict[str, Any], Path]:
-    """(the stack JSON, its folder) of a stack file, a folder holding stack.json, or a preset name,
-    found as load_stack finds it."""
-    from hierviz.stack import PRESET_DIR
-    p = Path(name).expanduser()
-    p = p / "stack.json" if p.is_dir() else p
-    if not p.exists():
-        p = PRESET_DIR / f"{name}.json"
-    return json.loads(p.read_text()), p.parent
-
-
-def _resolver(base: Path):
-    from hierviz.stack import resolve_path
-    return lambda source: resolve_path(source, base)
-
-
-def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new: int, context: int) -> int:
-    """Load a stack through load_stack and print what it cost (JSON), against the estimate."""
-    import resource
-    import time
-
-    import torch
-
-    from hierviz.stack import StackError, load_stack
-    cuda = torch.cuda.is_available()
-    t0 = time.perf_counter()
-    try:
-        stack = load_stack(name)
-    except StackError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out: dict[str, Any] = {"stack": stack.name, "device": str(stack.device), "load_s": round(time.perf_counter() - t0, 1),
-                           "peak_host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, 2)}
-    if cuda:
-        out["gpu_allocated_gb"] = round(torch.cuda.memory_allocated() / GB, 2)
-        out["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
-    if name != "tiny-random":
-        spec, base = _stack_file(name)
-        parts = stack_estimate(spec, _resolver(base), context, torch.finfo(stack.models.target.dtype).bits / 8)
-        if parts is not None:
-            out["estimate_gb"] = {k: round(v / GB, 2) for k, v in parts.items()}
-    if prompt:
-        from hierviz.decoding.settings import default_settings
-        from hierviz.engine import generate, output_tokens, warm_up
-        from hierviz.trace import save_comparison
-        s = default_settings(str(stack.device))
-        s.max_new_tokens = max_new
-        runs, outputs = [], {}
-        methods = ["hierspec", "eagle2", "ar"]
-        warm_up(stack, methods, s)     # first-call costs (compiles, graph captures) stay out of the timings
-        for method in methods:
-            tr = generate(stack, method, prompt, s)
-            runs.append(tr)
-            outputs[method] = output_tokens(tr)
-            out[f"{method}_tokens_per_s"] = round(tr.stats()["tokens_per_s"], 1)
-        out["identical_to_ar"] = {m: outputs[m] == outputs["ar"] for m in ("hierspec", "eagle2")}
-        if cuda:
-            out["gpu_peak_after_runs_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
-        if trace:
-            save_comparison(runs, trace)
-    print(json.dumps(out))
-    return 0
-
-
 # The bundled shape configs of the GPU presets' models (assets/configs), so the table needs no hub.
 PRESET_SHAPES = {
     "paper-llama3-70b": {"target": ("llama3-70b.json", "w4", 128), "intermediate": ("llama3-8b.json", "dense", 0)},
@@ -296,6 +191,3 @@ def shape_estimate(spec: dict[str, Any], context: int = DEFAULT_CONTEXT) -> Opti
     heads = [r for r, h in (("intermediate", "e_m"), ("target", "e_t")) if spec.get(h)]
     return estimate(models, heads, context)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from hierviz import memory
 from hierviz.config import options
 from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfigError
@@ -142,7 +143,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def _check_gpu_memory(name: str, spec: dict[str, Any], base: Path, dev: torch.device, dtype: torch.dtype) -> None:
     """Refuse, before any weight is read, a stack that cannot fit this GPU (hierviz.memory)."""
-    from hierviz import memory
     parts = memory.stack_estimate(spec, lambda s: resolve_path(s, base), act_bytes=torch.finfo(dtype).bits / 8)
     if parts is None:
         return           # a model's config.json is not readable yet: the load reports that

@@ -22,7 +22,8 @@ _SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from pathlib import Path
-    from hierviz.quant import triton_w4, w4_sweep
+    from hierviz.measure import w4_sweep
+    from hierviz.quant import triton_w4
     from hierviz.quant.triton_w4 import Config, packed
     from hierviz.quant.w4 import quantize_rtn
     out = {}

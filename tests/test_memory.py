@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hierviz import memory
+from hierviz.measure import memory_report
 from hierviz.memory import GB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def test_preset_budgets(preset: str, fits: list[str], no: list[str]) -> None:
 
 
 def test_memory_command_prints_the_preset_table(capsys) -> None:
-    assert memory.main([]) == 0
+    assert memory_report.main([]) == 0
     out = capsys.readouterr().out
     assert "| paper-llama3-70b |" in out and "| vicuna-13b-w4-single-gpu |" in out and "A100-80GB" in out
 
@@ -88,8 +89,7 @@ def test_released_codes_are_rebuilt_from_the_kernel_layout() -> None:
         w = quantize_rtn(torch.randn(96, 1024), g)
         original, dense = w.codes.clone(), dequantize(w)
         triton_w4.packed(w, torch.float16)
-        # what packed() does to a CUDA weight: the checkpoint order goes, the shape stays
-        w.codes = torch.empty(1, dtype=torch.uint8).expand(*w.codes.shape)
+        triton_w4.release_codes(w)      # what packed() does to a CUDA weight: the order goes, the shape stays
         assert codes_released(w) and w.out_features == 96 and w.in_features == 1024
         assert torch.equal(codes_of(w), original) and torch.equal(dequantize(w), dense)
         rows = torch.tensor([0, 5, 95])

@@ -53,12 +53,12 @@ def test_unknown_preset_and_bad_tokenizer_folder_are_errors(tmp_path: Path, caps
 
 
 def test_memory_load_measures_a_stack_and_records_a_comparison(tmp_path: Path, capsys) -> None:
-    from hierviz import memory
+    from hierviz.measure import memory_report
     from hierviz.trace import comparison_from_json
     assert main(["--preset", "vicuna-13b-w4-single-gpu", "--scale", "tiny", "--out", str(tmp_path / "s")]) == 0
     capsys.readouterr()
     trace = tmp_path / "cmp.json"
-    assert memory.main(["--load", str(tmp_path / "s"), "--compare", "w5 w6 w7", "--max-new-tokens", "6",
+    assert memory_report.main(["--load", str(tmp_path / "s"), "--compare", "w5 w6 w7", "--max-new-tokens", "6",
                         "--trace", str(trace)]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["stack"] == "vicuna-13b-w4-single-gpu-synthetic" and got["load_s"] >= 0 and got["peak_host_rss_gb"] > 0
@@ -66,4 +66,4 @@ def test_memory_load_measures_a_stack_and_records_a_comparison(tmp_path: Path, c
     assert got["estimate_gb"]["total"] == pytest.approx(sum(v for k, v in got["estimate_gb"].items() if k != "total"),
                                                         abs=0.05)
     assert [t.meta["method"] for t in comparison_from_json(trace.read_text())] == ["hierspec", "eagle2", "ar"]
-    assert memory.main(["--load", str(tmp_path / "missing")]) == 2
+    assert memory_report.main(["--load", str(tmp_path / "missing")]) == 2

@@ -69,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     try:
         for i in range(1, a.runs + 1):
-            client = gradio_client.Client(url, verbose=False)
+            client = gradio_client.Client(url, verbose=False, download_files=False)   # the server's files only
             out = client.predict(*args, api_name="/run")
             errors += "Done." not in str(out[0])
             client.close()

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from hierviz.quant.w4 import W4Weight, dequantize
+from hierviz.quant.w4 import W4Weight, codes_of, dequantize
 
 # (compute capability major, Triton "major.minor") on which `hierviz w4-sweep` found 0 wrong rows
 # on every path, TMA included. Add a pair only with the sweep's result recorded in docs/kernels.md.
@@ -115,9 +115,8 @@ def check_rows(n: int) -> torch.Tensor:
 
 def reference_rows(x: torch.Tensor, w: W4Weight, rows: torch.Tensor) -> torch.Tensor:
     """fp32 x @ W[rows].T (W in the kernel's input order: x is already permuted)."""
-    from hierviz.quant.triton_w4 import source_codes
     idx = rows.to(w.scales.device)
-    part = W4Weight(source_codes(w, idx), w.scales.index_select(0, idx), w.offsets.index_select(0, idx), w.group_size)
+    part = W4Weight(codes_of(w, idx), w.scales.index_select(0, idx), w.offsets.index_select(0, idx), w.group_size)
     return x.float() @ dequantize(part, torch.float32).t()
 
 

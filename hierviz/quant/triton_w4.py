@@ -43,8 +43,8 @@ import torch
 
 from hierviz.config import options, overrides
 from hierviz.quant import kernel_guard
-from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_released, dequantize, pack_codes, register_kernel,
-                              unpack_codes)
+from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_of, codes_released, dequantize, pack_codes,
+                              register_kernel, unpack_codes)
 
 try:  # import must work on machines without a GPU (and without triton at all)
     import triton
@@ -230,7 +230,7 @@ def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
                 # Hold a GPU model's codes once: the checkpoint's order is released (a zero-stride
                 # view keeps its shape) and rebuilt from this layout where needed (source_codes).
                 # A 70B target is then 35 GB of codes, not 70 (hierviz.memory).
-                w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
+                release_codes(w)
         hit = cache[key] = Packed(codes, w.scales.t().to(dtype).contiguous(),
                                   w.offsets.t().to(dtype).contiguous(), sub)
     return hit
@@ -243,11 +243,18 @@ def unrepack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
     return pack_codes(q.reshape(n, half_k * 2))
 
 
+def release_codes(w: W4Weight) -> None:
+    """Drop w's codes in the checkpoint order (their shape stays, as a zero-stride view) once the
+    kernel layout holds them; `codes_of` rebuilds them from that layout for other readers."""
+    w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
+    w.kernel_state["restore_codes"] = source_codes
+
+
 def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """w's codes in the W4Weight order (rows of them), rebuilt from the kernel's layout when the
     originals were released."""
     if not codes_released(w):
-        return w.codes if rows is None else w.codes.index_select(0, rows.to(w.codes.device))
+        return codes_of(w, rows)
     rep = w.kernel_state[_CACHE_KEY]["codes"]
     if rows is not None:
         rep = rep.index_select(0, rows.to(rep.device))

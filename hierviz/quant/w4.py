@@ -96,14 +96,14 @@ def codes_released(w: W4Weight) -> bool:
     return c.dim() == 2 and c.numel() > 1 and c.stride() == (0, 0)
 
 
-def codes_of(w: W4Weight) -> torch.Tensor:
-    """w's codes in this format's order. A GPU weight's codes live only in the Triton kernel's
-    layout once it has run (hierviz.quant.triton_w4.packed releases them, keeping their shape
-    as a zero-stride view); they are rebuilt from it here for every other reader."""
+def codes_of(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w's codes in this format's order (only `rows` of them, when given). A GPU weight's codes
+    live only in a kernel's layout once it has run (hierviz.quant.triton_w4.packed releases them,
+    keeping their shape as a zero-stride view, and leaves `kernel_state["restore_codes"]`); they
+    are rebuilt from it here for every other reader."""
     if codes_released(w):
-        from hierviz.quant.triton_w4 import source_codes
-        return source_codes(w)
-    return w.codes
+        return w.kernel_state["restore_codes"](w, rows)
+    return w.codes if rows is None else w.codes.index_select(0, rows.to(w.codes.device))
 
 
 def dequantize(w: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
