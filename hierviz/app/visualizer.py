@@ -14,7 +14,8 @@ from hierviz.app.common import status_html
 from hierviz.app.pacing import RENDERED_JS
 from hierviz.app.session import SESSION_TTL_S, Session
 from hierviz.app.shipped import example_prompts, shipped_traces
-from hierviz.app.stacks import default_stack, stack_choices
+from hierviz.app.guard import caps
+from hierviz.app.stacks import default_stack, device_kind, stack_choices
 from hierviz.config import options
 from hierviz.decoding.settings import default_settings
 from hierviz.trace import MAX_TRACE_BYTES
@@ -102,21 +103,24 @@ def settings_panel(ui: Components, stack_default: str | None) -> None:
                               allow_custom_value=options().allow_custom_stacks, elem_id="hv-stack",
                               info="Target T (4-bit), intermediate M and EAGLE heads")
     d = default_settings()   # this machine's: small trees on a CPU (settings.CPU_TREES)
-    ui["max_new"] = gr.Slider(1, 512, value=d.max_new_tokens, step=1, label="Max new tokens", elem_id="hv-max-new")
+    most = caps(device_kind())["max_new_tokens"]
+    ui["max_new"] = gr.Slider(1, most, value=min(d.max_new_tokens, most), step=1, label="Max new tokens",
+                              elem_id="hv-max-new")
     ui["temperature"] = gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
     gr.Markdown("**HierSpec: E_M tree, checked by M**")
-    with gr.Row():
-        ui["m_depth"] = gr.Number(d.m_depth, label="depth", precision=0, elem_id="hv-m-depth")
-        ui["m_topk"] = gr.Number(d.m_topk, label="top-k", precision=0, elem_id="hv-m-topk")
-        ui["m_size"] = gr.Number(d.m_tree_size, label="size", precision=0, elem_id="hv-m-size")
+    tree_controls(ui, "m", (d.m_depth, d.m_topk, d.m_tree_size))
     ui["min_draft"] = gr.Slider(1, 32, value=d.min_draft_len, step=1, label="Min sequence-draft length for T")
     gr.Markdown("**EAGLE-2 baseline: E_T tree, checked by T**")
-    with gr.Row():
-        ui["t_depth"] = gr.Number(d.t_depth, label="depth", precision=0, elem_id="hv-t-depth")
-        ui["t_topk"] = gr.Number(d.t_topk, label="top-k", precision=0, elem_id="hv-t-topk")
-        ui["t_size"] = gr.Number(d.t_tree_size, label="size", precision=0, elem_id="hv-t-size")
+    tree_controls(ui, "t", (d.t_depth, d.t_topk, d.t_tree_size))
     ui["with_ar"] = gr.Checkbox(True, label="Also run plain autoregressive decoding (for the speedup)",
                                 elem_id="hv-with-ar")
+
+
+def tree_controls(ui: Components, prefix: str, values: tuple[int, int, int]) -> None:
+    """Depth, top-k and size of one tree (prefix "m": E_M's, "t": E_T's)."""
+    with gr.Row():
+        for key, label, value in zip(("depth", "topk", "size"), ("depth", "top-k", "size"), values):
+            ui[f"{prefix}_{key}"] = gr.Number(value, label=label, precision=0, elem_id=f"hv-{prefix}-{key}")
 
 
 def replay_panel(ui: Components) -> None:
