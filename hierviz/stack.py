@@ -153,6 +153,24 @@ def _check_gpu_memory(name: str, spec: dict[str, Any], base: Path, dev: torch.de
         raise StackError(str(e)) from None
 
 
+MODEL_KEYS = ("target", "intermediate", "e_m", "e_t")
+
+
+def check_spec(spec: Any, p: Path) -> None:
+    """StackError unless a stack file's JSON has the shape load_stack reads (types, not files)."""
+    if not isinstance(spec, dict) or "target" not in spec:
+        raise StackError(f"stack file {p} has no 'target'")
+    for key in MODEL_KEYS:
+        entry = spec.get(key)
+        if key != "target" and not entry:
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
+            raise StackError(f"stack file {p}: {key!r} must be an object with a \"path\" string")
+    for key in ("dtype", "dtype_cuda", "w4_kernel", "w4_kernel_cuda", "tokenizer", "draft_vocab", "name"):
+        if key in spec and spec[key] is not None and not isinstance(spec[key], str):
+            raise StackError(f"stack file {p}: {key!r} must be a string")
+
+
 def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                w4_kernel: Optional[str] = None) -> Stack:
     """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json.
@@ -169,11 +187,12 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     if not p.exists():
         raise StackError(f"unknown stack {name_or_path!r}: not a stack file and not one of {', '.join(preset_names())}")
     try:
-        spec = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        spec = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StackError(f"stack file {p} is not valid JSON: {e}") from None
-    if not isinstance(spec, dict) or "target" not in spec:
-        raise StackError(f"stack file {p} has no 'target'")
+    except OSError as e:
+        raise StackError(f"cannot read stack file {p}: {e}") from None
+    check_spec(spec, p)
     base = p.parent
     dtype_name = dtype or _for_device(spec, "dtype", dev, "float32")
     if dtype_name not in DTYPES:
@@ -210,7 +229,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     models = Models(target, inter, e_m, e_t)
     check_vocab(models, tokenizer)
     if spec.get("draft_vocab"):
-        ids = torch.tensor(json.loads(Path(resolve_path(spec["draft_vocab"], base)).read_text()), dtype=torch.long)
+        ids = _draft_vocab(resolve_path(spec["draft_vocab"], base))
         for h in (e_m, e_t):
             if h is not None:
                 h.set_draft_vocab(ids)
@@ -243,6 +262,18 @@ def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
 
 
 # ---- a tiny random stack: loads instantly, for tests and UI development ------------------------
+
+def _draft_vocab(path: str) -> torch.Tensor:
+    """The FR-Spec token list of a stack: a JSON list of token ids."""
+    try:
+        ids = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StackError(f"cannot read the draft vocabulary {path}: {e}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in ids):
+        raise StackError(f"draft vocabulary {path} must be a non-empty JSON list of token ids")
+    return torch.tensor(ids, dtype=torch.long)
+
 
 def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
     """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work)."""

@@ -170,9 +170,15 @@ def _opt(d: dict, key: str, typ, where: str, default=None):
     return _req(d, key, typ, where)
 
 
+MAX_TREE_DEPTH = 64      # deeper than any tree a decoder drafts (settings allow 32); bounds the per-depth loops
+
+
 def _node(d: Any, where: str) -> TreeNode:
+    depth = _req(d, "depth", int, where)
+    if not 0 <= depth <= MAX_TREE_DEPTH:
+        raise TraceError(f"{where}.depth must be between 0 and {MAX_TREE_DEPTH}, got {depth}")
     return TreeNode(_req(d, "id", int, where), _req(d, "token", int, where), _req(d, "text", str, where),
-                    _req(d, "parent", int, where), _req(d, "depth", int, where),
+                    _req(d, "parent", int, where), depth,
                     _req(d, "score", float, where), _req(d, "logprob", float, where))
 
 
@@ -236,6 +242,12 @@ def trace_from_dict(d: Any) -> Trace:
     if version != SCHEMA_VERSION:
         raise TraceError(f"unsupported trace schema version {version!r} (this hierviz reads version {SCHEMA_VERSION})")
     meta = _req(d, "meta", dict, "trace")
+    settings = meta.get("settings")
+    if settings is not None and not isinstance(settings, dict):
+        raise TraceError("trace.meta.settings must be an object")
+    temp = (settings or {}).get("temperature")
+    if temp is not None and (isinstance(temp, bool) or not isinstance(temp, (int, float)) or temp != temp):
+        raise TraceError(f"trace.meta.settings.temperature must be a number, got {temp!r}")
     method = meta.get("method")
     if method not in METHODS:
         raise TraceError(f"trace.meta.method: unknown method {method!r}")

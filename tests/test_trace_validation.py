@@ -73,6 +73,9 @@ PATHS: dict[str, tuple[str, str]] = {
     "not_a_json_object": ("trace_from_dict", "a trace must be a JSON object"),
     "version": ("trace_from_dict", "unsupported trace schema version "),
     "meta_method": ("trace_from_dict", "trace.meta.method: unknown method "),
+    "node_depth": ("_node", ".depth must be between 0 and "),
+    "meta_settings": ("trace_from_dict", "trace.meta.settings must be an object"),
+    "meta_temperature": ("trace_from_dict", "trace.meta.settings.temperature must be a number"),
     "text_too_large": ("_parse", "; the limit is "),
     "invalid_json": ("_parse", "not valid JSON: "),
     "file_unreadable": ("load_trace", "cannot read trace file: "),
@@ -134,7 +137,7 @@ def _raises_in_trace_module() -> list[tuple[str, str]]:
 
 def test_every_rejection_path_has_a_case() -> None:
     raises = _raises_in_trace_module()
-    assert len(raises) == len(PATHS) == 23
+    assert len(raises) == len(PATHS) == 26
     unmatched = list(raises)
     for name, (fn, fragment) in PATHS.items():
         hits = [r for r in unmatched if r[0] == fn and fragment in r[1]]
@@ -190,6 +193,12 @@ def _seq_tree_past_end(d: dict) -> None:
 S1 = r"steps\[1\]"
 T0 = S1 + r"\.trees\[0\]"
 DOCUMENT_CASES = [
+    pytest.param("node_depth", _set("steps.1.trees.0.nodes.1.depth", 10 ** 9),
+                 rf"^{T0}\.nodes\[1\]\.depth must be between 0 and 64, got 1000000000$", id="node-depth-absurd"),
+    pytest.param("meta_settings", _set("meta.settings", "greedy"), r"^trace\.meta\.settings must be an object$",
+                 id="meta-settings-a-string"),
+    pytest.param("meta_temperature", _set("meta.settings", {"temperature": "hot"}),
+                 r"^trace\.meta\.settings\.temperature must be a number, got 'hot'$", id="meta-temperature-a-word"),
     pytest.param("not_an_object", _set("steps.1", 7), rf"^{S1}: expected an object$", id="step-is-a-number"),
     pytest.param("not_an_object", _set("steps.1.trees.0", [1]), rf"^{T0}: expected an object$", id="tree-is-a-list"),
     pytest.param("not_an_object", _set("steps.1.trees.0.nodes.1", "node"), rf"^{T0}\.nodes\[1\]: expected an object$",
