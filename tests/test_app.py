@@ -6,7 +6,6 @@ import ast
 import json
 import os
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -21,19 +20,11 @@ gradio_client = pytest.importorskip("gradio_client")
 SMALL = ["hello there", "tiny-random", 6, 0.0, 2, 4, 8, 3, 2, 4, 8, False]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url():
-    from hierviz.app import build_app, launch_kwargs
-    demo = build_app("tiny-random")
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
-    yield f"http://127.0.0.1:{port}/"
+    from hierviz.app.check import start_app
+    url, demo = start_app("tiny-random")
+    yield url
     demo.close()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url():
-    port = _free_port()
+    from hierviz.app.check import free_port
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", HIERVIZ_STACK="tiny-random")
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / "browser-app.log", "w")

@@ -15,7 +15,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -41,12 +40,6 @@ ON_GPU = torch.cuda.is_available()
 
 # ---- the app, its visitors, and what a clear error is -------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url():
     """The app on tiny-random, in this process; a visitor may start 600 runs a minute (the rate
@@ -55,12 +48,10 @@ def app_url():
         mp.setenv("HIERVIZ_RUNS_PER_MINUTE", "600")
         for name in ("HIERVIZ_MAX_NEW_TOKENS", "HIERVIZ_MAX_TREE_SIZE", "HIERVIZ_ALLOW_CUSTOM_STACKS", "HIERVIZ_STACK"):
             mp.delenv(name, raising=False)
-        from hierviz.app import build_app, launch_kwargs
-        demo = build_app("tiny-random")
-        port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+        from hierviz.app.check import start_app
+        url, demo = start_app("tiny-random")
         try:
-            yield f"http://127.0.0.1:{port}/"
+            yield url
         finally:
             demo.close()
 

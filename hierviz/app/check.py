@@ -24,16 +24,17 @@ from hierviz.decoding.settings import default_settings
 from hierviz.trace import comparison_from_json, output_tokens
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start_app(stack: str) -> tuple[str, Any]:
+def start_app(stack: str) -> tuple[str, Any]:
+    """The app on `stack`, served from this process on a free local port: (its URL, the Blocks)."""
     from hierviz.app import build_app, launch_kwargs
     demo = build_app(stack)
-    port = _free_port()
+    port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
     return f"http://127.0.0.1:{port}/", demo
 
@@ -101,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo = None
     url = a.url
     if url is None:
-        url, demo = _start_app(a.stack)
+        url, demo = start_app(a.stack)
     try:
         report, path = drive(url, a.stack, a.prompt, a.max_new_tokens, device)
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -35,12 +34,6 @@ def temp_files(folders: list[Path]) -> int:
     return sum(1 for d in folders if d.exists() for p in d.rglob("*") if p.is_file())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz endurance", description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=200)
@@ -56,12 +49,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("GRADIO_TEMP_DIR", tempfile.mkdtemp(prefix="hierviz-endurance-"))
     import gradio_client
 
-    from hierviz.app import build_app, launch_kwargs
+    from hierviz.app.check import start_app
     from hierviz.app.downloads import DOWNLOAD_ROOT
-    demo = build_app(a.stack)
-    port = _free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
-    url = f"http://127.0.0.1:{port}/"
+    url, demo = start_app(a.stack)
     folders = [Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio"), DOWNLOAD_ROOT]
     args = ["endurance run", a.stack, a.max_new_tokens, 0.0, 2, 4, 8, 3, 2, 4, 8, True]
     samples: list[dict[str, Any]] = []

@@ -113,7 +113,7 @@ TUNED: dict[int, Config] = {
 
 # The plain-unpack small-M entry for where the factored one was not
 # shown to win: bf16 activations (factored measured slower: 83.6 vs 64.0 us at M = 1 on the
-# up-projection) and groups under 64 (its per-group reduction and correction then run 2-4x as
+# up-projection) and groups under 64 (its per-group reduction and correction then happen 2-4x as
 # often per weight; the SmolLM2 stack's GGUF groups are 32, measured fast with this entry).
 TUNED_PLAIN_SMALL_M = Config(block_n=64, block_m=16, split_k=4, num_warps=4, num_stages=4, tma=True)
 
