@@ -185,11 +185,23 @@ class TrackedCache(KVCache):
         tc.tree = torch.zeros(cache.max_len, dtype=torch.bool)
         return tc
 
-    def write(self, tokens: torch.Tensor, positions: torch.Tensor, tree: bool) -> None:
+    def write(self, tokens: torch.Tensor, positions: torch.Tensor, tree: bool,
+              slots: Optional[torch.Tensor] = None) -> None:
         s, t = self.length, tokens.shape[0]
-        self.ids[s:s + t] = tokens.cpu()
-        self.pos[s:s + t] = positions.cpu()
-        self.tree[s:s + t] = tree
+        at = slice(s, s + t) if slots is None else slots.cpu()
+        self.ids[at] = tokens.cpu()
+        self.pos[at] = positions.cpu()
+        self.tree[at] = tree
+
+    def static_forward(self, positions: torch.Tensor, slots: torch.Tensor) -> tuple[int, bool]:
+        """(start, is a draft-tree forward) of a static-path forward, which always has a mask.
+        The runner writes at start = slots[0]; the committed slots end at self.length. A tree
+        frontier past depth 2 writes after the earlier depths' slots (start > length); depth 2's
+        frontier rows share one position (padded rows sit at position 0). A one-node frontier
+        looks like one accepted pair, so static-path oracle cases draft with top-k >= 2."""
+        start = int(slots[0])
+        pos = positions.cpu().tolist()
+        return start, start > self.length or (len(pos) > 1 and pos[0] == pos[1] != 0)
 
     def move_to(self, start: int, src: torch.Tensor) -> None:
         n = src.numel()
@@ -212,13 +224,16 @@ class _Book:
     """hidden-row bits -> what that row predicts."""
 
     def __init__(self) -> None:
-        self.rows: dict[bytes, _Row] = {}
+        self.rows: dict[bytes, Optional[_Row]] = {}
 
-    def file(self, hidden: torch.Tensor, rows: list[_Row]) -> None:
+    def file(self, hidden: torch.Tensor, rows: list[Optional[_Row]]) -> None:
         arr = hidden.detach().float().contiguous().cpu().numpy()
         for i, r in enumerate(rows):
             key = arr[i].tobytes()
             old = self.rows.get(key)
+            if r is None:                    # a static bucket's padding row: never overwrites a real one
+                self.rows.setdefault(key, None)
+                continue
             if old is not None and old != r:
                 raise OracleError(f"two contexts gave the same hidden row: {old} vs {r}")
             self.rows[key] = r
@@ -227,9 +242,11 @@ class _Book:
         arr = hidden.detach().float().contiguous().cpu().numpy()
         out = []
         for i in range(arr.shape[0]):
-            r = self.rows.get(arr[i].tobytes())
+            key = arr[i].tobytes()
+            r = self.rows.get(key)
             if r is None:
-                raise OracleError("logits asked for a hidden row no recorded forward produced")
+                raise OracleError("logits asked for a hidden row no recorded forward produced" if key not in self.rows
+                                  else "logits asked for a row that does not see positions 0..p exactly once")
             out.append(r)
         return out
 
@@ -252,29 +269,33 @@ class GreedyPath:
 
 
 def _rows(cache: TrackedCache, start: int, t: int, positions: torch.Tensor, mask: Optional[torch.Tensor],
-          path: GreedyPath, pair_shift: int) -> list[_Row]:
+          path: GreedyPath, pair_shift: int, static: bool = False) -> list[Optional[_Row]]:
     """Each new row's context from the slots its mask shows. pair_shift: 0 for a model (slot p
-    holds token p), 1 for an EAGLE head (slot p holds the pair (feature_p, token_{p+1}))."""
-    n = start + t
+    holds token p), 1 for an EAGLE head (slot p holds the pair (feature_p, token_{p+1})).
+    static: a static bucket's forward, whose padding rows see only their own slot and are never
+    read; a row that breaks the invariant is filed as None and fails only if its logits are asked."""
+    n = start + t if mask is None else mask.shape[-1]     # static path: a mask over the whole cache
     vis = (causal_mask(start, t) if mask is None else mask.cpu()).bool()
     if tuple(vis.shape) != (t, n):
         raise OracleError(f"mask has shape {tuple(vis.shape)}, expected {(t, n)}")
     pos = cache.pos[:n]
     rowpos = positions.cpu()
     # the engine's invariant: a row sees each position 0..p exactly once (p: its own position)
-    if int(pos.min()) < 0:
-        raise OracleError("a live cache slot has no position")
+    if bool((vis & (pos < 0)[None]).any()):
+        raise OracleError("a row sees a cache slot that has no position")
+    pos = pos.clamp_min(0)
     span = max(int(rowpos.max()), int(pos.max())) + 1
     seen = vis.float() @ torch.nn.functional.one_hot(pos, span).float()
     want = (torch.arange(span)[None] <= rowpos[:, None]).float()
-    if not torch.equal(seen, want):
-        bad = int((seen != want).any(1).nonzero()[0])
+    broken = (seen != want).any(1)
+    if bool(broken.any()) and not static:
+        bad = int(broken.nonzero()[0])
         raise OracleError(f"row {bad} (position {int(rowpos[bad])}) does not see positions 0..p exactly once")
     on = path.on_path(cache.ids[:n], pos + pair_shift)
     row_on = ~(vis & ~on[None]).any(1)
     depth = 1 + (vis & cache.tree[:n][None]).sum(1)
-    return [_Row(int(p) + 1 + pair_shift, int(d) if pair_shift else 0, bool(o))
-            for p, d, o in zip(rowpos, depth, row_on)]
+    return [None if b else _Row(int(p) + 1 + pair_shift, int(d) if pair_shift else 0, bool(o))
+            for p, d, o, b in zip(rowpos, depth, row_on, broken.tolist())]
 
 
 @dataclass
@@ -291,6 +312,7 @@ class SteeredModel:
     def __init__(self, model: Transformer, path: GreedyPath, policy: Policy, log: SteerLog) -> None:
         self.inner, self.path, self.policy, self.log = model, path, policy, log
         self.book = _Book()
+        self.static_runners: list = []   # its own pool: a runner calls the model it was made for
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -300,12 +322,13 @@ class SteeredModel:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Optional[KVCache] = None,
                  attn_mask: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not isinstance(cache, TrackedCache) or slots is not None:
-            raise OracleError("the steered intermediate runs only with its own cache on the dynamic path")
-        start = cache.length
-        cache.write(tokens, positions, attn_mask is not None)
-        hidden = self.inner(tokens, positions, cache, attn_mask)
-        self.book.file(hidden, _rows(cache, start, tokens.shape[0], positions, attn_mask, self.path, 0))
+        if not isinstance(cache, TrackedCache):
+            raise OracleError("the steered intermediate runs only with its own cache")
+        start, tree = (cache.length, attn_mask is not None) if slots is None else cache.static_forward(positions, slots)
+        cache.write(tokens, positions, tree, slots)
+        hidden = self.inner(tokens, positions, cache, attn_mask, slots)
+        self.book.file(hidden, _rows(cache, start, tokens.shape[0], positions, attn_mask, self.path, 0,
+                                     static=slots is not None))
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -333,6 +356,7 @@ class SteeredHead:
             raise OracleError("steering a reduced draft vocabulary is not supported")
         self.inner, self.path, self.policy, self.log, self.name = head, path, policy, log, name
         self.book = _Book()
+        self.static_runners: list = []
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -343,13 +367,14 @@ class SteeredHead:
     def __call__(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                  cache: Optional[KVCache], attn_mask: Optional[torch.Tensor] = None,
                  slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not isinstance(cache, TrackedCache) or slots is not None:
-            raise OracleError("the steered head runs only with its own cache on the dynamic path")
-        start = cache.length
+        if not isinstance(cache, TrackedCache):
+            raise OracleError("the steered head runs only with its own cache")
         # HeadState's causal forwards feed accepted pairs; its masked ones are draft-tree frontiers
-        cache.write(tokens, positions, attn_mask is not None)
-        out = self.inner(tokens, features, positions, cache, attn_mask)
-        self.book.file(out, _rows(cache, start, tokens.shape[0], positions, attn_mask, self.path, 1))
+        start, tree = (cache.length, attn_mask is not None) if slots is None else cache.static_forward(positions, slots)
+        cache.write(tokens, positions, tree, slots)
+        out = self.inner(tokens, features, positions, cache, attn_mask, slots)
+        self.book.file(out, _rows(cache, start, tokens.shape[0], positions, attn_mask, self.path, 1,
+                                  static=slots is not None))
         return out
 
     def draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -63,6 +63,7 @@ def test_w4_product_is_bitwise_repeatable(k, n, m, bf16) -> None:
     time with the default ORDERED split-K. (The ATOMIC mode, HIERVIZ_W4_DETERMINISTIC=0, does not:
     on the H200 all 20 of 20 repeats differed at K=N=576, M=1; kernel_bench records both.)"""
     from hierviz.config import options
+    from hierviz.quant import triton_w4
     from hierviz.quant.triton_w4 import triton_w4_matmul
     from hierviz.quant.w4 import W4Weight, dequantize, quantize_rtn
     assert options().w4_deterministic
@@ -185,13 +186,16 @@ def test_w4_sweep_small_shapes_on_the_gpu(tmp_path) -> None:
 
 def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -> None:
     """The steering of --exact reaches rows the static runners hand out as copies of their graph
-    outputs: seeded drafts are accepted on the GPU path too, and every output equals AR's."""
+    outputs, and every tree graph, also one captured after other presets' graphs and buffers
+    (eagle2 then paper trees in one process): seeded drafts are accepted on the GPU path for
+    both presets (the command fails on a steering miss), and every output equals AR's."""
     import json
 
     from hierviz.measure import whatif
     assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods",
-                        "ar,spec,eagle2,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
+                        "ar,spec,eagle2,hierspec", "--exact-trees", "eagle2,paper", "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
-    seeded = {r["method"]: r for r in runs if r["seeded"] and not r["miss_every"]}
-    assert all(r["identical"] for r in runs)
-    assert all(seeded[m]["tokens_per_round"] > 2 for m in ("spec", "eagle2", "hierspec")), seeded
+    assert all(r["identical"] and not r["steering_miss"] for r in runs)
+    for preset in ("eagle2", "paper"):
+        seeded = {r["method"]: r for r in runs if r["trees"] == preset and r["seeded"] and not r["miss_every"]}
+        assert all(seeded[m]["tokens_per_round"] > 2 for m in ("spec", "eagle2", "hierspec")), (preset, seeded)

@@ -119,12 +119,13 @@ def _eos_for(case: Case, path: GreedyPath) -> set[int]:
     return {path.tokens[path.prompt_len + case.eos_at]}
 
 
-def run_case(stack: Stack, path: GreedyPath, case: Case, tally: Tally) -> None:
+def run_case(stack: Stack, path: GreedyPath, case: Case, tally: Tally, static: bool = False) -> None:
     eos = _eos_for(case, path)
     vocab = stack.models.target.cfg.vocab_size
     for method in DRAFT_METHODS:
         log = SteerLog()
-        st = Stack("oracle", steered_models(stack.models, path, case.regime, log), _tokenizer(eos), {})
+        models = steered_models(stack.models, path, case.regime, log)
+        st = Stack("oracle", models, _tokenizer(eos), {})
         trace = generate(st, method, case.prompt, case.settings)
         where = f"case {case.index} ({case.regime}, {case.settings}, eos {sorted(eos)})"
         try:
@@ -134,6 +135,8 @@ def run_case(stack: Stack, path: GreedyPath, case: Case, tally: Tally) -> None:
         if len(trace.steps) > 1:         # a drafting round ran: the steered drafters were asked
             for d in USES[method]:
                 assert log.steered[d] > 0, f"{where}: {method} never asked the steered {d}"
+                # on the static path each steered drafter ran through its own static runners
+                assert not static or getattr(models, {"m": "intermediate"}.get(d, d)).static_runners, where
 
 
 def test_steered_drafters_all_methods_lossless_with_acceptance(world):
@@ -164,6 +167,26 @@ def test_steered_drafters_all_methods_lossless_with_acceptance(world):
     assert tally.budget_cut_draft >= 10, summary
     for name, t in per_regime.items():   # every regime got real acceptance somewhere
         assert t.tree_nodes_accepted > 0 and t.full_drafts > 0, f"regime {name}: {t}"
+
+
+STATIC_CASES = [c for c in CASES if c.settings.m_topk >= 2 and c.settings.t_topk >= 2][:40]
+
+
+def test_steered_drafters_on_the_static_path(world, monkeypatch):
+    """The same oracle through the static-shape runners and tree graphs the GPU uses (forced on
+    the CPU, without CUDA graphs): drawn cases with real acceptance, checked round by round."""
+    from hierviz.models import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "_force", True)
+    stack, paths = world
+    tally = Tally()
+    for case in STATIC_CASES:
+        run_case(stack, paths[case.prompt], case, tally, static=True)
+    summary = f"{len(STATIC_CASES)} cases: {tally}"
+    print(summary)
+    assert len(STATIC_CASES) == 40 and tally.runs == 3 * len(STATIC_CASES)
+    assert tally.tree_nodes_accepted >= 300 and tally.full_trees >= 100 and tally.full_sequences >= 80, summary
+    assert all(tally.tree_reject_depth[d] > 0 for d in (1, 2, 3)), summary
+    assert all(tally.seq_reject_at[d] > 0 for d in (1, 2, 3)), summary
 
 
 def test_ar_matches_the_plain_greedy_loop(world):

@@ -231,7 +231,7 @@ _INVARIANT_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from hierviz.quant.w4 import quantize_rtn
-    from hierviz.quant.triton_w4 import triton_w4_matmul
+    from hierviz.quant.triton_w4 import chosen_config, triton_w4_matmul
     torch.manual_seed(0)
     out = {}
     w = quantize_rtn(torch.randn(512, 1536), 32)
@@ -245,6 +245,7 @@ _INVARIANT_SCRIPT = textwrap.dedent("""
             out[f"{inv}_{m}"] = bool(torch.equal(triton_w4_matmul(x[:m], w)[0], alone[0]))
             out[f"{inv}_{m}_add"] = bool(torch.equal(triton_w4_matmul(x[:m], w, add_to=res[:m].clone())[0],
                                                      alone_add[0]))
+            out[f"{inv}_{m}_split"] = chosen_config(x[:m], w).split_k == chosen_config(x[:1], w).split_k
     print(json.dumps(out))
 """)
 
@@ -252,8 +253,8 @@ _INVARIANT_SCRIPT = textwrap.dedent("""
 def test_batch_invariant_weight_rounds_each_row_as_alone() -> None:
     """Row 0 of an M-row product equals the one-row product bit for bit (fp16, split-K, residual
     add inside) for a `batch_invariant` weight; without the flag the M = 17 and 40 products take
-    another K split, and with the residual added inside they differ (on the H200 the plain products
-    differed too: docs/exactness.md)."""
+    another K split (whether their bits then differ depends on how the platform rounds partial
+    sums: on the H200 they did, docs/exactness.md; under the CPU interpreter they may not)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _INVARIANT_SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -261,4 +262,4 @@ def test_batch_invariant_weight_rounds_each_row_as_alone() -> None:
     same = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(v for k, v in same.items() if k.startswith("True_")), same
     assert same["False_5"] and same["False_5_add"], same
-    assert not (same["False_17_add"] and same["False_40_add"]), same
+    assert not same["False_17_split"] and not same["False_40_split"], same

@@ -230,6 +230,22 @@ def test_exact_mode_matches_ar_with_real_acceptance(tmp_path, monkeypatch, stati
     assert [r["first_difference"] for r in bad["runs"] if not r["identical"]] == [39, 39, 39]
 
 
+def test_exact_mode_fails_on_a_steering_miss(tmp_path, monkeypatch) -> None:
+    """Seeded drafts that the steering does not reach accept nothing: the outputs still equal
+    AR's, but the command must fail and name the miss instead of passing."""
+    import json as _json
+
+    from hierviz.measure import whatif, whatif_exact
+    monkeypatch.setattr(whatif_exact, "_boost", lambda logits, succ: logits)
+    args = ["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24",
+            "--methods", "ar,eagle2", "--exact-trees", "paper", "--exact-variants", "seeded", "--out", str(tmp_path)]
+    assert whatif.main(args) == 1
+    info = _json.loads((tmp_path / "whatif_exact.json").read_text())
+    assert info["identical"] and info["steering_misses"] == 1
+    assert info["runs"][0]["steering_miss"] == "no tree node accepted"
+    assert "steering miss" in (tmp_path / "whatif_exact.md").read_text()
+
+
 def test_exact_steering_follows_the_table_after_it_changes() -> None:
     """A CUDA graph's replays call no forward, so a copy of a replayed output can only be matched
     against an output recorded before, perhaps while the table was cleared (the run with drafts

@@ -60,7 +60,6 @@ def _copy_bandwidth() -> float:
     b = torch.empty_like(a)
     a.random_(0, 255)
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=200, return_mode="median")
-    del a, b
     return 2 * n / (ms * 1e-3)
 
 

@@ -711,7 +711,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from hierviz.measure import whatif_exact
         whatif_exact.write(info, Path(a.out))
         print(whatif_exact.markdown(info))
-        return 0 if info["identical"] else 1
+        return 0 if info["passed"] else 1
     write_outputs(info, Path(a.out))
     print(markdown(info))
     return 0
