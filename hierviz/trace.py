@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
+
+from hierviz.decoding.settings import DecodeSettings, SettingsError
 
 SCHEMA_VERSION = 1
 MAX_TRACE_BYTES = 20 * 1024 * 1024
@@ -132,6 +134,7 @@ def trace_stats(steps: list[Step]) -> dict[str, Any]:
                 if n_acc >= d:
                     accepted[d] = accepted.get(d, 0) + 1
     per_depth = {d: accepted.get(d, 0) / reached[d] for d in sorted(reached)}
+    drafts = [s.sequence for s in steps if s.sequence]
     return {
         "new_tokens": n_tokens,
         "steps": len(steps),
@@ -139,7 +142,8 @@ def trace_stats(steps: list[Step]) -> dict[str, Any]:
         "tokens_per_s": (1000.0 * n_tokens / total_ms) if total_ms > 0 else 0.0,
         "tau_target": (n_tokens / target_fw) if target_fw else 0.0,
         "tau_intermediate": (sum(len(t.accepted) + 1 for t in m_trees) / len(m_trees)) if m_trees else None,
-        "mean_sequence_len": (sum(len(s.sequence) for s in steps) / len(steps)) if steps else 0.0,
+        # over the rounds that drafted a sequence (not the prefill, and nothing for EAGLE-2 / AR)
+        "mean_sequence_len": (sum(len(s) for s in drafts) / len(drafts)) if drafts else 0.0,
         "per_depth_acceptance": per_depth,
         "stage_ms": stage_ms,
     }
@@ -170,13 +174,20 @@ def _opt(d: dict, key: str, typ, where: str, default=None):
     return _req(d, key, typ, where)
 
 
+def _in_range(v: Any, name: str, lo: float, hi: Optional[float] = None) -> Any:
+    """v (an int, or a float, which must also be finite) within [lo, hi]; hi None: no upper bound."""
+    finite = not isinstance(v, float) or math.isfinite(v)
+    if not finite or v < lo or (hi is not None and v > hi):
+        want = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise TraceError(f"{name} must be {want}{' (a finite number)' if isinstance(v, float) else ''}, got {v!r}")
+    return v
+
+
 MAX_TREE_DEPTH = 64      # deeper than any tree a decoder drafts (settings allow 32); bounds the per-depth loops
 
 
 def _node(d: Any, where: str) -> TreeNode:
-    depth = _req(d, "depth", int, where)
-    if not 0 <= depth <= MAX_TREE_DEPTH:
-        raise TraceError(f"{where}.depth must be between 0 and {MAX_TREE_DEPTH}, got {depth}")
+    depth = _in_range(_req(d, "depth", int, where), f"{where}.depth", 1, MAX_TREE_DEPTH)
     return TreeNode(_req(d, "id", int, where), _req(d, "token", int, where), _req(d, "text", str, where),
                     _req(d, "parent", int, where), depth,
                     _req(d, "score", float, where), _req(d, "logprob", float, where))
@@ -184,13 +195,30 @@ def _node(d: Any, where: str) -> TreeNode:
 
 def _tree(d: Any, where: str) -> DraftTree:
     nodes = [_node(n, f"{where}.nodes[{i}]") for i, n in enumerate(_req(d, "nodes", list, where))]
-    ids = {n.id for n in nodes}
-    for n in nodes:
-        if n.parent != 0 and n.parent not in ids:
-            raise TraceError(f"{where}: node {n.id} has unknown parent {n.parent}")
+    # as the decoders write them: ids 1..S in order, parents before children, depth = parent's + 1
+    # (the per-depth statistics and the tree layout rely on all three)
+    depth_of = {0: 0}
+    for i, n in enumerate(nodes):
+        w = f"{where}.nodes[{i}]"
+        if n.id != i + 1:
+            raise TraceError(f"{w}.id must be {i + 1} (nodes are numbered 1, 2, ... in order), got {n.id}")
+        if not 0 <= n.parent < n.id:
+            raise TraceError(f"{w}.parent: node {n.id} has unknown parent {n.parent} "
+                             "(a parent is 0, the root, or an earlier node)")
+        if n.depth != depth_of[n.parent] + 1:
+            raise TraceError(f"{w}.depth must be {depth_of[n.parent] + 1}, one more than its parent's, got {n.depth}")
+        depth_of[n.id] = n.depth
     accepted = _req(d, "accepted", list, where)
-    if not all(_is_int(a) and a in ids for a in accepted):
+    if not all(_is_int(a) and 1 <= a <= len(nodes) for a in accepted):
         raise TraceError(f"{where}.accepted: must list node ids of the tree")
+    # the verifier's path: each accepted node a child of the previous one (the first, of the root),
+    # so len(accepted) is the depth the verifier reached
+    parent = 0
+    for a in accepted:
+        if nodes[a - 1].parent != parent:
+            raise TraceError(f"{where}.accepted: must be a path from the root (node {a} is not a child of "
+                             f"{'the root' if parent == 0 else f'node {parent}'})")
+        parent = a
     verifier = _req(d, "verifier", str, where)
     if verifier not in ("intermediate", "target"):
         raise TraceError(f"{where}.verifier: must be 'intermediate' or 'target'")
@@ -227,32 +255,63 @@ def _step(d: Any, where: str) -> Step:
             raise TraceError(f"{w}.tree: no tree {tree_idx} in this step")
         seq.append(SeqToken(_req(s, "token", int, w), _req(s, "text", str, w), src, tree_idx))
     forwards = _opt(d, "forwards", dict, where, {})
-    if not all(_is_int(v) and v >= 0 for v in forwards.values()):
-        raise TraceError(f"{where}.forwards: counts must be non-negative integers")
+    for k, v in forwards.items():
+        if not _is_int(v) or v < 0:
+            raise TraceError(f"{where}.forwards: counts must be non-negative integers, got {k!r}: {v!r}")
+    # the target accepts at most the draft it verified: the sequence draft, else the deepest path
+    # of a target-verified tree (EAGLE-2); AR and prefill rounds verify no draft
+    draft = len(seq) if seq else max((n.depth for t in trees if t.verifier == "target" for n in t.nodes), default=0)
+    target_accepted = _in_range(_opt(d, "target_accepted", int, where, 0), f"{where}.target_accepted", 0, draft)
     return Step(_req(d, "index", int, where), method, new_tokens, new_text, new_sources,
                 {k: float(v) for k, v in timings.items()}, trees, seq,
-                _opt(d, "target_accepted", int, where, 0), _opt(d, "target_bonus", int, where),
+                target_accepted, _opt(d, "target_bonus", int, where),
                 _opt(d, "target_bonus_text", str, where, ""), forwards)
+
+
+# One recorded setting is judged at a time, the others taken from this baseline: trees as deep and
+# wide as allowed and of one node, so that no in-range value of one field makes the set inconsistent.
+_SETTINGS_PROBE = DecodeSettings(m_depth=32, m_topk=64, m_tree_size=1, t_depth=32, t_topk=64, t_tree_size=1)
+_SETTINGS_FIELDS = {f.name for f in fields(DecodeSettings)}
+
+
+def _check_settings(settings: dict) -> None:
+    """Each DecodeSettings value in meta.settings must be one a run accepts (DecodeSettings.validate's
+    ranges); other keys are free-form."""
+    for key, v in settings.items():
+        if key not in _SETTINGS_FIELDS or v is None:
+            continue
+        try:
+            replace(_SETTINGS_PROBE, **{key: v}).validate()
+        # OverflowError: an integer too large for a float (JSON has no limit on digits)
+        except (SettingsError, OverflowError) as e:
+            raise TraceError(f"trace.meta.settings.{key}: {e}") from None
+
+
+def _is_version(v: Any) -> bool:
+    return _is_int(v) and v == SCHEMA_VERSION        # JSON true and 1.0 equal 1 in Python, but are no version
 
 
 def trace_from_dict(d: Any) -> Trace:
     if not isinstance(d, dict):
         raise TraceError("a trace must be a JSON object")
     version = d.get("version")
-    if version != SCHEMA_VERSION:
+    if not _is_version(version):
         raise TraceError(f"unsupported trace schema version {version!r} (this hierviz reads version {SCHEMA_VERSION})")
     meta = _req(d, "meta", dict, "trace")
     settings = meta.get("settings")
     if settings is not None and not isinstance(settings, dict):
         raise TraceError("trace.meta.settings must be an object")
-    temp = (settings or {}).get("temperature")
-    if temp is not None and (isinstance(temp, bool) or not isinstance(temp, (int, float)) or temp != temp):
-        raise TraceError(f"trace.meta.settings.temperature must be a number, got {temp!r}")
+    _check_settings(settings or {})
     method = meta.get("method")
     if method not in METHODS:
         raise TraceError(f"trace.meta.method: unknown method {method!r}")
     steps = [_step(s, f"steps[{i}]") for i, s in enumerate(_req(d, "steps", list, "trace"))]
-    return Trace(meta, steps, _opt(d, "prompt_tokens", int, "trace", 0), _opt(d, "prefill_ms", float, "trace", 0.0),
+    # the app addresses steps by position (step 0 is the prefill), so the numbering must agree
+    for i, s in enumerate(steps):
+        if s.index != i:
+            raise TraceError(f"steps[{i}].index must be {i} (steps are numbered 0, 1, ... in order), got {s.index}")
+    return Trace(meta, steps, _in_range(_opt(d, "prompt_tokens", int, "trace", 0), "trace.prompt_tokens", 0),
+                 _in_range(_opt(d, "prefill_ms", float, "trace", 0.0), "trace.prefill_ms", 0),
                  _opt(d, "output_text", str, "trace", ""), _opt(d, "finish_reason", str, "trace", ""), SCHEMA_VERSION)
 
 
@@ -295,7 +354,7 @@ def comparison_from_json(text: str | bytes) -> list[Trace]:
     """Reads either a single trace or a {"runs": [...]} comparison file."""
     d = _parse(text)
     if isinstance(d, dict) and "runs" in d:
-        if d.get("version") != SCHEMA_VERSION:
+        if not _is_version(d.get("version")):
             raise TraceError(f"unsupported trace schema version {d.get('version')!r}")
         runs = d["runs"]
         if not isinstance(runs, list) or not runs:
