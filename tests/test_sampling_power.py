@@ -3,11 +3,30 @@
 Every method must emit each token exactly from the target's distribution p, with temperature and
 top-p applied. Two levels:
 
-(a) The verification functions (hierviz.decoding.verify) on synthetic distributions: tree levels
-    1..3 (and the bonus after depth 3) of a full top-3 tree of depth 3, sequence drafts of length
-    1..6, at temperature/top-p (0.5, 1.0), (1.0, 1.0), (1.5, 0.9).
+(a) The verification functions (hierviz.decoding.verify) on synthetic distributions.
+    Drafters close to p (~84% acceptance): tree levels 1..3 (and the bonus after depth 3) of a
+    full top-3 tree of depth 3, sequence drafts of length 1..6, at temperature/top-p (0.5, 1.0),
+    (1.0, 1.0), (1.5, 0.9).
+    Drafters far from p, where most decisions take the residual: sequence drafts whose every
+    position accepts with probability exactly 50% (length 4; q = `far_q`: TV(p, q) = 1 - overlap,
+    at top-p 0.9 with q mass outside the nucleus) or 10% (length 3); trees whose candidates are
+    any 3 of the 6 tokens (a node accepts 50% on average) or 2 of the 3 least likely (10%); 50%
+    at (1.0, 1.0) and (1.5, 0.9), 10% at (1.0, 1.0).
+    Accepted lengths: the number of accepted draft tokens against its exact distribution,
+    P(L = j) = a_1 ... a_j (1 - a_{j+1}) with a_i = sum_x min(p_i(x), q_i(x)) (and, sharper, with
+    min(1, p_i(d_i)/q_i(d_i)) of the drawn draft), and a tree's accepted path length against its
+    exact distribution (a child c of a reached node is accepted with probability p(c) whatever
+    its rank among its siblings, so a node is reached with the product of p along its path).
+    Pairs: on a synthetic Markov target (p depends on the previous token; the drafter M ~50% off
+    it), runs decoded round by round as spec, eagle2 and hierspec decode them (hierspec: M
+    verifies drafted trees into a sequence draft, their distributions are T's q; one sampler for
+    M and T, as in generate()), and the joint of output positions (1, 2) and (2, 3), within a
+    round and across round boundaries, against the target's exact joint over the V * V pairs, at
+    (0.7, 0.9) (slow: (1.0, 1.0) and (1.5, 0.9)).
 (b) End to end through engine.generate() on a tiny stack, for spec, eagle2 and hierspec, at every
     position after the prefill token (the prefill token is the target's own sample, never verified).
+    tests/test_gpu.py runs the same check on CUDA (static runners, CUDA graphs) through
+    `e2e_stack_on` and `assert_e2e_lossless`.
 
 The statistic. Every emitted token is a fresh draw from its row's distribution given everything
 before it (that is what lossless means), so its rank under that distribution (0 = most likely) is
@@ -22,11 +41,16 @@ top-p left out moves mass between ranks. In (b) the rows are the target's exact 
 generated contexts (one batched forward over the finished sequences, temperature/top-p applied by
 `reference_probs`, written independently of Sampler.probs); the ranks 0, 1, 2 and "rest" are
 pooled over positions with the summed per-token multinomial covariance (a martingale again).
+Accepted lengths and pairs are counts of independent trials with known per-trial probabilities:
+`outcome_check` compares the counts with their expectation against the exact covariance (the sum
+of the trials' multinomial covariances; Pearson's statistic when the trials are identical, as
+for the pairs), chi-square with (possible outcomes - 1) dof. Rank checks whose least likely rank
+expects fewer than 5 counts are left out (Pearson's statistic has a heavy tail there).
 
-Threshold and false alarms. A check fails at p < ALPHA = 1e-5. A default run makes 126 checks of
-correct samplers (54 in (a), 72 in (b)), so one fails with probability < 1.3e-3 (Bonferroni);
+Threshold and false alarms. A check fails at p < ALPHA = 1e-5. A default run makes 167 checks of
+correct samplers (95 in (a), 72 in (b)), so one fails with probability < 1.7e-3 (Bonferroni);
 seeds are fixed, so a run is reproducible and a benign change of the random stream trips it for
-about 1 seed in 800.
+about 1 seed in 600.
 
 Power. The alternative: 3 points of probability moved from one token to another (delta = 0.03). Its
 chi-square noncentrality is lambda = n * delta^2 * (1/s_i + 1/s_j), smallest for the two most likely
@@ -38,10 +62,25 @@ levels 1..3, every draft length 1..6 and draft positions 1..3 assert >= 0.99; dr
 and the bonus after depth 3 are reached less often and run with the power they print. Against ANY
 distortion of total variation 0.03, Cauchy-Schwarz gives lambda >= 4 n TV^2 = 0.0036 n: power 0.80
 at n = 10.2k, 0.99 at n = 16k (tree level 1, draft positions 1 and 2).
+Far drafters, asserted >= 0.99 against the same 3-point move: draft position 1 (22k and 40k
+calls) and position 2 at 50% (~11k of 22k calls reach it; at 10% only ~4k of 40k do: power ~0.35,
+0.99 in the slow run's 120k calls), tree level 1 (12-14k trees). Length checks, >= 0.99 against a
+first acceptance rate 3 points lower (DELTA more mass on "nothing accepted"): the sequence's
+(realised 1.000) and the tree path length's (0.997-1.000). Pairs, >= 0.99 against 3 points moved
+between the two most likely pairs: at top-p 0.9 24 possible pairs, 23 dof, critical value 64.0,
+lambda >= 81.5, ~5.6k runs; 6k run (realised 0.995-0.999).
 Negative controls run the same checks at the same sizes and must fail: the verifier's p with 3
 points moved (every tree level 1..3 flags it), q handed to the verifier at temperature 1 while
 drafting at 1.2 (exact first-token bias TV 0.03-0.045, computed in the test, with its power), and
-two gross bugs (a tree residual not renormalised, q without its temperature at T = 0.5).
+two gross bugs (a tree residual not renormalised, q without its temperature at T = 0.5). And the
+shared uniform (`SharedUniformSampler`: one uniform per verification call, reused at every draft
+position and tree candidate), which the close-drafter sequence checks and (b)'s checks do not
+flag (they pass with it planted in verify_sequence_sampling): draft position 2, the positions
+after an acceptance, both length checks (p = 0, also with a quarter of the 10% drafter's calls) and every
+pair check (p < 1e-9) flag it; in trees, the path length (p < 1e-298, with a third of the trees).
+Timing: the far-drafter, length and pair tests and these controls take ~20 s on one core; the
+slow run adds the pairs at (1.0, 1.0) and (1.5, 0.9) with 4x the runs and the 10% drafter with
+120k calls (~1 minute).
 
 (b) has fewer samples (a round costs ~1-2 ms of model forwards on this CPU): each cell computes
 its "resolution", the mass moved between two rank classes at every position that the pooled check
@@ -53,6 +92,7 @@ A gross wiring bug only generate() shows (q passed to T without its temperature)
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -169,15 +209,16 @@ def permuted_rows(g: torch.Generator, n: int, rows: int, temperature: float
 K, DEPTH = 3, 3
 
 
-def _full_tree() -> tuple[list[int], list[int]]:
-    """Parents and depths of the full K-ary tree of depth DEPTH, breadth first (39 nodes)."""
+def _full_tree(k: int = K, depth: int = DEPTH) -> tuple[list[int], list[int]]:
+    """Parents and depths of the full k-ary tree of the given depth, breadth first (39 nodes for
+    K = DEPTH = 3); node i is child i % k of its parent."""
     parents: list[int] = []
     depths: list[int] = []
     level = [-1]
-    for d in range(1, DEPTH + 1):
+    for d in range(1, depth + 1):
         nxt = []
         for par in level:
-            for _ in range(K):
+            for _ in range(k):
                 parents.append(par)
                 depths.append(d)
                 nxt.append(len(parents) - 1)
@@ -395,6 +436,417 @@ def test_sampler_probs_match_the_reference(temperature: float, top_p: float):
                                reference_probs(logits, temperature, top_p), atol=1e-6, rtol=0)
 
 
+# ---- (a, continued) q far from p, pairs of positions, accepted lengths, the shared uniform -------
+
+def far_q(p: torch.Tensor, overlap: float, g: torch.Generator) -> torch.Tensor:
+    """A drafter's q [..., V] (float64) far from p with sum_x min(p(x), q(x)) = overlap exactly:
+    the mass 1 - overlap is taken, in proportion, from S, the smallest set of p's most likely
+    tokens holding that much, and spread over the other tokens with random (exponential) weights.
+    q <= p on S and q >= p elsewhere, so TV(p, q) = 1 - overlap and a draft token is accepted with
+    probability `overlap`. At top-p < 1 part of q lies outside p's nucleus (always rejected)."""
+    moved = 1.0 - overlap
+    sp, order = p.sort(-1, descending=True)
+    in_s = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (sp.cumsum(-1) - sp) < moved)
+    assert bool((~in_s).any(-1).all()), "no token left to move the mass to"
+    mass_s = (p * in_s).sum(-1, keepdim=True)
+    w = -(1 - torch.rand(p.shape, generator=g, dtype=torch.float64)).log() * (~in_s)
+    return torch.where(in_s, p * (1 - moved / mass_s), p + moved * w / w.sum(-1, keepdim=True))
+
+
+def outcome_check(name: str, outcome: torch.Tensor, probs: torch.Tensor,
+                  alt: Optional[torch.Tensor] = None) -> Check:
+    """Independent trials with known per-trial probabilities probs [n, C] and outcomes [n]: the
+    counts' deviation from their expectation against its exact covariance (the sum of the trials'
+    multinomial covariances), chi-square with (possible categories - 1) dof; for identical trials
+    this is Pearson's statistic. Power at ALPHA against per-trial probabilities `alt` [n, C]."""
+    n, c = probs.shape
+    hit = torch.zeros(n, c, dtype=torch.float64).scatter_(1, outcome.long()[:, None], 1.0)
+    live = probs.sum(0) > 0
+    if hit[:, ~live].sum() > 0:
+        return Check(name + " (an impossible outcome)", n, 0.0, 1.0)
+    idx = live.nonzero()[:-1, 0]           # one possible category is implied by the others
+    cov = (torch.diag(probs.sum(0)) - probs.T @ probs)[idx][:, idx]
+    d = (hit - probs).sum(0)[idx]
+    dof = len(idx)
+    stat = float(d @ torch.linalg.solve(cov, d))
+    power = float("nan")
+    if alt is not None:
+        shift = (alt - probs).sum(0)[idx]
+        power = float(ncx2.sf(chi2.isf(ALPHA, dof), dof, float(shift @ torch.linalg.solve(cov, shift))))
+    return Check(name, n, float(chi2.sf(stat, dof)), power)
+
+
+def length_probs(passes: torch.Tensor) -> torch.Tensor:
+    """Per-step pass probabilities [n, k] (independent given the row) -> probabilities of 0..k
+    passes in a row [n, k + 1]."""
+    reach = torch.cat([torch.ones_like(passes[:, :1]), passes.cumprod(-1)], -1)     # P(L >= j)
+    return reach - torch.cat([reach[:, 1:], torch.zeros_like(passes[:, :1])], -1)
+
+
+def fewer_accepted(probs: torch.Tensor, delta: float = DELTA) -> torch.Tensor:
+    """The alternative the length checks are sized for: DELTA more probability of accepting
+    nothing (the first acceptance rate DELTA lower), the rest scaled down in proportion."""
+    rest = (1 - probs[:, :1] - delta) / (1 - probs[:, :1])
+    return torch.cat([probs[:, :1] + delta, probs[:, 1:] * rest], -1)
+
+
+class SharedUniformSampler(Sampler):
+    """The planted bug of the negative controls: one uniform per verification call, reused at
+    every draft position and for every tree candidate (the verify functions call probs() once,
+    first: it throws the last call's uniform away)."""
+    _u: Optional[float] = None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        self._u = None
+        return super().probs(logits)
+
+    def uniform(self) -> float:
+        if self._u is None:
+            self._u = super().uniform()
+        return self._u
+
+
+@dataclass
+class FarSequence:
+    by_position: torch.Tensor   # [k + 1, V]: rank counts of the i-th emitted token of a round
+    accepted: torch.Tensor      # [n]: accepted draft tokens per call
+    overlap: torch.Tensor       # [n, k]: a_i = sum_x min(p_i(x), q_i(x)), draft position i's acceptance
+    ratio: torch.Tensor         # [n, k]: min(1, p_i(d_i) / q_i(d_i)), the drawn d_i's acceptance
+
+
+def far_sequence(n: int, k: int, overlap: float, temperature: float, top_p: float, seed: int,
+                 sampler: Optional[Sampler] = None) -> FarSequence:
+    """n length-k drafts d_i ~ q_i = far_q(p_i, overlap) over independent permuted rows, verified by
+    verify_sequence_sampling."""
+    g = torch.Generator().manual_seed(seed)
+    logits, rank = permuted_rows(g, n, k + 1, temperature)
+    p = reference_probs(logits[:, :k], temperature, top_p)
+    q = far_q(p, overlap, g)
+    draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, k)
+    q32 = q.float()
+    sampler = sampler or Sampler(temperature, top_p, seed)
+    by_position = torch.zeros(k + 1, V, dtype=torch.long)
+    accepted = []
+    drafts, ranks = draft.tolist(), rank.tolist()
+    for c in range(n):
+        a, bonus = verify_sequence_sampling(drafts[c], list(q32[c]), logits[c], sampler)
+        accepted.append(a)
+        for i, tok in enumerate(drafts[c][:a] + [bonus]):
+            by_position[i, ranks[c][i][tok]] += 1
+    ratio = (p.gather(-1, draft[..., None]) / q.gather(-1, draft[..., None]))[..., 0].clamp(max=1.0)
+    return FarSequence(by_position, torch.tensor(accepted), torch.minimum(p, q).sum(-1), ratio)
+
+
+def rank_checks(named: list[tuple[str, torch.Tensor]], s: torch.Tensor) -> list[Check]:
+    """rank_check of every (name, counts) whose least likely rank expects >= 5 counts (below that,
+    Pearson's statistic has a heavy tail and would raise false alarms)."""
+    return [rank_check(nm, c, s) for nm, c in named if float(c.sum()) * float(s[s > 0].min()) >= 5]
+
+
+def far_sequence_checks(fs: FarSequence, top_p: float) -> list[Check]:
+    k = fs.by_position.shape[0] - 1
+    named = [(f"draft position {i + 1}", c) for i, c in enumerate(fs.by_position[:k])]
+    named += [("after an accepted draft token", fs.by_position[1:].sum(0)), ("bonus after a full draft", fs.by_position[k])]
+    return rank_checks(named, shape_for(top_p))
+
+
+def sequence_length_checks(fs: FarSequence) -> list[Check]:
+    """The accepted count against its distribution from the a_i, and given the drawn draft."""
+    probs = length_probs(fs.overlap)
+    return [outcome_check("accepted length", fs.accepted, probs, fewer_accepted(probs)),
+            outcome_check("accepted length given the draft", fs.accepted, length_probs(fs.ratio))]
+
+
+# (overlap, draft length, calls, temperature, top_p): 50% reaches draft position 2 in ~11k calls
+# of 22k (power >= 0.99 there), 10% in ~4k of 40k (position 1: 40k, 90% of them from the residual)
+FAR_SEQ = [(0.5, 4, 22000, 1.0, 1.0), (0.5, 4, 22000, 1.5, 0.9), (0.1, 3, 40000, 1.0, 1.0)]
+FAR_SEQ_IDS = ["50%-T1", "50%-T1.5-top_p0.9", "10%-T1"]
+
+
+@functools.lru_cache(maxsize=None)
+def far_sequence_cached(overlap: float, k: int, n: int, temperature: float, top_p: float) -> FarSequence:
+    return far_sequence(n, k, overlap, temperature, top_p, seed=31)
+
+
+@pytest.mark.parametrize("overlap,k,n,temperature,top_p", FAR_SEQ, ids=FAR_SEQ_IDS)
+def test_far_sequence_verification_is_lossless(overlap: float, k: int, n: int, temperature: float, top_p: float):
+    """A drafter far from the target (every draft position accepted with probability 50% or 10%
+    exactly): every emitted position still has the target's distribution, the residual path
+    dominating."""
+    fs = far_sequence_cached(overlap, k, n, temperature, top_p)
+    # the design; the realised rates are test_sequence_accepted_lengths_follow_the_acceptance_rates
+    assert torch.allclose(fs.overlap, torch.full_like(fs.overlap, overlap), atol=1e-9)
+    powered = ["draft position 1"] + (["draft position 2"] if overlap >= 0.5 else [])
+    assert_lossless(far_sequence_checks(fs, top_p), powered)
+
+
+@pytest.mark.parametrize("overlap,k,n,temperature,top_p", FAR_SEQ, ids=FAR_SEQ_IDS)
+def test_sequence_accepted_lengths_follow_the_acceptance_rates(overlap: float, k: int, n: int,
+                                                               temperature: float, top_p: float):
+    """The number of accepted draft tokens: P(L = j) = a_1 ... a_j (1 - a_{j+1}) (a_{k+1} = 0),
+    a_i = sum_x min(p_i, q_i); and, sharper, with min(1, p_i(d_i)/q_i(d_i)) of the drawn draft in
+    place of a_i. Power >= 0.99 against a first-position acceptance rate 3 points off."""
+    fs = far_sequence_cached(overlap, k, n, temperature, top_p)
+    assert_lossless(sequence_length_checks(fs), ["accepted length"])
+
+
+@dataclass
+class FarTrees:
+    by_level: torch.Tensor      # [depth + 1, V]: rank counts of the emitted token per level (last: bonus after a leaf)
+    path_len: torch.Tensor      # [n]: accepted path length per tree
+    len_probs: torch.Tensor     # [n, depth + 1]: its exact distribution
+
+
+def far_trees(n: int, k: int, depth: int, low: int, temperature: float, top_p: float, seed: int,
+              sampler: Optional[Sampler] = None) -> FarTrees:
+    """n full k-ary trees of the given depth; every node has its own permuted row; its children
+    are k distinct tokens drawn uniformly from the `low` least likely tokens of its row, in random
+    order (low = V: any k tokens, so a node accepts k / V of p's mass on average; k = 2 of the
+    3 least likely: 2/3 of 0.15 = 10%). Child c of a reached node is accepted with probability
+    p(c) whatever its rank among its siblings, so the path length has an exact distribution: the
+    probability of reaching a node is the product of p along its path."""
+    parents, depths = _full_tree(k, depth)
+    nodes = len(parents)
+    g = torch.Generator().manual_seed(seed)
+    logits, rank = permuted_rows(g, n, nodes + 1, temperature)
+    keys = torch.rand(n, nodes + 1, V, generator=g).masked_fill(rank < V - low, -1.0)
+    kids = keys.topk(k, -1).indices
+    parent_row = torch.tensor([par + 1 for par in parents])
+    tok = kids[:, parent_row, torch.arange(nodes) % k]                   # [n, nodes]
+    p = reference_probs(logits, temperature, top_p)
+    reach = p[:, parent_row].gather(-1, tok[..., None])[..., 0]
+    for i, par in enumerate(parents):
+        if par >= 0:
+            reach[:, i] *= reach[:, par]
+    at_least = torch.stack([torch.ones(n, dtype=torch.float64)] +
+                           [reach[:, torch.tensor(depths) == d].sum(-1) for d in range(1, depth + 1)], -1)
+    len_probs = at_least - torch.cat([at_least[:, 1:], torch.zeros(n, 1, dtype=torch.float64)], -1)
+    scores = [-1e-3 * i for i in range(nodes)]      # siblings are tried in index order
+    sampler = sampler or Sampler(temperature, top_p, seed)
+    tokens, ranks = tok.tolist(), rank.tolist()
+    by_level = torch.zeros(depth + 1, V, dtype=torch.long)
+    path_len = []
+    for c in range(n):
+        path, bonus, _ = verify_tree_sampling(Tree(0, tokens[c], parents, depths, scores, scores), logits[c], sampler)
+        rows = [0] + [i + 1 for i in path]
+        for level, (row, t) in enumerate(zip(rows, [tokens[c][i] for i in path] + [bonus])):
+            by_level[level, ranks[c][row][t]] += 1
+        path_len.append(len(path))
+    return FarTrees(by_level, torch.tensor(path_len), len_probs)
+
+
+def far_tree_checks(ft: FarTrees, top_p: float) -> list[Check]:
+    depth = ft.by_level.shape[0] - 1
+    names = [f"tree level {lvl}" for lvl in range(1, depth + 1)] + [f"tree bonus after depth {depth}"]
+    checks = rank_checks(list(zip(names, ft.by_level)), shape_for(top_p))
+    return checks + [outcome_check("tree path length", ft.path_len, ft.len_probs, fewer_accepted(ft.len_probs))]
+
+
+# (k, depth, low, trees, temperature, top_p): any 3 of 6 tokens (50% on average), 2 of the 3
+# least likely (10% on average)
+FAR_TREE = [(3, 3, V, 14000, 1.0, 1.0), (3, 3, V, 14000, 1.5, 0.9), (2, 2, 3, 12000, 1.0, 1.0)]
+FAR_TREE_IDS = ["50%-T1", "50%-T1.5-top_p0.9", "10%-T1"]
+
+
+@pytest.mark.parametrize("k,depth,low,n,temperature,top_p", FAR_TREE, ids=FAR_TREE_IDS)
+def test_far_tree_verification_is_lossless(k: int, depth: int, low: int, n: int, temperature: float, top_p: float):
+    """Tree candidates the target rarely wants (a level accepts 50% or 10% of the time): every
+    level's token has the target's distribution, and the accepted path length its exact one
+    (power >= 0.99 against 3 points more trees accepting nothing)."""
+    ft = far_trees(n, k, depth, low, temperature, top_p, seed=41)
+    want = k / low * float(shape_for(top_p)[V - low:].sum())        # the profile is sorted
+    assert abs(float(1 - ft.len_probs[:, 0].mean()) - want) < 0.01, want     # the realised rate: "tree path length"
+    assert_lossless(far_tree_checks(ft, top_p), ["tree level 1", "tree path length"])
+
+
+# pairs of consecutive positions, on a target whose distribution depends on the previous token
+
+PAIR_LEN = 3              # output tokens per run: pairs (1, 2) and (2, 3)
+PAIR_DRAFT = 3            # spec's draft length; hierspec drafts trees until it has >= 3 tokens
+PAIR_TREE = (2, 2)        # drafted trees: 2 children per node, depth 2 (6 nodes)
+PAIR_RUNS = 6000         # power >= 0.99 for every pair check (~5.6k needed)
+
+
+@dataclass
+class MarkovTarget:
+    logits: torch.Tensor      # [V, V] float32: T's logits after each previous token
+    p: torch.Tensor           # [V, V] float64: T's sampling distribution after each previous token
+    m_logits: torch.Tensor    # [V, V] float32: the drafter's (M's) logits
+    q: torch.Tensor           # [V, V] float64: the drafter's sampling distribution, overlap with p's row ~ 50%
+
+
+def markov_target(temperature: float, top_p: float, seed: int, overlap: float = 0.5) -> MarkovTarget:
+    """Every previous token has its own permutation of the profile (T) and a far_q of it (M, given
+    to the sampler as logits, so the drafter's distribution is the sampler's warp of M's logits)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = permuted_rows(g, 1, V, temperature)[0][0]
+    p = reference_probs(logits, temperature, top_p)
+    m_logits = (temperature * far_q(p, overlap, g).clamp_min(1e-12).log()).float()
+    return MarkovTarget(logits, p, m_logits, reference_probs(m_logits, temperature, top_p))
+
+
+def pair_probs(mt: MarkovTarget, t: int) -> torch.Tensor:
+    """The target's exact joint of output positions t and t + 1 [V * V] (position 0 uniform)."""
+    marginal = torch.full((V,), 1.0 / V, dtype=torch.float64)
+    for _ in range(t):
+        marginal = marginal @ mt.p
+    return (marginal[:, None] * mt.p).reshape(-1)
+
+
+def _gumbel_topk(probs: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
+    """k distinct tokens per row drawn without replacement from probs [..., V], in drawing order."""
+    gumbel = -(-(1 - torch.rand(probs.shape, generator=g, dtype=torch.float64)).log()).log()
+    return (probs.clamp_min(1e-30).log() + gumbel).topk(k, -1).indices
+
+
+def _markov_tree(mt: MarkovTarget, roots: torch.Tensor, g: torch.Generator) -> list[list[int]]:
+    """Node tokens [R, nodes] of trees drafted from M's distribution after each root (children
+    drawn without replacement from q of their parent's token, in drawing order)."""
+    k, depth = PAIR_TREE
+    parents, _ = _full_tree(k, depth)
+    tok: list[torch.Tensor] = []
+    for i, par in enumerate(parents):
+        if i % k == 0:
+            prev = roots if par < 0 else tok[par]
+            kids = _gumbel_topk(mt.q[prev], k, g)
+        tok.append(kids[:, i % k])
+    return torch.stack(tok, -1).tolist()
+
+
+def markov_runs(method: str, runs: int, temperature: float, top_p: float, seed: int,
+                sampler: Optional[Sampler] = None) -> tuple[torch.Tensor, float]:
+    """Position 0 and PAIR_LEN output tokens [runs, PAIR_LEN + 1] per run, and the mean number of
+    draft tokens T accepted per verification; decoded in rounds as the decoder `method`
+    does on the synthetic Markov stack: spec (a sequence draft from M, T verifies it with q),
+    eagle2 (T verifies trees drafted from M's distribution) or hierspec (M verifies its trees into
+    a sequence draft with their distributions as q, T verifies that). One sampler for M and T, as
+    in generate(). Drafting is vectorised over the runs; every verification is the real one."""
+    mt = markov_target(temperature, top_p, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    sampler = sampler or Sampler(temperature, top_p, seed)
+    k, depth = PAIR_TREE
+    parents, depths = _full_tree(k, depth)
+    scores = [-1e-3 * i for i in range(len(parents))]
+    out = [[int(x)] for x in torch.randint(V, (runs,), generator=g)]     # position 0: uniform
+    active = list(range(runs))
+    accepted = verifications = 0
+    while active:
+        before = sum(len(out[r]) for r in active)
+        verifications += len(active)
+        ctx = torch.tensor([out[r][-1] for r in active])
+        if method == "spec":
+            draft = [ctx]
+            for _ in range(PAIR_DRAFT):
+                draft.append(torch.multinomial(mt.q[draft[-1]], 1, generator=g)[:, 0])
+            seqs = torch.stack(draft, -1)                                # [R, 1 + PAIR_DRAFT]
+            qs = mt.q[seqs[:, :-1]].float()
+            for j, r in enumerate(active):
+                s = seqs[j].tolist()
+                n, bonus = verify_sequence_sampling(s[1:], list(qs[j]), mt.logits[s], sampler)
+                out[r] += s[1:1 + n] + [bonus]
+        elif method == "eagle2":
+            trees = _markov_tree(mt, ctx, g)
+            for j, r in enumerate(active):
+                toks = trees[j]
+                path, bonus, _ = verify_tree_sampling(Tree(out[r][-1], toks, parents, depths, scores, scores),
+                                                      mt.logits[[out[r][-1]] + toks], sampler)
+                out[r] += [toks[i] for i in path] + [bonus]
+        else:
+            drafts: list[list[int]] = [[] for _ in active]
+            qs_h: list[list[torch.Tensor]] = [[] for _ in active]
+            todo = list(range(len(active)))
+            while todo:          # M drafts trees and verifies them until each draft has >= PAIR_DRAFT tokens
+                roots = [drafts[j][-1] if drafts[j] else out[active[j]][-1] for j in todo]
+                trees = _markov_tree(mt, torch.tensor(roots), g)
+                for j, root, toks in zip(todo, roots, trees):
+                    path, bonus, dists = verify_tree_sampling(Tree(root, toks, parents, depths, scores, scores),
+                                                              mt.m_logits[[root] + toks], sampler)
+                    drafts[j] += [toks[i] for i in path] + [bonus]
+                    qs_h[j] += dists
+                todo = [j for j in todo if len(drafts[j]) < PAIR_DRAFT]
+            for j, r in enumerate(active):
+                s = [out[r][-1]] + drafts[j]
+                n, bonus = verify_sequence_sampling(drafts[j], qs_h[j], mt.logits[s], sampler)
+                out[r] += drafts[j][:n] + [bonus]
+        accepted += sum(len(out[r]) for r in active) - before - len(active)     # less one bonus each
+        active = [r for r in active if len(out[r]) <= PAIR_LEN]
+    return torch.tensor([o[:PAIR_LEN + 1] for o in out]), accepted / verifications
+
+
+def pair_checks(tokens: torch.Tensor, mt: MarkovTarget) -> list[Check]:
+    """Chi-square of the V * V pairs (x_t, x_t+1) of every t against the target's exact joint;
+    power against DELTA moved between the two most likely pairs."""
+    checks = []
+    for t in range(1, PAIR_LEN):
+        probs = pair_probs(mt, t)
+        top2 = probs.topk(2).indices
+        alt = probs.clone()
+        alt[top2[0]] -= DELTA
+        alt[top2[1]] += DELTA
+        n = tokens.shape[0]
+        checks.append(outcome_check(f"pair ({t}, {t + 1})", tokens[:, t] * V + tokens[:, t + 1],
+                                    probs.expand(n, -1), alt.expand(n, -1)))
+    return checks
+
+
+PAIR_METHODS = ["spec", "eagle2", "hierspec"]
+
+
+def assert_pairs_lossless(method: str, temperature: float, top_p: float, runs: int) -> None:
+    mt = markov_target(temperature, top_p, seed=51)
+    tokens, accepted = markov_runs(method, runs, temperature, top_p, seed=51)
+    assert accepted > 0.3, accepted           # T accepts drafts (~0.45 tokens a tree for eagle2, ~0.8 spec, hierspec)
+    assert_lossless(pair_checks(tokens, mt), [f"pair ({t}, {t + 1})" for t in range(1, PAIR_LEN)])
+
+
+@pytest.mark.parametrize("method", PAIR_METHODS)
+def test_pairs_of_positions_have_the_targets_joint(method: str):
+    """Consecutive output tokens, within a round and across round boundaries (after a rejection,
+    a bonus, a full draft), have the target's joint distribution, on a target whose distribution
+    depends on the previous token and a drafter ~50% off it, at T = 0.7, top-p 0.9 (q has mass
+    outside the nucleus): a wrong row after an acceptance or a random draw shared between
+    positions shows here even where each position's marginal looks right."""
+    assert_pairs_lossless(method, 0.7, 0.9, PAIR_RUNS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)])
+@pytest.mark.parametrize("method", PAIR_METHODS)
+def test_pairs_of_positions_have_the_targets_joint_slow(method: str, temperature: float, top_p: float):
+    assert_pairs_lossless(method, temperature, top_p, PAIR_RUNS * SLOW_FACTOR // 2)
+
+
+@pytest.mark.slow
+def test_far_sequence_position_2_at_10_percent_slow():
+    """The 10% drafter with enough calls (120k) for power 0.99 at draft position 2."""
+    fs = far_sequence(120000, 3, 0.1, 1.0, 1.0, seed=32)
+    assert_lossless(far_sequence_checks(fs, 1.0) + sequence_length_checks(fs), ["draft position 1", "draft position 2"])
+
+
+def test_checks_flag_a_shared_uniform_in_sequence_verification():
+    """Negative control, the audit's planted bug: one uniform for all positions of a sequence
+    draft. The far-q position and length checks and the pair checks fail on it at their sizes."""
+    fs = far_sequence(22000, 4, 0.5, 1.0, 1.0, seed=31, sampler=SharedUniformSampler(1.0, 1.0, 31))
+    assert {"draft position 2", "after an accepted draft token"} <= flagged(far_sequence_checks(fs, 1.0))
+    assert {"accepted length", "accepted length given the draft"} <= flagged(sequence_length_checks(fs))
+    fs = far_sequence(10000, 3, 0.1, 1.0, 1.0, seed=31, sampler=SharedUniformSampler(1.0, 1.0, 31))
+    assert {"accepted length", "accepted length given the draft"} <= flagged(sequence_length_checks(fs))
+    mt = markov_target(0.7, 0.9, seed=51)
+    tokens, _ = markov_runs("spec", PAIR_RUNS, 0.7, 0.9, seed=51, sampler=SharedUniformSampler(0.7, 0.9, 51))
+    checks = pair_checks(tokens, mt)
+    assert len(flagged(checks)) == PAIR_LEN - 1, "\n".join(map(str, checks))
+
+
+def test_checks_flag_a_shared_uniform_in_tree_verification():
+    """The same bug in tree verification (one uniform for every candidate and level of a tree):
+    the far-tree path-length check fails on it at both acceptance rates, with a third of the trees."""
+    for k, depth, low, n, temperature, top_p in (FAR_TREE[0], FAR_TREE[2]):
+        ft = far_trees(n // 3, k, depth, low, temperature, top_p, seed=41,
+                       sampler=SharedUniformSampler(temperature, top_p, 41))
+        checks = far_tree_checks(ft, top_p)
+        assert "tree path length" in flagged(checks), "\n".join(map(str, checks))
+
+
 # ---- (b) end to end through generate() ---------------------------------------------------------
 
 class DigitTokenizer(Tokenizer):
@@ -433,19 +885,20 @@ def _layer(g: torch.Generator) -> dict[str, torch.Tensor]:
             f"{p}.mlp.down_proj.weight": r(H, INTER)}
 
 
-def e2e_models(seed: int = 0) -> Models:
+def e2e_models(seed: int = 0, device: torch.device | str = "cpu") -> Models:
     """One-layer T over 6 tokens, with logits scaled down (final norm weight 0.085) so that its
     conditionals spread over several tokens even at temperature 0.5; M = T with 40% weight noise;
     E_T / E_M = a copy of their base's layer fed the token embedding only (fc = [I | 0]). With unit
     RMS embeddings (= T's normalised layer input) such a head reproduces its base's residual stream
     up to the first position's key and the final norm's scale, so its top-3 are mostly the base's
-    and trees are accepted to depth 2-3 often: plausible drafts, verified by the real code."""
+    and trees are accepted to depth 2-3 often: plausible drafts, verified by the real code. The
+    weights are drawn on the CPU and moved to `device`: the same models on every device."""
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(V, H, generator=g)
     emb = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()
     t_w = {"model.embed_tokens.weight": emb, "model.norm.weight": torch.full((H,), 0.085), **_layer(g)}
     m_w = {k: v + 0.4 * v.std() * torch.randn(v.shape, generator=g) if "proj" in k else v for k, v in t_w.items()}
-    target, inter = Transformer(_cfg(), t_w), Transformer(_cfg(), m_w)
+    target, inter = Transformer(_cfg(), t_w, device=device), Transformer(_cfg(), m_w, device=device)
 
     def head(w: dict[str, torch.Tensor], base: Transformer) -> EagleHead:
         hw = {k.replace("model.layers.0", "layers.0"): v for k, v in w.items()
@@ -467,9 +920,14 @@ def e2e_settings(temperature: float, top_p: float) -> DecodeSettings:
                           t_depth=3, t_topk=3, t_tree_size=12, m_depth=3, m_topk=3, m_tree_size=12, min_draft_len=4)
 
 
+def e2e_stack_on(device: torch.device | str) -> Stack:
+    """The end-to-end stack on `device` (on CUDA, generate() takes the static runners and CUDA graphs)."""
+    return Stack("digits", e2e_models(device=device), DigitTokenizer(), {})
+
+
 @pytest.fixture(scope="module")
 def e2e_stack() -> Stack:
-    return Stack("digits", e2e_models(), DigitTokenizer(), {})
+    return e2e_stack_on("cpu")
 
 
 @dataclass
@@ -491,10 +949,11 @@ def run_e2e(stack: Stack, method: str, temperature: float, top_p: float, runs: i
         seqs.append(PROMPT + output_tokens(trace))
         acc += [st.target_accepted for st in trace.steps[1:]]
         paths += [len(t.accepted) for st in trace.steps[1:] for t in st.trees]
-    x = torch.tensor(seqs)
     target = stack.models.target
+    x = torch.tensor(seqs, device=target.device)
     with torch.no_grad():
-        logits = target.logits(target(x, torch.arange(x.shape[1])))[:, len(PROMPT):-1]
+        logits = target.logits(target(x, torch.arange(x.shape[1], device=x.device)))[:, len(PROMPT):-1].float().cpu()
+    x = x.cpu()
     # leaving out rows by their context alone keeps every remaining token a fresh draw
     keep = nucleus_margin(logits, temperature, top_p) > 1e-5
     assert keep.double().mean() > 0.98
