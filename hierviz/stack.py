@@ -30,7 +30,7 @@ from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfigError
 from hierviz.models.eagle import EagleHead, load_eagle_weights
 from hierviz.models.llama import Transformer, WeightsError
-from hierviz.models.loading import load_weights, resolve_source
+from hierviz.models.loading import open_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
 from hierviz.models.synthetic import tiny_models
 from hierviz.quant.w4 import quantize_linears
@@ -95,25 +95,28 @@ def resolve_path(path: str, base: Path) -> str:
 
 def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
                 share_from: Optional[Transformer] = None) -> tuple[Transformer, Path]:
+    """One model of a stack, streamed from its files onto `device` (hierviz.models.loading): each
+    tensor is read, repacked and cast there, and each layer built (fused) as soon as its tensors
+    have arrived, the pieces dropped then (release=True)."""
     src = resolve_path(spec["path"], base)
     src_path = Path(src)
     if src_path.suffix == ".gguf" and src_path.is_file():
         from hierviz.quant.gguf import convert_gguf_cached
         src = str(convert_gguf_cached(src_path, CACHE_DIR / "gguf"))
-    cfg, weights, folder = load_weights(src)
     q = spec.get("quantize")
+    if q and not (isinstance(q, str) and q.startswith("rtn-g") and q[5:].isdigit()):
+        raise StackError(f"unknown quantize option {q!r} (use e.g. 'rtn-g32')")
+    # RTN quantizes the values as stored, so a model quantized here is cast after it
+    cfg, weights, folder = open_weights(src, device, None if q else dtype)
     if q:
-        if not (isinstance(q, str) and q.startswith("rtn-g") and q[5:].isdigit()):
-            raise StackError(f"unknown quantize option {q!r} (use e.g. 'rtn-g32')")
         weights = quantize_linears(weights, int(q[5:]))
     if spec.get("share_embeddings"):
         if share_from is None:
             raise StackError("share_embeddings needs a target loaded first")
-        weights = dict(weights)
-        weights["model.embed_tokens.weight"] = share_from.embed.data
-        if not cfg.tie_embeddings:
-            weights.setdefault("lm_head.weight", share_from.lm_head.weight.data)
-    return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device), folder
+        weights["model.embed_tokens.weight"] = share_from.embed.data    # the file's copy is dropped as it is read
+        if not cfg.tie_embeddings and "lm_head.weight" not in weights:
+            weights["lm_head.weight"] = share_from.lm_head.weight.data
+    return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device, release=True), folder
 
 
 def _for_device(spec: dict[str, Any], key: str, dev: torch.device, default: Any = None) -> Any:

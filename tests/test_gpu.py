@@ -199,3 +199,84 @@ def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -
     for preset in ("eagle2", "paper"):
         seeded = {r["method"]: r for r in runs if r["trees"] == preset and r["seeded"] and not r["miss_every"]}
         assert all(seeded[m]["tokens_per_round"] > 2 for m in ("spec", "eagle2", "hierspec")), (preset, seeded)
+
+
+@pytest.fixture(scope="module")
+def sampling_stack():
+    """The sampling tests' tiny random-weight stack (tests/test_sampling_power.py: 6 tokens, one
+    layer, EAGLE heads that copy their base's layer, so that drafts are accepted deep), on CUDA."""
+    from tests.test_sampling_power import e2e_stack_on
+    return e2e_stack_on("cuda")
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (0.7, 0.9), (1.0, 1.0), (1.0, 0.9)])
+@pytest.mark.parametrize("method", ["spec", "eagle2", "hierspec"])
+def test_sampling_is_the_targets_distribution_on_the_gpu_path(sampling_stack, method, temperature, top_p) -> None:
+    """Sampling through generate() on the GPU path (static runners, CUDA graphs, trees drafted and
+    read back on the device): every token after the prefill token has the target's exact
+    conditional (one batched forward over the finished sequences), with the CPU end-to-end test's
+    check and power (tests/test_sampling_power.py::assert_e2e_lossless: drafts accepted deep
+    often enough, pooled rank classes at p < 1e-5, resolution <= 0.07); and the forwards and trees
+    of the run were CUDA-graph replays."""
+    from hierviz.models import cuda_graphs
+    from tests.test_sampling_power import E2E_RUNS, assert_e2e_lossless
+    m = sampling_stack.models
+    assert cuda_graphs.static_enabled(m.target.device) and cuda_graphs.graphs_enabled(m.target.device)
+    assert_e2e_lossless(sampling_stack, method, temperature, top_p, E2E_RUNS[method], resolution=0.07)
+    verifiers = {"spec": [m.target, m.intermediate], "eagle2": [m.target], "hierspec": [m.target, m.intermediate]}
+    for model in verifiers[method]:
+        assert any(bk.graph is not None for r in model.static_runners for bk in r._buckets.values()), method
+    head = {"eagle2": m.e_t, "hierspec": m.e_m}.get(method)
+    if head is not None:
+        assert any(g.graph is not None for r in head.static_runners for g in r.tree_graphs.values()), method
+
+
+def test_streaming_load_onto_the_gpu_equals_the_host_load(tmp_path, monkeypatch) -> None:
+    """A sharded GPTQ checkpoint (v1, asymmetric, act-order) and an fp16 one, streamed onto the GPU
+    through the stack's load path (read memory-mapped, repacked and cast on the GPU, each layer fused
+    as it arrives): the same engine weights, bit for bit, as the host-loaded weights moved there;
+    host memory grows by about the mapping window (here 8 MiB), less than a shard; GPU memory peaks
+    at about the final weights plus a shard."""
+    from pathlib import Path
+
+    from hierviz.models.loading import load_weights
+    from hierviz.quant import gptq
+    from hierviz.stack import _load_model
+    from tests.test_streaming_load import (assert_same_model, assert_same_weights, gptq_config, held_bytes, host_model,
+                                           model_config, model_tensors, rss_bytes, write_checkpoint, write_gptq_model)
+    dev = torch.device("cuda")
+    cfg, qc = model_config(16, hidden=1024, inter=4096, vocab=4096), gptq_config("gptq", sym=False, desc_act=True, group=128)
+    shards = write_checkpoint(tmp_path / "q", cfg, model_tensors(cfg, 0, qc), 32 * 2 ** 20, qc)
+    write_checkpoint(tmp_path / "d", model_config(4, hidden=1024, inter=4096, vocab=4096),
+                     model_tensors(model_config(4, hidden=1024, inter=4096, vocab=4096), 1), 32 * 2 ** 20)
+    write_gptq_model(tmp_path / "warm", layers=1, fmt="gptq", sym=False, desc_act=True)
+    _load_model({"path": "warm"}, tmp_path, dev, torch.float16, "triton")   # CUDA context and kernels: in the baseline
+    assert len(shards) >= 4
+
+    def load(name: str, window: int) -> tuple[torch.nn.Module, int, int]:
+        monkeypatch.setattr(gptq, "MAP_WINDOW", window)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        gpu_before = torch.cuda.memory_allocated()
+        Path("/proc/self/clear_refs").write_text("5")        # VmHWM := VmRSS
+        base = rss_bytes()["VmRSS"]
+        model, _ = _load_model({"path": name}, tmp_path, dev, torch.float16, "triton")
+        torch.cuda.synchronize()
+        return model, rss_bytes()["VmHWM"] - base, torch.cuda.max_memory_allocated() - gpu_before
+
+    model, grew, gpu_peak = load("q", 8 * 2 ** 20)
+    assert grew < max(shards), (grew, shards)
+    assert gpu_peak <= held_bytes(model) + 1.5 * max(shards), (gpu_peak, held_bytes(model), shards)
+    assert_same_model(model, host_model(tmp_path / "q", torch.float16, device="cuda"))
+    del model
+    model, grew, _ = load("q", gptq.MAP_WINDOW)        # the default window: at most a shard mapped at once
+    assert grew < 1.5 * max(shards), (grew, shards)
+    del model
+    dense, _, _ = load("d", gptq.MAP_WINDOW)
+    assert_same_model(dense, host_model(tmp_path / "d", torch.float16, device="cuda"))
+    # the loader's weights themselves: those read on the host, moved and cast
+    _, on_gpu, _ = load_weights(tmp_path / "q", dev, torch.float16)
+    _, on_host, _ = load_weights(tmp_path / "q")
+    assert_same_weights(on_gpu, {k: gptq.cast_w4(w.to(dev), torch.float16) if isinstance(w, gptq.W4Weight)
+                                 else w.to(dev, torch.float16) for k, w in on_host.items()})

@@ -3,8 +3,9 @@
     python -m hierviz memory                    # every preset against common GPUs (a table)
     python -m hierviz memory --stack NAME       # one stack file or preset
     python -m hierviz memory --load STACK [--compare PROMPT --trace FILE]
-                                                # load it: time, peak host RSS, GPU memory vs
-                                                # the estimate; optionally one AR/EAGLE-2/HierSpec run
+                                                # load it: time, checkpoint bytes read, peak host
+                                                # RSS (VmHWM), GPU memory vs the estimate;
+                                                # optionally one AR/EAGLE-2/HierSpec run
 
 The estimates are hierviz.memory's (what is counted is said there).
 """
@@ -67,28 +68,60 @@ def _resolver(base: Path):
     return lambda source: resolve_path(source, base)
 
 
+def host_rss_gb() -> tuple[float, float]:
+    """(resident now, peak so far) of this process in GB: VmRSS and VmHWM (file-mapped pages
+    included), else getrusage's peak for both."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024 / GB, int(fields["VmHWM"].split()[0]) * 1024 / GB
+    except (OSError, KeyError, ValueError):
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / GB
+        return peak, peak
+
+
+def checkpoint_bytes(spec: dict[str, Any], base: Path) -> int:
+    """Bytes of the weight files of a stack's local models (what a load reads from disk)."""
+    total = 0
+    for role in ("target", "intermediate", "e_m", "e_t"):
+        if not spec.get(role):
+            continue
+        p = Path(resolve_path(spec[role]["path"], base)).expanduser()
+        files = [p] if p.is_file() else (list(p.glob("*.safetensors")) + list(p.glob("*.bin")) if p.is_dir() else [])
+        total += sum(f.stat().st_size for f in files)
+    return total
+
+
 def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new: int, context: int) -> int:
     """Load a stack through load_stack and print what it cost (JSON), against the estimate."""
-    import resource
     import time
 
     import torch
 
     from hierviz.stack import StackError, load_stack
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.zeros(1, device="cuda")    # the CUDA context: in the baseline, not in the load
+    rss_before, _ = host_rss_gb()
     t0 = time.perf_counter()
     try:
         stack = load_stack(name)
     except StackError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out: dict[str, Any] = {"stack": stack.name, "device": str(stack.device), "load_s": round(time.perf_counter() - t0, 1),
-                           "peak_host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, 2)}
+    load_s = time.perf_counter() - t0
+    rss_after, peak = host_rss_gb()
+    out: dict[str, Any] = {"stack": stack.name, "device": str(stack.device), "load_s": round(load_s, 1),
+                           "peak_host_rss_gb": round(peak, 2), "host_rss_before_load_gb": round(rss_before, 2),
+                           "host_rss_after_load_gb": round(rss_after, 2)}
     if cuda:
         out["gpu_allocated_gb"] = round(torch.cuda.memory_allocated() / GB, 2)
         out["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
     if name != "tiny-random":
         spec, base = _stack_file(name)
+        read = checkpoint_bytes(spec, base)
+        out["checkpoint_gb"] = round(read / GB, 2)
+        out["read_gb_per_s"] = round(read / GB / max(load_s, 1e-9), 2)
         parts = stack_estimate(spec, _resolver(base), context, torch.finfo(stack.models.target.dtype).bits / 8)
         if parts is not None:
             out["estimate_gb"] = {k: round(v / GB, 2) for k, v in parts.items()}

@@ -137,14 +137,18 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with W dense or W4. Several linears reading the same input are fused
-    into one (concatenated along the output dim) when their formats allow it."""
+    into one (concatenated along the output dim) when their formats allow it. A dense weight is
+    copied (fused or not) unless copy=False: then a single one is kept as given (a loader's own
+    tensor, released to the model: no second copy while the model is built)."""
 
-    def __init__(self, weights: list[Weight], biases: list[Optional[torch.Tensor]], w4_kernel: str = "reference") -> None:
+    def __init__(self, weights: list[Weight], biases: list[Optional[torch.Tensor]], w4_kernel: str = "reference",
+                 copy: bool = True) -> None:
         super().__init__()
         self.splits = [w.out_features if isinstance(w, W4Weight) else w.shape[0] for w in weights]
         self.w4_kernel = w4_kernel
         if all(isinstance(w, torch.Tensor) for w in weights):
-            self.weight = nn.Parameter(torch.cat(weights, 0), requires_grad=False)
+            dense = weights[0].contiguous() if len(weights) == 1 and not copy else torch.cat(weights, 0)
+            self.weight = nn.Parameter(dense, requires_grad=False)
             self.w4: list[W4Weight] = []
         elif all(isinstance(w, W4Weight) for w in weights):
             self.weight = None
@@ -203,7 +207,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, get, prefix: str, w4_kernel: str, input_norm: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, get, prefix: str, w4_kernel: str, input_norm: bool = True,
+                 copy: bool = True) -> None:
+        """get(name) -> weight; copy=False: `get` hands over tensors nobody else holds (see Linear)."""
         super().__init__()
         self.cfg = cfg
         att = f"{prefix}.self_attn"
@@ -212,9 +218,9 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_eps)
         bias = (lambda n: get(f"{att}.{n}_proj.bias")) if cfg.qkv_bias else (lambda n: None)
         self.qkv = Linear([get(f"{att}.{n}_proj.weight") for n in "qkv"], [bias(n) for n in "qkv"], w4_kernel)
-        self.o = Linear([get(f"{att}.o_proj.weight")], [None], w4_kernel)
+        self.o = Linear([get(f"{att}.o_proj.weight")], [None], w4_kernel, copy)
         self.gate_up = Linear([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")], [None, None], w4_kernel)
-        self.down = Linear([get(f"{mlp}.down_proj.weight")], [None], w4_kernel)
+        self.down = Linear([get(f"{mlp}.down_proj.weight")], [None], w4_kernel, copy)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 cache: Optional[KVCache], attn_mask: Optional[Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
@@ -294,23 +300,31 @@ def block_mask(prefix: int, block: torch.Tensor) -> torch.Tensor:
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], w4_kernel: str = "reference",
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                 release: bool = False) -> None:
+        """weights: HF names -> float tensors / W4Weights, anywhere, any float dtype (each is moved
+        to `device` and cast to `dtype` as it is used). release: remove each entry from `weights`
+        once used and keep unfused dense weights without a copy, so a loader's own weights
+        (already on the device, hierviz.models.loading.open_weights) are held about once while
+        the model is built, each layer fused as its tensors arrive (hierviz.stack)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.static_runners: list = []    # hierviz.models.cuda_graphs pools its runners here
-        get = weight_getter(weights, dtype, self.device)
+        own_head = not cfg.tie_embeddings and "lm_head.weight" in weights
+        get = weight_getter(weights, dtype, self.device, release)
         self.embed = nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
         if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise WeightsError(f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
                                f"({cfg.vocab_size}, {cfg.hidden_size})")
-        self.layers = nn.ModuleList(DecoderLayer(cfg, get, f"model.layers.{i}", w4_kernel) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, get, f"model.layers.{i}", w4_kernel, copy=not release)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight"), cfg.rms_eps)
-        if cfg.tie_embeddings or "lm_head.weight" not in weights:
+        if not own_head:
             self.lm_head = Linear([self.embed.data], [None])
         else:
-            self.lm_head = Linear([get("lm_head.weight")], [None], w4_kernel)
+            self.lm_head = Linear([get("lm_head.weight")], [None], w4_kernel, copy=not release)
         self.register_buffer("inv_freq", rope_frequencies(cfg).to(self.device), persistent=False)
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -415,11 +429,12 @@ def _rows_invariant_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).reshape(*x.shape[:-1], w.shape[0])
 
 
-def weight_getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device):
+def weight_getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device, release: bool = False):
+    """get(name): the weight on device as dtype; with release, its entry leaves `weights`."""
     def get(name: str) -> Weight:
         if name not in weights:
             raise WeightsError(f"checkpoint has no tensor {name!r}")
-        w = weights[name]
+        w = weights.pop(name) if release else weights[name]
         if isinstance(w, W4Weight):
             return w.to(device, dtype)
         return w.to(device=device, dtype=dtype)

@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from .w4 import W4Weight, codes_of
 __all__ = [
     "CheckpointError", "smollm2_gguf_path", "read_gguf", "gguf_name_to_hf", "unpermute_qk_rows",
     "load_gguf_tokenizer", "convert_gguf_cached", "save_w4_safetensors", "load_w4_safetensors",
-    "file_sha256",
+    "w4_safetensors_weights", "file_sha256",
 ]
 
 PathLike = Union[str, os.PathLike]
@@ -317,9 +317,14 @@ def save_w4_safetensors(folder: PathLike, config: dict[str, Any],
     return folder
 
 
-def load_w4_safetensors(folder: PathLike) -> tuple[dict[str, Any], dict[str, Union[torch.Tensor, W4Weight]]]:
-    """Inverse of save_w4_safetensors: (config, weights) with W4Weights rebuilt."""
+def w4_safetensors_weights(folder: PathLike, device: Union[torch.device, str] = "cpu",
+                           dtype: Optional[torch.dtype] = None) -> tuple[dict[str, Any], list[str], Iterator]:
+    """A native W4 folder as (config, names, stream): the stream yields (name, weight) read onto
+    `device` tensor by tensor (hierviz.quant.gptq.iter_tensors), W4Weights rebuilt there; with
+    dtype, float tensors and W4 scales/offsets are cast to it there."""
     from safetensors import safe_open
+
+    from .gptq import cast_float, cast_w4, iter_tensors
     folder = Path(folder)
     cfg_path, st_path = folder / "config.json", folder / "model.safetensors"
     for p in (cfg_path, st_path):
@@ -330,24 +335,50 @@ def load_w4_safetensors(folder: PathLike) -> tuple[dict[str, Any], dict[str, Uni
         with safe_open(str(st_path), framework="pt") as f:
             if (f.metadata() or {}).get("hierviz") != NATIVE_FORMAT:
                 raise CheckpointError(f"{st_path} is not a {NATIVE_FORMAT} file")
-            raw = {k: f.get_tensor(k) for k in f.keys()}
+            keys = list(f.offset_keys())
     except CheckpointError:
         raise
     except Exception as e:
         raise CheckpointError(f"corrupt W4 cache in {folder}: {type(e).__name__}: {e}") from None
-    weights: dict[str, Union[torch.Tensor, W4Weight]] = {}
-    for key in sorted(raw):
+    present = set(keys)
+    part_of: dict[str, tuple[str, str]] = {}
+    expected: dict[str, int] = {}
+    for key in keys:
         if key.endswith(".codes"):
             name = key[: -len(".codes")]
-            codes, scales = raw[key], raw[name + ".scales"]
-            k = codes.shape[1] * 2
-            weights[name] = W4Weight(codes, scales, raw[name + ".offsets"], k // scales.shape[1],
-                                     raw.get(name + ".perm"))
-    w4_parts = {f"{n}.{p}" for n in weights for p in ("codes", "scales", "offsets", "perm")}
-    for key, t in raw.items():
-        if key not in w4_parts:
-            weights[key] = t
-    return config, weights
+            for part in ("scales", "offsets"):
+                if f"{name}.{part}" not in present:
+                    raise CheckpointError(f"corrupt W4 cache in {folder}: {name}.{part} is missing")
+            parts = [p for p in ("codes", "scales", "offsets", "perm") if f"{name}.{p}" in present]
+            part_of.update({f"{name}.{p}": (name, p) for p in parts})
+            expected[name] = len(parts)
+
+    def stream() -> Iterator[tuple[str, Union[torch.Tensor, W4Weight]]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in iter_tensors({k: (st_path, "safetensors") for k in keys}, device):
+            if key not in part_of:
+                yield key, cast_float(t, dtype)
+                continue
+            name, part = part_of[key]
+            got = pending.setdefault(name, {})
+            got[part] = t
+            del t
+            if len(got) == expected[name]:
+                del pending[name]
+                codes, scales = got["codes"], got["scales"]
+                w = W4Weight(codes, scales, got["offsets"], codes.shape[1] * 2 // scales.shape[1], got.get("perm"))
+                yield name, cast_w4(w, dtype)
+
+    names = list(dict.fromkeys(part_of[k][0] if k in part_of else k for k in keys))
+    return config, names, stream()
+
+
+def load_w4_safetensors(folder: PathLike, device: Union[torch.device, str] = "cpu",
+                        dtype: Optional[torch.dtype] = None) -> tuple[dict[str, Any], dict[str, Union[torch.Tensor, W4Weight]]]:
+    """Inverse of save_w4_safetensors: (config, weights) with W4Weights rebuilt, streamed onto
+    `device` (see w4_safetensors_weights)."""
+    config, _, stream = w4_safetensors_weights(folder, device, dtype)
+    return config, dict(stream)
 
 
 # ---- tokenizer and cache ------------------------------------------------------------------

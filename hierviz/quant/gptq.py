@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import zipfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -29,8 +31,8 @@ from .w4 import W4Weight
 
 __all__ = [
     "CheckpointError", "GPTQ_FORMATS", "gptq_linear_to_w4", "pack_gptq_linear",
-    "normalize_quantize_config", "read_quantize_config", "load_state_dict_folder",
-    "load_gptq_weights", "save_gptq_checkpoint",
+    "normalize_quantize_config", "read_quantize_config", "checkpoint_tensors", "iter_tensors",
+    "load_state_dict_folder", "gptq_weights", "load_gptq_weights", "save_gptq_checkpoint", "MAP_WINDOW",
 ]
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -41,18 +43,14 @@ PathLike = Union[str, os.PathLike]
 
 # ---- bit packing ------------------------------------------------------------------------------
 
-def _unpack_int32(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words -> int64 nibbles, 8 per word along `dim` (nibble i at bits 4i)."""
-    w = words.to(torch.int64) & 0xFFFFFFFF  # view as unsigned so the sign bit is just bit 31
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-    w = w.movedim(dim, -1)
-    nib = (w.unsqueeze(-1) >> shifts) & 0xF  # [..., words, 8]
-    nib = nib.reshape(*w.shape[:-1], w.shape[-1] * _PACK)
-    return nib.movedim(-1, dim)
+def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] -> uint8 values [..., 8W], value i of a word from bits 4i. One byte per
+    value (a layer's unpacked codes take twice its packed bytes), on the words' device."""
+    return torch.stack([((words >> (4 * i)) & 0xF).to(torch.uint8) for i in range(_PACK)], -1).flatten(-2)
 
 
 def _pack_int32(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """int nibbles (0..15) -> int32 words, 8 per word along `dim` (inverse of _unpack_int32)."""
+    """int nibbles (0..15) -> int32 words, 8 per word along `dim` (inverse of _unpack_nibbles)."""
     c = codes.to(torch.int64).movedim(dim, -1)
     if c.shape[-1] % _PACK:
         raise CheckpointError(f"cannot pack {c.shape[-1]} 4-bit values into int32 words: "
@@ -81,7 +79,8 @@ def gptq_linear_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     offsets = -scale * zero is computed in float32, which is exact for fp16 scales and 4-bit
     integer zeros, so dequantize(result) reproduces scales * (q - z) bit for bit.
     For act-order (desc_act) checkpoints perm = stable argsort(g_idx); perm is None when g_idx
-    is already in order.
+    is already in order. Runs on the tensors' device (a streaming load's target device); the
+    temporaries are one transposing copy of qweight, or with act-order two bytes per packed byte.
     """
     _check_format(checkpoint_format)
     if qweight.dim() != 2 or qzeros.dim() != 2 or scales.dim() != 2:
@@ -105,34 +104,41 @@ def gptq_linear_to_w4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     if tuple(qzeros.shape) != (groups, n // _PACK) or n % _PACK:
         raise CheckpointError(f"{name}: qzeros shape {tuple(qzeros.shape)} does not match "
                               f"[groups={groups}, out_features/8={n / _PACK:g}]")
-    if g_idx is None:
-        g_idx = torch.arange(k) // gs
-    g_idx = g_idx.to(torch.int64).reshape(-1)
-    if g_idx.numel() != k:
-        raise CheckpointError(f"{name}: g_idx has {g_idx.numel()} entries, expected in_features {k}")
+    dev = qweight.device
+    in_order = torch.arange(k, device=dev) // gs
+    perm_out = None
+    if g_idx is not None:
+        g_idx = g_idx.to(device=dev, dtype=torch.int64).reshape(-1)
+        if g_idx.numel() != k:
+            raise CheckpointError(f"{name}: g_idx has {g_idx.numel()} entries, expected in_features {k}")
+        # Sorting channels by group makes every group a contiguous run of gs channels; this only
+        # works if each group has exactly gs members (true for GPTQ act-order and static groups).
+        sorted_g, perm = torch.sort(g_idx, stable=True)
+        if not torch.equal(sorted_g, in_order):
+            raise CheckpointError(f"{name}: g_idx does not assign exactly {gs} input channels to each "
+                                  f"of the {groups} groups; cannot represent it with contiguous groups")
+        if not torch.equal(perm, torch.arange(k, device=dev)):
+            perm_out = perm
 
-    q = _unpack_int32(qweight, 0)              # [K, N]
-    z = _unpack_int32(qzeros, 1)               # [groups, N]
-    if checkpoint_format == "gptq":
-        z = z + 1                               # v1 stores zero - 1
-
-    # Sorting channels by group makes every group a contiguous run of gs channels; this only
-    # works if each group has exactly gs members (true for GPTQ act-order and static groups).
-    sorted_g, perm = torch.sort(g_idx, stable=True)
-    if not torch.equal(sorted_g, torch.arange(k) // gs):
-        raise CheckpointError(f"{name}: g_idx does not assign exactly {gs} input channels to each "
-                              f"of the {groups} groups; cannot represent it with contiguous groups")
-    if torch.equal(perm, torch.arange(k)):
-        perm_out = None
+    qt = qweight.t()                              # [N, K/8]: word w of row n holds k = 8w .. 8w+7
+    if perm_out is None:
+        # W4 byte j of a row holds codes 2j (low nibble) and 2j+1 (high), which is byte j % 4 of
+        # word j // 4 (bits 8b..8b+7 are codes 8w+2b, 8w+2b+1): the words' bytes, least significant
+        # first, i.e. their memory on a little-endian machine (CPUs and GPUs torch runs on)
+        if sys.byteorder == "little":
+            codes = qt.contiguous().view(torch.uint8)
+        else:
+            codes = torch.stack([((qt >> (8 * b)) & 0xFF).to(torch.uint8) for b in range(4)], -1).flatten(-2)
     else:
-        q = q.index_select(0, perm)
-        perm_out = perm
-    # Pack pairs along K while q is still [K, N] (row slices: much faster than w4.pack_codes on
-    # the transposed view); same layout: even k in the low nibble.
-    codes = (q[0::2] | (q[1::2] << 4)).to(torch.uint8).t().contiguous()   # [N, K/2]
+        q = _unpack_nibbles(qt).index_select(1, perm_out)    # [N, K] uint8, groups contiguous
+        codes = q[:, 0::2] | (q[:, 1::2] << 4)
+        del q
+    z = _unpack_nibbles(qzeros).to(torch.float32)             # [groups, N]
+    if checkpoint_format == "gptq":
+        z = z + 1                                             # v1 stores zero - 1
     s = scales.to(torch.float32)
-    offsets = -(s * z.to(torch.float32))
-    return W4Weight(codes, s.t().contiguous(), offsets.t().contiguous(), gs, perm_out)
+    offsets = -(s * z)
+    return W4Weight(codes.contiguous(), s.t().contiguous(), offsets.t().contiguous(), gs, perm_out)
 
 
 def pack_gptq_linear(intcodes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -227,25 +233,40 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-# ---- folders of tensors -----------------------------------------------------------------------
+# ---- folders of tensors, streamed ------------------------------------------------------------
+#
+# A load reads one tensor at a time, memory-mapped, copies it onto the target device (the GPU for a
+# CUDA load) and lets go of the mapping, so the host holds about one tensor (at most MAP_WINDOW
+# bytes of a shard's pages, or one tensor if larger) whatever the checkpoint's size; every
+# conversion (GPTQ repack, casts, q/k/v fusing) then runs where the weights end up.
 
-def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+MAP_WINDOW = 1 << 30     # bytes of a safetensors file mapped at once before it is reopened
+
+TensorSource = tuple[Path, str]            # (file, "safetensors" | "bin")
+
+
+def _open_safetensors(path: Path):
     from safetensors import safe_open
     try:
-        out = {}
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
-        return out
+        return safe_open(str(path), framework="pt")
     except FileNotFoundError:
         raise CheckpointError(f"missing weights file {path}") from None
     except Exception as e:  # safetensors raises its own error types for bad headers/sizes
         raise CheckpointError(f"corrupt or truncated safetensors file {path}: {e}") from None
 
 
+def _safetensors_names(path: Path) -> list[str]:
+    """The tensor names of a safetensors file in the order of their data (the header only)."""
+    with _open_safetensors(path) as f:
+        return list(f.offset_keys())
+
+
 def _load_bin_file(path: Path) -> dict[str, torch.Tensor]:
+    """A `.bin` state dict, memory-mapped where its format allows (torch.save's zip format) and
+    never unpickling code (weights_only)."""
     try:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True)  # never unpickle code
+        # torch.save's zip format can be mapped; the legacy one (and any non-zip file) is read whole
+        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except FileNotFoundError:
         raise CheckpointError(f"missing weights file {path}") from None
     except Exception as e:
@@ -255,50 +276,176 @@ def _load_bin_file(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_state_dict_folder(folder: PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF-style folder: (sharded) safetensors first, `.bin` as a fallback."""
+def _place(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t copied onto `device`: a new tensor even on the host, so nothing keeps a file mapped."""
+    out = t.to(device)
+    return out.clone() if out is t else out
+
+
+def _names_in(files: list[Path], kind: Optional[str] = None) -> dict[str, TensorSource]:
+    located: dict[str, TensorSource] = {}
+    for f in files:
+        k = kind or ("safetensors" if f.suffix == ".safetensors" else "bin")
+        names = _safetensors_names(f) if k == "safetensors" else list(_load_bin_file(f))
+        for name in names:
+            located.pop(name, None)     # a name in two files: the later file's copy is read, in its turn
+            located[name] = (f, k)
+    return located
+
+
+def checkpoint_tensors(folder: PathLike) -> dict[str, TensorSource]:
+    """Every tensor of an HF-style folder -> the file it is read from, in reading order:
+    (sharded) safetensors first, `.bin` as a fallback. Reads file headers only (a `.bin`'s pickle)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    for index_name, loader in (("model.safetensors.index.json", _load_safetensors_file),
-                               ("pytorch_model.bin.index.json", _load_bin_file)):
+    for index_name, kind in (("model.safetensors.index.json", "safetensors"), ("pytorch_model.bin.index.json", "bin")):
         index = folder / index_name
         if index.exists():
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no weight_map")
-            out: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
-                out.update(loader(folder / shard))
-            missing = sorted(set(weight_map) - set(out))
+            located = _names_in([folder / shard for shard in sorted(set(weight_map.values()))], kind)
+            missing = sorted(set(weight_map) - set(located))
             if missing:
                 raise CheckpointError(f"{index} lists tensors not found in its shards: {missing[:5]}")
-            return out
+            return located
     files = sorted(folder.glob("*.safetensors"))
     if files:
-        out = {}
-        for f in files:
-            out.update(_load_safetensors_file(f))
-        return out
-    bins = sorted(folder.glob("*.bin"))
+        return _names_in(files)
     if (folder / "pytorch_model.bin").exists():
-        return _load_bin_file(folder / "pytorch_model.bin")
+        return _names_in([folder / "pytorch_model.bin"])
+    bins = sorted(folder.glob("*.bin"))
     if bins:
-        out = {}
-        for f in bins:
-            out.update(_load_bin_file(f))
-        return out
+        return _names_in(bins)
     raise CheckpointError(f"{folder}: no *.safetensors or *.bin weights found")
+
+
+_MALLOC_TRIM: Any = None     # glibc's malloc_trim, found on first use (False: none here)
+
+
+def _trim_host_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim). A CPU load frees a
+    packed tensor for each repacked one and the pieces of each fused layer; without this those
+    holes between kept weights stay resident."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):       # not glibc: nothing to do
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+def _read_safetensors(path: Path, names: list[str], device) -> Iterator[tuple[str, torch.Tensor]]:
+    """names of one safetensors file, each copied onto `device` as it is read. The file is mapped
+    about MAP_WINDOW bytes at a time (closed and reopened before a tensor that would take a
+    window past that), so the pages read stay resident for at most max(MAP_WINDOW, one tensor),
+    not for the whole shard."""
+    host = torch.device(device).type == "cpu"
+    i = 0
+    while i < len(names):
+        if host and i:
+            _trim_host_heap()
+        mapped = 0
+        with _open_safetensors(path) as f:
+            while i < len(names):
+                try:
+                    view = f.get_tensor(names[i])        # a view of the mapping: no page read yet
+                except Exception as e:
+                    raise CheckpointError(f"corrupt or truncated safetensors file {path}: {e}") from None
+                if mapped and mapped + view.nbytes > MAP_WINDOW:
+                    break                                # it starts the next window
+                mapped += view.nbytes
+                out = _place(view, device)
+                del view
+                yield names[i], out
+                del out
+                i += 1
+            view = None                                  # nothing of this mapping is left
+
+
+def _read_bin(path: Path, names: list[str], device) -> Iterator[tuple[str, torch.Tensor]]:
+    sd = _load_bin_file(path)           # mapped: a tensor's pages are read when it is placed
+    for name in names:
+        out = _place(sd.pop(name), device)
+        yield name, out
+        del out
+
+
+def _by_file(located: dict[str, TensorSource]) -> dict[TensorSource, list[str]]:
+    by_file: dict[TensorSource, list[str]] = {}
+    for name, src in located.items():
+        by_file.setdefault(src, []).append(name)
+    return by_file
+
+
+def iter_tensors(located: dict[str, TensorSource], device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor on `device`) for each tensor of checkpoint_tensors(folder), one at a time,
+    file by file, each a copy of its own (nothing keeps a file mapped): the host holds one
+    mapping window's pages (MAP_WINDOW, or one tensor) at a time. Tensors keep their stored dtype."""
+    host = torch.device(device).type == "cpu"
+    for n, ((path, kind), names) in enumerate(_by_file(located).items()):
+        if host and n:
+            _trim_host_heap()
+        yield from (_read_safetensors if kind == "safetensors" else _read_bin)(path, names, device)
+
+
+def load_state_dict_folder(folder: PathLike, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of an HF-style folder (stored dtypes). On the host they are views of the files'
+    memory maps (no copy; a page is read when it is first used), for a caller that keeps or moves
+    them all (EAGLE heads, training); on another device each is copied there as it is read
+    (iter_tensors). Model loads stream instead (hierviz.models.loading)."""
+    located = checkpoint_tensors(folder)
+    if torch.device(device).type != "cpu":
+        return dict(iter_tensors(located, device))
+    out: dict[str, torch.Tensor] = {}
+    for (path, kind), names in _by_file(located).items():
+        if kind == "bin":
+            sd = _load_bin_file(path)
+            out.update((name, sd[name]) for name in names)
+            continue
+        with _open_safetensors(path) as f:
+            for name in names:
+                try:
+                    out[name] = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"corrupt or truncated safetensors file {path}: {e}") from None
+    return out
+
+
+def cast_float(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """t as dtype where it is a floating-point tensor and dtype is given (on t's device)."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def cast_w4(w: W4Weight, dtype: Optional[torch.dtype]) -> W4Weight:
+    """w with scales and offsets as dtype (codes and perm unchanged; as W4Weight.to does)."""
+    if dtype is None:
+        return w
+    return W4Weight(w.codes, w.scales.to(dtype), w.offsets.to(dtype), w.group_size, w.perm, w.batch_invariant)
 
 
 # ---- whole checkpoints ---------------------------------------------------------------------------
 
-def load_gptq_weights(folder: PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a GPTQ checkpoint folder -> (config, weights).
+_GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
-    config is config.json with a normalized "quantization_config". weights maps HF parameter
-    names to float tensors (stored dtype) or, for each quantized linear `<m>`, a W4Weight under
-    `<m>.weight` (and its bias, if any, under `<m>.bias`).
+Stream = Iterator[tuple[str, Any]]
+
+
+def gptq_weights(folder: PathLike, device: torch.device | str = "cpu",
+                 dtype: Optional[torch.dtype] = None) -> tuple[dict[str, Any], list[str], Stream]:
+    """A GPTQ checkpoint folder as (config, names, stream): config.json with a normalized
+    "quantization_config"; the names of the weights, from the files' headers; and a generator
+    that reads them onto `device`, yielding (name, weight) in file order.
+
+    A weight is a float tensor (stored dtype, or `dtype` when given) or, for each quantized
+    linear `<m>`, a W4Weight under `<m>.weight` (its bias, if any, under `<m>.bias`), with W4
+    scales and offsets in float32 or `dtype`. Each linear is repacked on `device` as soon as its
+    tensors have arrived (they may sit in different shards) and its packed tensors dropped then.
+    Header problems (missing parts, shards, corrupt files) are raised here, before any data is read.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -306,37 +453,59 @@ def load_gptq_weights(folder: PathLike) -> tuple[dict[str, Any], dict[str, Any]]
     config = _read_json(folder / "config.json")
     qc = read_quantize_config(folder, config)
     config["quantization_config"] = qc
-    raw = load_state_dict_folder(folder)
+    located = checkpoint_tensors(folder)
 
-    modules = sorted(k[: -len(".qweight")] for k in raw if k.endswith(".qweight"))
+    modules = sorted(k[: -len(".qweight")] for k in located if k.endswith(".qweight"))
     if not modules:
         raise CheckpointError(f"{folder}: no '*.qweight' tensors; not a GPTQ checkpoint")
-    weights: dict[str, Any] = {}
-    used: set[str] = set()
+    part_of: dict[str, tuple[str, str]] = {}
+    expected: dict[str, int] = {}
     for m in modules:
-        parts = {}
         for part in ("qweight", "qzeros", "scales"):
-            key = f"{m}.{part}"
-            if key not in raw:
-                raise CheckpointError(f"{folder}: quantized module {m!r} is missing tensor {key!r}")
-            parts[part] = raw[key]
-            used.add(key)
-        g_idx = raw.get(f"{m}.g_idx")
-        used.add(f"{m}.g_idx")
-        weights[f"{m}.weight"] = gptq_linear_to_w4(
-            parts["qweight"], parts["qzeros"], parts["scales"], g_idx,
-            group_size=qc["group_size"], checkpoint_format=qc["checkpoint_format"], name=m)
-        if f"{m}.bias" in raw:
-            bias = raw[f"{m}.bias"]
-            if bias.numel() != weights[f"{m}.weight"].out_features:
-                raise CheckpointError(f"{folder}: {m}.bias has {bias.numel()} entries, expected "
-                                      f"{weights[f'{m}.weight'].out_features}")
-            weights[f"{m}.bias"] = bias
-            used.add(f"{m}.bias")
-    for key, value in raw.items():
-        if key not in used:
-            weights[key] = value
-    return config, weights
+            if f"{m}.{part}" not in located:
+                raise CheckpointError(f"{folder}: quantized module {m!r} is missing tensor {f'{m}.{part}'!r}")
+        present = [p for p in _GPTQ_PARTS if f"{m}.{p}" in located]
+        part_of.update({f"{m}.{p}": (m, p) for p in present})
+        expected[m] = len(present)
+    names = list(dict.fromkeys(f"{part_of[k][0]}.weight" if k in part_of else k for k in located))
+    return config, names, _gptq_stream(folder, located, part_of, expected, qc, device, dtype)
+
+
+def _gptq_stream(folder: Path, located: dict[str, TensorSource], part_of: dict[str, tuple[str, str]],
+                 expected: dict[str, int], qc: dict[str, Any], device, dtype: Optional[torch.dtype]) -> Stream:
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    sizes: dict[str, list[int]] = {}            # module -> [bias entries, out_features], as they arrive
+
+    def check_bias(m: str, i: int, n: int) -> None:
+        got = sizes.setdefault(m, [-1, -1])
+        got[i] = n
+        if min(got) >= 0 and got[0] != got[1]:
+            raise CheckpointError(f"{folder}: {m}.bias has {got[0]} entries, expected {got[1]}")
+
+    for key, t in iter_tensors(located, device):
+        if key not in part_of:
+            if key.endswith(".bias") and key[:-len(".bias")] in expected:
+                check_bias(key[:-len(".bias")], 0, t.numel())
+            yield key, cast_float(t, dtype)
+            continue
+        m, part = part_of[key]
+        parts = pending.setdefault(m, {})
+        parts[part] = t
+        del t
+        if len(parts) == expected[m]:
+            del pending[m]
+            w4 = gptq_linear_to_w4(parts.pop("qweight"), parts.pop("qzeros"), parts.pop("scales"), parts.pop("g_idx", None),
+                                   group_size=qc["group_size"], checkpoint_format=qc["checkpoint_format"], name=m)
+            check_bias(m, 1, w4.out_features)
+            yield f"{m}.weight", cast_w4(w4, dtype)
+            del w4
+
+
+def load_gptq_weights(folder: PathLike, device: torch.device | str = "cpu",
+                      dtype: Optional[torch.dtype] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a GPTQ checkpoint folder -> (config, weights), streamed onto `device` (see gptq_weights)."""
+    config, _, stream = gptq_weights(folder, device, dtype)
+    return config, dict(stream)
 
 
 def save_gptq_checkpoint(folder: PathLike, config: dict[str, Any], float_weights: dict[str, torch.Tensor],
