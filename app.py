@@ -8,7 +8,9 @@ Recording a comparison trace for replay: `python -m hierviz record --out FILE --
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -20,6 +22,13 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     ap.add_argument("--stack", default=None, help="default model stack preset (or HIERVIZ_STACK)")
     args = ap.parse_args()
+    # warnings and errors of every library, and the app's own notes: a refused input is one line
+    # (logger hierviz.app.refused), a fault its traceback
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hierviz").setLevel(logging.INFO)
+    # a stopped container or `kill` sends SIGTERM: exit normally, so that the app's temp folders
+    # are removed (hierviz/app/tempfiles.py)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     from hierviz.app import build_app, launch_kwargs
     demo = build_app(args.stack)
     demo.launch(server_name=args.host, server_port=args.port, **launch_kwargs())

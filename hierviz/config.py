@@ -33,8 +33,11 @@ class Options:
     train_bf16: bool            # HIERVIZ_TRAIN_BF16: bf16 training on the CPU too (dry runs)
     # the public app (docs/security.md)
     allow_custom_stacks: bool   # HIERVIZ_ALLOW_CUSTOM_STACKS: visitors may name stack files (default off)
-    queue_size: int             # HIERVIZ_QUEUE_SIZE: visitors waiting for a run at most (default 20)
-    runs_per_minute: int        # HIERVIZ_RUNS_PER_MINUTE: live runs one visitor may start a minute (default 6)
+    queue_size: int             # HIERVIZ_QUEUE_SIZE: live runs waiting in the device line at most (default 20)
+    runs_per_minute: int        # HIERVIZ_RUNS_PER_MINUTE: live runs one visitor (page) may start a minute (default 6)
+    runs_per_address: int       # HIERVIZ_RUNS_PER_ADDRESS: live runs one client address may start a minute (default 20)
+    proxy_hops: int             # HIERVIZ_PROXY_HOPS: proxies that append to X-Forwarded-For (default 1 on a Space, else 0)
+    state_mb: int               # HIERVIZ_STATE_MB: memory one visitor's runs may take, as loaded (default 16)
     max_new_tokens: int         # HIERVIZ_MAX_NEW_TOKENS: cap on a live run's new tokens (default: by device)
     max_tree_size: int          # HIERVIZ_MAX_TREE_SIZE: cap on a live run's tree sizes (default: by device)
 
@@ -45,10 +48,14 @@ _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fus
 _CHOICES = {"cpu_matmul": ("HIERVIZ_CPU_MATMUL", ("auto", "plain", "nt")),
             "ui_pace": ("HIERVIZ_UI_PACE", ("auto", "on", "off"))}
 _INTS = {"queue_size": ("HIERVIZ_QUEUE_SIZE", 20, 1, 1000), "runs_per_minute": ("HIERVIZ_RUNS_PER_MINUTE", 6, 1, 600),
+         "runs_per_address": ("HIERVIZ_RUNS_PER_ADDRESS", 20, 1, 6000),
+         "state_mb": ("HIERVIZ_STATE_MB", 16, 1, 4096),
          "max_new_tokens": ("HIERVIZ_MAX_NEW_TOKENS", 0, 0, 8192), "max_tree_size": ("HIERVIZ_MAX_TREE_SIZE", 0, 0, 512)}
 ENV_NAMES = {**_FLAGS, **{k: v[0] for k, v in _CHOICES.items()}, **{k: v[0] for k, v in _INTS.items()},
              "stack": "HIERVIZ_STACK", "cache_dir": "HIERVIZ_CACHE", "train_bf16": "HIERVIZ_TRAIN_BF16",
-             "allow_custom_stacks": "HIERVIZ_ALLOW_CUSTOM_STACKS"}
+             "allow_custom_stacks": "HIERVIZ_ALLOW_CUSTOM_STACKS", "proxy_hops": "HIERVIZ_PROXY_HOPS"}
+# variables that are not options but change a default
+_DEFAULTS_FROM = ("SPACE_ID",)
 
 _global_overrides: dict[str, Any] = {}
 
@@ -79,7 +86,7 @@ def _int(name: str, default: int, lo: int, hi: int) -> int:
 def options() -> Options:
     """The options in effect: the environment, then any `overrides` around the caller. Cached
     against a snapshot of the variables, since kernels consult it on every launch."""
-    key = (tuple(os.environ.get(n) for n in ENV_NAMES.values()), tuple(sorted(_global_overrides.items())))
+    key = (tuple(os.environ.get(n) for n in (*ENV_NAMES.values(), *_DEFAULTS_FROM)), tuple(sorted(_global_overrides.items())))
     if _cached[0] == key:
         return _cached[1]
     opts = _read()
@@ -96,6 +103,9 @@ def _read() -> Options:
     values["train_bf16"] = env.get("HIERVIZ_TRAIN_BF16") == "1"
     values["allow_custom_stacks"] = env.get("HIERVIZ_ALLOW_CUSTOM_STACKS") == "1"
     values.update({k: _int(*spec) for k, spec in _INTS.items()})
+    # a Hugging Face Space (SPACE_ID set) sees every visitor through its proxy, which appends the
+    # visitor's address to X-Forwarded-For; elsewhere the peer address is the visitor's
+    values["proxy_hops"] = _int("HIERVIZ_PROXY_HOPS", 1 if env.get("SPACE_ID") else 0, 0, 10)
     values.update(_global_overrides)
     return Options(**values)
 

@@ -48,23 +48,11 @@ def leaks(message: str, echoed: tuple[str, ...] = ()) -> list[str]:
 
 
 # ---- run settings -----------------------------------------------------------------------------
-# (id, changes, expected): expected is ("app", text) for Gradio's own input validation (AppError),
-# ("status", text) for the app's error in the status box, or ("rounded", field, value): Gradio's
-# Number(precision=0) rounds a fraction before the app sees it, so the run goes ahead with the
-# rounded value (the browser does the same), and the trace records it.
-GENERIC_PREPROCESS = ("Gradio's preprocess fails on a non-numeric value of a Slider / Number(precision=0) "
-                      "(TypeError: '<' not supported / type str doesn't define __round__, or ValueError: cannot "
-                      "convert float NaN to integer) before run_live runs; with show_error=False the visitor "
-                      "only gets the generic 'upstream Gradio app has raised an exception' message")
-
-
-def _number(text: str) -> tuple:
-    """A specific "not a number" message from either layer (the app's status box, or Gradio's own)."""
-    return ("either", (("status", text), ("app", text)))
-
-
-def _x(reason: str = GENERIC_PREPROCESS) -> Any:
-    return pytest.mark.xfail(strict=True, reason=reason, raises=AssertionError)
+# (id, changes, expected): expected is ("app", text) for Gradio's own input validation (AppError:
+# a slider's range, the list of stacks), ("status", text) for the app's error in the status box,
+# or ("done", field, value): an integral-valued number of any type runs, and the trace records
+# the whole number. One rule for every setting (DecodeSettings.validate): a fraction is refused
+# wherever a whole number is meant, a word, None or NaN wherever a number is.
 
 
 # the CPU's cap on new tokens (hierviz.app.guard.DEVICE_CAPS): the slider ends there, so Gradio refuses
@@ -80,24 +68,29 @@ RUN_SETTING_CASES = [
     ("max_new=10**30", {"max_new": 10**30}, CAP_REFUSAL),
     ("max_new=300-above-cpu-cap", {"max_new": 300}, CAP_REFUSAL),
     ("max_new=3.5", {"max_new": 3.5}, ("status", "max_new_tokens must be a number (whole)")),
+    ("max_new=4.0-integral", {"max_new": 4.0}, ("done", "max_new_tokens", 4)),
     ("max_new=True", {"max_new": True}, ("status", "max_new_tokens must be a number (whole)")),
-    pytest.param("max_new=None", {"max_new": None}, _number("must be a number"), marks=_x()),
-    pytest.param("max_new=abc", {"max_new": "abc"}, _number("must be a number"), marks=_x()),
+    ("max_new=None", {"max_new": None}, ("status", "max_new_tokens must be a number (whole), got None")),
+    ("max_new=abc", {"max_new": "abc"}, ("status", "max_new_tokens must be a number (whole), got 'abc'")),
     ("temperature=-1", {"temperature": -1}, ("app", "less than minimum value 0")),
     ("temperature=1e9", {"temperature": 1e9}, ("app", "greater than maximum value 2")),
     ("temperature=True", {"temperature": True}, ("status", "temperature must be a number")),
-    pytest.param("temperature=nan-string", {"temperature": "nan"}, _number("temperature"), marks=_x()),
-    pytest.param("temperature=inf-string", {"temperature": "inf"}, _number("temperature"), marks=_x()),
-    pytest.param("temperature=None", {"temperature": None}, _number("must be a number"), marks=_x()),
-    pytest.param("temperature=abc", {"temperature": "abc"}, _number("must be a number"), marks=_x()),
-    ("m_depth=1.5-rounded", {"m_depth": 1.5}, ("rounded", "m_depth", 2)),
-    ("m_topk=3.5-rounded", {"m_topk": 3.5}, ("rounded", "m_topk", 4)),
-    ("t_size=7.5-rounded", {"t_size": 7.5}, ("rounded", "t_tree_size", 8)),
+    ("temperature=nan-string", {"temperature": "nan"}, ("status", "temperature must be a number, got 'nan'")),
+    ("temperature=inf-string", {"temperature": "inf"}, ("status", "temperature must be a number, got 'inf'")),
+    ("temperature=None", {"temperature": None}, ("status", "temperature must be a number, got None")),
+    ("temperature=abc", {"temperature": "abc"}, ("status", "temperature must be a number, got 'abc'")),
+    ("m_depth=1.5", {"m_depth": 1.5}, ("status", "m_depth must be a number (whole), got 1.5")),
+    ("m_topk=3.5", {"m_topk": 3.5}, ("status", "m_topk must be a number (whole), got 3.5")),
+    ("m_size=3.5", {"m_size": 3.5}, ("status", "m_tree_size must be a number (whole), got 3.5")),
+    ("t_depth=2.7", {"t_depth": 2.7}, ("status", "t_depth must be a number (whole), got 2.7")),
+    ("t_size=7.5", {"t_size": 7.5}, ("status", "t_tree_size must be a number (whole), got 7.5")),
+    ("m_size=8.0-integral", {"m_size": 8.0}, ("done", "m_tree_size", 8)),
+    ("t_depth=2.0-integral", {"t_depth": 2.0}, ("done", "t_depth", 2)),
     ("m_depth=None", {"m_depth": None}, ("status", "m_depth must be a number (whole), got None")),
     ("t_topk=None", {"t_topk": None}, ("status", "t_topk must be a number (whole), got None")),
-    pytest.param("m_depth=abc", {"m_depth": "abc"}, _number("must be a number"), marks=_x()),
-    pytest.param("t_depth=numeric-string-3", {"t_depth": "3"}, _number("must be a number"), marks=_x()),
-    ("m_depth=True", {"m_depth": True}, ("status", "E_M tree size 8 exceeds the 4 candidates")),
+    ("m_depth=abc", {"m_depth": "abc"}, ("status", "m_depth must be a number (whole), got 'abc'")),
+    ("t_depth=numeric-string-3", {"t_depth": "3"}, ("status", "t_depth must be a number (whole), got '3'")),
+    ("m_depth=True", {"m_depth": True}, ("status", "m_depth must be a number (whole), got True")),
     ("m_depth=10**30", {"m_depth": 10**30}, ("status", "E_M tree depth must be between 1 and 32")),
     ("m_depth=0", {"m_depth": 0}, ("status", "E_M tree depth must be between 1 and 32, got 0")),
     ("t_topk=-5", {"t_topk": -5}, ("status", "E_T tree top-k must be between 1 and 64, got -5")),
@@ -111,6 +104,7 @@ RUN_SETTING_CASES = [
     ("min_draft=0", {"min_draft": 0}, ("app", "less than minimum value 1")),
     ("min_draft=1000", {"min_draft": 1000}, ("app", "greater than maximum value 32")),
     ("min_draft=3.5", {"min_draft": 3.5}, ("status", "min_draft_len must be a number (whole)")),
+    ("min_draft=None", {"min_draft": None}, ("status", "min_draft_len must be a number (whole), got None")),
 ]
 
 # Values gradio_client cannot send (NaN, Infinity, lone surrogates are not JSON it writes), posted
@@ -184,19 +178,12 @@ def _garbage() -> bytes:
     return random.Random(0).randbytes(4096)
 
 
-META_SETTINGS_BUG = ("hierviz.viz.panels.stats_html (line 230, reached when the comparison has an AR run) "
-                     "does float((runs[0].meta.get('settings') or {}).get('temperature') or 0): a trace whose "
-                     "meta.settings is not an object, or whose temperature is not a number, passes "
-                     "hierviz.trace validation and then raises "
-                     "AttributeError / ValueError / TypeError while rendering; the visitor gets Gradio's "
-                     "generic error instead of 'Could not read NAME: ...'")
-
 # (id, build() -> bytes, expected): ("error", text) "Could not read NAME: ...text..." in the status
 # box, or ("loads", None): a document the schema allows (it only displays ids and numbers), which
 # must load and render without an error
 UPLOAD_CASES = [
     ("malformed-json", lambda: b"{not json", ("error", "not valid JSON")),
-    ("binary-garbage", _garbage, ("error", "not valid JSON")),
+    ("binary-garbage", _garbage, ("error", "it is not a text file (a trace is JSON text)")),
     ("empty-file", lambda: b"", ("error", "not valid JSON")),
     ("json-list", lambda: b"[1, 2, 3]", ("error", "a trace must be a JSON object")),
     ("json-string", lambda: b'"hello"', ("error", "a trace must be a JSON object")),
@@ -260,32 +247,26 @@ def html_everywhere() -> bytes:
 
 
 # ---- stack files (hierviz.stack.load_stack) ------------------------------------------------------
-LOOSE_SPEC = ("hierviz.stack.load_stack trusts the shape of the stack JSON: spec['target']['path'], "
-              "spec.get(...) on a part, `dtype in DTYPES`, the draft_vocab file read outside the try; a "
-              "wrong type raises a bare {exc} (not a StackError/ValueError), so `python -m hierviz generate "
-              "--stack that.json` ends in a traceback")
-
-# (id, the stack JSON text, expected message, xfail: the exception type it raises today, or None)
+# (id, the stack JSON text, expected message)
 SPEC_CASES = [
-    ("not-json", "{nope", "is not valid JSON", None),
-    ("json-list", "[1, 2]", "has no 'target'", None),
-    ("json-null", "null", "has no 'target'", None),
-    ("missing-folder", '{"target": {"path": "./no-such-folder"}}', "no such model file or folder", None),
-    ("target-is-etc-passwd", '{"target": {"path": "/etc/passwd"}}', "neither a model folder nor a .gguf file", None),
-    ("unknown-quantize", '{"target": {"path": "target", "quantize": 5}}', "unknown quantize option 5", None),
-    ("unknown-dtype", '{"target": {"path": "target"}, "dtype": "float8"}', "unknown dtype 'float8'", None),
-    ("target-a-string", '{"target": "target"}', "'target' must be an object", None),
-    ("target-empty-object", '{"target": {}}', "\"path\" string", None),
-    ("target-null", '{"target": null}', "'target' must be an object", None),
-    ("target-path-a-number", '{"target": {"path": 5}}', "\"path\" string", None),
-    ("dtype-a-list", '{"target": {"path": "target"}, "dtype": []}', "'dtype' must be a string", None),
-    ("intermediate-a-string", '{"target": {"path": "target"}, "intermediate": "target"}', "'intermediate' must be an object",
-     None),
-    ("e_t-a-string", '{"target": {"path": "target"}, "e_t": "e_t"}', "'e_t' must be an object", None),
+    ("not-json", "{nope", "is not valid JSON"),
+    ("json-list", "[1, 2]", "has no 'target'"),
+    ("json-null", "null", "has no 'target'"),
+    ("missing-folder", '{"target": {"path": "./no-such-folder"}}', "no such model file or folder"),
+    ("target-is-etc-passwd", '{"target": {"path": "/etc/passwd"}}', "neither a model folder nor a .gguf file"),
+    ("unknown-quantize", '{"target": {"path": "target", "quantize": 5}}', "unknown quantize option 5"),
+    ("unknown-dtype", '{"target": {"path": "target"}, "dtype": "float8"}', "unknown dtype 'float8'"),
+    ("target-a-string", '{"target": "target"}', "'target' must be an object"),
+    ("target-empty-object", '{"target": {}}', "\"path\" string"),
+    ("target-null", '{"target": null}', "'target' must be an object"),
+    ("target-path-a-number", '{"target": {"path": 5}}', "\"path\" string"),
+    ("dtype-a-list", '{"target": {"path": "target"}, "dtype": []}', "'dtype' must be a string"),
+    ("intermediate-a-string", '{"target": {"path": "target"}, "intermediate": "target"}', "'intermediate' must be an object"),
+    ("e_t-a-string", '{"target": {"path": "target"}, "e_t": "e_t"}', "'e_t' must be an object"),
     ("draft_vocab-missing-file", '{"target": {"path": "target"}, "e_t": {"path": "e_t"}, "draft_vocab": "nope.json"}',
-     "cannot read the draft vocabulary", None),
+     "cannot read the draft vocabulary"),
     ("draft_vocab-an-object", '{"target": {"path": "target"}, "e_t": {"path": "e_t"}, '
-                              '"draft_vocab": "target/config.json"}', "must be a non-empty JSON list", None),
+                              '"draft_vocab": "target/config.json"}', "must be a non-empty JSON list"),
 ]
 
 

@@ -20,6 +20,15 @@ gradio_client = pytest.importorskip("gradio_client")
 SMALL = ["hello there", "tiny-random", 6, 0.0, 2, 4, 8, 3, 2, 4, 8, False]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def generous_rate_limits():
+    """Every run here comes from this machine's address, after the rest of the suite's: the
+    per-address limit (tests/test_hardening.py tests it) must not refuse them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HIERVIZ_RUNS_PER_ADDRESS", "6000")
+        yield
+
+
 @pytest.fixture(scope="module")
 def app_url():
     from hierviz.app.check import start_app
@@ -145,18 +154,25 @@ def test_sessions_do_not_share_state(app_url, tmp_path):
     assert "Step 2" not in str(b.predict(2, api_name="/scrub"))
 
 
-def test_gpu_work_is_one_concurrency_group():
-    from hierviz.app import build_app
+def test_runs_wait_in_the_apps_line_not_in_gradios_queue():
+    """Live runs start at once (no Gradio concurrency limit) and wait in the app's device line,
+    which has its own bound; Gradio's queue bound is far above it, so the light events (scrub,
+    loads, Stop) are never refused because runs wait. The other tabs' device work keeps one
+    Gradio worker and takes its turn in the same line."""
+    import inspect
+
+    from hierviz.app import build_app, layout, profile_tab, whatif_tab
+    from hierviz.config import options
     demo = build_app("tiny-random")
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     runs = [f for f in fns if f.name == "run_live"]
-    assert runs and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in runs)
-    # the What-if tab's live run shares the group
-    whatif = [f for f in fns if f.name == "live_run"]
-    assert whatif and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in whatif)
-    # only GPU work joins the group (runs, the Profile tab's live measurement, the live what-if):
-    # scrubbing, replay and uploads never wait for a run
-    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("run_live", "measure_profile", "live_run"))
+    assert runs and all(f.concurrency_limit is None for f in runs)
+    assert demo._queue.max_size == layout.EVENT_BACKLOG > 10 * options().queue_size
+    others = [f for f in fns if f.name in ("live_run", "measure_profile")]
+    assert len(others) == 2 and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in others)
+    for fn in (whatif_tab.live_run, profile_tab.measure_profile):
+        assert "LINE.hold(" in inspect.getsource(fn)
+    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("measure_profile", "live_run"))
 
 
 def test_tabs_are_pluggable():
@@ -182,7 +198,8 @@ def test_render_pacing_waits_only_for_pages_that_report(monkeypatch):
     """A run waits for a page to draw each update only once that page has reported drawing one (API
     clients never do), and by default only for a page on this machine, whose drawing competes with
     the engine for the cores."""
-    from hierviz.app.handlers import forget_session, live_pace_mode, report_rendered
+    from hierviz.app.handlers import forget_session, report_rendered
+    from hierviz.app.live import live_pace_mode
     from hierviz.app.pacing import pace_mode, should_pace
     from hierviz.app.session import SESSIONS
     from hierviz.config import ConfigError

@@ -5,9 +5,12 @@
     demo.launch(**launch_kwargs())
 
 Modules: layout (the page and its tabs), visualizer (the Visualizer tab's components and events),
-handlers (its event handlers), render (what its panels show), session (per-visitor state), pacing
-(render pacing), stacks (the loaded model stack), shipped (assets that ship with the app), common
-(what every tab shares), profile_tab and whatif_tab (the other tabs), check (`app-check`).
+handlers (its event handlers), live (the live run), line (the device line runs wait in), render
+(what its panels show), session (per-visitor state), guard (what a visitor may ask for: caps,
+rate limits, refusals), fields (visitor-proof input processing), pacing (render pacing), stacks
+(the loaded model stack), shipped (assets that ship with the app), downloads and tempfiles (the
+app's files), common (what every tab shares), profile_tab and whatif_tab (the other tabs), check
+(`app-check`).
 """
 from __future__ import annotations
 

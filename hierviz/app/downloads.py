@@ -1,28 +1,36 @@
-"""The comparison file the page offers for download, one per visitor.
+"""The comparison file the page offers for download after a live run, one per visitor.
 
 Each visitor's file lives in its own folder under DOWNLOAD_ROOT; a new run replaces it, a closed
 page removes it, and the process keeps at most MAX_KEPT visitors' files (the oldest go first), so
-a public app's disk use stays bounded however many visitors come.
+a public app's disk use stays bounded however many visitors come. The folder goes when the
+process exits (hierviz/app/tempfiles.py). A recorded trace is offered as its own file, and an
+uploaded one not at all (the visitor has it): loading a trace writes nothing.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
 
+from hierviz.app.tempfiles import process_folder, remove_at_exit
 from hierviz.trace import Trace, save_comparison
 
-DOWNLOAD_ROOT = Path(tempfile.gettempdir()) / f"hierviz-downloads-{os.getpid()}"
+DOWNLOAD_ROOT = process_folder("downloads")
 MAX_KEPT = 64
 _lock = threading.Lock()
 
 
 def _folder(key: str) -> Path:
     return DOWNLOAD_ROOT / (re.sub(r"[^A-Za-z0-9_-]", "_", key)[:64] or "anonymous")
+
+
+def prepare() -> Path:
+    """The download folder, created, and removed when this process exits."""
+    DOWNLOAD_ROOT.mkdir(parents=True, exist_ok=True)
+    remove_at_exit(DOWNLOAD_ROOT)
+    return DOWNLOAD_ROOT
 
 
 def save(key: str, runs: list[Trace]) -> Optional[str]:

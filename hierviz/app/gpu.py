@@ -18,13 +18,11 @@ except ImportError:          # not on a Hugging Face Space
 BASE_S, PER_TOKEN_S, MAX_S = 60, 0.15, 300
 
 
-def run_duration(prompt: Any = None, stack: Any = None, max_new: Any = 64, *rest: Any, **kw: Any) -> int:
-    """The GPU time a live run asks ZeroGPU for, from its new-token count (three methods)."""
-    try:
-        tokens = max(1, min(int(max_new), 8192))
-    except (TypeError, ValueError):
-        tokens = 64
-    return int(min(MAX_S, BASE_S + 3 * PER_TOKEN_S * tokens))
+def run_duration(settings: Any = None, methods: Any = ("hierspec", "eagle2", "ar"), *rest: Any, **kw: Any) -> int:
+    """The GPU time a live run asks ZeroGPU for, from its (validated) settings' new-token count and
+    the number of methods; called with the device run's own arguments."""
+    tokens = max(1, min(int(getattr(settings, "max_new_tokens", 64)), 8192))
+    return int(min(MAX_S, BASE_S + max(1, len(methods)) * PER_TOKEN_S * tokens))
 
 
 def on_gpu(duration: Callable[..., int]) -> Callable[[Callable], Callable]:

@@ -5,21 +5,26 @@ from typing import Callable, Optional
 
 import gradio as gr
 
-from hierviz.app import downloads
-from hierviz.app.common import ASSETS
+from hierviz.app import downloads, tempfiles
+from hierviz.app.common import ASSETS, TRACE_DIR
+from hierviz.app.fields import PublicBlocks
 from hierviz.app.handlers import LOAD_OUTPUTS, forget_session, on_open
 from hierviz.app.profile_tab import profile_tab
 from hierviz.app.session import STATE_CAPACITY
 from hierviz.app.stacks import set_operator_stack
 from hierviz.app.visualizer import pick, visualizer_tab
 from hierviz.app.whatif_tab import whatif_tab
-from hierviz.config import options
 from hierviz.trace import MAX_TRACE_BYTES
 
 HEADER = """<div class="hv-header"><h1>HierSpec, step by step</h1>
 <p>A tiny draft head guesses a <b>tree</b> of tokens → a mid-size model <b>M</b> checks the tree and turns it into a
 short <b>sequence</b> → the big <b>4-bit target T</b> checks only that sequence. Same text as T alone, fewer expensive
 passes. Compare it live with EAGLE-2, where T checks the whole tree itself.</p></div>"""
+
+# Events that may wait in Gradio's queue for a worker of their own group at once (scrubs, loads,
+# Stop through the API, the other tabs): a flood guard. Live runs never wait there: they wait in
+# the app's device line, bounded by HIERVIZ_QUEUE_SIZE (hierviz/app/line.py).
+EVENT_BACKLOG = 500
 
 # (tab title, builder). A builder is called inside `with gr.Tab(title):` and builds that tab.
 TAB_BUILDERS: list[tuple[str, Callable[[], None]]] = []
@@ -38,13 +43,15 @@ def about_tab() -> None:
 def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
     """The app; stack_default preselects a stack (default: HIERVIZ_STACK, else the offline stack)."""
     set_operator_stack(stack_default)
-    # the download files are served from their own bounded folder (hierviz/app/downloads.py)
-    # instead of a copy in Gradio's cache per run
-    downloads.DOWNLOAD_ROOT.mkdir(parents=True, exist_ok=True)
-    gr.set_static_paths([downloads.DOWNLOAD_ROOT])
-    # Gradio's own cache (uploads, served files) is swept every 10 minutes of files older than 15
-    with gr.Blocks(title="hierviz: hierarchical speculative decoding", fill_width=True,
-                   delete_cache=(600, 900)) as demo:
+    # this process's temp folders go at exit; those left by processes that died go now
+    tempfiles.sweep_dead()
+    tempfiles.use_own_gradio_cache()
+    # downloads are served from their own bounded folder (hierviz/app/downloads.py) and recorded
+    # traces from theirs, instead of a copy in Gradio's cache per visitor
+    gr.set_static_paths([downloads.prepare(), TRACE_DIR])
+    # Gradio's own cache (uploads) is swept every 10 minutes of files older than 15
+    with PublicBlocks(title="hierviz: hierarchical speculative decoding", fill_width=True,
+                      delete_cache=(600, 900)) as demo:
         gr.HTML(HEADER)
         with gr.Tabs():
             with gr.Tab("Visualizer", id="viz"):
@@ -56,8 +63,7 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
                 about_tab()
         demo.load(on_open, None, pick(viz, LOAD_OUTPUTS), show_progress="hidden", api_visibility="private")
         demo.unload(forget_session)
-    # a bounded line: a visitor past it is told the app is busy; the others see their place in it
-    demo.queue(max_size=options().queue_size, default_concurrency_limit=8)
+    demo.queue(max_size=EVENT_BACKLOG, default_concurrency_limit=8)
     return demo
 
 

@@ -11,6 +11,9 @@ from typing import Optional
 import gradio as gr
 
 from hierviz.app.common import ASSETS
+from hierviz.app.guard import VisitorError
+from hierviz.app.line import LINE
+from hierviz.app.session import session_key
 from hierviz.viz.profile_fig import profile_figure
 
 PROFILE_DIR = ASSETS / "profile"
@@ -47,17 +50,20 @@ def show_profile(label: Optional[str]):
                               f"copy bandwidth {d.get('copy_bandwidth_GBps', 0):.0f} GB/s."
 
 
-def measure_profile(shape: str):
-    """(figure, note) of one decoder layer of `shape` measured now on this GPU; a message without one."""
+def measure_profile(shape: str, request: Optional[gr.Request] = None):
+    """(figure, note) of one decoder layer of `shape` measured now on this GPU, in its turn on the
+    device (hierviz.app.line); a message without one."""
     import torch
     if not torch.cuda.is_available():
         return gr.update(), "No GPU on this machine: the chart shows the H200 recording instead."
     from hierviz.measure import profile as prof
     try:
         name, cfg = prof.load_shape(shape)
-        with torch.no_grad():
+        with LINE.hold(session_key(request)), torch.no_grad():
             d = prof.profile(cfg, name, [1, 2, 4, 8, 16, 32, 64, 128], "cuda", whole_model=False, rep_ms=20.0,
                              log=lambda s: None)
+    except VisitorError as e:          # the device line is full
+        return gr.update(), str(e)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return gr.update(), "The GPU ran out of memory for this shape; try a smaller one."

@@ -5,6 +5,7 @@ here knows about the components themselves.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import gradio as gr
@@ -34,12 +35,19 @@ def tree_title(trace: Trace, i: int) -> str:
     return f"Step {i + 1} ({method_label(st.method)})"
 
 
+@functools.cache
+def empty_panels() -> dict[str, Any]:
+    """The panels with nothing to show, made once: every live run starts by clearing them. Gradio
+    only reads the figures it is given, so one copy serves every visitor."""
+    return dict(tree=tree_figure([]), seq=sequence_html(None), verdict=verdict_html(None),
+                output=output_html(None), latency=latency_figure(None), stats=stats_html([]))
+
+
 def render_panels(sess: Session, step: Optional[int] = None) -> dict[str, Any]:
     """Everything the panels show for the inspected run and step (None or -1: the latest)."""
     main = sess.run()
     if main is None or not main.steps:
-        return dict(tree=tree_figure([]), seq=sequence_html(None), verdict=verdict_html(None),
-                    output=output_html(None), latency=latency_figure(None), stats=stats_html([]))
+        return dict(empty_panels())
     last = len(main.steps) - 1
     i = last if step is None or step < 0 else min(step, last)
     st = main.steps[i]

@@ -6,17 +6,26 @@ the same visitor (Stop, the page's "drawn" reports): a Stop click is its own eve
 copies gr.State values between events, so a flag inside the State would not reach the running
 generator. The registry is keyed by Gradio's session hash and forgets a visitor when their page
 closes, so a public app does not grow.
+
+What one visitor's runs may take in memory is bounded (HIERVIZ_STATE_MB), counted as loaded:
+`state_bytes` estimates the parsed traces' size from what they hold (steps, trees, tree nodes,
+tokens and every text), not from the size of a file as uploaded; a 20 MB upload of small nodes
+takes 50-90 MB once parsed, one of long texts about its own size.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from hierviz.trace import Trace
+from hierviz.config import options
+from hierviz.trace import Step, Trace
 
 SESSION_TTL_S = 1800        # an idle visitor's runs are dropped after this many seconds
 STATE_CAPACITY = 64         # visitors whose state Gradio keeps at most (the least recent go first)
+MAX_FLAGS = 10_000          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
 
 
 @dataclass
@@ -26,7 +35,7 @@ class Session:
     step: int = -1                  # inspected step of that run (-1: the latest)
     follow: bool = True             # live updates move the panels to the newest step
     source: str = ""                # "live run" or the trace file name
-    download: Optional[str] = None  # path of the saved comparison JSON
+    download: Optional[str] = None  # path of the comparison JSON the page offers
 
     def run(self, method: Optional[str] = None) -> Optional[Trace]:
         """The run of `method` (default: the viewed one), else the first run, else None."""
@@ -37,11 +46,68 @@ class Session:
         return [t for t in self.runs if t is not main]
 
 
+# Bytes each part of a parsed trace takes, its texts aside (CPython 3.11, tracemalloc over traces
+# of thousands of steps): a step with its dicts and lists, one new token (id, text and source
+# entries), a tree, a tree node, a sequence-draft token
+STEP_BYTES, TOKEN_BYTES, TREE_BYTES, NODE_BYTES, SEQ_BYTES = 1040, 90, 340, 220, 170
+
+
+def text_bytes(text: str) -> int:
+    # CPython shares the empty string and one-character Latin-1 strings; any other text is its own object
+    return 0 if len(text) == 0 or (len(text) == 1 and ord(text) < 256) else sys.getsizeof(text)
+
+
+def value_bytes(value: object) -> int:
+    """A JSON value's size in memory, containers included (a trace's meta: any JSON an upload holds)."""
+    size, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        size += text_bytes(v) if isinstance(v, str) else sys.getsizeof(v)
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return size
+
+
+def step_bytes(step: Step) -> int:
+    """What one step takes in memory (see the constants above)."""
+    size = STEP_BYTES + len(step.new_tokens) * TOKEN_BYTES + sum(text_bytes(t) for t in step.new_text)
+    size += text_bytes(step.target_bonus_text)
+    for tree in step.trees:
+        size += TREE_BYTES + text_bytes(tree.root_text) + text_bytes(tree.bonus_text)
+        size += len(tree.nodes) * NODE_BYTES + sum(text_bytes(n.text) for n in tree.nodes)
+    return size + len(step.sequence) * SEQ_BYTES + sum(text_bytes(t.text) for t in step.sequence)
+
+
+def run_bytes(trace: Trace) -> int:
+    """One trace's size in memory but its steps: its metadata and texts."""
+    return value_bytes(trace.meta) + text_bytes(trace.output_text) + text_bytes(trace.finish_reason)
+
+
+def state_bytes(runs: list[Trace]) -> int:
+    """What a visitor's runs take in memory, estimated from what they hold (module docstring)."""
+    return sum(run_bytes(t) + sum(step_bytes(s) for s in t.steps) for t in runs)
+
+
+def state_limit_mb() -> int:
+    """What one visitor's runs may take (HIERVIZ_STATE_MB), in MB of state_bytes' estimate."""
+    return options().state_mb
+
+
 @dataclass
 class SessionFlags:
-    stop: threading.Event = field(default_factory=threading.Event)      # Stop was pressed
+    stops: int = 0            # Stop presses so far; a run stops when this passes the count at its start
     rendered: threading.Event = field(default_factory=threading.Event)  # the page drew the last update
     reporting: bool = False   # the page has reported drawing at least once (API clients never do)
+    used: float = field(default_factory=time.monotonic)   # when an event of the visitor last asked
+
+    def stop_signal(self) -> Callable[[], bool]:
+        """Whether Stop was pressed since now: a run takes this when it is submitted, so a Stop
+        pressed while it waits in line reaches it, and a Stop before it (a stale one) does not."""
+        since = self.stops
+        return lambda: self.stops > since
 
 
 def session_key(request: Any) -> str:
@@ -58,7 +124,23 @@ class SessionRegistry:
 
     def flags(self, key: str) -> SessionFlags:
         with self._lock:
-            return self._flags.setdefault(key, SessionFlags())
+            if key not in self._flags and len(self._flags) >= MAX_FLAGS:
+                self._drop_idle()
+            flags = self._flags.setdefault(key, SessionFlags())
+            flags.used = time.monotonic()
+            return flags
+
+    def _drop_idle(self) -> None:
+        # API clients never close a page, so their flags would pile up; a visitor idle this long
+        # has no run left (a run is far shorter), and their next event starts afresh
+        now = time.monotonic()
+        for key in [k for k, f in self._flags.items() if now - f.used > SESSION_TTL_S]:
+            del self._flags[key]
+
+    def request_stop(self, key: str) -> None:
+        flags = self.flags(key)
+        with self._lock:
+            flags.stops += 1
 
     def mark_rendered(self, key: str) -> None:
         """The page `key` reports that it drew the last update."""
@@ -72,8 +154,11 @@ class SessionRegistry:
         return flags is not None and flags.reporting
 
     def forget(self, key: str) -> None:
+        """A closed page: its runs, running or waiting in line, stop; its flags go."""
         with self._lock:
-            self._flags.pop(key, None)
+            flags = self._flags.pop(key, None)
+            if flags is not None:
+                flags.stops += 1
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 from hierviz.app.common import ASSETS, TRACE_DIR
+from hierviz.trace import Trace, comparison_from_json
+
+# parsed recorded traces by path, with the file's modification time: every new page opens on the
+# first one, and the visitors who show it share one copy in memory (the app never changes a loaded trace)
+_parsed: dict[str, tuple[int, list[Trace]]] = {}
+_parsed_lock = threading.Lock()
 
 
 def shipped_traces() -> list[tuple[str, str]]:
@@ -32,3 +40,13 @@ def example_prompts() -> list[list[str]]:
         return [[str(x)] for x in items if isinstance(x, str)]
     except (OSError, ValueError):
         return []
+
+
+def shipped_runs(path: str) -> list[Trace]:
+    """The runs of the recorded trace at `path` (one of shipped_traces()), parsed once; TraceError
+    or OSError as hierviz.trace.comparison_from_json and reading the file give them."""
+    mtime = Path(path).stat().st_mtime_ns
+    with _parsed_lock:
+        if path not in _parsed or _parsed[path][0] != mtime:
+            _parsed[path] = (mtime, comparison_from_json(Path(path).read_bytes()))
+        return _parsed[path][1]

@@ -1,7 +1,8 @@
 """The Visualizer tab: its components (run panel on the left, live view on the right) and their events.
 
 The components are collected in a dict by name; hierviz.app.handlers names each event's inputs and
-outputs the same way, so the wiring here is only "this event, these names, that handler".
+outputs the same way, so the wiring here is only "this event, these names, that handler". The
+inputs a visitor can send anything to through the API are hierviz.app.fields' components.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import gradio as gr
 
 from hierviz.app import handlers as h
 from hierviz.app.common import status_html
+from hierviz.app.fields import NumberField, SliderField, TraceUpload
+from hierviz.app.live import run_live
 from hierviz.app.pacing import RENDERED_JS
 from hierviz.app.session import SESSION_TTL_S, Session
 from hierviz.app.shipped import example_prompts, shipped_traces
@@ -24,6 +27,7 @@ from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_ht
 Components = dict[str, Any]
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+UPLOADS_AT_ONCE = 4      # uploads parsed at once (a large one takes a few times its size for a moment)
 
 TEACH = {
     "tree": """**1 · Draft tree.** A tiny EAGLE head (E_M) guesses many continuations at once: each column
@@ -104,12 +108,12 @@ def settings_panel(ui: Components, stack_default: str | None) -> None:
                               info="Target T (4-bit), intermediate M and EAGLE heads")
     d = default_settings()   # this machine's: small trees on a CPU (settings.CPU_TREES)
     most = caps(device_kind())["max_new_tokens"]
-    ui["max_new"] = gr.Slider(1, most, value=min(d.max_new_tokens, most), step=1, label="Max new tokens",
-                              elem_id="hv-max-new")
-    ui["temperature"] = gr.Slider(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
+    ui["max_new"] = SliderField(1, most, value=min(d.max_new_tokens, most), step=1, label="Max new tokens",
+                                elem_id="hv-max-new")
+    ui["temperature"] = SliderField(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
     gr.Markdown("**HierSpec: E_M tree, checked by M**")
     tree_controls(ui, "m", (d.m_depth, d.m_topk, d.m_tree_size))
-    ui["min_draft"] = gr.Slider(1, 32, value=d.min_draft_len, step=1, label="Min sequence-draft length for T")
+    ui["min_draft"] = SliderField(1, 32, value=d.min_draft_len, step=1, label="Min sequence-draft length for T")
     gr.Markdown("**EAGLE-2 baseline: E_T tree, checked by T**")
     tree_controls(ui, "t", (d.t_depth, d.t_topk, d.t_tree_size))
     ui["with_ar"] = gr.Checkbox(True, label="Also run plain autoregressive decoding (for the speedup)",
@@ -117,10 +121,12 @@ def settings_panel(ui: Components, stack_default: str | None) -> None:
 
 
 def tree_controls(ui: Components, prefix: str, values: tuple[int, int, int]) -> None:
-    """Depth, top-k and size of one tree (prefix "m": E_M's, "t": E_T's)."""
+    """Depth, top-k and size of one tree (prefix "m": E_M's, "t": E_T's). No rounding here
+    (precision None): a fraction is refused by DecodeSettings.validate like any other setting's."""
     with gr.Row():
         for key, label, value in zip(("depth", "topk", "size"), ("depth", "top-k", "size"), values):
-            ui[f"{prefix}_{key}"] = gr.Number(value, label=label, precision=0, elem_id=f"hv-{prefix}-{key}")
+            ui[f"{prefix}_{key}"] = NumberField(value, label=label, precision=None, step=1,
+                                                elem_id=f"hv-{prefix}-{key}")
 
 
 def replay_panel(ui: Components) -> None:
@@ -128,12 +134,12 @@ def replay_panel(ui: Components) -> None:
     ui["trace_pick"] = gr.Dropdown(shipped, value=shipped[0][1] if shipped else None, label="Recorded traces",
                                    elem_id="hv-trace-pick")
     ui["load_btn"] = gr.Button("Load recorded trace")
-    ui["upload"] = gr.File(label=f"…or upload a trace JSON (max {MAX_TRACE_BYTES // 2**20} MB)",
-                           file_types=[".json"], type="filepath", elem_id="hv-upload")
+    ui["upload"] = TraceUpload(label=f"…or upload a trace JSON (max {MAX_TRACE_BYTES // 2**20} MB)",
+                               file_types=[".json"], type="filepath", elem_id="hv-upload")
     ui["speed"] = gr.Slider(0.5, 20, value=3, step=0.5, label="Replay speed (steps per second)")
     with gr.Row():
         ui["play_btn"] = gr.Button("▶ Replay", elem_id="hv-play")
-        ui["pause_btn"] = gr.Button("■ Stop replay")
+        ui["pause_btn"] = gr.Button("■ Stop replay", elem_id="hv-pause")
 
 
 def live_view(ui: Components) -> None:
@@ -141,7 +147,7 @@ def live_view(ui: Components) -> None:
     gr.HTML(legend_html())
     with gr.Row(elem_classes=["hv-scrub"]):
         ui["view"] = gr.Radio([], label="Inspect run", scale=2, elem_id="hv-view")
-        ui["step"] = gr.Slider(1, 2, value=1, step=1, label="Step", scale=5, interactive=False, elem_id="hv-step")
+        ui["step"] = SliderField(1, 2, value=1, step=1, label="Step", scale=5, interactive=False, elem_id="hv-step")
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=480):
             ui["tree"] = gr.Plot(label="Draft tree(s)", elem_id="hv-tree", elem_classes=["hv-tree"])
@@ -167,11 +173,12 @@ def live_view(ui: Components) -> None:
 def wire_run(ui: Components) -> None:
     """Run (button or Enter in the prompt), Stop, and the page's drawn-update reports."""
     inputs, outputs = pick(ui, h.RUN_INPUTS), pick(ui, h.RUN_OUTPUTS)
-    # one live run at a time (the "gpu" group); a waiting visitor sees their place in the line and
-    # Gradio's estimate on the status box only, the panels stay as they are
-    queued = dict(concurrency_id="gpu", concurrency_limit=1, show_progress="minimal", show_progress_on=[ui["status"]])
-    ui["run_btn"].click(h.run_live, inputs, outputs, api_name="run", **queued)
-    ui["prompt"].submit(h.run_live, inputs, outputs, api_visibility="private", **queued)
+    # a run's event starts at once and waits in the app's device line (hierviz.app.line), not in
+    # Gradio's queue, whose size limit is every event's; its place and expected start are in the
+    # status box, so Gradio's own progress (its estimate counts the wait as run time) is hidden
+    started = dict(concurrency_limit=None, show_progress="hidden")
+    ui["run_btn"].click(run_live, inputs, outputs, api_name="run", **started)
+    ui["prompt"].submit(run_live, inputs, outputs, api_visibility="private", **started)
     ui["stop_btn"].click(h.request_stop, None, [ui["status"]], queue=False, api_name="stop")
     # the page reports each drawn status update (render pacing, hierviz.app.pacing)
     ui["status"].change(h.report_rendered, None, None, queue=False, show_progress="hidden",
@@ -189,7 +196,9 @@ def wire_inspect(ui: Components) -> None:
 def wire_replay(ui: Components) -> None:
     """Upload, recorded traces, Replay and Stop replay."""
     outputs = pick(ui, h.LOAD_OUTPUTS)
-    ui["upload"].upload(h.load_file, [ui["upload"]], outputs, show_progress="hidden", api_name="load_trace")
+    # parsing a large upload takes a few times its size in memory for a moment: a few at a time
+    ui["upload"].upload(h.load_file, [ui["upload"]], outputs, show_progress="hidden", api_name="load_trace",
+                        concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE)
     ui["load_btn"].click(h.load_shipped, [ui["trace_pick"]], outputs, show_progress="hidden",
                          api_visibility="private")
     play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"]], pick(ui, h.PLAY_OUTPUTS),

@@ -9,8 +9,8 @@ decisions given (a recorded trace or per-depth rates).
 Only files listed from assets/whatif/ (recorded results) and assets/traces/ (acceptance
 traces) are ever read; the browser picks among their labels, never sends a path. The live run
 is the command itself (hierviz.measure.whatif.main: parser().parse_args -> run_whatif) in a child
-process, so it can be killed when it runs past its time limit; it joins the app's "gpu"
-concurrency group.
+process, so it can be killed when it runs past its time limit; it takes its turn on the device in
+the app's device line (hierviz.app.line), after the live runs waiting before it.
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ from typing import Any, Iterator, Optional
 import gradio as gr
 
 from hierviz.app.common import ROOT, TRACE_DIR, status_html
+from hierviz.app.guard import VisitorError
+from hierviz.app.line import LINE
+from hierviz.app.session import session_key
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
@@ -407,8 +410,8 @@ def run_child(argv: list[str], timeout_s: float) -> dict[str, Any]:
     return json.loads((Path(a.out) / "whatif.json").read_text(encoding="utf-8"))
 
 
-def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any,
-             max_new: Any) -> Iterator[tuple[str, Any, Any, str]]:
+def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any, max_new: Any,
+             request: Optional[gr.Request] = None) -> Iterator[tuple[str, Any, Any, str]]:
     """Gradio handler: (status, plot A, plot B, table); every failure is a message."""
     keep = gr.skip()
     cuda = cuda_available()
@@ -417,16 +420,18 @@ def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any
         try:
             argv = live_argv(shape, source, rates_text, scale, seq_rate, max_new, cuda, tmp)
             where = "this GPU" if cuda else "the CPU (tiny shapes: plumbing only)"
-            yield (status_html(f"Running AR, EAGLE-2 and HierSpec on {where}… (stopped after "
+            after = f" after the {LINE.waiting() + 1} live run(s) in line" if LINE.busy() else ""
+            yield (status_html(f"Running AR, EAGLE-2 and HierSpec on {where}{after}… (stopped after "
                                f"{LIVE_TIMEOUT_S[dev]} s)"), keep, keep, keep)
-            d = run_child(argv, LIVE_TIMEOUT_S[dev])
+            with LINE.hold(session_key(request)):      # the device is the live runs' too
+                d = run_child(argv, LIVE_TIMEOUT_S[dev])
             d["command"] = live_command(argv, tmp)
             a, b = _plots(figures(d))
             note = ("Done: " + (f"HierSpec / EAGLE-2 = {d['hierspec_vs_eagle2']:.2f}x, " if "hierspec_vs_eagle2" in d
                                 else "") + f"{LABEL}." + ("" if cuda else " Tiny CPU shapes: these numbers only show "
                                                           "the plumbing."))
             yield status_html(note, "ok"), a, b, summary_markdown(d) + "\n\n" + source_markdown(d)
-        except LiveInputError as e:
+        except (LiveInputError, VisitorError) as e:
             yield status_html(str(e), "error"), keep, keep, keep
         except Exception as e:   # last resort: the page stays usable, the details go to the server log
             log.exception("live what-if failed")

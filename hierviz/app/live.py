@@ -1,0 +1,264 @@
+"""The live run (/run): HierSpec, EAGLE-2 and (optionally) AR on the visitor's prompt, one after
+the other so that their timings do not disturb each other, streaming the panels of the viewed run.
+
+A run's event starts at once (docs/app.md, "Queueing"): its inputs are checked, the rate limits
+count it, it takes its place in the device line (hierviz.app.line) and waits there, in an asyncio
+sleep that holds no worker thread, with its place and expected start in the status box. Stop, or
+the page closing, takes it out of the line. On its turn the device work runs in a worker thread
+(`device_run`, ZeroGPU's unit on a Space), one step at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
+
+import anyio
+import gradio as gr
+
+from hierviz.app import downloads
+from hierviz.app.common import status_html
+from hierviz.app.gpu import on_gpu, run_duration
+from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, client_address, log_refusal, redact_paths
+from hierviz.app.handlers import RUN_ORDER, RUN_OUTPUTS, error_update, input_error, pack, run_update
+from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
+from hierviz.app.pacing import Pacer, pace_mode
+from hierviz.app.render import STEP_PANELS, download_update, nav_updates, panel_updates, run_label
+from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, session_key, state_limit_mb, step_bytes
+from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
+from hierviz.config import ConfigError, options
+from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.engine import is_warm, run_method, warm_up
+from hierviz.trace import Trace, TraceError
+from hierviz.viz.style import method_label
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Live updates: panels that change every step at most FAST_S apart, the growing ones (output
+# text, latency, stats) at most SLOW_S apart, so a long run does not flood the page. The final
+# state is always sent. A waiting run's place is sent when it changes, its expected start at most
+# every WAIT_UPDATE_S.
+FAST_S = 0.2
+SLOW_S = 0.6
+WAIT_UPDATE_S = 5.0
+PACED_NOTE = " The runs paused while this page drew each update, so its drawing did not slow the timed steps."
+
+
+async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_depth: Any, m_topk: Any, m_size: Any,
+                   min_draft: Any, t_depth: Any, t_topk: Any, t_size: Any, with_ar: Any, sess: Session,
+                   request: gr.Request) -> AsyncIterator[tuple]:
+    """/run: check, queue and run one live comparison (see the module docstring)."""
+    key = session_key(request)
+    flags = SESSIONS.flags(key)
+    stopped = flags.stop_signal()        # taken at once: a Stop while it waits in line reaches it
+    try:
+        settings = checked_settings(max_new, temperature, m_depth, m_topk, m_size, min_draft, t_depth, t_topk, t_size)
+        stack_name = check_stack(stack, stack_choices())
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise VisitorError("The prompt is empty: type a question or an instruction first.")
+        ticket = admit(key, client_address(request))
+    except VisitorError as e:
+        yield input_error("run", str(e))
+        return
+    try:
+        async for update in wait_turn(ticket, stopped, flags):
+            yield update
+        if LINE.position(ticket) != 0 or stopped():
+            yield run_update(status=status_html("Stopped before it started: your run left the line.", "warn"))
+            return
+        methods = [m for m in RUN_ORDER if m != "ar" or with_ar]
+        new = Session(view="hierspec", source="live run")
+        pacer = Pacer(request, flags, live_pace_mode())
+        async for update in in_thread(device_run(settings, methods, new, key, stack_name, prompt, pacer, stopped)):
+            yield update
+    finally:
+        LINE.leave(ticket)
+
+
+def checked_settings(max_new: Any, temperature: Any, m_depth: Any, m_topk: Any, m_size: Any, min_draft: Any,
+                     t_depth: Any, t_topk: Any, t_size: Any) -> DecodeSettings:
+    """The run's settings, validated (DecodeSettings.validate: one rule, whole numbers where whole
+    numbers are meant, for every setting) and within this server's caps; VisitorError otherwise."""
+    try:
+        settings = DecodeSettings(max_new_tokens=max_new, temperature=temperature, m_depth=m_depth, m_topk=m_topk,
+                                  m_tree_size=m_size, min_draft_len=min_draft, t_depth=t_depth, t_topk=t_topk,
+                                  t_tree_size=t_size).validate()
+        check_caps(settings, device_kind())
+    except SettingsError as e:
+        raise VisitorError(f"Check the settings: {e}") from None
+    return settings
+
+
+def admit(key: str, address: str) -> Ticket:
+    """A place in the device line, counted by the rate limits; VisitorError when the line is full
+    or the visitor (or their address) started their runs for this minute. Nothing is counted for
+    a refused run."""
+    ticket = LINE.join(key)
+    try:
+        RATE.admit(key, address)
+    except VisitorError:
+        LINE.leave(ticket)
+        raise
+    return ticket
+
+
+async def wait_turn(ticket: Ticket, stopped: Callable[[], bool], flags: SessionFlags) -> AsyncIterator[tuple]:
+    """The status updates of a run waiting in line; ends on its turn or when Stop was pressed."""
+    shown_at, shown_place = 0.0, None
+    while LINE.position(ticket) > 0 and not stopped():
+        place, now = LINE.position(ticket), time.monotonic()
+        flags.used = now                 # a visitor waiting in line is not idle (session.MAX_FLAGS)
+        if place != shown_place or now - shown_at >= WAIT_UPDATE_S:
+            shown_at, shown_place = now, place
+            yield run_update(status=status_html(waiting_text(place, LINE.eta_s(ticket))))
+        await asyncio.sleep(POLL_S)
+
+
+async def in_thread(gen: Iterator[T]) -> AsyncIterator[T]:
+    """`gen`'s items, each computed in a worker thread; `gen` is closed however this ends (anyio
+    lets a cancellation in only once the running step returned, so closing it is safe)."""
+    end = object()
+    try:
+        while (item := await anyio.to_thread.run_sync(next, gen, end)) is not end:
+            yield item
+    finally:
+        gen.close()
+
+
+def live_pace_mode() -> str:
+    """The render pacing mode; a bad HIERVIZ_UI_PACE must not stop a run, so it means no pacing."""
+    try:
+        return pace_mode()
+    except ConfigError as e:
+        log.warning("%s; not pacing", e)
+        return "off"
+
+
+# ---- on the device ----------------------------------------------------------------------------
+
+@on_gpu(run_duration)
+def device_run(settings: DecodeSettings, methods: list[str], new: Session, key: str, stack_name: str, prompt: str,
+               pacer: Pacer, stopped: Callable[[], bool]) -> Iterator[tuple]:
+    """The run's device work, its turn come: every failure ends in a message."""
+    try:
+        yield from live_comparison(new, key, stack_name, prompt, methods, settings, pacer, stopped)
+    except (SettingsError, TraceError, ValueError) as e:   # EngineError and StackError are ValueErrors
+        msg = str(e) if options().allow_custom_stacks else redact_paths(str(e))
+        log_refusal("run", msg)
+        gr.Warning(msg)
+        yield run_update(status=status_html(f"Could not run: {msg}", "error"), session=new,
+                         **(panel_updates(new) | nav_updates(new) if new.runs else {}))
+    except MemoryError:
+        clear_stacks()
+        yield error_update("Out of memory: try fewer new tokens or smaller trees.")
+    except Exception as e:  # last resort: keep the page usable, log the details server-side
+        log.exception("run failed")
+        yield unexpected_error(e)
+
+
+def unexpected_error(e: Exception) -> tuple:
+    if "out of memory" in str(e).lower():
+        clear_stacks()
+        return error_update("The device ran out of memory: try fewer new tokens or smaller trees.")
+    return error_update(f"Internal error ({type(e).__name__}). The details are in the server log; "
+                        "the app is still usable.")
+
+
+@dataclass
+class StateBudget:
+    """The memory the visitor's runs may take (session.state_limit_mb), counted step by step as they grow."""
+    limit_mb: int
+    used: int = 0
+    counted: Optional[tuple[Trace, int]] = None   # the trace being counted and its steps counted
+
+    def count(self, trace: Trace) -> None:
+        start = self.counted[1] if self.counted and self.counted[0] is trace else 0
+        self.used += (run_bytes(trace) if start == 0 else 0) + sum(step_bytes(s) for s in trace.steps[start:])
+        self.counted = (trace, len(trace.steps))
+
+    @property
+    def full(self) -> bool:
+        return self.used > self.limit_mb * 2**20
+
+
+def live_comparison(new: Session, key: str, stack_name: str, prompt: str, methods: list[str],
+                    settings: DecodeSettings, pacer: Pacer, stopped: Callable[[], bool]) -> Iterator[tuple]:
+    """Load and warm the stack, run each method into `new`, then the final state with the download."""
+    # clear the panels of the previous run or trace, so nothing stale is on screen
+    yield run_update(status=status_html(f"Loading the model stack '{stack_name}'…"), session=new,
+                     **panel_updates(new), **nav_updates(new))
+    stack = get_stack(stack_name)
+    if not is_warm(stack, methods, settings):
+        # else the first method pays every first-call cost and the comparison is skewed
+        yield run_update(status=status_html("Warming up the models (first run with these settings)…"))
+        warm_up(stack, methods, settings)
+    budget = StateBudget(state_limit_mb())
+    for method in methods:
+        if stopped() or budget.full:
+            break
+        yield from stream_method(new, stack, method, prompt, settings, pacer, lambda: stopped() or budget.full, budget)
+    new.download = downloads.save(key, new.runs)
+    yield finished_update(new, stopped(), budget, pacer.paced)
+
+
+def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: DecodeSettings, pacer: Pacer,
+                  should_stop: Callable[[], bool], budget: StateBudget) -> Iterator[tuple]:
+    """One method's run, appended to `new.runs`; a throttled update after its steps."""
+    label = method_label(method)
+    yield run_update(status=status_html(f"Running {label}: prefill…"))
+    throttle = Throttle()
+    for trace in run_method(stack, method, prompt, settings, should_stop=should_stop):
+        if not new.runs or new.runs[-1] is not trace:
+            new.runs.append(trace)
+        budget.count(trace)
+        slow = throttle.due(time.monotonic())
+        if slow is None:
+            continue
+        pacer.before_update()
+        yield step_update(new, method, label, slow)
+        pacer.wait()
+
+
+@dataclass
+class Throttle:
+    """When a live run sends the next update (see FAST_S, SLOW_S)."""
+    last_fast: float = 0.0
+    last_slow: float = 0.0
+
+    def due(self, now: float) -> Optional[bool]:
+        """None: send nothing now; False: the per-step panels only; True: every panel."""
+        if now - self.last_fast < FAST_S:
+            return None
+        self.last_fast = now
+        slow = now - self.last_slow >= SLOW_S
+        if slow:
+            self.last_slow = now
+        return slow
+
+
+def step_update(new: Session, method: str, label: str, slow: bool) -> tuple:
+    """The status line, plus the panels if the run on screen is the one running and follows it."""
+    trace = new.runs[-1]
+    n_tok = sum(len(s.new_tokens) for s in trace.steps)
+    upd: dict[str, Any] = {"status": status_html(f"Running {label}: step {len(trace.steps)}, {n_tok} tokens…")}
+    if method == new.view and new.follow:
+        upd.update(panel_updates(new, None, None if slow else STEP_PANELS))
+        upd.update(nav_updates(new))
+    elif slow:
+        upd.update(panel_updates(new, new.step, {"latency", "stats"}))
+    return pack(RUN_OUTPUTS, upd)
+
+
+def finished_update(new: Session, stopped: bool, budget: StateBudget, paced: bool) -> tuple:
+    head = ("Stopped. " if stopped else
+            f"Stopped at this server's limit of {budget.limit_mb} MB of runs per visitor. "
+            if budget.full else "Done. ")
+    runs = " · ".join(f"{run_label(t)}: {sum(len(s.new_tokens) for s in t.steps)} tokens in {len(t.steps)} steps"
+                      for t in new.runs)
+    msg = head + (f"{runs}. Drag the step slider to inspect any step." if runs else "No step had run yet.") + \
+        (PACED_NOTE if paced else "")
+    return run_update(status=status_html(msg, "ok" if head == "Done. " else "warn"), session=new,
+                      download=download_update(new), **panel_updates(new, new.step), **nav_updates(new))
