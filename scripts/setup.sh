@@ -11,4 +11,11 @@ if [ "${1:-}" = "--test" ]; then
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
       || echo "warning: could not install chromium; browser tests will be skipped"
   fi
+  # axe-core (pinned) for tests/test_accessibility.py, into the gitignored .cache/npm
+  if command -v npm >/dev/null; then
+    npm install --prefix .cache/npm --silent axe-core@4.10.2 \
+      || echo "warning: could not install axe-core; the accessibility test will be skipped"
+  else
+    echo "warning: npm is not installed; the accessibility test will be skipped"
+  fi
 fi

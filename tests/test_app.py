@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hierviz.retime import TIME_SCALES
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -53,11 +55,13 @@ def test_live_run_streams_every_panel(client):
         statuses.append(status_of(out))
     final = job.outputs()[-1]
     assert "Done." in status_of(final), statuses
-    assert any("Running HierSpec: step" in s for s in statuses)
-    assert any("Running EAGLE-2" in s for s in statuses)
+    # progress: the method k of n and tokens done of asked (SMALL asks 6 tokens of two methods)
+    assert any("Running HierSpec (method 1 of 2), step" in s and "of 6 tokens" in s for s in statuses), statuses
+    assert any("Running EAGLE-2 (method 2 of 2)" in s for s in statuses)
     assert "Traceback" not in "".join(statuses)
     assert "paused while this page drew" not in status_of(final)   # an API client never reports drawing
-    status, download, step, view, tree, seq, verdict, output, latency, stats = final
+    status, download, step, view, tree, seq, verdict, output, latency, stats, time_scale, crossover = final
+    assert time_scale["value"] in TIME_SCALES and crossover["type"] == "plotly"
     fig = json.loads(tree["plot"])
     assert tree["type"] == "plotly" and fig["layout"]["annotations"]          # node chips
     assert "Sequence draft" in seq and "hv-chip" in seq
@@ -82,7 +86,7 @@ def test_stop_ends_the_run_cleanly(client):
     t0 = time.time()
     while time.time() - t0 < 60:
         outs = job.outputs()
-        if outs and "step" in status_of(outs[-1]):
+        if outs and "Running HierSpec" in status_of(outs[-1]):
             break
         time.sleep(0.2)
     assert "Stopping" in client.predict(api_name="/stop")
@@ -90,6 +94,91 @@ def test_stop_ends_the_run_cleanly(client):
     assert "Stopped." in status_of(final)
     runs = [c[1] for c in final[3]["choices"]]
     assert runs == ["hierspec"]              # the EAGLE-2 and AR runs never started
+
+
+def test_progress_says_method_tokens_and_time_left():
+    """The status of a live run: method k of n, tokens done of asked, and the time left from this
+    run's rate and the earlier runs' measured rates; the stages before it say the time spent."""
+    from hierviz.app.progress import RunPlan, Timings
+    timings = Timings(load_s={"s": 20.0}, tokens_per_s={("s", "eagle2"): 10.0})
+    plan = RunPlan("s", ["hierspec", "eagle2", "ar"], 40, timings)
+    text = plan.method_text("hierspec", 10, 2.0)           # 5 tokens/s: 6 s left of HierSpec
+    assert text.startswith("Running HierSpec (method 1 of 3): 10 of 40 tokens;") and "the rest not measured" in text
+    timings.tokens_per_s[("s", "ar")] = 4.0                # EAGLE-2 4 s, AR 10 s
+    assert "about 20 s left" in plan.method_text("hierspec", 10, 2.0)
+    assert "about 14 s left" in plan.method_text("eagle2", 0, 0.0)
+    assert plan.method_text("eagle2", 8, 1.0, steps=3).startswith("Running EAGLE-2 (method 2 of 3), step 3: 8 of 40")
+    assert "no earlier run here" in plan.stage_text("Loading the model stack", 20.0, 6.0)   # HierSpec unmeasured
+    timings.tokens_per_s[("s", "hierspec")] = 8.0          # 5 s: 14 s of loading left, then 5 + 4 + 10
+    assert "about 33 s left" in plan.stage_text("Loading the model stack", 20.0, 6.0)
+    assert "no earlier run here" in RunPlan("new", ["ar"], 8, Timings()).stage_text("Warming up", None, 3.0)
+
+
+def test_a_blocking_stage_reports_every_second():
+    from hierviz.app import progress
+    gen = progress.with_heartbeat(lambda: time.sleep(1.3) or "loaded", lambda elapsed: elapsed)
+    reports = []
+    with pytest.raises(StopIteration) as end:
+        while True:
+            reports.append(next(gen))
+    assert end.value.value == "loaded" and len(reports) == 1 and 0.9 < reports[0] < 1.3
+
+    done = []
+    gen = progress.with_heartbeat(lambda: time.sleep(1.2) or done.append(1), lambda elapsed: elapsed)
+    next(gen)
+    gen.close()                  # a closed page: the work ends before the device is given back
+    assert done == [1]
+
+    def broken() -> None:
+        raise ValueError("no such stack")
+    with pytest.raises(ValueError, match="no such stack"):
+        list(progress.with_heartbeat(broken, lambda elapsed: elapsed))
+
+
+def test_run_is_disabled_while_a_run_is_in_flight():
+    """Run's click disables it, runs /run, then enables it again however the run ended."""
+    from hierviz.app import build_app, handlers
+    demo = build_app("tiny-random")
+    fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
+    names = [f.name for f in fns]
+    run = names.index("run_live")
+    assert names[run - 1] == "run_button_busy" and names[run + 1] == "run_button_ready"
+    assert handlers.run_button_busy().interactive is False and handlers.run_button_ready().interactive is True
+
+
+def tiny_session():
+    from hierviz.app.handlers import sorted_runs
+    from hierviz.app.session import Session
+    from hierviz.app.shipped import shipped_runs, shipped_traces
+    path = next(p for _, p in shipped_traces() if "tiny-random" in p)
+    return Session(runs=sorted_runs(shipped_runs(path)))
+
+
+@pytest.mark.parametrize("speed, shown, steps", [(10, 0, 11), (2.5, 9, 2)])
+def test_replay_keeps_its_speed(speed, shown, steps):
+    """N steps at `speed` steps per second take N / speed seconds (within 25 %), the rendering
+    of each step included; Play resumes after the step on screen."""
+    from hierviz.app import handlers as h
+    sess = tiny_session()
+    assert len(sess.run().steps) == 11
+    t0 = time.monotonic()
+    outs = list(h.replay(sess, speed, shown))
+    elapsed = time.monotonic() - t0
+    assert len(outs) == steps + 1 and "Replay finished" in outs[-1][0]
+    assert [o[1].value for o in outs[:-1]] == list(range(shown + 1, shown + steps + 1))
+    assert abs(elapsed - steps / speed) <= 0.25 * steps / speed, (elapsed, steps / speed)
+
+
+def test_step_buttons_and_replay_bounds():
+    from hierviz.app import handlers as h
+    sess = tiny_session()
+    assert h.next_step(sess, 3)[0].value == 4 and sess.step == 3
+    assert h.previous_step(sess, 1)[0].value == 1           # stays at the first step
+    assert h.next_step(sess, 11)[0].value == 11             # and at the last
+    assert h.replay_start(sess.run(), 11) == 0                 # at the end, Play starts over
+    assert h.replay_start(sess.run(), "x") == 0
+    out = list(h.replay(sess, 1000, 10))                       # the speed is capped at MAX_SPEED
+    assert len(out) == 2
 
 
 @pytest.mark.parametrize("args, message", [
@@ -137,7 +226,7 @@ def test_good_trace_upload_renders_panels(client, tmp_path):
     assert "hv-chip" in out[5] and "HierSpec" in out[9]
     assert out[2]["maximum"] > 1
     prompt = sample.comparison(0, 24)[0].meta["prompt"]
-    shown = out[-1].get("value") if isinstance(out[-1], dict) else out[-1]
+    shown = out[10].get("value") if isinstance(out[10], dict) else out[10]     # the prompt box (after the panels)
     assert prompt and shown == prompt          # the prompt box shows the loaded trace's prompt
 
 
@@ -183,7 +272,7 @@ def test_tabs_are_pluggable():
     try:
         demo = build_app("tiny-random")
         labels = [b.label for b in demo.blocks.values() if isinstance(b, gr.Tab)]
-        assert labels == ["Visualizer", "Profile", "What-if", "Extra", "How it works"]
+        assert labels == ["Visualizer", "Profile", "What-if", "Analyse", "Extra", "How it works"]
     finally:
         layout.TAB_BUILDERS.clear()
 

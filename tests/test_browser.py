@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -104,8 +105,25 @@ def test_run_a_prompt_and_see_every_panel(page):
     for elem, value in (("hv-m-topk", "4"), ("hv-m-size", "8"), ("hv-t-depth", "3"), ("hv-t-topk", "4"),
                         ("hv-t-size", "12")):
         pg.fill(f"#{elem} input", value)
+    # every status change, with its time and whether Run was disabled then
+    pg.evaluate("""() => {
+        window.hvLog = [];
+        const box = document.querySelector('#hv-status');
+        const note = () => window.hvLog.push({t: performance.now(), text: box.innerText,
+                                              runDisabled: document.querySelector('#hv-run').disabled});
+        new MutationObserver(note).observe(box, {subtree: true, childList: true, characterData: true});
+        window.hvClicked = performance.now();
+    }""")
     pg.click("#hv-run")
     wait_status(pg, "Done.")
+    pg.wait_for_function("!document.querySelector('#hv-run').disabled")
+    log = pg.evaluate("window.hvLog")
+    progress = [e for e in log if "so far" in e["text"] or "Running" in e["text"]]
+    assert progress and progress[0]["t"] - pg.evaluate("window.hvClicked") < 1000, log[:3]
+    times = [e["t"] for e in log]
+    assert max(b - a for a, b in zip(times, times[1:])) <= 2000, [(round(e["t"]), e["text"][:40]) for e in log]
+    assert any(re.search(r"\(method \d of 3\).*: \d+ of \d+ tokens; ", e["text"]) for e in log), log
+    assert all(e["runDisabled"] for e in progress)        # Run is off while the run is in flight
     # tree: plotly drew node chips; latency: bars (drawn after the final update arrives)
     wait_count(pg, "#hv-tree .annotation", 4)
     wait_count(pg, "#hv-latency .barlayer .point", 4)
@@ -137,17 +155,30 @@ def test_malformed_trace_upload_shows_an_error(page, tmp_path):
     assert "broken-trace.json" in msg and "steps[0]" in msg
     assert "Traceback" not in pg.content()
     pg.screenshot(path=str(ARTIFACTS / "browser-bad-upload.png"), full_page=False)
-    # the app stays usable: a recorded trace still loads
-    pg.click("text=Load recorded trace")
-    wait_status(pg, "Loaded")
+    # the app stays usable: choosing a recorded trace loads it, no other button needed
+    pg.click("#hv-trace-pick input")
+    pg.get_by_role("option", name="tiny-random stack on a CPU", exact=False).click()
+    wait_status(pg, "Loaded tiny-random-plumbing.json")
 
 
 def test_replay_and_switch_run(page):
     pg = page
+    slider = "#hv-step input[type=number]"
     pg.click("#hv-play")
     wait_status(pg, "Replaying HierSpec: step")
     pg.click("#hv-pause")
-    wait_status(pg, "Replay stopped")
+    wait_status(pg, "Replay paused")
+    paused_at = int(pg.input_value(slider))
+    # keys outside text fields: "]" steps on, "[" back, "k" plays from the step on screen
+    pg.click("#hv-tree")
+    pg.keyboard.press("]")
+    pg.wait_for_function("([sel, n]) => +document.querySelector(sel).value === n", arg=[slider, paused_at + 1])
+    pg.keyboard.press("[")
+    pg.wait_for_function("([sel, n]) => +document.querySelector(sel).value === n", arg=[slider, paused_at])
+    pg.keyboard.press("k")
+    wait_status(pg, f"step {paused_at + 1} of")                 # resumed after the paused step
+    pg.keyboard.press("k")
+    wait_status(pg, "Replay paused")
     pg.locator("#hv-view").get_by_text("EAGLE-2").click()
     wait_status(pg, "EAGLE-2 tree drafted by E_T", "#hv-tree")
     assert "has no sequence draft" in pg.inner_text("#hv-seq")
@@ -162,7 +193,7 @@ def test_a_run_waits_in_line_and_stop_takes_it_out(page, app_url):
     other = gradio_client.Client(app_url, verbose=False)
     held = other.submit("another visitor", "tiny-random", 256, 0.0, 2, 4, 8, 3, 2, 4, 8, True, api_name="/run")
     try:
-        while not any("step" in out[0] for out in held.outputs()):
+        while not any("Running HierSpec" in out[0] for out in held.outputs()):
             assert not held.done(), held.outputs()[-1:] if held.outputs() else "no output"
             time.sleep(0.05)
         pg.fill("#hv-prompt textarea", "I will wait")
@@ -206,3 +237,59 @@ def test_whatif_tab_renders_a_plot(page):
     pg.click("#hv-whatif-run")
     wait_status(pg, "comma-separated", "#hv-whatif-status")
     assert "Traceback" not in pg.content()
+
+
+PANELS = ("#hv-tree", "#hv-seq", "#hv-verdict", "#hv-output", "#hv-latency", "#hv-stats", "#hv-status", ".hv-replay",
+          ".hv-scrub")
+# Every panel inside the page's width, and any part of one wider than the panel or past the
+# page's right edge inside a scroll container (overflow-x auto or scroll) between it and the panel: nothing is clipped out of reach.
+UNREACHABLE_JS = """(panels) => {
+    const bad = [];
+    if (document.documentElement.scrollWidth > innerWidth + 1) bad.push('the page scrolls sideways');
+    for (const sel of panels) {
+        const panel = document.querySelector(sel);
+        const box = panel.getBoundingClientRect();
+        if (box.right > innerWidth + 1) bad.push(`${sel} ends at ${box.right} of ${innerWidth}`);
+        for (const el of panel.querySelectorAll('*')) {
+            const r = el.getBoundingClientRect();
+            if (r.width <= box.width + 1 && r.right <= innerWidth + 1) continue;
+            let up = el, scrolls = false;
+            while (up && !scrolls) {
+                scrolls = ['auto', 'scroll'].includes(getComputedStyle(up).overflowX) && up !== el;
+                if (up === panel) break;
+                up = up.parentElement;
+            }
+            if (!scrolls) { bad.push(`${sel} ${el.tagName}.${el.className.baseVal ?? el.className}`); break; }
+        }
+    }
+    return bad;
+}"""
+
+
+def test_layouts_fit_their_screens(app_url):
+    """At 1440x900, 1280x720 (presentation layout, on by default there) and 390x844: nothing wider
+    than its box without a scroll container; tree and verdict on the first screen of 1280x720; on
+    a phone the tree comes right after the prompt, Run and the status."""
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for width, height in ((1440, 900), (1280, 720), (390, 844)):
+                pg = browser.new_page(viewport={"width": width, "height": height})
+                pg.set_default_timeout(BOUND_MS)
+                pg.goto(app_url)
+                pg.wait_for_selector("#hv-tree .js-plotly-plot")
+                wait_status(pg, "recorded trace")
+                present = width <= 1280 and height <= 720
+                pg.wait_for_function("(on) => document.body.classList.contains('hv-present') === on", arg=present)
+                assert pg.is_checked("#hv-present input") == present
+                pg.screenshot(path=str(ARTIFACTS / f"browser-layout-{width}x{height}.png"))
+                assert pg.evaluate(UNREACHABLE_JS, list(PANELS)) == [], (width, height)
+                top = {sel: pg.locator(sel).bounding_box() for sel in ("#hv-tree", "#hv-verdict", "#hv-settings")}
+                if present:
+                    assert top["#hv-tree"]["y"] < height and top["#hv-verdict"]["y"] + top["#hv-verdict"]["height"] <= height
+                if width < 700:
+                    assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
+                pg.close()
+        finally:
+            browser.close()

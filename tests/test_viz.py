@@ -40,14 +40,19 @@ def test_node_status_accepted_rejected_discarded():
 
 def test_tree_colours_and_bonus():
     fig = tree_figure([small_tree()])
-    by_text = {a.text: a.bgcolor for a in fig.layout.annotations}
+    by_text = {token_part(a.text): a.bgcolor for a in fig.layout.annotations}
     assert by_text["·a"] == COLORS["tree"] and by_text["·c"] == COLORS["tree"]
     assert by_text["·b"] == COLORS["rejected"] and by_text["·e"] == COLORS["rejected"]
     assert by_text["·d"] == COLORS["discarded"]
     assert by_text["·r"] == COLORS["root"]
     assert by_text["·g"] == COLORS["intermediate_bonus"]
     fig_t = tree_figure([small_tree("target")])
-    assert {a.text: a.bgcolor for a in fig_t.layout.annotations}["·g"] == COLORS["target_bonus"]
+    assert {token_part(a.text): a.bgcolor for a in fig_t.layout.annotations}["·g"] == COLORS["target_bonus"]
+
+
+def token_part(chip_text: str) -> str:
+    """A node chip's token label without the role mark drawn after it."""
+    return chip_text.split(" ")[0]
 
 
 def test_accepted_path_and_bonus_form_the_top_row():

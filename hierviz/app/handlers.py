@@ -3,8 +3,8 @@ input values to output updates.
 
 Each handler returns (or yields) a tuple in the order of its event's outputs, named by the
 *_OUTPUTS constants below; hierviz.app.visualizer wires the components of those names. An output
-a handler leaves alone is `gr.skip()`. Every bad input ends in a message in the status box (and a
-toast), never a stack trace in the page, and one line in the server log (guard.log_refusal).
+a handler leaves alone is `gr.skip()`. Every bad input ends in a message in the status box (the one
+message area, replaced each time; no toasts, which pile up), never a stack trace in the page, and one line in the server log (guard.log_refusal).
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.guard import RATE, log_refusal
 from hierviz.app.line import LINE
-from hierviz.app.render import PANELS, download_update, nav_updates, panel_updates, run_label
+from hierviz.app.render import (PANELS, STEP_PANELS, download_update, nav_updates, panel_updates, run_label,
+                                runs_shown_updates)
 from hierviz.app.session import SESSIONS, Session, session_key, state_bytes, state_limit_mb
 from hierviz.app.shipped import shipped_runs, shipped_traces
+from hierviz.retime import TIME_SCALES
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json
 
 RUN_ORDER = ("hierspec", "eagle2", "ar")
@@ -28,13 +30,18 @@ RUN_ORDER = ("hierspec", "eagle2", "ar")
 # Inputs and outputs of each event, by component name (hierviz.app.visualizer builds the components).
 RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft",
               "t_depth", "t_topk", "t_size", "with_ar", "session")
-RUN_OUTPUTS = ("status", "session", "download", "step", "view", *PANELS)
-LOAD_OUTPUTS = (*RUN_OUTPUTS, "prompt")
+# API clients read these by position: new outputs go at the end
+RUN_CORE = ("status", "session", "download", "step", "view", *PANELS)
+RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover")
+LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover")
 PLAY_OUTPUTS = ("status", "step", *PANELS)
 VIEW_OUTPUTS = (*PANELS, "step", "view")
 SCRUB_OUTPUTS = PANELS
+STEP_OUTPUTS = ("step", *PANELS)
+MIN_SPEED, MAX_SPEED = 0.2, 20.0      # replay speeds offered, steps per second
+REPLAY_SLOW_S = 0.5
 
-OPEN_STATUS = "Showing a recorded trace. Press Run for a live one, or Replay to animate it."
+OPEN_STATUS = "Showing a recorded trace. Press Run for a live one, or Play to replay it."
 
 
 def pack(names: tuple[str, ...], updates: dict[str, Any]) -> tuple:
@@ -51,9 +58,9 @@ def error_update(message: str) -> tuple:
 
 
 def input_error(where: str, message: str) -> tuple:
-    """A refused input: one line in the log, a toast and the message in the status box."""
+    """A refused input: one line in the log and the message in the status box (no toast: toasts
+    pile up, the status box is replaced)."""
     log_refusal(where, message)
-    gr.Warning(message)
     return error_update(message)
 
 
@@ -68,6 +75,14 @@ def request_stop(request: gr.Request) -> str:
     if waiting:
         return status_html("Stopped: your run leaves the line without starting.", "warn")
     return status_html("No run of yours is running or waiting.", "warn")
+
+
+def run_button_busy() -> Any:
+    return gr.Button(interactive=False)
+
+
+def run_button_ready() -> Any:
+    return gr.Button(interactive=True)
 
 
 def report_rendered(request: gr.Request) -> None:
@@ -97,6 +112,14 @@ def scrub(sess: Session, step: Any) -> tuple:
     sess.step = i
     sess.follow = i == len(main.steps) - 1
     return pack(SCRUB_OUTPUTS, panel_updates(sess, i))
+
+
+def set_time_scale(sess: Session, time_scale: Optional[str]) -> tuple:
+    """The visitor's time scale: the speed line, stats and latency bars of the step on screen."""
+    sess.time_scale = time_scale if time_scale in TIME_SCALES else None
+    if sess.run() is None:
+        return pack(SCRUB_OUTPUTS, {})
+    return pack(SCRUB_OUTPUTS, panel_updates(sess, sess.step, {"latency", "stats"}))
 
 
 def switch_view(sess: Session, method: Optional[str]) -> tuple:
@@ -144,7 +167,7 @@ def loaded_updates(sess: Session, msg: str) -> dict[str, Any]:
     shown = main.meta.get("prompt") if main is not None else None
     return {"status": status_html(msg, "ok"), "session": sess,
             "prompt": gr.Textbox(value=shown) if isinstance(shown, str) and shown else gr.skip(),
-            "download": download_update(sess), **panel_updates(sess), **nav_updates(sess)}
+            "download": download_update(sess), **runs_shown_updates(sess), **panel_updates(sess), **nav_updates(sess)}
 
 
 def trace_updates(name: str, read: Any, download: Optional[str]) -> dict[str, Any]:
@@ -154,10 +177,9 @@ def trace_updates(name: str, read: Any, download: Optional[str]) -> dict[str, An
     except (TraceError, OSError) as e:
         message = f"Could not read {name}: {e}"
         log_refusal("trace", message)
-        gr.Warning(message)
         return {"status": status_html(message, "error")}
     sess = Session(runs=runs, view=str(runs[0].meta.get("method")), source=name, download=download)
-    return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Replay.")
+    return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay.")
 
 
 def load_file(path: Optional[str]) -> tuple:
@@ -190,22 +212,76 @@ def on_open() -> tuple:
     return pack(LOAD_OUTPUTS, out)
 
 
-def replay(sess: Session, speed: float) -> Iterator[tuple]:
-    """Animate the viewed run step by step, `speed` steps per second."""
+def replay_start(main: Trace, shown: Any) -> int:
+    """The 0-based step a replay starts from: the one after the step on screen (Play resumes
+    where Pause left it), or the first once the end was reached."""
+    try:
+        i = int(shown)
+    except (TypeError, ValueError):
+        return 0
+    return i if 0 <= i < len(main.steps) else 0
+
+
+def replay(sess: Session, speed: Any, shown: Any = 0) -> Iterator[tuple]:
+    """Animate the viewed run step by step at `speed` steps per second, from the step after
+    `shown` (1-based). Each step is due at a fixed time from the start, so the time spent
+    rendering is not added to the wait and the speed holds."""
     main = sess.run()
     if main is None or not main.steps:
         yield pack(PLAY_OUTPUTS, {"status": status_html("Nothing to replay: run a prompt or load a trace first.",
                                                         "error")})
         return
-    delay = 1.0 / max(0.1, float(speed or 1))
-    n = len(main.steps)
-    for i in range(n):
+    try:
+        rate = min(MAX_SPEED, max(MIN_SPEED, float(speed)))
+    except (TypeError, ValueError):
+        rate = 1.0
+    n, start = len(main.steps), replay_start(main, shown)
+    t0 = last_slow = time.monotonic()
+    for i in range(start, n):
+        due = t0 + (i - start) / rate
+        time.sleep(max(0.0, due - time.monotonic()))
         sess.step, sess.follow = i, i == n - 1
         yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replaying {run_label(main)}: step {i + 1} of {n}"),
-                                  "step": gr.Slider(value=i + 1), **panel_updates(sess, i)})
-        time.sleep(delay)
+                                  "step": gr.Slider(value=i + 1),
+                                  **panel_updates(sess, i, replay_panels(i == n - 1, time.monotonic() - last_slow,
+                                                                         time.monotonic() - due, rate))})
+        last_slow = time.monotonic() if i == n - 1 or time.monotonic() - last_slow >= REPLAY_SLOW_S else last_slow
+    time.sleep(max(0.0, t0 + (n - start) / rate - time.monotonic()))
     yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replay finished ({n} steps).", "ok")})
 
 
+def replay_panels(last: bool, since_slow: float, late: float, rate: float) -> Optional[set[str]]:
+    """The panels a replay step sends (None: all). The slower growing ones (latency, stats) go at
+    most every REPLAY_SLOW_S and at the last step; the tree, the one slow figure of a step, is left
+    out of a step that is already a step late, so a speed faster than this machine draws trees
+    keeps its pace (every step's sequence, verdict and output are still shown)."""
+    if last:
+        return None
+    only = set(PANELS) if since_slow >= REPLAY_SLOW_S else STEP_PANELS | {"output"}
+    return only - {"tree"} if late > 1.0 / rate else only
+
+
 def replay_stopped() -> str:
-    return status_html("Replay stopped.", "warn")
+    return status_html("Replay paused: Play resumes from this step.", "warn")
+
+
+def step_by(sess: Session, shown: Any, delta: int) -> tuple:
+    """Previous / next step: the panels and the slider one step away from the one on screen."""
+    main = sess.run()
+    if main is None or not main.steps:
+        return pack(STEP_OUTPUTS, {})
+    try:
+        i = int(shown) - 1 + delta
+    except (TypeError, ValueError):
+        i = 0
+    i = max(0, min(i, len(main.steps) - 1))
+    sess.step, sess.follow = i, i == len(main.steps) - 1
+    return pack(STEP_OUTPUTS, {"step": gr.Slider(value=i + 1), **panel_updates(sess, i)})
+
+
+def previous_step(sess: Session, shown: Any) -> tuple:
+    return step_by(sess, shown, -1)
+
+
+def next_step(sess: Session, shown: Any) -> tuple:
+    return step_by(sess, shown, 1)

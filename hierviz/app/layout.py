@@ -7,6 +7,7 @@ import gradio as gr
 
 from hierviz.app import downloads, tempfiles
 from hierviz.app.common import ASSETS, TRACE_DIR
+from hierviz.app.analyse_tab import analyse_tab
 from hierviz.app.fields import PublicBlocks
 from hierviz.app.handlers import LOAD_OUTPUTS, forget_session, on_open
 from hierviz.app.profile_tab import profile_tab
@@ -56,15 +57,38 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
         with gr.Tabs():
             with gr.Tab("Visualizer", id="viz"):
                 viz = visualizer_tab(stack_default)
-            for title, builder in [("Profile", profile_tab), ("What-if", whatif_tab), *TAB_BUILDERS]:
+            for title, builder in [("Profile", profile_tab), ("What-if", whatif_tab), ("Analyse", analyse_tab),
+                                   *TAB_BUILDERS]:
                 with gr.Tab(title):
                     builder()
             with gr.Tab("How it works", id="about"):
                 about_tab()
         demo.load(on_open, None, pick(viz, LOAD_OUTPUTS), show_progress="hidden", api_visibility="private")
+        # a projector-sized screen opens in the presentation layout; the checkbox's change sets the class
+        demo.load(None, None, [viz["present"]], js=PRESENT_ON_SMALL_SCREENS_JS, api_visibility="private")
         demo.unload(forget_session)
     demo.queue(max_size=EVENT_BACKLOG, default_concurrency_limit=8)
     return demo
+
+
+PRESENT_ON_SMALL_SCREENS_JS = "() => window.innerWidth <= 1280 && window.innerHeight <= 720"
+
+# Keyboard shortcuts of the Visualizer (the keys are listed on the page, visualizer.KEYS_HELP):
+# they click the step and replay buttons, and never act while focus is in a text field.
+KEYS_JS = """<script>
+document.addEventListener("keydown", (e) => {
+  const t = e.target;
+  if (e.ctrlKey || e.metaKey || e.altKey || !document.getElementById("hv-play")) return;
+  if (t && (t.isContentEditable || ["INPUT", "TEXTAREA", "SELECT"].includes(t.tagName))) return;
+  const press = (id) => { const b = document.getElementById(id); if (b) { e.preventDefault(); b.click(); } };
+  if (e.key === "[" || e.key === "ArrowLeft") press("hv-prev");
+  else if (e.key === "]" || e.key === "ArrowRight") press("hv-next");
+  else if (e.key === "k") {
+    const playing = (document.getElementById("hv-status")?.innerText || "").startsWith("Replaying");
+    press(playing ? "hv-pause" : "hv-play");
+  }
+});
+</script>"""
 
 
 def launch_kwargs() -> dict:
@@ -73,5 +97,5 @@ def launch_kwargs() -> dict:
     css = css_file.read_text(encoding="utf-8") if css_file.exists() else ""
     theme = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "DejaVu Sans", "sans-serif"),
                            font_mono=("DejaVu Sans Mono", "ui-monospace", "monospace"))
-    return dict(css=css, theme=theme, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False,
+    return dict(css=css, theme=theme, head=KEYS_JS, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False,
                 state_session_capacity=STATE_CAPACITY)

@@ -25,14 +25,14 @@ from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, clien
 from hierviz.app.handlers import RUN_ORDER, RUN_OUTPUTS, error_update, input_error, pack, run_update
 from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
 from hierviz.app.pacing import Pacer, pace_mode
-from hierviz.app.render import STEP_PANELS, download_update, nav_updates, panel_updates, run_label
+from hierviz.app.progress import TIMINGS, RunPlan, record_method, with_heartbeat
+from hierviz.app.render import STEP_PANELS, download_update, nav_updates, panel_updates, run_label, runs_shown_updates
 from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, session_key, state_limit_mb, step_bytes
 from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
 from hierviz.config import ConfigError, options
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.engine import is_warm, run_method, warm_up
 from hierviz.trace import Trace, TraceError
-from hierviz.viz.style import method_label
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,7 +125,10 @@ async def in_thread(gen: Iterator[T]) -> AsyncIterator[T]:
         while (item := await anyio.to_thread.run_sync(next, gen, end)) is not end:
             yield item
     finally:
-        gen.close()
+        # closing waits for device work still running (a load or warm-up, progress.with_heartbeat),
+        # so it happens in a worker thread, never on the event loop, and a cancellation waits for it
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(gen.close)
 
 
 def live_pace_mode() -> str:
@@ -148,7 +151,6 @@ def device_run(settings: DecodeSettings, methods: list[str], new: Session, key: 
     except (SettingsError, TraceError, ValueError) as e:   # EngineError and StackError are ValueErrors
         msg = str(e) if options().allow_custom_stacks else redact_paths(str(e))
         log_refusal("run", msg)
-        gr.Warning(msg)
         yield run_update(status=status_html(f"Could not run: {msg}", "error"), session=new,
                          **(panel_updates(new) | nav_updates(new) if new.runs else {}))
     except MemoryError:
@@ -187,39 +189,66 @@ class StateBudget:
 def live_comparison(new: Session, key: str, stack_name: str, prompt: str, methods: list[str],
                     settings: DecodeSettings, pacer: Pacer, stopped: Callable[[], bool]) -> Iterator[tuple]:
     """Load and warm the stack, run each method into `new`, then the final state with the download."""
+    plan = RunPlan(stack_name, methods, settings.max_new_tokens)
     # clear the panels of the previous run or trace, so nothing stale is on screen
-    yield run_update(status=status_html(f"Loading the model stack '{stack_name}'…"), session=new,
-                     **panel_updates(new), **nav_updates(new))
-    stack = get_stack(stack_name)
+    yield run_update(status=status_html(plan.stage_text("Loading the model stack", TIMINGS.load_s.get(stack_name), 0)),
+                     session=new, **panel_updates(new), **nav_updates(new))
+    stack = yield from timed_stage(plan, "Loading the model stack", TIMINGS.load_s, lambda: get_stack(stack_name))
     if not is_warm(stack, methods, settings):
         # else the first method pays every first-call cost and the comparison is skewed
-        yield run_update(status=status_html("Warming up the models (first run with these settings)…"))
-        warm_up(stack, methods, settings)
+        per_method = TIMINGS.warm_s_per_method.get(stack_name)
+        expected = None if per_method is None else per_method * len(methods)
+        stage = "Warming up the models (first run with these settings)"
+        yield run_update(status=status_html(plan.stage_text(stage, expected, 0)))
+        started = time.monotonic()
+        yield from with_heartbeat(lambda: warm_up(stack, methods, settings), lambda elapsed: run_update(
+            status=status_html(plan.stage_text(stage, expected, elapsed))))
+        TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
     budget = StateBudget(state_limit_mb())
     for method in methods:
         if stopped() or budget.full:
             break
-        yield from stream_method(new, stack, method, prompt, settings, pacer, lambda: stopped() or budget.full, budget)
+        yield from stream_method(new, stack, method, prompt, settings, pacer, lambda: stopped() or budget.full, budget,
+                                 plan)
     new.download = downloads.save(key, new.runs)
+    # the comparison's subject is HierSpec: the final screen shows it, the other runs are a click away
+    new.view, new.step, new.follow = methods[0], -1, True
     yield finished_update(new, stopped(), budget, pacer.paced)
 
 
+def timed_stage(plan: RunPlan, stage: str, record: dict[str, float], work: Callable[[], T]) -> Iterator[Any]:
+    """`work()` with a status update every second; its duration is recorded when it took a while
+    (an already loaded stack returns at once and must not spoil the estimate of a real load)."""
+    started = time.monotonic()
+    value = yield from with_heartbeat(work, lambda elapsed: run_update(
+        status=status_html(plan.stage_text(stage, record.get(plan.stack), elapsed))))
+    if time.monotonic() - started > 1.0:
+        record[plan.stack] = time.monotonic() - started
+    return value
+
+
 def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: DecodeSettings, pacer: Pacer,
-                  should_stop: Callable[[], bool], budget: StateBudget) -> Iterator[tuple]:
-    """One method's run, appended to `new.runs`; a throttled update after its steps."""
-    label = method_label(method)
-    yield run_update(status=status_html(f"Running {label}: prefill…"))
+                  should_stop: Callable[[], bool], budget: StateBudget, plan: RunPlan) -> Iterator[tuple]:
+    """One method's run, appended to `new.runs`; a throttled update after its steps. The panels
+    follow the running method unless the visitor moved away from the newest step."""
+    if new.follow:
+        new.view, new.step = method, -1
+    yield run_update(status=status_html(plan.method_text(method, 0, 0.0)))
     throttle = Throttle()
+    started, n_tok = time.monotonic(), 0
     for trace in run_method(stack, method, prompt, settings, should_stop=should_stop):
         if not new.runs or new.runs[-1] is not trace:
             new.runs.append(trace)
         budget.count(trace)
+        n_tok = sum(len(s.new_tokens) for s in trace.steps)
         slow = throttle.due(time.monotonic())
         if slow is None:
             continue
         pacer.before_update()
-        yield step_update(new, method, label, slow)
+        progress = plan.method_text(method, n_tok, time.monotonic() - started, len(trace.steps))
+        yield step_update(new, method, progress, slow)
         pacer.wait()
+    record_method(plan.stack, method, n_tok, time.monotonic() - started)
 
 
 @dataclass
@@ -239,11 +268,9 @@ class Throttle:
         return slow
 
 
-def step_update(new: Session, method: str, label: str, slow: bool) -> tuple:
-    """The status line, plus the panels if the run on screen is the one running and follows it."""
-    trace = new.runs[-1]
-    n_tok = sum(len(s.new_tokens) for s in trace.steps)
-    upd: dict[str, Any] = {"status": status_html(f"Running {label}: step {len(trace.steps)}, {n_tok} tokens…")}
+def step_update(new: Session, method: str, progress: str, slow: bool) -> tuple:
+    """The progress line, plus the panels if the run on screen is the one running and follows it."""
+    upd: dict[str, Any] = {"status": status_html(progress)}
     if method == new.view and new.follow:
         upd.update(panel_updates(new, None, None if slow else STEP_PANELS))
         upd.update(nav_updates(new))
@@ -261,4 +288,5 @@ def finished_update(new: Session, stopped: bool, budget: StateBudget, paced: boo
     msg = head + (f"{runs}. Drag the step slider to inspect any step." if runs else "No step had run yet.") + \
         (PACED_NOTE if paced else "")
     return run_update(status=status_html(msg, "ok" if head == "Done. " else "warn"), session=new,
-                      download=download_update(new), **panel_updates(new, new.step), **nav_updates(new))
+                      download=download_update(new), **runs_shown_updates(new), **panel_updates(new, new.step),
+                      **nav_updates(new))

@@ -11,7 +11,9 @@ from typing import Any, Optional
 import gradio as gr
 
 from hierviz.app.session import Session
+from hierviz.retime import RETIMED, TIME_SCALES, at_time_scale, default_time_scale
 from hierviz.trace import Trace
+from hierviz.viz.crossover import crossover_figure
 from hierviz.viz.latency import latency_figure
 from hierviz.viz.panels import PREFILL_TEXT, is_prefill, output_html, sequence_html, stats_html, verdict_html
 from hierviz.viz.style import method_label
@@ -43,8 +45,15 @@ def empty_panels() -> dict[str, Any]:
                 output=output_html(None), latency=latency_figure(None), stats=stats_html([]))
 
 
-def render_panels(sess: Session, step: Optional[int] = None) -> dict[str, Any]:
-    """Everything the panels show for the inspected run and step (None or -1: the latest)."""
+def chosen_time_scale(runs: list[Trace], time_scale: Optional[str]) -> str:
+    """The visitor's choice when it is one of TIME_SCALES, else the runs' default."""
+    return time_scale if time_scale in TIME_SCALES else default_time_scale(runs)
+
+
+def render_panels(sess: Session, step: Optional[int] = None, time_scale: Optional[str] = None) -> dict[str, Any]:
+    """Everything the panels show for the inspected run and step (None or -1: the latest).
+    `time_scale`: one of hierviz.retime.TIME_SCALES for the speed line and stats (None: the default
+    for these runs); the panels of tokens and trees are the same either way."""
     main = sess.run()
     if main is None or not main.steps:
         return dict(empty_panels())
@@ -52,15 +61,37 @@ def render_panels(sess: Session, step: Optional[int] = None) -> dict[str, Any]:
     i = last if step is None or step < 0 else min(step, last)
     st = main.steps[i]
     empty = PREFILL_TEXT if is_prefill(st) else NO_TREE_TEXT
+    scale = chosen_time_scale(sess.runs, time_scale or sess.time_scale)
+    # the latency bars follow the time scale too: the same runs, re-timed when asked
+    timed = dict(zip(map(id, sess.runs), at_time_scale(sess.runs, scale)))
+    main_timed = timed.get(id(main), main)
+    others = [timed.get(id(t), t) for t in sess.others(main)]
     return dict(tree=tree_figure(st.trees, tree_title(main, i), empty), seq=sequence_html(st),
                 verdict=verdict_html(st), output=output_html(main, i, i),
-                latency=latency_figure(main, i, sess.others(main)),
-                stats=stats_html(sess.runs, {main.meta.get("method", ""): i}))
+                latency=latency_figure(main_timed, i, others, projected=main_timed.meta.get("time_scale") == RETIMED),
+                stats=stats_html(sess.runs, {main.meta.get("method", ""): i}, scale))
 
 
-def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[str]] = None) -> dict[str, Any]:
+def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[str]] = None,
+                  time_scale: Optional[str] = None) -> dict[str, Any]:
     """render_panels, limited to the panels named in `only` (default: all)."""
-    return {k: v for k, v in render_panels(sess, step).items() if only is None or k in only}
+    return {k: v for k, v in render_panels(sess, step, time_scale).items() if only is None or k in only}
+
+
+def time_scale_update(sess: Session) -> Any:
+    """The time-scale choice, set to the default for the runs just loaded or run."""
+    sess.time_scale = None
+    return gr.Radio(choices=list(TIME_SCALES), value=default_time_scale(sess.runs))
+
+
+def runs_shown_updates(sess: Session) -> dict[str, Any]:
+    """What changes once per set of runs (a trace loaded, a live run finished), not per step."""
+    return {"time_scale": time_scale_update(sess), "crossover": crossover_panel(sess)}
+
+
+def crossover_panel(sess: Session) -> Any:
+    """Where the runs sit on the real-scale acceptance sweep (projected); the bare curve without runs."""
+    return crossover_figure(sess.runs)
 
 
 def run_label(t: Trace) -> str:

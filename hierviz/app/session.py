@@ -36,6 +36,7 @@ class Session:
     follow: bool = True             # live updates move the panels to the newest step
     source: str = ""                # "live run" or the trace file name
     download: Optional[str] = None  # path of the comparison JSON the page offers
+    time_scale: Optional[str] = None  # hierviz.retime.TIME_SCALES choice (None: the runs' default)
 
     def run(self, method: Optional[str] = None) -> Optional[Trace]:
         """The run of `method` (default: the viewed one), else the first run, else None."""

@@ -22,7 +22,9 @@ from hierviz.app.stacks import default_stack, device_kind, stack_choices
 from hierviz.config import options
 from hierviz.decoding.settings import default_settings
 from hierviz.trace import MAX_TRACE_BYTES
-from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_html, verdict_html
+from hierviz.retime import MEASURED, TIME_SCALES
+from hierviz.viz.crossover import crossover_figure
+from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_html, tree_key_html, verdict_html
 
 Components = dict[str, Any]
 
@@ -34,10 +36,7 @@ TEACH = {
 is one token further ahead. The intermediate model **M** checks the whole tree in one pass and keeps
 the longest branch that matches its own choices.
 
-<span class="hv-dot" style="background:#009E73"></span> accepted by M<br>
-<span class="hv-dot" style="background:#D55E00"></span> compared with M's choice, rejected<br>
-<span class="hv-dot" style="background:#C9CED6"></span> grows from a rejected token<br>
-<span class="hv-dot" style="background:#0072B2"></span> M's own next token (bonus): the root of the next tree
+{tree_key}
 
 The top row is the text M proposes. Hover a token for its probability. In the EAGLE-2 run the
 picture is the same, but E_T drafts and the big target T checks the tree itself.""",
@@ -59,6 +58,9 @@ given it reached d-1.""",
 }
 
 
+TEACH["tree"] = TEACH["tree"].replace("{tree_key}", tree_key_html())
+
+
 def teach(key: str) -> None:
     gr.Markdown(TEACH[key], elem_classes=["hv-teach"])
 
@@ -76,7 +78,7 @@ def visualizer_tab(stack_default: str | None = None) -> Components:
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=320, elem_classes=["hv-side"]):
             run_panel(ui, stack_default)
-        with gr.Column(scale=4, min_width=640):
+        with gr.Column(scale=4, min_width=300, elem_classes=["hv-live"]):
             live_view(ui)
     wire_run(ui)
     wire_inspect(ui)
@@ -89,14 +91,15 @@ def run_panel(ui: Components, stack_default: str | None) -> None:
                               placeholder="Ask the model something…")
     prompts = example_prompts()
     if prompts:
-        gr.Examples(prompts, inputs=[ui["prompt"]], label="Example prompts")
-    with gr.Row():
+        with gr.Column(elem_id="hv-examples"):
+            gr.Examples(prompts, inputs=[ui["prompt"]], label="Example prompts")
+    with gr.Row(elem_id="hv-run-row"):
         ui["run_btn"] = gr.Button("Run", variant="primary", elem_id="hv-run")
         ui["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="hv-stop")
     ui["status"] = gr.HTML(status_html("Ready. Press Run, or load a recorded trace below."), elem_id="hv-status")
     with gr.Accordion("Settings", open=False, elem_id="hv-settings"):
         settings_panel(ui, stack_default)
-    with gr.Accordion("Replay a recorded trace", open=True):
+    with gr.Accordion("Recorded traces", open=True, elem_id="hv-traces"):
         replay_panel(ui)
     ui["download"] = gr.DownloadButton("Download trace JSON", value=None, interactive=False, elem_id="hv-download")
 
@@ -130,55 +133,83 @@ def tree_controls(ui: Components, prefix: str, values: tuple[int, int, int]) -> 
 
 
 def replay_panel(ui: Components) -> None:
+    """Which recorded trace is on screen: choosing one loads it, an upload loads at once too."""
     shipped = shipped_traces()
     ui["trace_pick"] = gr.Dropdown(shipped, value=shipped[0][1] if shipped else None, label="Recorded traces",
                                    elem_id="hv-trace-pick")
-    ui["load_btn"] = gr.Button("Load recorded trace")
     ui["upload"] = TraceUpload(label=f"…or upload a trace JSON (max {MAX_TRACE_BYTES // 2**20} MB)",
                                file_types=[".json"], type="filepath", elem_id="hv-upload")
-    ui["speed"] = gr.Slider(0.5, 20, value=3, step=0.5, label="Replay speed (steps per second)")
-    with gr.Row():
-        ui["play_btn"] = gr.Button("▶ Replay", elem_id="hv-play")
-        ui["pause_btn"] = gr.Button("■ Stop replay", elem_id="hv-pause")
+
+
+def replay_controls(ui: Components) -> None:
+    """Step back, play, pause, step on and the speed, right above the tree they move."""
+    with gr.Row(elem_classes=["hv-replay"], equal_height=True):
+        ui["prev_btn"] = gr.Button("◀ Step", size="sm", min_width=70, elem_id="hv-prev")
+        ui["play_btn"] = gr.Button("▶ Play", size="sm", min_width=70, elem_id="hv-play")
+        ui["pause_btn"] = gr.Button("❚❚ Pause", size="sm", min_width=70, elem_id="hv-pause")
+        ui["next_btn"] = gr.Button("Step ▶", size="sm", min_width=70, elem_id="hv-next")
+        # a compact slider (no box, so no label of its own): the words before it say what it sets
+        gr.HTML('<span class="hv-speed-label">Replay speed,<br> steps per second</span>', min_width=90, scale=0,
+                elem_classes=["hv-speed-cap"])
+        ui["speed"] = gr.Slider(h.MIN_SPEED, h.MAX_SPEED, value=3, step=0.1, label="Replay speed (steps per second)",
+                                min_width=200, container=False, elem_id="hv-speed")
+        ui["present"] = gr.Checkbox(False, label="Presentation layout", min_width=120, container=False,
+                                    elem_id="hv-present")
+
+
+KEYS_HELP = ('<p class="hv-keys-text">Keys (outside text fields): <kbd>[</kbd> or <kbd>←</kbd> previous step, '
+             '<kbd>]</kbd> or <kbd>→</kbd> next step, <kbd>k</kbd> play / pause.</p>')
 
 
 def live_view(ui: Components) -> None:
-    """The run chooser, the step slider and the six panels, each with its teaching note."""
-    gr.HTML(legend_html())
+    """The run chooser, the step slider, the replay controls and the six panels, each with its
+    teaching note (hidden in the presentation layout)."""
+    gr.HTML(legend_html(), elem_classes=["hv-legend-block"])
     with gr.Row(elem_classes=["hv-scrub"]):
         ui["view"] = gr.Radio([], label="Inspect run", scale=2, elem_id="hv-view")
         ui["step"] = SliderField(1, 2, value=1, step=1, label="Step", scale=5, interactive=False, elem_id="hv-step")
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=3, min_width=480):
+    replay_controls(ui)
+    with gr.Row(equal_height=False, elem_classes=["hv-tree-row"]):
+        with gr.Column(scale=3, min_width=300):
             ui["tree"] = gr.Plot(label="Draft tree(s)", elem_id="hv-tree", elem_classes=["hv-tree"])
-        with gr.Column(scale=1, min_width=260):
+        with gr.Column(scale=1, min_width=260, elem_classes=["hv-teach-col"]):
+            gr.HTML(KEYS_HELP, elem_classes=["hv-keys"])      # beside the tree the keys move
             teach("tree")
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=3, min_width=480):
-            ui["seq"] = gr.HTML(sequence_html(None), elem_id="hv-seq")
-            ui["verdict"] = gr.HTML(verdict_html(None), elem_id="hv-verdict")
+    with gr.Row(equal_height=False, elem_classes=["hv-seq-row"]):
+        with gr.Column(scale=3, min_width=300):
+            ui["seq"] = gr.HTML(sequence_html(None), elem_id="hv-seq", elem_classes=["hv-scroll"])
+            ui["verdict"] = gr.HTML(verdict_html(None), elem_id="hv-verdict", elem_classes=["hv-scroll"])
             ui["output"] = gr.HTML(output_html(None), elem_id="hv-output")
-        with gr.Column(scale=1, min_width=260):
+        with gr.Column(scale=1, min_width=260, elem_classes=["hv-teach-col"]):
             teach("seq")
             teach("output")
     with gr.Row(equal_height=False):
-        with gr.Column(scale=1, min_width=420):
-            ui["latency"] = gr.Plot(label="Latency per stage", elem_id="hv-latency")
+        with gr.Column(scale=1, min_width=300):
+            ui["latency"] = gr.Plot(label="Latency per stage", elem_id="hv-latency", elem_classes=["hv-scroll"])
             teach("latency")
-        with gr.Column(scale=1, min_width=360):
+        with gr.Column(scale=1, min_width=300):
+            ui["time_scale"] = gr.Radio(list(TIME_SCALES), value=MEASURED, label="Time scale", elem_id="hv-time-scale",
+                                        info="re-timed: the same tokens and decisions, each stage priced at "
+                                             "Llama-3-70B / 8B W4A16 costs measured on an H200 (projected)")
             ui["stats"] = gr.HTML(stats_html([]), elem_id="hv-stats")
             teach("stats")
+    ui["crossover"] = gr.Plot(crossover_figure([]), label="Where this run sits (projected)", elem_id="hv-crossover")
 
 
 def wire_run(ui: Components) -> None:
-    """Run (button or Enter in the prompt), Stop, and the page's drawn-update reports."""
+    """Run (button or Enter in the prompt), Stop, and the page's drawn-update reports. Run is
+    disabled while the run is in flight, so a second click cannot vanish silently; it comes back
+    however the run ends (`then` follows errors too)."""
     inputs, outputs = pick(ui, h.RUN_INPUTS), pick(ui, h.RUN_OUTPUTS)
     # a run's event starts at once and waits in the app's device line (hierviz.app.line), not in
     # Gradio's queue, whose size limit is every event's; its place and expected start are in the
     # status box, so Gradio's own progress (its estimate counts the wait as run time) is hidden
     started = dict(concurrency_limit=None, show_progress="hidden")
-    ui["run_btn"].click(run_live, inputs, outputs, api_name="run", **started)
-    ui["prompt"].submit(run_live, inputs, outputs, api_visibility="private", **started)
+    hidden = dict(queue=False, show_progress="hidden", api_visibility="private")
+    triggers = ((ui["run_btn"].click, dict(api_name="run")), (ui["prompt"].submit, dict(api_visibility="private")))
+    for trigger, api in triggers:
+        trigger(h.run_button_busy, None, [ui["run_btn"]], **hidden).then(
+            run_live, inputs, outputs, **api, **started).then(h.run_button_ready, None, [ui["run_btn"]], **hidden)
     ui["stop_btn"].click(h.request_stop, None, [ui["status"]], queue=False, api_name="stop")
     # the page reports each drawn status update (render pacing, hierviz.app.pacing)
     ui["status"].change(h.report_rendered, None, None, queue=False, show_progress="hidden",
@@ -186,24 +217,34 @@ def wire_run(ui: Components) -> None:
 
 
 def wire_inspect(ui: Components) -> None:
-    """The step slider and the run chooser."""
+    """The step slider, previous / next step and the run chooser."""
     ui["step"].input(h.scrub, [ui["session"], ui["step"]], pick(ui, h.SCRUB_OUTPUTS), trigger_mode="always_last",
                      show_progress="hidden", api_name="scrub")
+    for button, handler in ((ui["prev_btn"], h.previous_step), (ui["next_btn"], h.next_step)):
+        button.click(handler, [ui["session"], ui["step"]], pick(ui, h.STEP_OUTPUTS), show_progress="hidden",
+                     trigger_mode="always_last", api_visibility="private")
     ui["view"].input(h.switch_view, [ui["session"], ui["view"]], pick(ui, h.VIEW_OUTPUTS), show_progress="hidden",
                      api_visibility="private")
+    ui["present"].change(None, [ui["present"]], None, js=PRESENT_JS, api_visibility="private")
+    ui["time_scale"].input(h.set_time_scale, [ui["session"], ui["time_scale"]], pick(ui, h.SCRUB_OUTPUTS),
+                           show_progress="hidden", api_visibility="private")
 
 
 def wire_replay(ui: Components) -> None:
-    """Upload, recorded traces, Replay and Stop replay."""
+    """Upload, recorded traces (loaded when chosen), Play from the step on screen, Pause."""
     outputs = pick(ui, h.LOAD_OUTPUTS)
     # parsing a large upload takes a few times its size in memory for a moment: a few at a time
     ui["upload"].upload(h.load_file, [ui["upload"]], outputs, show_progress="hidden", api_name="load_trace",
                         concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE)
-    ui["load_btn"].click(h.load_shipped, [ui["trace_pick"]], outputs, show_progress="hidden",
-                         api_visibility="private")
-    play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"]], pick(ui, h.PLAY_OUTPUTS),
+    ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"]], outputs, show_progress="hidden",
+                           api_visibility="private")
+    play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"], ui["step"]], pick(ui, h.PLAY_OUTPUTS),
                                 show_progress="hidden", api_visibility="private")
     # the message is sent only after the cancellation went through, so a late step update from
-    # the cancelled replay cannot overwrite it
+    # the cancelled replay cannot overwrite it; the step on screen stays, and Play resumes from it
     ui["pause_btn"].click(None, None, None, cancels=[play], queue=False, api_visibility="private").then(
         h.replay_stopped, None, [ui["status"]], queue=False, api_visibility="private")
+
+
+# The presentation layout is a class on <body> that assets/app.css keys on; the checkbox sets it.
+PRESENT_JS = "(on) => { document.body.classList.toggle('hv-present', !!on); return []; }"

@@ -30,6 +30,7 @@ from hierviz.app.guard import VisitorError
 from hierviz.app.line import LINE
 from hierviz.app.session import session_key
 from hierviz.trace import MAX_TRACE_BYTES
+from hierviz.viz.crossover import opening_trace_position
 from hierviz.viz.style import esc, method_label
 from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
                                    reduced_draft_vocab, shapes_label, sweep_base_rates)
@@ -147,7 +148,22 @@ def summary_markdown(d: dict[str, Any]) -> str:
                       f"(decode times {spread})."]
     if "hierspec_vs_eagle2" in d:
         lines += ["", f"**HierSpec / EAGLE-2: {d['hierspec_vs_eagle2']:.2f}x** ({LABEL})."]
+    if (d.get("acceptance") or {}).get("mode") == "rates":
+        lines += ["", assumed_rates_note()]
     return "\n".join(lines)
+
+
+def assumed_rates_note() -> str:
+    """What an assumed acceptance means next to a measured one: the sweep's crossover and where the
+    Visualizer's opening trace sits (hierviz.viz.crossover), so this tab and the Visualizer agree."""
+    pos = opening_trace_position()
+    if pos is None:
+        return "The acceptance here is assumed (the rates above), not measured."
+    cross = (f"the acceptance sweep puts the crossover with EAGLE-2 at scale {pos.crossover_scale:.2f} of these rates"
+             if pos.crossover_scale is not None else "the acceptance sweep shows where EAGLE-2 wins instead")
+    return (f"The acceptance here is assumed (the rates above, scale 1), not measured: {cross}. The Visualizer's "
+            f"opening trace (SmolLM2 stack) accepts at about scale {pos.run_scale:.2f}; its own tokens re-timed at "
+            f"these shapes give HierSpec **{pos.run_speedup:.2f}x** EAGLE-2 (projected).")
 
 
 def _shape_arg(name: str) -> str:

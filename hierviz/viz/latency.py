@@ -57,9 +57,13 @@ def latency_rows(main: Trace, step: int, others: list[Trace]) -> tuple[list[tupl
     return step_rows, cum_rows
 
 
-def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[Trace]] = None) -> go.Figure:
+def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[Trace]] = None,
+                   projected: bool = False) -> go.Figure:
+    """Stage bars of one step and the time each run took to write the same number of tokens;
+    projected: the runs are re-timed at real scale (hierviz.retime), and the titles say so."""
+    unit = "ms, projected at real scale" if projected else "ms"
     fig = make_subplots(rows=2, cols=1, vertical_spacing=0.3,
-                        subplot_titles=("This step (ms)", "Time to write the same number of tokens (ms)"))
+                        subplot_titles=(f"This step ({unit})", f"Time to write the same number of tokens ({unit})"))
     if main is None or not main.steps:
         fig.update_layout(template="none", height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
         fig.add_annotation(text="Latency bars appear once a run has steps.", showarrow=False, x=0.5, y=0.5,

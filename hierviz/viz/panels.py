@@ -8,17 +8,22 @@ from __future__ import annotations
 
 from typing import Optional
 
+from hierviz.retime import (MEASURED, RETIMED, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
+                            whatif_headline)
 from hierviz.trace import Step, Trace, first_difference, output_tokens, trace_stats
-from hierviz.viz.style import COLORS, SOURCE_LABELS, TINTS, esc, method_label, token_label
+from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
+                               token_label)
 
-WHITE_TEXT = {"tree", "intermediate_bonus", "target_bonus", "rejected", "draft", "root"}
+UNKNOWN_ROLE_COLOR = "#E5E7EB"
 
 
-def chip(text: str, kind: str, title: str = "", mark: str = "", extra_class: str = "") -> str:
-    """A token chip: solid colour for `kind`; `mark` is a small symbol after the token (✓ ✗)."""
-    color = COLORS.get(kind, "#888")
-    fg = "white" if kind in WHITE_TEXT else "#333"
-    mark_html = f'<span class="hv-mark">{esc(mark)}</span>' if mark else ""
+def chip(text: str, kind: str, title: str = "", mark: str | None = None, extra_class: str = "") -> str:
+    """A token chip: solid colour for `kind` with its readable text colour; `mark` is a small
+    symbol after the token (✓ ✗ ★), by default the role's own mark, so colour is never the only cue."""
+    color = COLORS.get(kind, UNKNOWN_ROLE_COLOR)
+    fg = TEXT_ON.get(kind, DARK_TEXT)
+    shown_mark = ROLE_MARKS.get(kind, "") if mark is None else mark
+    mark_html = f'<span class="hv-mark" aria-hidden="true">{esc(shown_mark)}</span>' if shown_mark else ""
     cls = f"hv-chip {extra_class}".strip()
     return (f'<span class="{cls}" style="background:{color};color:{fg}" title="{esc(title)}">'
             f'{token_label(text, 16)}{mark_html}</span>')
@@ -37,13 +42,50 @@ PREFILL_TEXT = ("Step 1 is the prefill: every model reads the prompt once and th
                 "token. Drafting starts at step 2.")
 
 
-def legend_html() -> str:
-    items = [("tree", "drafted by an EAGLE head and accepted"), ("intermediate_bonus", "intermediate M's own token"),
-             ("target_bonus", "target T's own token"), ("rejected", "rejected"),
-             ("discarded", "never checked / discarded"), ("draft", "drafted by M alone (sequence spec.)")]
-    parts = [f'<span class="hv-key"><span class="hv-swatch" style="background:{COLORS[k]}"></span>{esc(v)}</span>'
-             for k, v in items]
+# The legend's words; docs/app.md and assets/about.md use the same words and colour names.
+LEGEND_ITEMS = (
+    ("tree", "drafted by an EAGLE head and accepted"),
+    ("intermediate_bonus", "intermediate M's own token"),
+    ("target_bonus", "target T's own token"),
+    ("rejected", "rejected"),
+    ("discarded", "never checked / discarded"),
+    ("draft", "drafted by M alone (sequence spec.)"),
+)
+# The tree view's key: the verifier of the trees shown (M in HierSpec) names the bonus.
+TREE_KEY_ITEMS = (
+    ("tree", "accepted by M"),
+    ("rejected", "compared with M's choice, rejected"),
+    ("discarded", "grows from a rejected token"),
+    ("intermediate_bonus", "M's own next token (bonus): the root of the next tree"),
+)
+
+
+def swatch(kind: str) -> str:
+    """A small sample of a role: its colour with its mark, as on the chips."""
+    mark = esc(ROLE_MARKS.get(kind, ""))
+    return (f'<span class="hv-swatch" aria-hidden="true" style="background:{COLORS[kind]};'
+            f'color:{TEXT_ON[kind]}">{mark}</span>')
+
+
+# The roles each method's panels can show; a legend for one method lists only these.
+METHOD_ROLES = {
+    "hierspec": {"tree", "intermediate_bonus", "target_bonus", "rejected", "discarded"},
+    "eagle2": {"tree", "target_bonus", "rejected", "discarded"},
+    "spec": {"draft", "target_bonus", "rejected", "discarded"},
+    "ar": {"target_bonus"},
+}
+
+
+def legend_html(method: Optional[str] = None) -> str:
+    """The colour-and-mark key; with `method`, only the roles that method's panels show."""
+    shown = METHOD_ROLES.get(method or "", {k for k, _ in LEGEND_ITEMS})
+    parts = [f'<span class="hv-key">{swatch(k)}{esc(v)}</span>' for k, v in LEGEND_ITEMS if k in shown]
     return f'<div class="hv-legend">{"".join(parts)}</div>'
+
+
+def tree_key_html() -> str:
+    """The tree view's key as lines, for the teaching text beside the tree."""
+    return "<br>\n".join(f"{swatch(k)} {esc(v)}" for k, v in TREE_KEY_ITEMS)
 
 
 def sequence_html(step: Optional[Step]) -> str:
@@ -103,7 +145,7 @@ def verdict_html(step: Optional[Step]) -> str:
         chips = [chip(n.text, "tree", f"accepted · depth {n.depth}", "✓") for n in acc]
         on_path = ({0} | set(tree.accepted)) if tree else set()
         losers = [n for n in tree.nodes if n.parent in on_path and n.id not in on_path] if tree else []
-        chips.append(chip(bonus, "target_bonus", "the target's own token after the accepted path", "+"))
+        chips.append(chip(bonus, "target_bonus", "the target's own token after the accepted path"))
         size = len(tree.nodes) if tree else 0
         summary = (f'The target checked all <b>{size}</b> tree tokens in one forward pass, accepted a path of '
                    f'<b>{len(acc)}</b> (rejecting {len(losers)} alternative{"s" if len(losers) != 1 else ""} along the way) '
@@ -118,11 +160,11 @@ def verdict_html(step: Optional[Step]) -> str:
         elif i == n:
             chips.append(chip(s.text, "rejected", "first token the target disagreed with", "✗", "hv-rejected"))
         else:
-            chips.append(chip(s.text, "discarded", "dropped: it came after a rejected token", "", "hv-dropped"))
+            chips.append(chip(s.text, "discarded", "dropped: it came after a rejected token", extra_class="hv-dropped"))
     chips.append('<span class="hv-arrow">→</span>')
     chips.append(chip(bonus, "target_bonus",
                       "the target's own token " + ("(bonus: every draft token was accepted)" if n == len(seq)
-                                                   else "(correction of the rejected token)"), "+"))
+                                                   else "(correction of the rejected token)")))
     if n == len(seq):
         summary = (f'The target accepted <b>all {len(seq)}</b> draft tokens and added a bonus token → '
                    f'<b>{len(step.new_tokens)}</b> new tokens from one target forward pass.')
@@ -166,7 +208,7 @@ def output_html(trace: Optional[Trace], upto: Optional[int] = None, highlight: O
         parts.append('<span class="hv-muted">(no tokens yet)</span>')
     n_tok = sum(len(s.new_tokens) for s in steps)
     head = f'<div class="hv-head">Output: {n_tok} token{"s" if n_tok != 1 else ""} after step {len(steps)}</div>'
-    return _box(head + f'<div class="hv-text">{"".join(parts)}</div>', "hv-output")
+    return _box(head + f'<div class="hv-text" tabindex="0" role="region" aria-label="Output text">{"".join(parts)}</div>', "hv-output")
 
 
 def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
@@ -202,22 +244,83 @@ def _same_as_ar(method: str, tokens: list[int], ar: list[int], sampled: bool) ->
             f'round differently in fp16/bf16, so near-ties flip">✗ from token {i + 1}</span>')
 
 
-def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
-    """A table with one column per run: speed, tau of each level, per-depth acceptance."""
+def shown_steps(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> dict[str, list[Step]]:
+    """Each run's steps up to the step shown (`upto`: method -> last step index; others: all)."""
+    out = {}
+    for t in runs:
+        method = run_method(t)
+        out[method] = t.steps if not upto or method not in upto else t.steps[: upto[method] + 1]
+    return out
+
+
+def run_method(t: Trace) -> str:
+    return str(t.meta.get("method", t.steps[0].method if t.steps else "?"))
+
+
+def where_measured(meta: dict) -> str:
+    """The machine a run's times come from, in words (trace meta)."""
+    device = str(meta.get("gpu") or meta.get("device") or "")
+    return {"cuda": "a CUDA GPU", "cpu": "a CPU", "": "an unnamed device"}.get(device, device)
+
+
+def speed_phrase(speedup: float, other: str) -> str:
+    faster = "faster than" if speedup >= 1 else "the speed of"
+    return f'<b>{speedup:.2f}×</b> {faster} {esc(method_label(other))}'
+
+
+def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = MEASURED) -> str:
+    """HierSpec against each other run over the same first N tokens, and where the times come from."""
+    ratios = equal_token_ratios(steps)
+    if not ratios:
+        return ""
+    n = ratios[0].n_tokens
+    line = "HierSpec is " + " · ".join(speed_phrase(r.speedup, r.other) for r in ratios)
+    if time_scale == RETIMED:
+        where = (f're-timed at real scale, <b>projected</b>: {esc(str(meta.get("retimed_on", "")))}, the same '
+                 f'tokens and accept decisions as measured on {esc(where_measured({"device": meta.get("measured_device")}))}')
+    else:
+        where = f"as measured on {esc(where_measured(meta))}"
+    return (f'<div class="hv-speedup">{line}</div>'
+            f'<div class="hv-muted">Over the first {n} token{"s" if n != 1 else ""} of every run, {where}.</div>')
+
+
+def small_stack_html(meta: dict, time_scale: str = MEASURED) -> str:
+    """Why a small stack's measured numbers cannot show the method, and where the real-scale result is."""
+    if not is_small_stack(meta):
+        return ""
+    device = str(meta.get("measured_device") or meta.get("device") or "")
+    why = ("on a GPU a 135M target is launch-bound: one forward costs about the same for 1 token or 64, "
+           "so checking many drafted tokens at once saves nothing and every extra model call is overhead"
+           if device == "cuda" else
+           "on a CPU a 135M target is compute-bound: every verified token costs nearly a full step")
+    headline = whatif_headline()
+    real = (f' At Llama-3-70B / 8B shapes on an H200 the <b>What-if</b> tab projects HierSpec at '
+            f'<b>{headline["ar"]:.2f}×</b> Autoregressive and <b>{headline["eagle2"]:.2f}×</b> EAGLE-2 '
+            f'(the paper\'s trees, assumed acceptance rates).') if headline else ""
+    shown = ("These numbers are the small stack's tokens priced at real scale; choose "
+             f"“{MEASURED}” for the times it took." if time_scale == RETIMED else
+             f"Choose “{RETIMED}” to price these same tokens at Llama-3-70B / 8B.")
+    return (f'<div class="hv-teach">Measured, this 135M stack cannot show the method: {why}; and this M agrees '
+            f'with T on only 55 % of Spec-Bench tokens, so T rejects its sequence early.{real} {esc(shown)}</div>')
+
+
+def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None, time_scale: str = MEASURED) -> str:
+    """A table with one column per run: speed, tau of each level, per-depth acceptance; above it the
+    speed line, comparing runs only over the same number of tokens. `time_scale`: MEASURED, or
+    RETIMED (every time priced at real scale, hierviz.retime; labelled projected)."""
     if not runs:
         return _box('<p class="hv-muted">Statistics appear once a run has steps.</p>')
-    cols = []
-    shown: dict[str, list[int]] = {}       # each run's output up to the step shown
-    for t in runs:
-        method = t.meta.get("method", t.steps[0].method if t.steps else "?")
-        steps = t.steps if not upto or method not in upto else t.steps[: upto[method] + 1]
-        cols.append((method, trace_stats(steps)))
-        shown[method] = output_tokens(t, steps)
-    by_method = {m: s for m, s in cols}
+    if time_scale == RETIMED and not real_scale_available():
+        time_scale = MEASURED          # no profiles to price with: say what the numbers are
+    runs = at_time_scale(runs, time_scale)
+    steps_by_method = shown_steps(runs, upto)
+    cols = [(m, trace_stats(steps)) for m, steps in steps_by_method.items()]
+    shown = {run_method(t): output_tokens(t, steps_by_method[run_method(t)]) for t in runs}   # output up to the step shown
+    projected = " (projected)" if time_scale == RETIMED else ""
     rows = [
         ("tokens", lambda s: str(s["new_tokens"])),
-        ("decode time (ms)", lambda s: f'{s["total_ms"]:.0f}'),
-        ("<b>tokens / s</b>", lambda s: f'<b>{s["tokens_per_s"]:.1f}</b>'),
+        (f"decode time (ms){projected}", lambda s: f'{s["total_ms"]:.0f}'),
+        (f"<b>tokens / s</b>{projected}", lambda s: f'<b>{s["tokens_per_s"]:.1f}</b>'),
         ("τ target (tokens / T pass)", lambda s: _fmt(s["tau_target"])),
         ("τ intermediate (tokens / M tree)", lambda s: _fmt(s["tau_intermediate"])),
         ("mean sequence draft", lambda s: _fmt(s["mean_sequence_len"] or None, 1)),
@@ -240,15 +343,7 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
             cells.append("<td>–</td>" if r is None else
                          f'<td><span class="hv-bar"><span style="width:{100 * r:.0f}%"></span></span> {100 * r:.0f}%</td>')
         depth_rows.append(f"<tr><td>accepted at depth {d}</td>{''.join(cells)}</tr>")
-    speed = []
-    hs = by_method.get("hierspec")
-    for other in ("eagle2", "ar", "spec"):
-        o = by_method.get(other)
-        if hs and o and hs["tokens_per_s"] > 0 and o["tokens_per_s"] > 0:
-            speed.append(f'HierSpec is <b>{hs["tokens_per_s"] / o["tokens_per_s"]:.2f}×</b> '
-                         f'{"faster than" if hs["tokens_per_s"] >= o["tokens_per_s"] else "the speed of"} '
-                         f'{esc(method_label(other))}')
-    speed_html = f'<div class="hv-speedup">{" · ".join(speed)}</div>' if speed else ""
+    speed_html = speed_line_html(steps_by_method, runs[0].meta, time_scale) + small_stack_html(runs[0].meta, time_scale)
     note = ""
     if any(t.meta.get("synthetic") for t in runs):
         note = '<div class="hv-warn">Hand-made trace: no model ran and the timings are invented.</div>'
@@ -257,5 +352,7 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None) -> str:
     setup = run_setup_line(runs[0].meta)
     if setup:
         note += f'<div class="hv-muted">Ran on {setup}.</div>'
-    return _box(speed_html + f'<table class="hv-stats"><thead><tr><th></th>{head}</tr></thead>'
-                f'<tbody>{body}{"".join(depth_rows)}</tbody></table>' + note)
+    # the table scrolls sideways on a narrow screen; focusable, so a keyboard can scroll it too
+    return _box(speed_html + '<div class="hv-table-scroll" tabindex="0" role="region" aria-label="Statistics table">'
+                f'<table class="hv-stats"><thead><tr><th></th>{head}</tr></thead>'
+                f'<tbody>{body}{"".join(depth_rows)}</tbody></table></div>' + note)

@@ -12,17 +12,19 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-# Okabe-Ito hues, as the other panels use (hierviz.viz.style)
+# Blue for full precision, orange for the 4-bit kernel (the tab's text calls it "orange"): lines
+# at >= 3:1 on white and apart under simulated colour blindness
+W4_COLOR = "#C96A00"
 FORMAT_COLORS = {"fp16": "#0072B2", "fp32": "#0072B2", "bf16": "#0072B2",
-                 "w4a16-triton": "#D55E00", "w4a16-tinygemm": "#CC79A7"}
-_FALLBACK = ["#009E73", "#E69F00", "#56B4E9", "#999999"]
+                 "w4a16-triton": W4_COLOR, "w4a16-tinygemm": "#B286E9"}
+_FALLBACK = ["#297B7A", "#333333", "#56B4E9", "#999999"]
 SCOPE_TITLES = {"layer": "one decoder layer", "model": "whole model"}
 
 
 def _color(name: str, seen: dict[str, str]) -> str:
     if name not in seen:
         seen[name] = FORMAT_COLORS.get(name) or (
-            "#D55E00" if name.startswith("w4") and "#D55E00" not in seen.values()
+            W4_COLOR if name.startswith("w4") and W4_COLOR not in seen.values()
             else _FALLBACK[len(seen) % len(_FALLBACK)])
     return seen[name]
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from hierviz.trace import DraftTree
-from hierviz.viz.style import COLORS, plotly_label, visible_token
+from hierviz.viz.style import COLORS, ROLE_MARKS, TEXT_ON, plotly_label, visible_token
 
-COL_PX = 104        # pixels per depth column; the figure width is fixed so labels never overlap
+COL_PX = 120        # pixels per depth column; the figure width is fixed so labels never overlap
 ROW_PX = 24         # pixels per leaf row
 LABEL_CHARS = 9     # longest token label drawn in a node chip
 CHAR_PX = 8.2       # approximate width of one label character at the chosen font size
-MIN_WIDTH = 820     # pixels: the legend needs one line
+MIN_WIDTH = 880     # pixels: the legend (with its marks) needs one line
 GAP_COLS = 0.6      # empty columns between two trees of one round
 BONUS = -1          # pseudo node id of the verifier's bonus token
 ROOT = 0
@@ -117,8 +117,14 @@ def layout_tree(tree: DraftTree, x0: float = 0.0) -> list[PlacedNode]:
     return placed
 
 
-def _chip_px(text: str) -> float:
-    return len(visible_token(text, LABEL_CHARS)) * CHAR_PX + 14
+def _chip_px(text: str, mark: str = "") -> float:
+    """Drawn width of a node chip: its label, then a space and its role mark if it has one."""
+    chars = len(visible_token(text, LABEL_CHARS)) + (len(mark) + 1 if mark else 0)
+    return chars * CHAR_PX + 14
+
+
+def _node_px(p: PlacedNode) -> float:
+    return _chip_px(p.text, ROLE_MARKS[p.status])
 
 
 STATUS_NAMES = {
@@ -129,6 +135,12 @@ STATUS_NAMES = {
     "intermediate_bonus": "M's bonus token",
     "target_bonus": "T's bonus token",
 }
+
+
+def legend_name(status: str) -> str:
+    """A status's legend entry: its mark, as drawn on the node, then its words."""
+    mark = ROLE_MARKS[status]
+    return f"{mark} {STATUS_NAMES[status]}" if mark else STATUS_NAMES[status]
 
 
 def _hover(p: PlacedNode, tree_idx: int) -> str:
@@ -185,7 +197,7 @@ def _figure_size(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[int, int, int
     """(rows, width px, height px, right end of the x range) of the laid-out nodes."""
     n_rows = int(max(p.y for _, p in all_nodes)) + 1
     # the right edge is the end of the widest chip in the last columns, not the last column itself
-    x_end = max(p.x + _chip_px(p.text) / COL_PX for _, p in all_nodes) + 0.1
+    x_end = max(p.x + _node_px(p) / COL_PX for _, p in all_nodes) + 0.1
     # at least MIN_WIDTH so the legend fits on one line; the range grows with it (COL_PX stays exact)
     width = max(int((x_end + 0.1) * COL_PX) + 20, MIN_WIDTH)
     x_end = (width - 20) / COL_PX - 0.1
@@ -195,7 +207,7 @@ def _figure_size(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[int, int, int
 
 def _elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
     """An edge from the right end of a's chip to the left of b: across, down, across."""
-    xs = round(a.x + _chip_px(a.text) * _UNIT, 3)     # rounded: keeps the streamed JSON small
+    xs = round(a.x + _node_px(a) * _UNIT, 3)     # rounded: keeps the streamed JSON small
     xm = round(b.x - 10 * _UNIT, 3)
     return [xs, xm, xm, b.x, None], [a.y, a.y, b.y, b.y, None]
 
@@ -220,17 +232,19 @@ def _add_edges(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]], pos: dic
             fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=_EDGE_STYLES[kind], hoverinfo="skip",
                                      showlegend=False))
     for a, b in connectors:
-        fig.add_trace(go.Scatter(x=[a.x + _chip_px(a.text) * _UNIT, b.x], y=[a.y, b.y], mode="lines",
+        fig.add_trace(go.Scatter(x=[a.x + _node_px(a) * _UNIT, b.x], y=[a.y, b.y], mode="lines",
                                  line=dict(color="#555", width=2, dash="dash"), hoverinfo="skip", showlegend=False))
 
 
 def _chip(p: PlacedNode) -> dict:
-    """The annotation drawing one node: its token text on the status colour (the bonus outlined)."""
-    dark_text = p.status == "discarded"
+    """The annotation drawing one node: its token text and role mark (✓ ✗ ◆ ★, the cue beside
+    colour) on the status colour, in the text colour that reads on it; the bonus outlined."""
+    mark = ROLE_MARKS[p.status]
+    label = plotly_label(p.text, LABEL_CHARS)
     return dict(
         x=p.x, y=p.y, xanchor="left", yanchor="middle", showarrow=False,
-        text=plotly_label(p.text, LABEL_CHARS),
-        font=dict(size=13, color="#222" if dark_text else "white", family="DejaVu Sans Mono, monospace"),
+        text=f"{label} {mark}" if mark else label,
+        font=dict(size=13, color=TEXT_ON[p.status], family="DejaVu Sans Mono, monospace"),
         bgcolor=COLORS[p.status], borderpad=3,
         bordercolor="#222" if p.id == BONUS else COLORS[p.status], borderwidth=1.5 if p.id == BONUS else 0)
 
@@ -244,11 +258,11 @@ def _add_nodes(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]]) -> list[
         if not group:
             continue
         fig.add_trace(go.Scatter(
-            x=[round(p.x + _chip_px(p.text) * _UNIT / 2, 3) for _, p in group], y=[p.y for _, p in group], mode="markers",
+            x=[round(p.x + _node_px(p) * _UNIT / 2, 3) for _, p in group], y=[p.y for _, p in group], mode="markers",
             marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
             hovertext=[_hover(p, ti) for ti, p in group], hoverinfo="text", name=STATUS_NAMES[status],
             showlegend=False))
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATUS_NAMES[status],
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=legend_name(status),
                                  marker=dict(size=13, color=COLORS[status], symbol="square")))
         annotations += [_chip(p) for _, p in group]
     return annotations

@@ -20,7 +20,10 @@ from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, esc, method_label
 
 LABEL = "projected with replayed acceptance"   # == hierviz.whatif.LABEL (kept import-free of torch)
 METHOD_ORDER = ("ar", "spec", "eagle2", "hierspec")
-METHOD_COLORS = {"ar": "#8C8C8C", "spec": "#CC79A7", "eagle2": "#0072B2", "hierspec": "#009E73"}
+# the roles' hues where they mean the same (HierSpec teal as accepted trees, EAGLE-2 orange as T,
+# sequence spec. lavender as M drafting alone); distinct under simulated colour blindness
+METHOD_COLORS = {"ar": "#333333", "spec": "#B286E9", "eagle2": "#C96A00", "hierspec": "#297B7A"}
+LABEL_TEXT_COLOR = "#1F2937"   # winner labels: the star carries the colour, the text stays readable
 STAGE_ORDER = ("draft", "intermediate_verify", "target_verify", "overhead")
 
 
@@ -202,7 +205,7 @@ def sweep_figure(d: dict[str, Any]) -> go.Figure:
     for v in verdicts:
         fig.add_annotation(x=v["scale"], y=1.0, yref="paper", yanchor="bottom", showarrow=False,
                            text=f"<b>{method_label(v['winner'])}</b>",
-                           font=dict(color=METHOD_COLORS.get(v["winner"], "#333"), size=12))
+                           font=dict(color=LABEL_TEXT_COLOR, size=12))
     fig.add_hline(y=1.0, line=dict(color=METHOD_COLORS["ar"], width=1.5, dash="dash"),
                   annotation_text="AR (1.0x)", annotation_position="bottom right")
     fig.update_xaxes(title_text="acceptance scale (x every base rate)", tickvals=xs or None)

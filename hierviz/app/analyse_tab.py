@@ -1,0 +1,180 @@
+"""The Analyse tab: whole-run views of a recorded or uploaded trace, or of two side by side.
+
+Trace A is an uploaded file or, without one, the chosen recorded trace; trace B, an optional second
+upload, is overlaid on A. Uploads are read by the visualizer's loader (handlers.read_upload: the same
+checks and size limits), recorded traces only from the shipped list, so the page never makes the
+server read a path a visitor chose. The CSV and HTML downloads are written to this visitor's own
+folder under the app's download folder (hierviz/app/downloads.py).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import gradio as gr
+
+from hierviz.app import downloads
+from hierviz.app.common import status_html
+from hierviz.app.fields import NumberField, TraceUpload
+from hierviz.app.guard import log_refusal, redact_paths
+from hierviz.app.handlers import read_upload, sorted_runs
+from hierviz.app.session import session_key
+from hierviz.app.shipped import shipped_runs, shipped_traces
+from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError
+from hierviz.viz.export import replay_html, step_svg
+from hierviz.viz.run_figs import (Series, comparison_html, depth_figure, series_of, steps_csv, summary_csv,
+                                  tau_figure, worst_rejections)
+
+EXPLAIN = """**Analyse a whole run.** τ per step is how many tokens each target pass produced; the depth chart
+shows how often the drafts were accepted at each depth, counted over the run so far. *Worst rejections* lists
+the steps that threw the most drafted tokens away: open them in the Visualizer with the step slider. Upload a
+second trace (B) to overlay it on the first (A), e.g. two drafter heads on the same prompt."""
+
+UPLOADS_AT_ONCE = 4
+# the files the tab offers, in the order of its download buttons
+DOWNLOADS = ("hierviz-steps.csv", "hierviz-summary.csv", "hierviz-replay.html", "hierviz-step.svg")
+WORST_HEADERS = ["run", "step", "thrown away", "what happened"]
+# the downloads of this tab live beside the visualizer's, one folder per visitor, at most this many
+FOLDER_PREFIX = "analyse-"
+MAX_KEPT = downloads.MAX_KEPT
+_lock = threading.Lock()
+
+
+# ---- reading the traces ------------------------------------------------------------------------
+
+def read_as(which: str, upload: str) -> list[Trace]:
+    """An uploaded trace file's runs; its errors say which of the two files failed."""
+    try:
+        return read_upload(upload)
+    except (TraceError, OSError) as e:
+        raise TraceError(f"trace {which} ({Path(upload).name}): {e}") from None
+
+
+def first_runs(shipped_path: Optional[str], upload: Optional[str]) -> tuple[str, list[Trace]]:
+    """(name, runs) of trace A: the upload if there is one, else the chosen recorded trace."""
+    if upload:
+        return Path(upload).name, read_as("A", upload)
+    if not shipped_path or shipped_path not in {p for _, p in shipped_traces()}:
+        raise TraceError("pick one of the recorded traces or upload a trace file")
+    return Path(shipped_path).name, shipped_runs(shipped_path)
+
+
+def load_series(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Optional[str]) -> tuple[str, list[Series]]:
+    """(what was loaded, the series to show); TraceError or OSError with a message for the visitor."""
+    name_a, runs_a = first_runs(shipped_path, upload_a)
+    if not upload_b:
+        return name_a, series_of(sorted_runs(runs_a))
+    runs_b = read_as("B", upload_b)
+    return (f"A = {name_a}, B = {Path(upload_b).name}",
+            series_of(sorted_runs(runs_a), "A: ") + series_of(sorted_runs(runs_b), "B: "))
+
+
+# ---- downloads ---------------------------------------------------------------------------------
+
+def visitor_folder(key: str) -> Path:
+    return downloads.DOWNLOAD_ROOT / (FOLDER_PREFIX + (re.sub(r"[^A-Za-z0-9_-]", "_", key)[:64] or "anonymous"))
+
+
+def save_files(key: str, files: dict[str, str]) -> dict[str, str]:
+    """Write `files` (name -> text) as the visitor `key`'s downloads, replacing their previous ones; the
+    paths by name. Only the newest MAX_KEPT visitors' folders are kept, so disk use stays bounded."""
+    folder = visitor_folder(key)
+    with _lock:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        out = {}
+        for name, text in files.items():
+            # a token may be a lone surrogate (JSON allows one); it becomes "?" rather than a failed write
+            (folder / name).write_text(text, encoding="utf-8", errors="replace")
+            out[name] = str(folder / name)
+        mine = sorted((p for p in downloads.DOWNLOAD_ROOT.glob(FOLDER_PREFIX + "*") if p.is_dir()),
+                      key=lambda p: p.stat().st_mtime)
+        for old in mine[:-MAX_KEPT]:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def export_step(series: list[Series], step: Any) -> int:
+    """The 0-based step of the first run to export as SVG: the visitor's step number (from 1), kept
+    within the run; the first step for anything that is not a number."""
+    try:
+        number = int(float(step))
+    except (TypeError, ValueError, OverflowError):
+        number = 1
+    return max(0, min(number, len(series[0].trace.steps)) - 1)
+
+
+def download_files(series: list[Series], step: int) -> dict[str, str]:
+    """The files a visitor can take away; the replay and the step picture are of the first run shown
+    (A's, HierSpec first)."""
+    first = series[0]
+    return {"hierviz-steps.csv": steps_csv(series), "hierviz-summary.csv": summary_csv(series),
+            "hierviz-replay.html": replay_html(first.trace, f"hierviz replay: {first.label}"),
+            "hierviz-step.svg": step_svg(first.trace, step)}
+
+
+# ---- the handler -------------------------------------------------------------------------------
+
+def worst_rows(series: list[Series]) -> list[list[Any]]:
+    return [[r.method, r.step + 1, r.rejected, r.description] for r in worst_rejections(series)]
+
+
+def failed(message: str) -> tuple:
+    """The outputs of a failed load: the message, everything else left as it was."""
+    log_refusal("analyse", message)
+    return (status_html(message, "error"), *(gr.skip() for _ in range(len(DOWNLOADS) + 4)))
+
+
+def analyse(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Optional[str], step: Any = 1,
+            request: Optional[gr.Request] = None) -> tuple:
+    """(status, tau figure, depth figure, comparison table, worst rejections, then the DOWNLOADS) for
+    trace A, and B overlaid when uploaded; `step` is the step of A's first run to export as SVG."""
+    try:
+        name, series = load_series(shipped_path, upload_a, upload_b)
+    except (TraceError, OSError) as e:
+        return failed(redact_paths(f"Could not analyse: {e}"))
+    # the replay and the step picture show the first run: it needs a step (a trace may have none)
+    if not series or not series[0].trace.steps:
+        return failed(f"{name} has no steps to analyse.")
+    paths = save_files(session_key(request), download_files(series, export_step(series, step)))
+    return (status_html(f"Analysed {name}: " + ", ".join(s.label for s in series) + ".", "ok"),
+            tau_figure(series), depth_figure(series), comparison_html(series), worst_rows(series),
+            # an update, not a new component: Gradio resolves the path when it sends the event's outputs,
+            # and serves it from the download folder (a static path) without copying it
+            *(gr.update(value=paths[n], interactive=True)
+              for n in DOWNLOADS))
+
+
+# ---- the tab -----------------------------------------------------------------------------------
+
+def analyse_tab() -> None:
+    shipped = shipped_traces()
+    first = shipped[0][1] if shipped else None
+    with gr.Row():
+        with gr.Column(scale=2):
+            gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
+            choice = gr.Dropdown(shipped, value=first, label="recorded trace (A)")
+            upload_a = TraceUpload(label=f"…or upload a trace JSON as A (max {MAX_TRACE_BYTES // 2**20} MB)",
+                                   file_types=[".json"], type="filepath")
+            upload_b = TraceUpload(label="optional: a second trace JSON (B) to compare", file_types=[".json"],
+                                   type="filepath")
+            go_btn = gr.Button("Analyse", variant="primary")
+            status = gr.HTML(status_html("Pick a recorded trace or upload one, then press Analyse."))
+            steps_btn = gr.DownloadButton("Per-step CSV", value=None, interactive=False)
+            summary_btn = gr.DownloadButton("Summary CSV", value=None, interactive=False)
+            replay_btn = gr.DownloadButton("HTML replay (first run, works offline)", value=None, interactive=False)
+            step_no = NumberField(1, label="step of the first run to export as a picture", precision=0, minimum=1)
+            svg_btn = gr.DownloadButton("Step as SVG", value=None, interactive=False)
+        with gr.Column(scale=3):
+            tau_plot = gr.Plot(label="τ per step")
+            depth_plot = gr.Plot(label="acceptance by depth")
+            table = gr.HTML()
+            worst = gr.Dataframe(headers=WORST_HEADERS, label="worst rejections", interactive=False, wrap=True,
+                                 column_widths=["14%", "8%", "10%", "68%"])
+    outputs = [status, tau_plot, depth_plot, table, worst, steps_btn, summary_btn, replay_btn, svg_btn]
+    # reading an upload takes a few times its size in memory for a moment: a few at a time
+    go_btn.click(analyse, [choice, upload_a, upload_b, step_no], outputs, api_visibility="private",
+                 concurrency_id="analyse", concurrency_limit=UPLOADS_AT_ONCE)
