@@ -5,19 +5,17 @@ because axe only judges what is rendered and visible.
 axe-core comes from npm into .cache/npm (scripts/setup.sh --test); without it the test skips."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tests.browser import NEEDS_CHROMIUM, opened_page
+
 ROOT = Path(__file__).resolve().parent.parent
 AXE_JS = ROOT / ".cache" / "npm" / "node_modules" / "axe-core" / "axe.min.js"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = ROOT / "test-artifacts"
 BOUND_MS = 120_000
-TABS = ("Visualizer", "Profile", "What-if", "How it works")
+TABS = ("Visualizer", "Profile", "What-if", "Analyse", "How it works")
 BLOCKING_IMPACTS = ("serious", "critical")
 
 # Known defects still to fix, each as (tab, axe rule id, CSS selector of the one element).
@@ -26,8 +24,7 @@ BLOCKING_IMPACTS = ("serious", "critical")
 KNOWN_VIOLATIONS: tuple[tuple[str, str, str], ...] = ()
 
 pytestmark = [
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (apt-get install -y chromium)"),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="the playwright package is not installed"),
+    *NEEDS_CHROMIUM,
     pytest.mark.skipif(not AXE_JS.exists(), reason=f"axe-core is not installed at {AXE_JS} (bash scripts/setup.sh --test)"),
 ]
 
@@ -42,18 +39,9 @@ def app_url():
 
 @pytest.fixture(scope="module")
 def page(app_url):
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1440, "height": 900})
-        pg.set_default_timeout(BOUND_MS)
-        pg.goto(app_url)
-        pg.wait_for_selector("#hv-tree .js-plotly-plot")
-        # the page opens on a recorded trace; judge the page as a visitor sees it, loaded
-        pg.wait_for_function("() => document.querySelector('#hv-status')?.innerText.includes('recorded trace')")
+    with opened_page(app_url, 1440, 900, BOUND_MS) as pg:
         pg.add_script_tag(path=str(AXE_JS))
         yield pg
-        browser.close()
 
 
 def show_tab(pg, title: str) -> None:

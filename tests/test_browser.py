@@ -7,7 +7,6 @@ timeouts are only bounds for a failure, generous (BOUND_MS) so that a busy machi
 failing."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -18,17 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, NEEDS_CHROMIUM, opened_page
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 BOUND_MS = 240_000
 
-pytestmark = [
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (apt-get install -y chromium)"),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="the playwright package is not installed"),
-]
+pytestmark = NEEDS_CHROMIUM
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +59,8 @@ def app_url():
 
 @pytest.fixture()
 def page(app_url):
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": 1600, "height": 1000})
-        pg.set_default_timeout(BOUND_MS)
-        pg.goto(app_url)
-        pg.wait_for_selector("#hv-tree .js-plotly-plot")
-        # the page opens on a recorded trace (demo.load); wait for it so clicks act on a loaded session
-        wait_status(pg, "recorded trace")
+    with opened_page(app_url, 1600, 1000, BOUND_MS) as pg:
         yield pg
-        browser.close()
 
 
 def status_text(pg) -> str:

@@ -227,3 +227,16 @@ def test_how_it_works_quotes_the_computed_figures() -> None:
     pos = opening_trace_position()
     assert f"**{pos.crossover_scale:.2f}x** those rates" in about and f"**{pos.run_scale:.2f}x** of them" in about
     assert f"{DRAFT_HEAD_MS} ms" in about
+
+
+def test_first_screen_headline_shows_both_scales_for_the_opening_trace() -> None:
+    """The top-of-page line: re-timed (projected) ratios over all 126 tokens, and the measured ones
+    beside them with the reason a 135M target loses; measured alone when asked."""
+    from hierviz.viz.panels import headline_html
+    runs = opening_runs()
+    retimed = headline_html(runs, RETIMED)
+    assert "projected" in retimed and "Over the first 126 tokens" in retimed
+    assert "<b>1.22×</b> faster than EAGLE-2" in retimed and "0.58× EAGLE-2" in retimed and "cannot show the method" in retimed
+    measured = headline_html(runs, MEASURED)
+    assert "projected" not in measured and "0.58×" in measured and "cannot show" not in measured
+    assert headline_html([], RETIMED) == ""

@@ -18,8 +18,8 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.guard import RATE, log_refusal
 from hierviz.app.line import LINE
-from hierviz.app.render import (PANELS, STEP_PANELS, download_update, nav_updates, panel_updates, run_label,
-                                runs_shown_updates)
+from hierviz.app.render import (PANELS, STEP_PANELS, download_update, headline_update, nav_updates, panel_updates,
+                                run_label, runs_shown_updates)
 from hierviz.app.session import SESSIONS, Session, session_key, state_bytes, state_limit_mb
 from hierviz.app.shipped import shipped_runs, shipped_traces
 from hierviz.retime import TIME_SCALES
@@ -32,8 +32,9 @@ RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", 
               "t_depth", "t_topk", "t_size", "with_ar", "session")
 # API clients read these by position: new outputs go at the end
 RUN_CORE = ("status", "session", "download", "step", "view", *PANELS)
-RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover")
-LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover")
+RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover", "headline")
+LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline")
+TIME_SCALE_OUTPUTS = (*PANELS, "headline")
 PLAY_OUTPUTS = ("status", "step", *PANELS)
 VIEW_OUTPUTS = (*PANELS, "step", "view")
 SCRUB_OUTPUTS = PANELS
@@ -118,8 +119,9 @@ def set_time_scale(sess: Session, time_scale: Optional[str]) -> tuple:
     """The visitor's time scale: the speed line, stats and latency bars of the step on screen."""
     sess.time_scale = time_scale if time_scale in TIME_SCALES else None
     if sess.run() is None:
-        return pack(SCRUB_OUTPUTS, {})
-    return pack(SCRUB_OUTPUTS, panel_updates(sess, sess.step, {"latency", "stats"}))
+        return pack(TIME_SCALE_OUTPUTS, {})
+    return pack(TIME_SCALE_OUTPUTS, {**panel_updates(sess, sess.step, {"latency", "stats"}),
+                                     "headline": headline_update(sess)})
 
 
 def switch_view(sess: Session, method: Optional[str]) -> tuple:

@@ -15,7 +15,8 @@ from hierviz.retime import RETIMED, TIME_SCALES, at_time_scale, default_time_sca
 from hierviz.trace import Trace
 from hierviz.viz.crossover import crossover_figure
 from hierviz.viz.latency import latency_figure
-from hierviz.viz.panels import PREFILL_TEXT, is_prefill, output_html, sequence_html, stats_html, verdict_html
+from hierviz.viz.panels import (PREFILL_TEXT, headline_html, is_prefill, output_html, sequence_html, stats_html,
+                                verdict_html)
 from hierviz.viz.style import method_label
 from hierviz.viz.tree import tree_figure
 
@@ -86,7 +87,12 @@ def time_scale_update(sess: Session) -> Any:
 
 def runs_shown_updates(sess: Session) -> dict[str, Any]:
     """What changes once per set of runs (a trace loaded, a live run finished), not per step."""
-    return {"time_scale": time_scale_update(sess), "crossover": crossover_panel(sess)}
+    return {"time_scale": time_scale_update(sess), "crossover": crossover_panel(sess), "headline": headline_update(sess)}
+
+
+def headline_update(sess: Session) -> str:
+    """The whole comparison's speed line at the visitor's time scale (top of the page)."""
+    return headline_html(sess.runs, chosen_time_scale(sess.runs, sess.time_scale))
 
 
 def crossover_panel(sess: Session) -> Any:

@@ -164,6 +164,7 @@ KEYS_HELP = ('<p class="hv-keys-text">Keys (outside text fields): <kbd>[</kbd> o
 def live_view(ui: Components) -> None:
     """The run chooser, the step slider, the replay controls and the six panels, each with its
     teaching note (hidden in the presentation layout)."""
+    ui["headline"] = gr.HTML("", elem_id="hv-headline")       # the whole comparison, on the first screen
     gr.HTML(legend_html(), elem_classes=["hv-legend-block"])
     with gr.Row(elem_classes=["hv-scrub"]):
         ui["view"] = gr.Radio([], label="Inspect run", scale=2, elem_id="hv-view")
@@ -226,7 +227,7 @@ def wire_inspect(ui: Components) -> None:
     ui["view"].input(h.switch_view, [ui["session"], ui["view"]], pick(ui, h.VIEW_OUTPUTS), show_progress="hidden",
                      api_visibility="private")
     ui["present"].change(None, [ui["present"]], None, js=PRESENT_JS, api_visibility="private")
-    ui["time_scale"].input(h.set_time_scale, [ui["session"], ui["time_scale"]], pick(ui, h.SCRUB_OUTPUTS),
+    ui["time_scale"].input(h.set_time_scale, [ui["session"], ui["time_scale"]], pick(ui, h.TIME_SCALE_OUTPUTS),
                            show_progress="hidden", api_visibility="private")
 
 

@@ -284,6 +284,27 @@ def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = 
             f'<div class="hv-muted">Over the first {n} token{"s" if n != 1 else ""} of every run, {where}.</div>')
 
 
+def headline_html(runs: list[Trace], time_scale: str = MEASURED) -> str:
+    """The whole comparison in one line for the top of the page, at the chosen time scale; for a
+    small stack re-timed, the measured ratios beside it, so the first screen never hides either."""
+    if not runs:
+        return ""
+    if time_scale == RETIMED and not real_scale_available():
+        time_scale = MEASURED
+    timed = at_time_scale(runs, time_scale)
+    line = speed_line_html({run_method(t): t.steps for t in timed}, timed[0].meta, time_scale)
+    if not line:
+        return ""
+    measured = ""
+    if time_scale == RETIMED:
+        ratios = equal_token_ratios({run_method(t): t.steps for t in runs})
+        measured = ('<div class="hv-muted">As measured on ' + esc(where_measured(runs[0].meta)) + ": "
+                    + " · ".join(f"{r.speedup:.2f}× {esc(method_label(r.other))}" for r in ratios)
+                    + " (a 135M target cannot show the method: see the note by the statistics).</div>"
+                    if is_small_stack(runs[0].meta) and ratios else "")
+    return f'<div class="hv-headline">{line}{measured}</div>'
+
+
 def small_stack_html(meta: dict, time_scale: str = MEASURED) -> str:
     """Why a small stack's measured numbers cannot show the method, and where the real-scale result is."""
     if not is_small_stack(meta):
