@@ -384,3 +384,18 @@ def test_app_code_stays_readable():
                 assert not any(m.startswith("importlib") for m in mods), f"{name} imports through importlib"
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"HIERVIZ_\w+", node.value):
                 raise AssertionError(f"{name} names {node.value}: read options through hierviz.config.options()")
+
+
+def test_start_up_warm_up_leaves_the_first_run_warm() -> None:
+    """app.py warms the default stack at start-up: afterwards the page's default settings find it
+    warm (no warm-up on the first click) and the measured times give the first ETA; a stack that
+    cannot load is logged, never raised (the server keeps serving)."""
+    from hierviz.app.live import prewarm
+    from hierviz.app.progress import TIMINGS
+    from hierviz.app.stacks import get_stack
+    from hierviz.decoding.settings import default_settings
+    from hierviz.engine import is_warm
+    assert prewarm("tiny-random")
+    assert is_warm(get_stack("tiny-random"), ["hierspec", "eagle2", "ar"], default_settings())
+    assert "tiny-random" in TIMINGS.load_s
+    assert not prewarm("no-such-stack")

@@ -808,17 +808,19 @@ def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path
         loaded, load_s = timed(lambda: upload(c, f))
         assert "Loaded small.json" in loaded[0], loaded[0]
         return scrub_s, load_s
-    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
-        times = list(pool.map(visit, range(len(visitors))))
-    assert sum(not j.done() for j in jobs) >= size, "the line emptied before the visitors were done"
+    try:
+        with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+            times = list(pool.map(visit, range(len(visitors))))
+        assert sum(not j.done() for j in jobs) >= size, "the line emptied before the visitors were done"
+    finally:
+        # the line is emptied however the visits went, so that a failure here fails this test only
+        with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:     # the waiting ones first, so none gets a turn
+            list(pool.map(lambda c: c.predict(api_name="/stop"), fillers[1:]))
+        fillers[0].predict(api_name="/stop")
+        finals = [j.result(timeout=60) for j in jobs]
     worst = max(max(t) for t in times)
     print(f"30 visitors against a full line: slowest scrub or load {worst:.2f} s")
     assert worst < 2.0, times
-
-    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:     # the waiting ones first, so none gets a turn
-        list(pool.map(lambda c: c.predict(api_name="/stop"), fillers[1:]))
-    fillers[0].predict(api_name="/stop")
-    finals = [j.result(timeout=60) for j in jobs]
     assert "Stopped." in finals[0][0]
     assert all("Stopped before it started" in hi.text_of(fin[0]) for fin in finals[1:]), [hi.text_of(f[0]) for f in finals]
 

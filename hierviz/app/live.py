@@ -30,7 +30,7 @@ from hierviz.app.render import STEP_PANELS, download_update, nav_updates, panel_
 from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, session_key, state_limit_mb, step_bytes
 from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
 from hierviz.config import ConfigError, options
-from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.decoding.settings import DecodeSettings, SettingsError, default_settings
 from hierviz.engine import is_warm, run_method, warm_up
 from hierviz.trace import Trace, TraceError
 
@@ -290,3 +290,25 @@ def finished_update(new: Session, stopped: bool, budget: StateBudget, paced: boo
     return run_update(status=status_html(msg, "ok" if head == "Done. " else "warn"), session=new,
                       download=download_update(new), **runs_shown_updates(new), **panel_updates(new, new.step),
                       **nav_updates(new))
+
+
+def prewarm(stack_name: str) -> bool:
+    """Load and warm `stack_name` with the page's default settings at start-up, in its turn on the
+    device line, so that the first visitor's run pays neither; the times measured give the first
+    runs their ETA. A failure is logged and left to the first run to report. True when warmed."""
+    methods = list(RUN_ORDER)
+    try:
+        with LINE.hold("start-up warm-up"):
+            started = time.monotonic()
+            stack = get_stack(stack_name)
+            TIMINGS.load_s[stack_name] = time.monotonic() - started
+            settings = default_settings()
+            if not is_warm(stack, methods, settings):
+                started = time.monotonic()
+                warm_up(stack, methods, settings)
+                TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
+        return True
+    except Exception:          # a broken stack must not keep the server from serving
+        logging.getLogger("hierviz.app").exception("start-up warm-up of %s failed", stack_name)
+        return False
+
