@@ -107,7 +107,7 @@ def draft_depths(step: Step) -> int:
     recorded = step.forwards.get("e_m", 0) + step.forwards.get("e_t", 0)
     if recorded:
         return recorded
-    return sum(max((n.depth for n in t.nodes), default=0) for t in step.trees)
+    return sum(t.depth for t in step.trees)
 
 
 def step_cost_ms(step: Step, costs: CostModel) -> dict[str, float]:

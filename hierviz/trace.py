@@ -50,6 +50,11 @@ class DraftTree:
     bonus_text: str
     verifier: str                # "intermediate" (hierspec) or "target" (eagle2)
 
+    @property
+    def depth(self) -> int:
+        """How many levels the tree drafted (0 for an empty tree)."""
+        return max((n.depth for n in self.nodes), default=0)
+
 
 @dataclass
 class SeqToken:
@@ -114,6 +119,25 @@ def first_difference(a: list[int], b: list[int]) -> Optional[int]:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def count_depth_acceptance(trees: list[DraftTree], reached: dict[int, int], accepted: dict[int, int]) -> None:
+    """Add trees to per-depth counters: depth d was tried when the accepted path reached depth d-1
+    and the tree has nodes at depth d; it was accepted when the path reached d."""
+    for t in trees:
+        n_acc = len(t.accepted)
+        for d in range(1, min(t.depth, n_acc + 1) + 1):
+            reached[d] = reached.get(d, 0) + 1
+            if n_acc >= d:
+                accepted[d] = accepted.get(d, 0) + 1
+
+
+def target_draft_len(sequence: list, trees: list[DraftTree]) -> int:
+    """The draft the target verified in a step: the sequence draft, else the deepest path of a
+    target-verified tree (EAGLE-2); 0 for AR and prefill rounds."""
+    if sequence:
+        return len(sequence)
+    return max((t.depth for t in trees if t.verifier == "target"), default=0)
+
+
 def trace_stats(steps: list[Step]) -> dict[str, Any]:
     """tokens/s, tau per level and per-depth acceptance, derived from steps."""
     n_tokens = sum(len(s.new_tokens) for s in steps)
@@ -124,15 +148,7 @@ def trace_stats(steps: list[Step]) -> dict[str, Any]:
     all_trees = [t for s in steps for t in s.trees]
     reached: dict[int, int] = {}
     accepted: dict[int, int] = {}
-    for t in all_trees:
-        max_depth = max((n.depth for n in t.nodes), default=0)
-        n_acc = len(t.accepted)
-        # depth d was "tried" when the path reached depth d-1 and the tree has nodes at depth d
-        for d in range(1, max_depth + 1):
-            if n_acc >= d - 1:
-                reached[d] = reached.get(d, 0) + 1
-                if n_acc >= d:
-                    accepted[d] = accepted.get(d, 0) + 1
+    count_depth_acceptance(all_trees, reached, accepted)
     per_depth = {d: accepted.get(d, 0) / reached[d] for d in sorted(reached)}
     drafts = [s.sequence for s in steps if s.sequence]
     return {
@@ -258,10 +274,9 @@ def _step(d: Any, where: str) -> Step:
     for k, v in forwards.items():
         if not _is_int(v) or v < 0:
             raise TraceError(f"{where}.forwards: counts must be non-negative integers, got {k!r}: {v!r}")
-    # the target accepts at most the draft it verified: the sequence draft, else the deepest path
-    # of a target-verified tree (EAGLE-2); AR and prefill rounds verify no draft
-    draft = len(seq) if seq else max((n.depth for t in trees if t.verifier == "target" for n in t.nodes), default=0)
-    target_accepted = _in_range(_opt(d, "target_accepted", int, where, 0), f"{where}.target_accepted", 0, draft)
+    # the target accepts at most the draft it verified
+    target_accepted = _in_range(_opt(d, "target_accepted", int, where, 0), f"{where}.target_accepted", 0,
+                                target_draft_len(seq, trees))
     return Step(_req(d, "index", int, where), method, new_tokens, new_text, new_sources,
                 {k: float(v) for k, v in timings.items()}, trees, seq,
                 target_accepted, _opt(d, "target_bonus", int, where),

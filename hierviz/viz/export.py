@@ -80,7 +80,7 @@ def tree_html(tree: DraftTree, number: int) -> str:
     status = node_status(tree)
     who = "M" if tree.verifier == "intermediate" else "T"
     rows = []
-    for d in range(1, max((n.depth for n in tree.nodes), default=0) + 1):
+    for d in range(1, tree.depth + 1):
         chips = "".join(chip(n.text, status[n.id], f"node {n.id} · parent {n.parent} · score {n.score:.2f}",
                              "✓" if status[n.id] == "tree" else "")
                         for n in tree.nodes if n.depth == d)
@@ -147,7 +147,7 @@ def svg_height(trace: Trace, i: int) -> int:
     """A height in px that holds step i's panels: rows of chips per tree depth and lines of output
     text, with room to spare (a foreignObject clips, it does not grow)."""
     st = trace.steps[i]
-    tree_rows = sum(2 + len(t.nodes) // 12 + max((n.depth for n in t.nodes), default=0) for t in st.trees)
+    tree_rows = sum(2 + len(t.nodes) // 12 + t.depth for t in st.trees)
     out_chars = sum(len(x) for s in trace.steps[: i + 1] for x in s.new_text)
     return 420 + 40 * tree_rows + 28 * (out_chars // 90)
 

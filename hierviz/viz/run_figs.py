@@ -15,7 +15,7 @@ from typing import Optional
 
 import plotly.graph_objects as go
 
-from hierviz.trace import STAGES, DraftTree, Step, Trace, trace_stats
+from hierviz.trace import STAGES, Step, Trace, count_depth_acceptance, target_draft_len, trace_stats
 from hierviz.viz.style import COLORS, STAGE_COLORS, esc, method_label
 
 # one colour per series, from the palette's roles (they stay apart under the colour-vision
@@ -54,35 +54,12 @@ def step_tau(step: Step) -> Optional[float]:
     return len(step.new_tokens) / target_fw if target_fw else None
 
 
-def tree_depth(tree: DraftTree) -> int:
-    return max((n.depth for n in tree.nodes), default=0)
-
-
-def target_draft_len(step: Step) -> int:
-    """The draft the target verified: the sequence, else the deepest path of a target-verified tree
-    (EAGLE-2); 0 for AR and the prefill (as hierviz.trace bounds target_accepted)."""
-    if step.sequence:
-        return len(step.sequence)
-    return max((tree_depth(t) for t in step.trees if t.verifier == "target"), default=0)
-
-
 def rejected_tokens(step: Step) -> int:
     """Drafted tokens thrown away on the longest paths the verifiers checked: for each tree M verified,
     its depth minus its accepted path; for the target, its draft minus what it accepted. A long draft
     with a short acceptance scores high: the step a debugger wants to look at first."""
-    by_m = sum(tree_depth(t) - len(t.accepted) for t in step.trees if t.verifier == "intermediate")
-    return by_m + target_draft_len(step) - step.target_accepted
-
-
-def depth_counts(trees: list[DraftTree], reached: dict[int, int], accepted: dict[int, int]) -> None:
-    """Add trees to per-depth counters with trace_stats' rule: depth d was tried when the accepted path
-    reached d-1 and the tree has nodes at depth d."""
-    for t in trees:
-        n_acc = len(t.accepted)
-        for d in range(1, min(tree_depth(t), n_acc + 1) + 1):
-            reached[d] = reached.get(d, 0) + 1
-            if n_acc >= d:
-                accepted[d] = accepted.get(d, 0) + 1
+    by_m = sum(t.depth - len(t.accepted) for t in step.trees if t.verifier == "intermediate")
+    return by_m + target_draft_len(step.sequence, step.trees) - step.target_accepted
 
 
 def depth_acceptance_over_run(steps: list[Step]) -> dict[int, list[tuple[int, float]]]:
@@ -92,7 +69,7 @@ def depth_acceptance_over_run(steps: list[Step]) -> dict[int, list[tuple[int, fl
     accepted: dict[int, int] = {}
     out: dict[int, list[tuple[int, float]]] = {}
     for i, s in enumerate(steps):
-        depth_counts(s.trees, reached, accepted)
+        count_depth_acceptance(s.trees, reached, accepted)
         for d in sorted(reached):
             out.setdefault(d, []).append((i + 1, accepted.get(d, 0) / reached[d]))
     return out
@@ -143,9 +120,9 @@ def describe_rejection(step: Step) -> str:
     parts = []
     m_trees = [t for t in step.trees if t.verifier == "intermediate"]
     if m_trees:
-        paths = ", ".join(f"{len(t.accepted)}/{tree_depth(t)}" for t in m_trees)
+        paths = ", ".join(f"{len(t.accepted)}/{t.depth}" for t in m_trees)
         parts.append(f"M accepted paths {paths} (accepted/depth)")
-    draft = target_draft_len(step)
+    draft = target_draft_len(step.sequence, step.trees)
     if draft:
         parts.append(f"T accepted {step.target_accepted} of {draft} drafted")
     n = len(step.new_tokens)
@@ -177,7 +154,7 @@ def step_row(label: str, step: Step) -> dict[str, object]:
     tau = step_tau(step)
     return {"method": label, "step": step.index + 1, "new_tokens": len(step.new_tokens),
             "target_forwards": step.forwards.get("target", 0), "tau": "" if tau is None else round(tau, 4),
-            "target_draft": target_draft_len(step), "target_accepted": step.target_accepted,
+            "target_draft": target_draft_len(step.sequence, step.trees), "target_accepted": step.target_accepted,
             "tree_sizes": ";".join(str(len(t.nodes)) for t in step.trees),
             "accepted_path_lengths": ";".join(str(len(t.accepted)) for t in step.trees),
             "rejected_tokens": rejected_tokens(step),
