@@ -109,10 +109,15 @@ def scrub(sess: Session, step: Any) -> tuple:
     if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step:
         log_refusal("scrub", f"step must be a number, got {step!r}")
         return pack(SCRUB_OUTPUTS, {})
-    i = max(0, min(int(step) - 1, len(main.steps) - 1))
-    sess.step = i
-    sess.follow = i == len(main.steps) - 1
-    return pack(SCRUB_OUTPUTS, panel_updates(sess, i))
+    return pack(SCRUB_OUTPUTS, panel_updates(sess, inspect_step(sess, main, int(step) - 1)))
+
+
+def inspect_step(sess: Session, main: Trace, i: int) -> int:
+    """Step i (0-based, clamped to main's steps) becomes the one inspected; live updates follow
+    new steps only from the last one. Returns the step shown."""
+    i = max(0, min(i, len(main.steps) - 1))
+    sess.step, sess.follow = i, i == len(main.steps) - 1
+    return i
 
 
 def set_time_scale(sess: Session, time_scale: Optional[str]) -> tuple:
@@ -242,7 +247,7 @@ def replay(sess: Session, speed: Any, shown: Any = 0) -> Iterator[tuple]:
     for i in range(start, n):
         due = t0 + (i - start) / rate
         time.sleep(max(0.0, due - time.monotonic()))
-        sess.step, sess.follow = i, i == n - 1
+        inspect_step(sess, main, i)
         yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replaying {run_label(main)}: step {i + 1} of {n}"),
                                   "step": gr.Slider(value=i + 1),
                                   **panel_updates(sess, i, replay_panels(i == n - 1, time.monotonic() - last_slow,
@@ -273,11 +278,9 @@ def step_by(sess: Session, shown: Any, delta: int) -> tuple:
     if main is None or not main.steps:
         return pack(STEP_OUTPUTS, {})
     try:
-        i = int(shown) - 1 + delta
+        i = inspect_step(sess, main, int(shown) - 1 + delta)
     except (TypeError, ValueError):
-        i = 0
-    i = max(0, min(i, len(main.steps) - 1))
-    sess.step, sess.follow = i, i == len(main.steps) - 1
+        i = inspect_step(sess, main, 0)
     return pack(STEP_OUTPUTS, {"step": gr.Slider(value=i + 1), **panel_updates(sess, i)})
 
 

@@ -200,10 +200,8 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
         expected = None if per_method is None else per_method * len(methods)
         stage = "Warming up the models (first run with these settings)"
         yield run_update(status=status_html(plan.stage_text(stage, expected, 0)))
-        started = time.monotonic()
-        yield from with_heartbeat(lambda: warm_up(stack, methods, settings), lambda elapsed: run_update(
+        yield from with_heartbeat(lambda: timed_warm_up(stack_name, stack, methods, settings), lambda elapsed: run_update(
             status=status_html(plan.stage_text(stage, expected, elapsed))))
-        TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
     budget = StateBudget(state_limit_mb())
     for method in methods:
         if stopped() or budget.full:
@@ -214,6 +212,13 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
     # the comparison's subject is HierSpec: the final screen shows it, the other runs are a click away
     new.view, new.step, new.follow = methods[0], -1, True
     yield finished_update(new, stopped(), budget, pacer.paced)
+
+
+def timed_warm_up(stack_name: str, stack: Any, methods: list[str], settings: DecodeSettings) -> None:
+    """engine.warm_up, its time per method recorded for later runs' estimates."""
+    started = time.monotonic()
+    warm_up(stack, methods, settings)
+    TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
 
 
 def timed_stage(plan: RunPlan, stage: str, record: dict[str, float], work: Callable[[], T]) -> Iterator[Any]:
@@ -304,11 +309,9 @@ def prewarm(stack_name: str) -> bool:
             TIMINGS.load_s[stack_name] = time.monotonic() - started
             settings = default_settings()
             if not is_warm(stack, methods, settings):
-                started = time.monotonic()
-                warm_up(stack, methods, settings)
-                TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
+                timed_warm_up(stack_name, stack, methods, settings)
         return True
     except Exception:          # a broken stack must not keep the server from serving
-        logging.getLogger("hierviz.app").exception("start-up warm-up of %s failed", stack_name)
+        log.exception("start-up warm-up of %s failed", stack_name)
         return False
 

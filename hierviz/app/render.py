@@ -80,8 +80,8 @@ def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[
 
 
 def time_scale_update(sess: Session) -> Any:
-    """The time-scale choice, set to the default for the runs just loaded or run."""
-    sess.time_scale = None
+    """The time-scale choice, set to the default for the runs just loaded or run (a new Session,
+    whose own choice is None: the default)."""
     return gr.Radio(choices=list(TIME_SCALES), value=default_time_scale(sess.runs))
 
 
