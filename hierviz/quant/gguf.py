@@ -324,7 +324,7 @@ def w4_safetensors_weights(folder: PathLike, device: Union[torch.device, str] = 
     dtype, float tensors and W4 scales/offsets are cast to it there."""
     from safetensors import safe_open
 
-    from .gptq import cast_float, cast_w4, iter_tensors
+    from .gptq import cast_float, cast_w4, gather_parts, iter_tensors
     folder = Path(folder)
     cfg_path, st_path = folder / "config.json", folder / "model.safetensors"
     for p in (cfg_path, st_path):
@@ -354,20 +354,15 @@ def w4_safetensors_weights(folder: PathLike, device: Union[torch.device, str] = 
             expected[name] = len(parts)
 
     def stream() -> Iterator[tuple[str, Union[torch.Tensor, W4Weight]]]:
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in iter_tensors({k: (st_path, "safetensors") for k in keys}, device):
-            if key not in part_of:
+        located = {k: (st_path, "safetensors") for k in keys}
+        for key, t, got in gather_parts(iter_tensors(located, device), part_of, expected):
+            if got is None:
                 yield key, cast_float(t, dtype)
                 continue
-            name, part = part_of[key]
-            got = pending.setdefault(name, {})
-            got[part] = t
-            del t
-            if len(got) == expected[name]:
-                del pending[name]
-                codes, scales = got["codes"], got["scales"]
-                w = W4Weight(codes, scales, got["offsets"], codes.shape[1] * 2 // scales.shape[1], got.get("perm"))
-                yield name, cast_w4(w, dtype)
+            codes, scales = got["codes"], got["scales"]
+            w = W4Weight(codes, scales, got["offsets"], codes.shape[1] * 2 // scales.shape[1], got.get("perm"))
+            del got, codes, scales
+            yield key, cast_w4(w, dtype)
 
     names = list(dict.fromkeys(part_of[k][0] if k in part_of else k for k in keys))
     return config, names, stream()

@@ -393,6 +393,25 @@ def iter_tensors(located: dict[str, TensorSource], device: torch.device | str = 
         yield from (_read_safetensors if kind == "safetensors" else _read_bin)(path, names, device)
 
 
+def gather_parts(tensors: Iterator[tuple[str, torch.Tensor]], part_of: dict[str, tuple[str, str]],
+                 expected: dict[str, int]) -> Iterator[tuple[str, torch.Tensor | None, dict[str, torch.Tensor] | None]]:
+    """Streams a checkpoint whose quantized weights are stored in parts: a tensor that is no part
+    comes as (key, tensor, None); the parts of one weight (part_of[key] = (weight, part)) are held
+    only until all expected[weight] of them have come, then come as (weight, None, {part: tensor})."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors:
+        if key not in part_of:
+            yield key, t, None
+            continue
+        name, part = part_of[key]
+        got = pending.setdefault(name, {})
+        got[part] = t
+        del t
+        if len(got) == expected[name]:
+            del got                 # nothing here holds a part while the caller builds its weight
+            yield name, None, pending.pop(name)
+
+
 def load_state_dict_folder(folder: PathLike, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """All tensors of an HF-style folder (stored dtypes). On the host they are views of the files'
     memory maps (no copy; a page is read when it is first used), for a caller that keeps or moves
@@ -473,7 +492,6 @@ def gptq_weights(folder: PathLike, device: torch.device | str = "cpu",
 
 def _gptq_stream(folder: Path, located: dict[str, TensorSource], part_of: dict[str, tuple[str, str]],
                  expected: dict[str, int], qc: dict[str, Any], device, dtype: Optional[torch.dtype]) -> Stream:
-    pending: dict[str, dict[str, torch.Tensor]] = {}
     sizes: dict[str, list[int]] = {}            # module -> [bias entries, out_features], as they arrive
 
     def check_bias(m: str, i: int, n: int) -> None:
@@ -482,23 +500,18 @@ def _gptq_stream(folder: Path, located: dict[str, TensorSource], part_of: dict[s
         if min(got) >= 0 and got[0] != got[1]:
             raise CheckpointError(f"{folder}: {m}.bias has {got[0]} entries, expected {got[1]}")
 
-    for key, t in iter_tensors(located, device):
-        if key not in part_of:
+    for key, t, parts in gather_parts(iter_tensors(located, device), part_of, expected):
+        if parts is None:
             if key.endswith(".bias") and key[:-len(".bias")] in expected:
                 check_bias(key[:-len(".bias")], 0, t.numel())
             yield key, cast_float(t, dtype)
             continue
-        m, part = part_of[key]
-        parts = pending.setdefault(m, {})
-        parts[part] = t
-        del t
-        if len(parts) == expected[m]:
-            del pending[m]
-            w4 = gptq_linear_to_w4(parts.pop("qweight"), parts.pop("qzeros"), parts.pop("scales"), parts.pop("g_idx", None),
-                                   group_size=qc["group_size"], checkpoint_format=qc["checkpoint_format"], name=m)
-            check_bias(m, 1, w4.out_features)
-            yield f"{m}.weight", cast_w4(w4, dtype)
-            del w4
+        w4 = gptq_linear_to_w4(parts.pop("qweight"), parts.pop("qzeros"), parts.pop("scales"), parts.pop("g_idx", None),
+                               group_size=qc["group_size"], checkpoint_format=qc["checkpoint_format"], name=key)
+        del parts
+        check_bias(key, 1, w4.out_features)
+        yield f"{key}.weight", cast_w4(w4, dtype)
+        del w4
 
 
 def load_gptq_weights(folder: PathLike, device: torch.device | str = "cpu",
