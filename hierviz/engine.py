@@ -16,6 +16,7 @@ import torch
 from hierviz.decoding.decoders import DECODERS, cache_margin
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.decoding.verify import Sampler
+from hierviz.machine import gpu_name
 from hierviz.models import cuda_graphs
 from hierviz.stack import Stack, StackError, load_stack, preset_names
 from hierviz.trace import METHODS, Trace, output_tokens
@@ -75,7 +76,7 @@ def run_method(stack: Stack, method: str, prompt: str, settings: DecodeSettings,
     tok = stack.tokenizer
     trace = Trace(meta={"method": method, **stack.meta, "settings": settings.to_dict(), "prompt": prompt,
                         "versions": _versions(), "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        "host": platform.node()},
+                        "host": platform.node(), **({"gpu": gpu} if (gpu := gpu_name(stack.device)) else {})},
                   prompt_tokens=len(ids))
     torch.manual_seed(settings.seed)
     sampler = Sampler(settings.temperature, settings.top_p, settings.seed)

@@ -116,6 +116,7 @@ def test_trace_shapes(stack):
             assert all(n.parent == 0 or n.parent in ids for n in t.nodes)
         assert step.forwards["target"] == 1
     assert tr.stats()["new_tokens"] == 20
+    assert "gpu" not in tr.meta and tr.meta["versions"]["torch"]     # a CPU run names no GPU (test_gpu.py: one does)
 
 
 # the stages each method's rounds time (hierviz.trace.STAGES); "overhead" is the rest of the round

@@ -27,7 +27,9 @@ def stack():
 def test_decoders_reproduce_ar_with_graphs(stack, prompt) -> None:
     s = DecodeSettings(max_new_tokens=48, m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4,
                        t_tree_size=12, min_draft_len=4, spec_k=3)
-    want = output_tokens(generate(stack, "ar", prompt, s))
+    ar = generate(stack, "ar", prompt, s)
+    assert ar.meta["gpu"] == torch.cuda.get_device_name()      # the trace names its GPU for the panels
+    want = output_tokens(ar)
     for method in ("spec", "eagle2", "hierspec"):
         assert output_tokens(generate(stack, method, prompt, s)) == want, method
 

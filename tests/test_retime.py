@@ -175,11 +175,17 @@ def test_streaming_never_compares_unequal_token_counts() -> None:
             assert speed_line(page) == expected_line({t.meta["method"]: t.steps for t in grown})
 
 
+def test_where_a_run_was_measured_is_named() -> None:
+    from hierviz.viz.panels import where_measured
+    assert where_measured({"device": "cuda", "gpu": "NVIDIA A100-SXM4-80GB"}) == "NVIDIA A100-SXM4-80GB"
+    assert where_measured({"device": "cuda"}) == "a CUDA GPU" and where_measured({"device": "cpu"}) == "a CPU"
+
+
 def test_speed_line_says_where_and_labels_projections() -> None:
     runs = opening_runs()
     measured, projected = (html.unescape(re.sub(r"<(?!table)[^>]+>", "", stats_html(runs, None, ts)))
                            for ts in (MEASURED, RETIMED))
-    assert "as measured on a CUDA GPU" in measured and "projected" not in measured.split("<table")[0].split("What-if")[0]
+    assert "as measured on NVIDIA H200" in measured and "projected" not in measured.split("<table")[0].split("What-if")[0]
     assert "re-timed at real scale, projected" in projected and "tokens / s (projected)" in projected
     for page in (measured, projected):
         assert "launch-bound" in page and "55 %" in page and "What-if" in page

@@ -743,7 +743,7 @@ def test_shipped_and_benchmark_traces_load() -> None:
     traces = [f for f in files if _is_trace_document(json.loads(f.read_bytes()))]
     names = {f.relative_to(ROOT).as_posix() for f in traces}
     assert {"assets/traces/h200-smollm2-python-tips.json", "assets/traces/handmade-demo.json",
-            "assets/traces/tiny-random-plumbing.json", "docs/bench/app-check-h200-vicuna-13b.json"} <= names
+            "assets/traces/tiny-random-plumbing.json", "docs/bench/app-check-h200-llama3-70b.json"} <= names
     for f in traces:
         runs = comparison_from_json(f.read_bytes())
         assert runs and all(t.steps and t.stats()["new_tokens"] for t in runs), f

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hierviz.cli import add_settings_args, settings_from_args
+from hierviz.machine import machine_info
 from hierviz.trace import METHODS, Trace
 
 
@@ -201,12 +202,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary.update({"stack": stack.meta, "settings": settings.to_dict(), "questions": a.questions,
                     "limit_per_category": a.limit, "n_questions": len(questions), "skipped": skipped,
                     "warmup": warmup,
-                    "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "machine": {**machine_info(stack.device), "processor": platform.processor(),
                                 "device": str(stack.device)}})
-    if stack.device.type == "cuda":
-        import torch
-        summary["machine"]["gpu"] = torch.cuda.get_device_name()
-    else:
+    if stack.device.type != "cuda":
         from hierviz.quant.w4 import cpu_matmul_choices
         summary["machine"]["cpu_matmul"] = cpu_matmul_choices()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

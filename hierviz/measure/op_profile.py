@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from hierviz.machine import gpu_name
+
 SCHEMA = "hierviz.op_profile/1"
 
 
@@ -85,7 +87,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     out: dict[str, Any] = {"schema": SCHEMA, "shape": name, "layers": cfg.num_layers, "device": device,
                            "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "steps": steps,
                            "prompt_tokens": prompt_len, "tokens_per_forward": tokens,
-                           "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__}
+                           "gpu": gpu_name(device), "torch": torch.__version__}
     if cuda:   # reference: the same step replayed from CUDA graphs, as the engine runs it
         st = fresh_state()
         _step_ms(st, 3, cuda, tokens)

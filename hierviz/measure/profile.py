@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hierviz.machine import device_name
 from hierviz.models.config import ModelConfig, rope_frequencies
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm
 from hierviz.models.synthetic import layer_weights, random_dense
@@ -221,7 +222,7 @@ def _header(cfg: ModelConfig, shape: str, tokens: list[int], device: str, contex
     info = {"schema": SCHEMA, "shape": shape,
             "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                    "num_kv_heads", "head_dim", "vocab_size")},
-            "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+            "device": device_name(device),
             "versions": {"torch": torch.__version__, "python": platform.python_version()},
             "context": context, "group_size": group_size, "tokens": list(tokens),
             "copy_bandwidth_GBps": bw / 1e9, "series": [], "notes": []}

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from hierviz.machine import gpu_name
 from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize_unpermuted
 
@@ -217,8 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         env = {"torch": torch.__version__, "python": platform.python_version(),
-               "triton": kernel_guard.triton_version(), "device": torch.cuda.get_device_name() if device == "cuda"
-               else "cpu (TRITON_INTERPRET=1)", "command": "python -m hierviz w4-sweep " + " ".join(
+               "triton": kernel_guard.triton_version(), "device": gpu_name(device) or "cpu (TRITON_INTERPRET=1)", "command": "python -m hierviz w4-sweep " + " ".join(
                    argv if argv is not None else sys.argv[1:])}
         (a.out / "w4_sweep.json").write_text(json.dumps({"env": env, "summary": summary, "results": results}, indent=1))
     return 1 if wrong or variant else 0

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import platform
 import random
 import shlex
 import sys
@@ -33,6 +32,7 @@ from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
+from hierviz.machine import machine_info
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
@@ -557,10 +557,7 @@ def _replay_check(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict
 
 
 def _machine(dev: str) -> dict[str, Any]:
-    m = {"platform": platform.platform(), "torch": torch.__version__}
-    if dev == "cuda":
-        m["gpu"] = torch.cuda.get_device_name()
-    return m
+    return machine_info(dev)
 
 
 def _scales(text: str) -> list[float]:

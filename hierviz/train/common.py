@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from hierviz.config import options
+from hierviz.machine import gpu_name
 from hierviz.quant.w4 import W4Weight, dequantize_unpermuted
 
 LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -296,7 +297,7 @@ def _quote(a: str) -> str:
 def env_info(device: torch.device) -> dict[str, Any]:
     import transformers
     info = {"torch": str(torch.__version__), "transformers": str(transformers.__version__), "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
+    if gpu_name(device):
+        info["gpu"] = gpu_name(device)
     info["host_cpus"] = os.cpu_count()
     return info

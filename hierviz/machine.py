@@ -1,0 +1,33 @@
+"""What a measurement ran on, named the same way in traces, benchmarks, sweeps and profiles."""
+from __future__ import annotations
+
+import platform
+from typing import Any, Optional, Union
+
+import torch
+
+
+def gpu_name(device: Union[str, torch.device, None]) -> Optional[str]:
+    """The GPU's marketing name ("NVIDIA H200") for a CUDA device, else None."""
+    dev = torch.device(device if device is not None else "cpu")
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+
+
+def device_name(device: Union[str, torch.device, None]) -> str:
+    """The GPU's name, or "cpu (<processor>)"."""
+    return gpu_name(device) or f"cpu ({platform.processor() or platform.machine()})"
+
+
+def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
+    """platform, python, torch (and triton where installed) versions, and the GPU's name on CUDA."""
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "torch": torch.__version__}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    gpu = gpu_name(device)
+    if gpu:
+        info["gpu"] = gpu
+    return info
