@@ -7,6 +7,7 @@ import sys
 from typing import Optional
 
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_settings
+from hierviz.trace import METHODS
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profile", "whatif": "hierviz.measure.whatif",
@@ -71,7 +72,7 @@ def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> D
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hierviz generate",
                                 description="Generate text with one decoding method and print it.")
-    p.add_argument("--method", choices=["ar", "spec", "eagle2", "hierspec"], default="hierspec")
+    p.add_argument("--method", choices=METHODS, default="hierspec")
     p.add_argument("--prompt", required=True)
     p.add_argument("--trace", default=None, help="write the trace JSON here")
     p.add_argument("--stats", action="store_true", help="print tokens/s and acceptance to stderr")
@@ -108,11 +109,12 @@ def cmd_record(argv: list[str]) -> int:
     p.add_argument("--title", default="", help="label of the recorded trace in the app")
     add_settings_args(p)
     a = p.parse_args(argv)
+    from hierviz.decoding.decoders import comparison_methods
     from hierviz.engine import generate, load_stack, warm_up
     from hierviz.trace import save_comparison
-    methods = ["hierspec", "eagle2", "ar"]
     try:
         stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
+        methods = comparison_methods(stack.models)
         settings = settings_from_args(a, str(stack.device)).validate()
         # as the app does before a live run: else the first method's trace carries every first-call
         # cost (Triton compiles, CUDA-graph captures) and its timings are not comparable

@@ -48,12 +48,9 @@ def prepare(stack: Stack, method: str, prompt: str, settings: DecodeSettings) ->
         raise EngineError("the prompt is empty: type a question or instruction")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise EngineError(f"the prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-    m = stack.models
-    needs = {"spec": [("intermediate", m.intermediate)], "eagle2": [("E_T", m.e_t)],
-             "hierspec": [("intermediate", m.intermediate), ("E_M", m.e_m)]}.get(method, [])
-    for name, part in needs:
-        if part is None:
-            raise EngineError(f"stack {stack.name!r} has no {name}, which {method} needs")
+    missing = stack.models.missing(method)
+    if missing:
+        raise EngineError(f"stack {stack.name!r} has no {missing[0]}, which {method} needs")
     ids = stack.tokenizer.encode_chat(prompt)
     margin = cache_margin(settings)
     context = stack.max_position

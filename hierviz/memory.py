@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from hierviz.models.drafter import HEAD_SLOTS
+
 GB = 1e9
 MARGIN = 0.05                  # of the GPU's memory kept free for fragmentation and the allocator
 CONTEXT_BYTES = 1.0 * GB       # CUDA context, cuBLAS/Triton workspaces, compiled kernels
@@ -144,7 +146,7 @@ def stack_estimate(spec: dict[str, Any], resolve, context: int = DEFAULT_CONTEXT
             if spec[role].get("quantize"):
                 fmt, g = "w4", int(str(spec[role]["quantize"])[5:] or 32)
             models[role] = (cfg, fmt, g)
-    heads = [r for r, h in (("intermediate", "e_m"), ("target", "e_t")) if spec.get(h)]
+    heads = [role for h, (role, _) in HEAD_SLOTS.items() if spec.get(h)]
     return estimate(models, heads, context, act_bytes)
 
 
@@ -188,6 +190,6 @@ def shape_estimate(spec: dict[str, Any], context: int = DEFAULT_CONTEXT) -> Opti
     if shapes is None:
         return None
     models = {r: (json.loads((CONFIGS / f).read_text()), fmt, g) for r, (f, fmt, g) in shapes.items()}
-    heads = [r for r, h in (("intermediate", "e_m"), ("target", "e_t")) if spec.get(h)]
+    heads = [role for h, (role, _) in HEAD_SLOTS.items() if spec.get(h)]
     return estimate(models, heads, context)
 

@@ -6,7 +6,9 @@ A stack is a small JSON file:
    "intermediate": {"path": P, "share_embeddings": true?,   # embeddings/LM head taken from T
                     "w4_kernel"/"w4_kernel_cuda": name?},   # M's own kernel (a drafter: exactness
                                                             # not needed; e.g. int4pack_cpu)
-   "e_m": {"path": P}, "e_t": {"path": P},
+   "e_m": {"path": P, "type": "eagle2" | "eagle3"?},      # type: default read from the checkpoint
+   "e_t": {"path": P},                                       # an EAGLE-1/2 head on T (eagle2)
+   "e_t3": {"path": P},                                      # an EAGLE-3 head on T (eagle3)
    "tokenizer": P?,                                          # default: the target's folder
    "draft_vocab": P?,                                        # FR-Spec token list for the heads
    "intermediate_draft_vocab": bool?,                        # M predicts over that list too
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -28,11 +31,11 @@ from hierviz import memory
 from hierviz.config import options
 from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfigError
-from hierviz.models.eagle import EagleHead, load_eagle_weights
+from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, Drafter, head_type_of, load_head
 from hierviz.models.llama import Transformer, WeightsError
 from hierviz.models.loading import open_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
-from hierviz.models.synthetic import tiny_models
+from hierviz.models.synthetic import synthetic_eagle3_head, tiny_models
 from hierviz.quant.w4 import quantize_linears
 from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -76,7 +79,7 @@ def is_local_preset(name: str) -> bool:
         spec = json.loads((PRESET_DIR / f"{name}.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    paths = [spec.get(k, {}).get("path", "") for k in ("target", "intermediate", "e_m", "e_t")]
+    paths = [spec.get(k, {}).get("path", "") for k in MODEL_KEYS]
     return all(isinstance(p, str) and (p.startswith("pypi:") or (PRESET_DIR / p).exists()) for p in paths if p)
 
 
@@ -156,7 +159,7 @@ def _check_gpu_memory(name: str, spec: dict[str, Any], base: Path, dev: torch.de
         raise StackError(str(e)) from None
 
 
-MODEL_KEYS = ("target", "intermediate", "e_m", "e_t")
+MODEL_KEYS = ("target", "intermediate", *HEAD_SLOTS)
 
 
 def check_spec(spec: Any, p: Path) -> None:
@@ -169,6 +172,9 @@ def check_spec(spec: Any, p: Path) -> None:
             continue
         if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
             raise StackError(f"stack file {p}: {key!r} must be an object with a \"path\" string")
+        kind = entry.get("type")
+        if key in HEAD_SLOTS and kind is not None and kind not in HEAD_TYPES:
+            raise StackError(f"stack file {p}: {key}.type {kind!r} is not a head type ({', '.join(HEAD_TYPES)})")
     for key in ("dtype", "dtype_cuda", "w4_kernel", "w4_kernel_cuda", "tokenizer", "draft_vocab", "name"):
         if key in spec and spec[key] is not None and not isinstance(spec[key], str):
             raise StackError(f"stack file {p}: {key!r} must be a string")
@@ -209,16 +215,13 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         _check_gpu_memory(spec.get("name", p.stem), spec, base, dev, dtype)
     try:
         target, t_folder = _load_model(spec["target"], base, dev, dtype, kernel)
-        inter = e_m = e_t = None
+        inter = None
         if spec.get("intermediate"):
             inter, _ = _load_model(spec["intermediate"], base, dev, dtype, m_kernel, share_from=target)
-        if spec.get("e_m"):
-            if inter is None:
-                raise StackError("e_m needs an intermediate model in the stack")
-            # resolve_source: a head may be a hub id (yuhuili/EAGLE-...) as well as a local folder
-            e_m = EagleHead(*load_eagle_weights(resolve_source(resolve_path(spec["e_m"]["path"], base))), inter)
-        if spec.get("e_t"):
-            e_t = EagleHead(*load_eagle_weights(resolve_source(resolve_path(spec["e_t"]["path"], base))), target)
+        if spec.get("e_m") and inter is None:
+            raise StackError("e_m needs an intermediate model in the stack")
+        bases = {"target": target, "intermediate": inter}
+        e_m, e_t, e_t3 = (_load_head(key, spec.get(key), base, bases[role]) for key, (role, _) in HEAD_SLOTS.items())
         tok_src = resolve_path(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
     except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
@@ -229,12 +232,15 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     # row-invariant W4 kernel makes that possible (BLAS's dense products are not), and then the
     # per-token attention it needs is worth its cost
     target.set_batch_invariant(dev.type != "cpu" or kernel in ROW_INVARIANT_CPU_KERNELS)
-    models = Models(target, inter, e_m, e_t)
+    models = Models(target, inter, e_m, e_t, e_t3)
     check_vocab(models, tokenizer)
+    # before any warm-up or graph capture (they fix the W4 configurations): prove the fast W4
+    # kernel variants on this GPU for these models' shapes, or use a verdict remembered on disk
+    w4_status = w4_proof_summary(models, dtype, dev)
     if spec.get("draft_vocab"):
         ids = _draft_vocab(resolve_path(spec["draft_vocab"], base))
         for h in (e_m, e_t):
-            if h is not None:
+            if h is not None and h.head_type == "eagle2":     # an EAGLE-3 head has its own (d2t)
                 h.set_draft_vocab(ids)
         if inter is not None and spec.get("intermediate_draft_vocab"):
             # M only drafts for T, so it may predict over the frequent-token vocabulary too:
@@ -243,12 +249,42 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
             "e_m": (spec.get("e_m") or {}).get("path"), "e_t": (spec.get("e_t") or {}).get("path"),
+            "e_t3": (spec.get("e_t3") or {}).get("path"),
+            "head_types": {k: h.head_type for k, h in (("e_m", e_m), ("e_t", e_t), ("e_t3", e_t3)) if h is not None},
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
             "intermediate_w4_kernel": m_kernel if inter is not None else None,
             "target_batch_invariant": target.batch_invariant,
             "draft_vocab": spec.get("draft_vocab") or "full",
-            "intermediate_vocab": "draft" if spec.get("intermediate_draft_vocab") and spec.get("draft_vocab") else "full"}
+            "intermediate_vocab": "draft" if spec.get("intermediate_draft_vocab") and spec.get("draft_vocab") else "full",
+            **({"w4_fast_path": w4_status} if w4_status else {})}
     return Stack(spec.get("name", p.stem), models, tokenizer, meta)
+
+
+def w4_proof_summary(models: Models, dtype: torch.dtype, dev: torch.device) -> Optional[str]:
+    """The start-up proof's status line on CUDA (hierviz.quant.w4_proof), None elsewhere."""
+    if dev.type != "cuda":
+        return None
+    from hierviz.quant import w4_proof       # loads Triton: CUDA only
+    summary = w4_proof.prove_models(models.present(), dtype, dev).summary()
+    logging.getLogger("hierviz").info(summary)
+    return summary
+
+
+def _load_head(key: str, entry: Optional[dict[str, Any]], base: Path, model: Optional[Transformer]) -> Optional[Drafter]:
+    """The draft head a stack entry names, on `model`, which then also hands out the layer
+    features it reads; None without an entry."""
+    if not entry or model is None:
+        return None
+    # resolve_source: a head may be a hub id (yuhuili/EAGLE-...) as well as a local folder
+    folder = resolve_source(resolve_path(entry["path"], base))
+    kind = entry.get("type") or head_type_of(folder)
+    want = HEAD_SLOTS[key][1]
+    if want is not None and kind != want:
+        raise StackError(f"{key} holds an {kind} head but {key} takes {want} heads"
+                         + (" (an EAGLE-3 head on the target goes in e_t3)" if kind == "eagle3" else ""))
+    head = load_head(folder, model, kind)
+    model.add_feature_layers(head.feature_layers)
+    return head
 
 
 def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
@@ -258,7 +294,7 @@ def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
         if m is not None and m.cfg.vocab_size != v:
             raise StackError(f"the {name} model's vocabulary ({m.cfg.vocab_size}) differs from the target's ({v})")
     for name, h in (("E_M", models.e_m), ("E_T", models.e_t)):
-        if h is not None and h.cfg.hidden_size != h.base.cfg.hidden_size:
+        if h is not None and h.head_type == "eagle2" and h.cfg.hidden_size != h.base.cfg.hidden_size:
             raise StackError(f"{name}'s hidden size differs from its base model's")
     if tokenizer.vocab_size > v:
         raise StackError(f"the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {v}")
@@ -281,8 +317,12 @@ def _draft_vocab(path: str) -> torch.Tensor:
 def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
     """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work)."""
     models = Models(*tiny_models(ByteTokenizer.vocab_size, device, seed))
+    # an EAGLE-3 head over T's layers 0, 2, 3 with a draft vocabulary of 200 of the 259 byte tokens
+    models.e_t3 = synthetic_eagle3_head(models.target, seed + 3, draft_vocab_size=200, feature_layers=(0, 2, 3))
+    models.target.add_feature_layers(models.e_t3.feature_layers)
     meta = {"stack": "tiny-random", "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
             "target": "random 4-layer W4 (RTN g32)", "intermediate": "2 of the target's layers",
-            "e_m": "random", "e_t": "random", "device": str(device), "dtype": "float32", "w4_kernel": "reference",
-            "draft_vocab": "full"}
+            "e_m": "random", "e_t": "random", "e_t3": "random EAGLE-3, 200-token draft vocabulary",
+            "head_types": {"e_m": "eagle2", "e_t": "eagle2", "e_t3": "eagle3"},
+            "device": str(device), "dtype": "float32", "w4_kernel": "reference", "draft_vocab": "full"}
     return Stack("tiny-random", models, ByteTokenizer(), meta)

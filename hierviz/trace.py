@@ -17,7 +17,7 @@ from hierviz.decoding.settings import DecodeSettings, SettingsError
 
 SCHEMA_VERSION = 1
 MAX_TRACE_BYTES = 20 * 1024 * 1024
-METHODS = ("ar", "spec", "eagle2", "hierspec")
+METHODS = ("ar", "spec", "eagle2", "eagle3", "hierspec")
 # Stage names used in Step.timings_ms. "draft" is E_M (hierspec), E_T (eagle2) or M's
 # autoregressive drafting (spec); "intermediate_verify" is M verifying E_M's trees;
 # "target_verify" is every forward of the target T; "overhead" is everything else in the round.
@@ -48,7 +48,10 @@ class DraftTree:
     accepted: list[int]          # node ids of the verifier's accepted path, root excluded
     bonus_token: int             # the verifier's own token after the accepted path
     bonus_text: str
-    verifier: str                # "intermediate" (hierspec) or "target" (eagle2)
+    verifier: str                # "intermediate" (hierspec) or "target" (eagle2, eagle3)
+    # the verifier rejected the accepted path's children and its own token lies outside the
+    # head's draft vocabulary (FR-Spec list, EAGLE-3 d2t): a rejection no draft could avoid
+    undraftable: bool = False
 
     @property
     def depth(self) -> int:
@@ -138,6 +141,13 @@ def target_draft_len(sequence: list, trees: list[DraftTree]) -> int:
     return max((t.depth for t in trees if t.verifier == "target"), default=0)
 
 
+def tree_rejected(tree: DraftTree) -> bool:
+    """Whether the verifier turned down every child of its accepted path's last node (the root
+    when it accepted none); False when that node has no children (the path used the whole tree)."""
+    last = tree.accepted[-1] if tree.accepted else 0
+    return any(n.parent == last for n in tree.nodes)
+
+
 def trace_stats(steps: list[Step]) -> dict[str, Any]:
     """tokens/s, tau per level and per-depth acceptance, derived from steps."""
     n_tokens = sum(len(s.new_tokens) for s in steps)
@@ -151,6 +161,7 @@ def trace_stats(steps: list[Step]) -> dict[str, Any]:
     count_depth_acceptance(all_trees, reached, accepted)
     per_depth = {d: accepted.get(d, 0) / reached[d] for d in sorted(reached)}
     drafts = [s.sequence for s in steps if s.sequence]
+    rejections = sum(1 for t in all_trees if tree_rejected(t))
     return {
         "new_tokens": n_tokens,
         "steps": len(steps),
@@ -162,6 +173,10 @@ def trace_stats(steps: list[Step]) -> dict[str, Any]:
         "mean_sequence_len": (sum(len(s) for s in drafts) / len(drafts)) if drafts else 0.0,
         "per_depth_acceptance": per_depth,
         "stage_ms": stage_ms,
+        # trees whose verifier turned down every child of its accepted path's last node, and of
+        # those the ones where its own token was outside the head's draft vocabulary
+        "tree_rejections": rejections,
+        "undraftable_rejections": sum(1 for t in all_trees if t.undraftable),
     }
 
 
@@ -238,8 +253,13 @@ def _tree(d: Any, where: str) -> DraftTree:
     verifier = _req(d, "verifier", str, where)
     if verifier not in ("intermediate", "target"):
         raise TraceError(f"{where}.verifier: must be 'intermediate' or 'target'")
-    return DraftTree(_req(d, "root_token", int, where), _req(d, "root_text", str, where), nodes,
-                     accepted, _req(d, "bonus_token", int, where), _req(d, "bonus_text", str, where), verifier)
+    tree = DraftTree(_req(d, "root_token", int, where), _req(d, "root_text", str, where), nodes,
+                     accepted, _req(d, "bonus_token", int, where), _req(d, "bonus_text", str, where), verifier,
+                     _opt(d, "undraftable", bool, where, False))
+    if tree.undraftable and not tree_rejected(tree):
+        raise TraceError(f"{where}.undraftable: only a tree whose accepted path's last node has children "
+                         "can end in a rejection")
+    return tree
 
 
 def _step(d: Any, where: str) -> Step:

@@ -18,9 +18,10 @@ def test_record_warms_up_before_the_recorded_runs(tmp_path, monkeypatch, capsys)
     out = tmp_path / "t.json"
     assert cli.main(["record", "--stack", "tiny-random", "--prompt", "Hi", "--max-new-tokens", "6",
                      "--title", "test", "--out", str(out)]) == 0
-    assert calls[0] == "warm_up" and calls[-3:] == ["hierspec", "eagle2", "ar"]
+    order = ["hierspec", "eagle2", "eagle3", "ar"]        # every method of the tiny stack's comparison
+    assert calls[0] == "warm_up" and calls[-4:] == order
     runs = comparison_from_json(out.read_text())
-    assert [r.meta["method"] for r in runs] == ["hierspec", "eagle2", "ar"] and runs[0].meta["title"] == "test"
+    assert [r.meta["method"] for r in runs] == order and runs[0].meta["title"] == "test"
     assert cli.main(["record", "--stack", "no-such-stack", "--out", str(tmp_path / "x.json")]) == 2
     assert "error:" in capsys.readouterr().err
 

@@ -11,11 +11,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from hierviz.decoding.decoders import comparison_methods
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.state import BaseState
 from hierviz.engine import generate, output_tokens
 from hierviz.models import cuda_graphs
 from hierviz.stack import tiny_random_stack
+from hierviz.trace import METHODS
 from tests.tiny import prefill_sequence_tree
 
 
@@ -81,7 +83,7 @@ def test_runner_falls_back_for_long_forwards(stack) -> None:
             short = st.run_pending()
         outs.append((long, short))
     (dl, ds), (sl, ss) = outs
-    assert sl.shape == dl.shape == (150, t.cfg.hidden_size) and sta.cache.length == dyn.cache.length == 152
+    assert sl.shape == dl.shape == (150, t.feature_width) and sta.cache.length == dyn.cache.length == 152
     torch.testing.assert_close(sl, dl, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ss, ds, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
@@ -89,7 +91,7 @@ def test_runner_falls_back_for_long_forwards(stack) -> None:
         torch.testing.assert_close(sta.cache.v[:, :, :152], dyn.cache.v[:, :, :152])
 
 
-@pytest.mark.parametrize("method", ["ar", "spec", "eagle2", "hierspec"])
+@pytest.mark.parametrize("method", METHODS)
 def test_decoders_static_equal_dynamic_ar(stack, method) -> None:
     s = DecodeSettings(max_new_tokens=24, m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4,
                        t_tree_size=12, min_draft_len=4, spec_k=3)
@@ -156,8 +158,8 @@ def test_warm_up_prepares_every_bucket_of_every_model(static) -> None:
     longer prompt's prefill does not compile inside the first timed or recorded run."""
     from hierviz.engine import warm_up
     st = tiny_random_stack()               # its own models: pools untouched by other tests
-    warm_up(st, ["hierspec", "eagle2", "ar"], DecodeSettings(max_new_tokens=4, m_depth=2, m_tree_size=6,
-                                                              t_depth=2, t_tree_size=6, min_draft_len=2))
+    warm_up(st, comparison_methods(st.models), DecodeSettings(max_new_tokens=4, m_depth=2, m_tree_size=6,
+                                                               t_depth=2, t_tree_size=6, min_draft_len=2))
     for model in st.models.present():
         runners = model.static_runners
         assert runners and all(sorted(r._buckets) == list(cuda_graphs.BUCKETS) for r in runners), model

@@ -200,6 +200,29 @@ def test_top_p_filter_keeps_nucleus():
     assert torch.allclose(p, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]), atol=1e-6)
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_hierspec_with_an_eagle3_head_on_the_intermediate(static):
+    """E_M may be an EAGLE-3 head: M hands it the rows entering its layers 0 and 1, it drafts over
+    a reduced vocabulary through d2t, and HierSpec still reproduces AR, eagerly and on the static
+    (CUDA-graph-shaped) path."""
+    from hierviz.models import cuda_graphs
+    from hierviz.models.synthetic import synthetic_eagle3_head
+    from hierviz.tokenizer import ByteTokenizer
+    models = Models(*tiny_models(259, seed=5))
+    models.e_m = synthetic_eagle3_head(models.intermediate, 11, draft_vocab_size=180, feature_layers=(0, 1))
+    models.intermediate.add_feature_layers(models.e_m.feature_layers)
+    stack = Stack("eagle3-on-m", models, ByteTokenizer(), {})
+    s = DecodeSettings(max_new_tokens=30, m_depth=3, m_topk=4, m_tree_size=10, min_draft_len=4)
+    cuda_graphs.force_static(static)
+    try:
+        want = output_tokens(generate(stack, "ar", "hello there", s))
+        tr = generate(stack, "hierspec", "hello there", s)
+    finally:
+        cuda_graphs.force_static(False)
+    assert output_tokens(tr) == want
+    assert tr.stats()["tree_rejections"] > 0 and tr.stats()["undraftable_rejections"] > 0
+
+
 def test_reduced_vocabularies_stay_lossless():
     """FR-Spec: heads draft over a token subset and M predicts over it too; T keeps the full
     vocabulary, so every method still reproduces AR exactly."""
@@ -215,6 +238,19 @@ def test_reduced_vocabularies_stay_lossless():
     _all_equal(stack, "hello there", s)
     logits = models.intermediate.logits(torch.zeros(2, 64))
     assert torch.isinf(logits[:, 200]).all() and torch.isfinite(logits[:, vocab]).all()
+    # a rejection whose correct token lies outside the draft vocabulary is marked as one no draft
+    # could avoid, and counted; T's own vocabulary is full, so such rejections happen here
+    in_vocab = set(vocab.tolist())
+    marked = 0
+    for method in ("eagle2", "hierspec"):
+        tr = generate(stack, method, "hello there, zebra QUIZ {~}", s)
+        for t in (t for step in tr.steps for t in step.trees):
+            last = t.accepted[-1] if t.accepted else 0
+            rejected = any(n.parent == last for n in t.nodes)
+            assert t.undraftable == (rejected and t.bonus_token not in in_vocab)
+        marked += tr.stats()["undraftable_rejections"]
+        assert tr.stats()["undraftable_rejections"] == sum(t.undraftable for step in tr.steps for t in step.trees)
+    assert marked > 0
 
 
 @pytest.mark.parametrize("which", ["stack", "oracle_stack"])

@@ -30,8 +30,26 @@ def test_decoders_reproduce_ar_with_graphs(stack, prompt) -> None:
     ar = generate(stack, "ar", prompt, s)
     assert ar.meta["gpu"] == torch.cuda.get_device_name()      # the trace names its GPU for the panels
     want = output_tokens(ar)
-    for method in ("spec", "eagle2", "hierspec"):
+    for method in ("spec", "eagle2", "eagle3", "hierspec"):
         assert output_tokens(generate(stack, method, prompt, s)) == want, method
+
+
+def test_hierspec_with_an_eagle3_head_on_the_intermediate_through_graphs() -> None:
+    """An EAGLE-3 E_M over M's layers 0 and 1 (reduced draft vocabulary): M's rows carry its layer
+    features through the static runners and CUDA graphs, and HierSpec still equals AR."""
+    from hierviz.decoding.decoders import Models
+    from hierviz.models.synthetic import synthetic_eagle3_head, tiny_models
+    from hierviz.stack import Stack
+    from hierviz.tokenizer import ByteTokenizer
+    models = Models(*tiny_models(259, "cuda", seed=5))
+    models.e_m = synthetic_eagle3_head(models.intermediate, 11, draft_vocab_size=180, feature_layers=(0, 1))
+    models.intermediate.add_feature_layers(models.e_m.feature_layers)
+    st = Stack("eagle3-on-m", models, ByteTokenizer(), {})
+    s = DecodeSettings(max_new_tokens=40, m_depth=3, m_topk=4, m_tree_size=10, min_draft_len=4)
+    want = output_tokens(generate(st, "ar", "hello there", s))
+    tr = generate(st, "hierspec", "hello there", s)
+    assert output_tokens(tr) == want and tr.stats()["undraftable_rejections"] > 0
+    assert any(g.graph is not None for r in models.e_m.static_runners for g in r.tree_graphs.values())
 
 
 def test_tree_graph_replays_the_eager_tree() -> None:
@@ -212,7 +230,7 @@ def sampling_stack():
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (0.7, 0.9), (1.0, 1.0), (1.0, 0.9)])
-@pytest.mark.parametrize("method", ["spec", "eagle2", "hierspec"])
+@pytest.mark.parametrize("method", ["spec", "eagle2", "eagle3", "hierspec"])
 def test_sampling_is_the_targets_distribution_on_the_gpu_path(sampling_stack, method, temperature, top_p) -> None:
     """Sampling through generate() on the GPU path (static runners, CUDA graphs, trees drafted and
     read back on the device): every token after the prefill token has the target's exact
@@ -224,11 +242,12 @@ def test_sampling_is_the_targets_distribution_on_the_gpu_path(sampling_stack, me
     from tests.test_sampling_power import E2E_RUNS, assert_e2e_lossless
     m = sampling_stack.models
     assert cuda_graphs.static_enabled(m.target.device) and cuda_graphs.graphs_enabled(m.target.device)
-    assert_e2e_lossless(sampling_stack, method, temperature, top_p, E2E_RUNS[method], resolution=0.07)
-    verifiers = {"spec": [m.target, m.intermediate], "eagle2": [m.target], "hierspec": [m.target, m.intermediate]}
+    assert_e2e_lossless(sampling_stack, method, temperature, top_p, E2E_RUNS.get(method, 240), resolution=0.07)
+    verifiers = {"spec": [m.target, m.intermediate], "eagle2": [m.target], "eagle3": [m.target],
+                 "hierspec": [m.target, m.intermediate]}
     for model in verifiers[method]:
         assert any(bk.graph is not None for r in model.static_runners for bk in r._buckets.values()), method
-    head = {"eagle2": m.e_t, "hierspec": m.e_m}.get(method)
+    head = {"eagle2": m.e_t, "eagle3": m.e_t3, "hierspec": m.e_m}.get(method)
     if head is not None:
         assert any(g.graph is not None for r in head.static_runners for g in r.tree_graphs.values()), method
 
@@ -282,3 +301,40 @@ def test_streaming_load_onto_the_gpu_equals_the_host_load(tmp_path, monkeypatch)
     _, on_host, _ = load_weights(tmp_path / "q")
     assert_same_weights(on_gpu, {k: gptq.cast_w4(w.to(dev), torch.float16) if isinstance(w, gptq.W4Weight)
                                  else w.to(dev, torch.float16) for k, w in on_host.items()})
+
+
+def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_path, monkeypatch) -> None:
+    """With the static platform list empty and a fresh verdict cache, proving a Llama-3-8B layer's
+    W4 shapes (qkv, o, gate_up, down at g128, fp16) passes here; the kernels then pick the TMA and
+    CUDA-core variants, and a second load proves nothing (the verdict is remembered, also on disk)."""
+    import dataclasses
+    import time
+    from pathlib import Path
+
+    from hierviz.measure.w4_sweep import config_shapes
+    from hierviz.models.config import ModelConfig
+    from hierviz.models.synthetic import synthetic_model
+    from hierviz.quant import kernel_guard, triton_w4, w4_proof
+    monkeypatch.setenv("HIERVIZ_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset())
+    w4_proof.forget_in_memory()
+    dev = torch.device("cuda")
+    try:
+        cfg = ModelConfig.from_file(Path(__file__).resolve().parents[1] / "assets" / "configs" / "llama3-8b.json")
+        model = synthetic_model(dataclasses.replace(cfg, num_layers=1, vocab_size=256), "w4", torch.float16, "cuda",
+                                "triton", seed=0, group=128)
+        assert not kernel_guard.platform_proven(dev)
+        t0 = time.perf_counter()
+        verdict = w4_proof.prove_models([model], torch.float16, dev, log=print)
+        print(f"\n{verdict.summary()} [{time.perf_counter() - t0:.1f} s]")
+        assert verdict.source == "proved" and verdict.passed(), verdict.summary()
+        assert verdict.shapes == config_shapes(cfg, 128) and verdict.rows == w4_proof.PROOF_ROWS
+        assert kernel_guard.platform_proven(dev) and w4_proof.proven_for(dev, verdict.shapes)
+        gate_up = model.layers[0].gate_up.w4[0]
+        assert triton_w4.chosen_config(torch.zeros(1, 4096, device="cuda", dtype=torch.float16), gate_up).gemv
+        assert triton_w4.chosen_config(torch.zeros(8, 4096, device="cuda", dtype=torch.float16), gate_up).tma
+        assert w4_proof.prove_models([model], torch.float16, dev).source == "remembered"
+        w4_proof.forget_in_memory()
+        assert kernel_guard.platform_proven(dev)          # from the disk cache
+    finally:
+        w4_proof.forget_in_memory()

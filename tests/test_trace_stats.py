@@ -60,6 +60,8 @@ def hierspec_trace() -> Trace:
                       {"target": 1, "intermediate": 1})]
     for i, (shapes, n, timings) in enumerate(rounds, start=1):
         trees = [chain_tree(depth, acc, "intermediate", 1000 * i + 100 * k) for k, (depth, acc) in enumerate(shapes)]
+        if i == 1:      # B rejected at its root: M's token lay outside E_M's draft vocabulary
+            trees[1].undraftable = True
         seq = []
         for k, t in enumerate(trees):      # each tree's accepted path, then M's bonus token
             seq += [SeqToken(x, _tok(x), "tree", k) for x in _accepted_tokens(t)]
@@ -134,6 +136,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         # depth 3: passed depth 2 and reach 3: C F (A is 2 deep); C passes -> 1/2
         "per_depth_acceptance": {1: 5 / 6, 2: 3 / 4, 3: 1 / 2},
         "stage_ms": _stages(draft=9.0, intermediate_verify=23.0, target_verify=77.0, overhead=2.75),
+        "tree_rejections": 3,                      # B, D, F stop before their last depth; A, C, E use all of it
+        "undraftable_rejections": 1,               # B
     },
     "eagle2": {
         "new_tokens": 18,                          # 1 + 4 + 4 + 3 + 4 + 2 (the last round cut from 3 to 2)
@@ -146,6 +150,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         # all 5 trees are 3 deep with paths 3, 3, 2, 3, 2: depths 1 and 2 always pass, depth 3 in 3 of 5
         "per_depth_acceptance": {1: 1.0, 2: 1.0, 3: 0.6},
         "stage_ms": _stages(draft=20.0, target_verify=80.0, overhead=7.0),
+        "tree_rejections": 2,                      # the two paths of 2 in 3-deep trees
+        "undraftable_rejections": 0,
     },
     "spec": {
         "new_tokens": 11,                          # 1 + 4 + 1 + 2 + 3
@@ -157,6 +163,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "mean_sequence_len": 12 / 4,               # 4 drafts of 3 (the prefill drafts nothing)
         "per_depth_acceptance": {},                # no trees
         "stage_ms": _stages(draft=29.25, target_verify=68.0, overhead=2.0),
+        "tree_rejections": 0,
+        "undraftable_rejections": 0,
     },
     "ar": {
         "new_tokens": 5,
@@ -168,6 +176,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "mean_sequence_len": 0.0,
         "per_depth_acceptance": {},
         "stage_ms": _stages(target_verify=55.0, overhead=1.0),
+        "tree_rejections": 0,
+        "undraftable_rejections": 0,
     },
 }
 
@@ -208,13 +218,15 @@ def test_stats_of_a_prefix() -> None:
         # depth 1: A passes, B fails; depth 2: only A reached it, and passed
         "per_depth_acceptance": {1: 0.5, 2: 1.0},
         "stage_ms": _stages(draft=3.0, intermediate_verify=13.0, target_verify=52.0, overhead=1.0),
+        "tree_rejections": 1, "undraftable_rejections": 1,     # B, outside E_M's draft vocabulary
     })
 
 
 def test_stats_of_no_steps() -> None:
     assert_stats(trace_stats([]), {
         "new_tokens": 0, "steps": 0, "total_ms": 0, "tokens_per_s": 0.0, "tau_target": 0.0, "tau_intermediate": None,
-        "mean_sequence_len": 0.0, "per_depth_acceptance": {}, "stage_ms": _stages()})
+        "mean_sequence_len": 0.0, "per_depth_acceptance": {}, "stage_ms": _stages(), "tree_rejections": 0,
+        "undraftable_rejections": 0})
 
 
 def test_the_hand_made_trees_are_what_the_stats_assume() -> None:

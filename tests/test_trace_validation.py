@@ -80,6 +80,7 @@ PATHS: dict[str, tuple[str, str]] = {
     "accepted_not_nodes": ("_tree", ".accepted: must list node ids of the tree"),
     "accepted_path": ("_tree", ".accepted: must be a path from the root (node "),
     "verifier": ("_tree", ".verifier: must be 'intermediate' or 'target'"),
+    "undraftable": ("_tree", ".undraftable: only a tree whose accepted path's last node has children "),
     "step_method": ("_step", ".method: unknown method "),
     "timings_entry": ("_step", ".timings_ms: bad entry "),
     "new_lengths": ("_step", ": new_tokens, new_text and new_sources differ in length"),
@@ -155,7 +156,7 @@ def _raises_in_trace_module() -> list[tuple[str, str]]:
 
 def test_every_rejection_path_has_a_case() -> None:
     raises = _raises_in_trace_module()
-    assert len(raises) == len(PATHS) == 30
+    assert len(raises) == len(PATHS) == 31
     unmatched = list(raises)
     for name, (fn, fragment) in PATHS.items():
         hits = [r for r in unmatched if r[0] == fn and fragment in r[1]]
@@ -201,6 +202,18 @@ def _edit(fn: Callable[[dict], Any]) -> Callable[[dict], dict]:
 def _last_node_parent(d: dict) -> None:
     nodes = d["steps"][1]["trees"][0]["nodes"]
     nodes[-1]["parent"] = 1000
+
+
+def _undraftable_after_the_whole_tree(d: dict) -> None:
+    """A tree fully accepted down to a leaf cannot end in a rejection."""
+    tree = d["steps"][1]["trees"][0]
+    path, node = [], tree["nodes"][-1]
+    while True:
+        path.insert(0, node["id"])
+        if node["parent"] == 0:
+            break
+        node = tree["nodes"][node["parent"] - 1]
+    tree["accepted"], tree["undraftable"] = path, True
 
 
 def _target_accepts_more_than_the_draft(d: dict) -> None:
@@ -290,6 +303,9 @@ DOCUMENT_CASES = [
                  rf"^{T0}\.accepted: must list node ids of the tree$", id="accepted-unknown-id"),
     pytest.param("accepted_not_nodes", _set("steps.1.trees.0.accepted", ["1"]),
                  rf"^{T0}\.accepted: must list node ids of the tree$", id="accepted-str"),
+    pytest.param("undraftable", _edit(_undraftable_after_the_whole_tree),
+                 rf"^{T0}\.undraftable: only a tree whose accepted path's last node has children can end in a "
+                 r"rejection$", id="undraftable-without-rejection"),
     pytest.param("verifier", _set("steps.1.trees.0.verifier", "draft"),
                  rf"^{T0}\.verifier: must be 'intermediate' or 'target'$", id="verifier-draft"),
     pytest.param("verifier", _set("steps.1.trees.0.verifier", "Target"),

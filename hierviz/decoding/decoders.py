@@ -1,5 +1,5 @@
-"""The four decoders, sharing the model code and the trace format: AR, sequence speculative
-decoding, EAGLE-2 on the target, and HierSpec. Each is a generator of trace `Step`s, one per round, forever; the
+"""The decoders, sharing the model code and the trace format: AR, sequence speculative
+decoding, EAGLE-2 or EAGLE-3 on the target (a tree drafted by E_T, verified by T), and HierSpec. Each is a generator of trace `Step`s, one per round, forever; the
 driver (hierviz.engine) stops it on EOS, the token budget or a user's Stop. Step 0 is the
 prefill round that produces the first token.
 """
@@ -19,7 +19,7 @@ from hierviz.decoding.tree import PendingTree, Tree, draft_tree_on_device
 from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, forced_tree_path,
                                      verify_sequence_greedy, verify_sequence_sampling, verify_tree_greedy,
                                      verify_tree_sampling)
-from hierviz.models.eagle import EagleHead
+from hierviz.models.drafter import Drafter
 from hierviz.models.llama import Transformer
 from hierviz.trace import DraftTree, SeqToken, Step, TreeNode
 
@@ -28,12 +28,32 @@ from hierviz.trace import DraftTree, SeqToken, Step, TreeNode
 class Models:
     target: Transformer
     intermediate: Optional[Transformer] = None
-    e_m: Optional[EagleHead] = None     # EAGLE head on the intermediate (HierSpec)
-    e_t: Optional[EagleHead] = None     # EAGLE head on the target (EAGLE-2 baseline)
+    e_m: Optional[Drafter] = None       # draft head on the intermediate (HierSpec), any head type
+    e_t: Optional[Drafter] = None       # EAGLE-1/2 head on the target (the eagle2 method)
+    e_t3: Optional[Drafter] = None      # EAGLE-3 head on the target (the eagle3 method)
 
     def present(self) -> list:
         """The models this stack has (target first)."""
-        return [m for m in (self.target, self.intermediate, self.e_m, self.e_t) if m is not None]
+        return [m for m in (self.target, self.intermediate, self.e_m, self.e_t, self.e_t3) if m is not None]
+
+    def missing(self, method: str) -> list[str]:
+        """The parts `method` needs that this stack lacks, by their names in messages."""
+        return [PART_NAMES[p] for p in METHOD_NEEDS[method] if getattr(self, p) is None]
+
+
+# the Models fields each method drafts or verifies with, and their names in messages
+METHOD_NEEDS: dict[str, tuple[str, ...]] = {"ar": (), "spec": ("intermediate",), "eagle2": ("e_t",),
+                                            "eagle3": ("e_t3",), "hierspec": ("intermediate", "e_m")}
+COMPARISON_ORDER = ("hierspec", "eagle2", "eagle3", "ar")   # a comparison's runs, HierSpec first
+
+
+def comparison_methods(models: Models) -> list[str]:
+    """The methods a side-by-side comparison runs on this stack, in COMPARISON_ORDER."""
+    return [m for m in COMPARISON_ORDER if not models.missing(m)]
+
+
+PART_NAMES = {"intermediate": "intermediate model", "e_m": "draft head on the intermediate (E_M)",
+              "e_t": "EAGLE-2 head on the target (E_T)", "e_t3": "EAGLE-3 head on the target (E_T3)"}
 
 
 class StageTimer:
@@ -96,10 +116,17 @@ class StageTimer:
 TextOf = Callable[[int], str]
 
 
-def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf) -> DraftTree:
+def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf,
+                   draftable: Optional[list[bool]] = None) -> DraftTree:
+    """The trace's tree; draftable (HeadState.draftable): marks a rejection whose correct token
+    lies outside the head's draft vocabulary, which no tree could have held."""
     nodes = [TreeNode(i + 1, t, text(t), p + 1, d, s, lp)
              for i, (t, p, d, s, lp) in enumerate(zip(tree.tokens, tree.parents, tree.depths, tree.scores, tree.logprobs))]
-    return DraftTree(tree.root, text(tree.root), nodes, [i + 1 for i in path], bonus, text(bonus), verifier)
+    last = path[-1] if path else -1
+    rejected = last in tree.parents         # the verifier turned down every child of its last node
+    undraftable = rejected and draftable is not None and not draftable[bonus]
+    return DraftTree(tree.root, text(tree.root), nodes, [i + 1 for i in path], bonus, text(bonus), verifier,
+                     undraftable)
 
 
 def _step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,
@@ -234,13 +261,26 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
 
 def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
                   max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
-    if models.e_t is None:
-        raise ValueError("EAGLE-2 needs an EAGLE head for the target (E_T) in the stack")
+    """EAGLE-2: an EAGLE-1/2 head on T (E_T) drafts a dynamic tree, T verifies the tree."""
+    yield from _decode_target_tree("eagle2", models, prompt, s, sampler, text, max_len, oracle)
+
+
+def decode_eagle3(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
+                  max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
+    """EAGLE-3: the same rounds with an EAGLE-3 head on T (E_T3), fed by T's layer features."""
+    yield from _decode_target_tree("eagle3", models, prompt, s, sampler, text, max_len, oracle)
+
+
+def _decode_target_tree(method: str, models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler,
+                        text: TextOf, max_len: int, oracle: Optional[AcceptOracle]) -> Iterator[Step]:
+    missing = models.missing(method)
+    if missing:
+        raise ValueError(f"{method} needs the stack's {', '.join(missing)}")
     t = BaseState(models.target, max_len)
-    e = HeadState(models.e_t, t, max_len)
+    e = HeadState(getattr(models, METHOD_NEEDS[method][0]), t, max_len)
     timer = StageTimer(t.model.device)
     tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
-    yield _step(0, "eagle2", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    yield _step(0, method, timer, [tok], ["target_bonus"], text, forwards={"target": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -251,8 +291,8 @@ def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler:
             tree, path, bonus, _, commit = _verify_tree_on(t, drafted, sampler, oracle, "target")
             commit()
         toks = [tree.tokens[j] for j in path]
-        yield _step(i, "eagle2", timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
-                    trees=[_tree_to_trace(tree, path, bonus, "target", text)], target_accepted=len(path),
+        yield _step(i, method, timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
+                    trees=[_tree_to_trace(tree, path, bonus, "target", text, e.draftable)], target_accepted=len(path),
                     target_bonus=bonus, target_bonus_text=text(bonus),
                     forwards={"target": 1, "e_t": e.forwards - e0})
         i += 1
@@ -260,8 +300,9 @@ def decode_eagle2(models: Models, prompt: list[int], s: DecodeSettings, sampler:
 
 def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
                     max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
-    if models.intermediate is None or models.e_m is None:
-        raise ValueError("HierSpec needs an intermediate model and its EAGLE head (E_M) in the stack")
+    missing = models.missing("hierspec")
+    if missing:
+        raise ValueError(f"HierSpec needs the stack's {', '.join(missing)}")
     t = BaseState(models.target, max_len)
     m = BaseState(models.intermediate, max_len)
     e = HeadState(models.e_m, m, max_len)
@@ -285,7 +326,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
                 k = len(trees)
                 seq.extend(SeqToken(tree.tokens[j], text(tree.tokens[j]), "tree", k) for j in path)
                 seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
-                trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text))
+                trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text, e.draftable))
             unrecorded.clear()
 
         while True:
@@ -323,7 +364,8 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
         i += 1
 
 
-DECODERS = {"ar": decode_ar, "spec": decode_spec, "eagle2": decode_eagle2, "hierspec": decode_hierspec}
+DECODERS = {"ar": decode_ar, "spec": decode_spec, "eagle2": decode_eagle2, "eagle3": decode_eagle3,
+            "hierspec": decode_hierspec}
 
 
 def cache_margin(s: DecodeSettings) -> int:

@@ -2,10 +2,12 @@
 
 Invariant of `BaseState`: the cache holds tokens[:cache.length]; tokens[cache.length:] are
 *pending*: accepted but not yet run through the model (at least the last one, the root of the
-next draft). `features[i]` is the model's last hidden state at token i for i < cache.length.
+next draft). `features[i]` is the model's output row at token i for i < cache.length: its last
+hidden state, then any layer features its heads read (Transformer.feature_width).
 
-Invariant of `HeadState` (an EAGLE head over a base state): its cache holds pairs
-(feature_t, token_{t+1}) at position t for t < cache.length, all built from accepted tokens.
+Invariant of `HeadState` (a draft head, hierviz.models.drafter, over a base state): its cache
+holds pairs (feature_t, token_{t+1}) at position t for t < cache.length, all built from accepted
+tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Optional
 import torch
 
 from hierviz.models import cuda_graphs
-from hierviz.models.eagle import EagleHead
+from hierviz.models.drafter import Drafter
 from hierviz.models.llama import KVCache, Transformer, block_mask, causal_mask
 
 
@@ -33,7 +35,7 @@ class BaseState:
         self.runner = cuda_graphs.lease(model, max_len, self)
         self.cache: KVCache = self.runner.cache if self.runner is not None else model.new_cache(max_len)
         self.tokens: list[int] = []
-        self.features = torch.zeros(max_len, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+        self.features = torch.zeros(max_len, model.feature_width, dtype=model.dtype, device=model.device)
         self.forwards = 0
 
     @property
@@ -141,7 +143,7 @@ class BaseState:
 
 
 class HeadState:
-    def __init__(self, head: EagleHead, base: BaseState, max_len: int) -> None:
+    def __init__(self, head: Drafter, base: BaseState, max_len: int) -> None:
         self.head = head
         self.base = base
         self.runner = cuda_graphs.lease(head, max_len, self, window_extra=cuda_graphs.HEAD_WINDOW)
@@ -149,6 +151,9 @@ class HeadState:
         self.last_hidden: Optional[torch.Tensor] = None   # the head's output at its last real pair
         self.committed = 0                                # pairs built from accepted tokens only
         self.forwards = 0
+        mask = head.draft_vocab_mask()
+        # on the host, for the trace: which verifier tokens the head could have drafted at all
+        self.draftable: Optional[list[bool]] = None if mask is None else mask.cpu().tolist()
 
     def forward(self, tokens: list[int], features: torch.Tensor, positions: list[int],
                 mask: Optional[torch.Tensor] = None, visible_upto: Optional[int] = None) -> torch.Tensor:
@@ -216,7 +221,8 @@ class HeadState:
             self.cache.truncate(self.committed)
         start = self.cache.length
         if known > start:                           # real pairs t = start .. known-1
-            out = self.forward(base.tokens[start + 1:known + 1], base.features[start:known], list(range(start, known)))
+            out = self.forward(base.tokens[start + 1:known + 1], self.head.project_features(base.features[start:known]),
+                               list(range(start, known)))
             self.last_hidden = out[-1]
         if self.last_hidden is None:
             raise RuntimeError("EAGLE head has no pair for the root; the prompt must have at least one token")

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft tree (Li et al. 2024).
+"""EAGLE-2 dynamic draft tree (Li et al. 2024), drafted by any head type (hierviz.models.drafter).
 
 Root = the last accepted token. The head drafts the root's top-K children; at each further
 depth the K best nodes of the previous depth (by cumulative log-prob) are expanded in one head
@@ -13,7 +13,7 @@ import torch
 
 from hierviz.decoding.state import HeadState
 from hierviz.models import cuda_graphs
-from hierviz.models.eagle import EagleHead
+from hierviz.models.drafter import Drafter
 
 
 @dataclass
@@ -109,7 +109,7 @@ def draft_tree_on_device(head: HeadState, depth: int, topk: int, size: int) -> P
 Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _expand(draft_head: EagleHead, h_root: torch.Tensor, depth: int, topk: int, size: int, step: Step) -> tuple:
+def _expand(draft_head: Drafter, h_root: torch.Tensor, depth: int, topk: int, size: int, step: Step) -> tuple:
     """The tree below the root: (tokens, parents, depths, scores, logprobs, ancestor mask) on the
     device. step(d, tokens, features, seen) runs the head over depth d's frontier."""
     dev = h_root.device
@@ -181,7 +181,7 @@ class TreeGraph:
 
     KEEP = 8   # tree shapes kept per runner (each graph holds its own memory pool)
 
-    def __init__(self, draft_head: EagleHead, runner: cuda_graphs.StaticRunner, depth: int, topk: int,
+    def __init__(self, draft_head: Drafter, runner: cuda_graphs.StaticRunner, depth: int, topk: int,
                  size: int) -> None:
         # no reference to a HeadState: the runner (pooled on the model) keeps this object, and
         # a state it held alive would never hand the runner back to the pool

@@ -95,7 +95,7 @@ def summarize(results: dict[str, list[tuple[dict, Trace]]]) -> dict[str, Any]:
             for c, cm in m["per_category"].items():
                 b = base["per_category"].get(c, {}).get("tokens_per_s")
                 cm["speedup_vs_ar"] = cm["tokens_per_s"] / b if b else None
-    if "eagle2" in out["methods"] and "hierspec" in out["methods"]:
+    if "eagle2" in out["methods"] and "hierspec" in out["methods"]:     # the paper's comparison
         e = out["methods"]["eagle2"]["tokens_per_s"]
         out["hierspec_vs_eagle2"] = out["methods"]["hierspec"]["tokens_per_s"] / e if e else None
     return out
@@ -150,7 +150,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--questions", required=True, help="Spec-Bench question JSONL")
     p.add_argument("--limit", type=int, default=None, help="at most N questions per category")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated, of {', '.join(METHODS)} (default: every one the stack can run)")
     p.add_argument("--out", required=True)
     p.add_argument("--warmup", choices=["auto", "short", "all"], default="auto",
                    help="short: each method once on a short prompt; all: each method on every question, "
@@ -160,7 +161,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_settings_args(p)
     p.set_defaults(max_new_tokens=128)
     a = p.parse_args(argv)
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in (a.methods or ",".join(METHODS)).split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         print(f"error: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
@@ -172,6 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         questions = read_questions(a.questions, a.limit, a.categories.split(",") if a.categories else None)
         stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
+        if a.methods is None:
+            methods = [m for m in METHODS if not stack.models.missing(m)]
         settings = settings_from_args(a, str(stack.device))
         warm_up(stack, methods, settings)   # first-call costs (allocations, kernel packing) stay out of the figures
     except (BenchError, EngineError, StackError, ValueError) as e:

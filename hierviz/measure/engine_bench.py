@@ -11,6 +11,8 @@
    tokens/s on the H200), plus W4A16 (RTN g32, Triton kernel) for the target.
 3. One round of EAGLE-2 and of HierSpec at the same shapes (6-layer intermediate, random EAGLE
    heads: acceptance is ~0 with random heads, so only the per-round costs mean anything).
+4. What an EAGLE-3 head costs T: AR of the W4 target before, with and after its layer features
+   (the rows an EAGLE-3 head reads), side by side, and one eagle3 round with a random EAGLE-3 head.
 Writes DIR/engine.json and prints a table.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from hierviz.models import cuda_graphs, fused
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
-from hierviz.models.synthetic import hf_weights, tiny_models
+from hierviz.models.synthetic import hf_weights, synthetic_eagle3_head, tiny_models
 from hierviz.quant.w4 import quantize_rtn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,6 +198,36 @@ def _speculative_rounds(t_w4: Transformer, dense: dict, cfg_path: Path, prompt: 
     return spec_rows
 
 
+def _eagle3_feature_cost(t_w4: Transformer, prompt: list[int], n: int, s: DecodeSettings, repeat: int = 3) -> dict:
+    """AR tokens/s of the W4 target without layer features, with an EAGLE-3 head's three, and
+    without again (interleaved, best of `repeat` each: a loaded EAGLE-3 head's cost to every T
+    forward, and none once it is gone); then one eagle3 run's per-round cost (random head)."""
+    head = synthetic_eagle3_head(t_w4, seed=9)
+    plain = t_w4.feature_layers
+
+    def ar(layers: tuple[int, ...]) -> float:
+        t_w4.feature_layers = layers
+        cuda_graphs.drop_runners(t_w4)       # a runner's outputs are as wide as its model's rows
+        run_decoder(Models(t_w4), "ar", prompt, 8, s, True)
+        return n / run_decoder(Models(t_w4), "ar", prompt, n, s, True)[1]
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        for name, layers in (("without features", plain), ("with EAGLE-3 features", head.feature_layers)):
+            best[name] = max(best.get(name, 0.0), ar(layers))
+    row: dict = {"ar_tokens_per_s": best, "feature_layers": list(head.feature_layers),
+                 "ratio_with_to_without": best["with EAGLE-3 features"] / best["without features"]}
+    t_w4.feature_layers = head.feature_layers
+    cuda_graphs.drop_runners(t_w4)
+    models = Models(t_w4, e_t3=head)
+    run_decoder(models, "eagle3", prompt, 8, s, True)
+    out, dt, rounds = run_decoder(models, "eagle3", prompt, 32, s, True)
+    row["eagle3_round"] = {"ms_per_round": 1000 * dt / rounds, "tokens_per_round": len(out[1:]) / rounds}
+    t_w4.feature_layers = plain
+    cuda_graphs.drop_runners(t_w4)
+    print(f"[engine] AR W4 with/without EAGLE-3 features: {best}; eagle3 round {row['eagle3_round']}", flush=True)
+    return row
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz engine-bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -231,6 +263,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("[engine] identical prefix lengths:", res["identical_prefix"], flush=True)
     save()
     res["rounds_random_heads"] = _speculative_rounds(t_w4, dense, cfg_path, prompt, s, dev, dtype)
+    save()
+    res["eagle3_feature_cost"] = _eagle3_feature_cost(t_w4, prompt, n, s)
     save()
     print("\n| AR, SmolLM2-135M shapes, synthetic weights | tokens/s |\n|---|---|")
     for k, v in rows.items():

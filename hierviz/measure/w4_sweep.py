@@ -15,6 +15,15 @@ row by row (relative error above kernel_guard.TOLERANCE, or a non-finite value, 
 In invariant mode every row of an M-row product must also equal, bit for bit, the same row
 computed alone. Prints one line per (shape, group, act-order, path, mode) and writes
 DIR/w4_sweep.json; exits 1 when any row is wrong.
+
+    python -m hierviz w4-sweep --quick [--preset NAME | --shapes KxN[gG],...] [--rows ...]
+
+runs the start-up proof (hierviz.quant.w4_proof.prove) instead: the fast variants this GPU
+supports, on a preset's W4 shapes from its bundled config (no checkpoint is loaded; default
+the paper preset) or on --shapes (group 128 unless gG is given), at the proof's row counts.
+Prints the verdict line a stack load would show and the time, records the verdict in the
+platform's cache (a later start then skips these shapes) and DIR/w4_proof.json with --out;
+exits 1 when a variant fails.
 """
 from __future__ import annotations
 
@@ -29,8 +38,11 @@ from typing import Optional
 import torch
 
 from hierviz.machine import gpu_name
+from hierviz.memory import CONFIGS, PRESET_SHAPES
+from hierviz.models.config import ModelConfig
 from hierviz.quant import kernel_guard
-from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize_unpermuted
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
+from hierviz.quant.w4_proof import PROOF_ROWS, Shape, check_products, prove, reference, synthetic_weight
 
 # hidden, intermediate, key/value width (kv heads x head dim) of the models the presets name
 MODELS: dict[str, tuple[int, int, int]] = {
@@ -65,15 +77,104 @@ def parse_rows(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def synthetic_weight(n: int, k: int, g: int, device: str, seed: int, act_order: bool,
-                     dtype: torch.dtype) -> W4Weight:
-    """Random codes with GPTQ-like scales and zero points; act_order adds a random permutation."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
-    scales = torch.rand(n, k // g, device=device, generator=gen) * 0.02 + 0.002
-    zeros = torch.randint(6, 10, (n, k // g), device=device, generator=gen).to(scales.dtype)
-    perm = torch.randperm(k, device=device, generator=gen) if act_order else None
-    return W4Weight(codes, scales.to(dtype), (-scales * zeros).to(dtype), g, perm)
+QUICK_PRESET = "paper-llama3-70b"
+QUICK_GROUP = 128            # the GPU presets' W4 group
+
+
+def parse_shapes(text: str, default_group: int = QUICK_GROUP) -> list[Shape]:
+    """"KxN[gG],..." -> [(K, N, G)]; ValueError naming the bad entry."""
+    out = []
+    for part in text.lower().split(","):
+        kn, _, g = part.strip().partition("g")
+        dims = kn.split("x")
+        if len(dims) != 2 or not all(d.isdigit() for d in dims) or (g and not g.isdigit()):
+            raise ValueError(f"bad shape {part!r}: expected KxN or KxNgG with whole numbers, e.g. 4096x14336g128")
+        k, n, group = int(dims[0]), int(dims[1]), int(g) if g else default_group
+        if n < 1 or k < 1 or group < 1 or k % group or not triton_supports(group):
+            raise ValueError(f"bad shape {part!r}: the group ({group}) must divide K ({k}) and be 32-256 in "
+                             f"multiples of 32 or a larger multiple of 128; N must be at least 1")
+        out.append((k, n, group))
+    return out
+
+
+def triton_supports(group: int) -> bool:
+    """Whether the Triton kernel takes this group size (a one-row weight of two groups asks it)."""
+    from hierviz.quant import triton_w4
+    return triton_w4.supports(W4Weight(torch.zeros(1, group, dtype=torch.uint8), torch.zeros(1, 2),
+                                       torch.zeros(1, 2), group))
+
+
+def config_shapes(cfg: ModelConfig, group: int) -> list[Shape]:
+    """The W4 products of one model as the engine loads it: fused q/k/v and gate/up, o and down."""
+    h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return sorted({(h, q + 2 * kv, group), (q, h, group), (h, 2 * cfg.intermediate_size, group),
+                   (cfg.intermediate_size, h, group)})
+
+
+def preset_shapes(name: str) -> list[Shape]:
+    """The W4 shapes of a preset's models, from the bundled configs (hierviz.memory.PRESET_SHAPES)."""
+    shapes: set[Shape] = set()
+    for file, fmt, group in PRESET_SHAPES[name].values():
+        if fmt == "w4":
+            cfg = ModelConfig.from_dict(json.loads((CONFIGS / file).read_text(encoding="utf-8")))
+            shapes.update(config_shapes(cfg, group))
+    return sorted(shapes)
+
+
+def sweep_device() -> Optional[str]:
+    """"cuda", or "cpu" under the Triton interpreter; None (and the reason printed) otherwise."""
+    from hierviz.quant import triton_w4
+    if not triton_w4.HAVE_TRITON:
+        print("error: w4-sweep needs the triton package", file=sys.stderr)
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not triton_w4.interpreting():
+        print("error: w4-sweep needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", file=sys.stderr)
+        return None
+    return device
+
+
+def quick(a: argparse.Namespace) -> int:
+    """--quick: the start-up proof on a preset's or the given shapes (see the module docstring)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        if a.shapes:
+            shapes = parse_shapes(a.shapes)
+        else:
+            preset = a.preset or QUICK_PRESET
+            if preset not in PRESET_SHAPES:
+                raise ValueError(f"unknown preset {preset!r}; presets with bundled shapes: {', '.join(PRESET_SHAPES)}")
+            if device == "cpu":
+                raise ValueError("on the CPU (the Triton interpreter) --quick needs small --shapes, e.g. 256x192g64")
+            shapes = preset_shapes(preset)
+        try:
+            rows = parse_rows(a.rows) if a.rows else PROOF_ROWS
+        except ValueError:
+            rows = []
+        if not rows or min(rows) < 1:
+            raise ValueError(f"bad --rows {a.rows!r}: expected row counts from 1 up, e.g. 1-128,256")
+        if not set(a.dtypes.split(",")) <= {"float16", "bfloat16"}:
+            raise ValueError(f"bad --dtypes {a.dtypes!r}: expected float16 and/or bfloat16")
+        dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if sweep_device() is None:
+        return 2
+    t0 = time.perf_counter()
+    verdicts = []
+    for dtype in dtypes:
+        verdict = prove(shapes, rows, dtype, device, log=lambda s: print(s, flush=True))
+        verdicts.append(verdict)
+        print(f"{str(dtype).replace('torch.', '')}: {verdict.summary()}")
+    print(f"w4-sweep --quick: {len(shapes)} shape{'s' if len(shapes) != 1 else ''} x {len(rows)} row "
+          f"count{'s' if len(rows) != 1 else ''} in {time.perf_counter() - t0:.1f} s")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "w4_proof.json").write_text(json.dumps([v.to_dict() for v in verdicts], indent=1))
+    failed = any(v.failures(name) for v in verdicts for name in v.supported)
+    return 1 if failed else 0
 
 
 def _product(x: torch.Tensor, w: W4Weight, path: str) -> torch.Tensor:
@@ -89,10 +190,9 @@ def sweep_weight(k: int, n: int, g: int, act_order: bool, dtype: torch.dtype, ro
                  modes: list[str], device: str, seed: int) -> list[dict]:
     """Every (path, mode) of one weight: the rows counts whose product had a wrong row."""
     w = synthetic_weight(n, k, g, device, seed, act_order, dtype)
-    m_max = max(rows)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    x = torch.randn(m_max, k, device=device, generator=gen).to(dtype)
-    ref = x.float() @ dequantize_unpermuted(w, torch.float32).t()
+    x = torch.randn(max(rows), k, device=device, generator=gen).to(dtype)
+    ref = reference(x, w)
     tol = kernel_guard.TOLERANCE[dtype]
     results = []
     for path in paths:
@@ -101,29 +201,14 @@ def sweep_weight(k: int, n: int, g: int, act_order: bool, dtype: torch.dtype, ro
             ms = [m for m in rows if mode == "normal" or m <= INVARIANT_MAX_ROWS]
             if not ms:
                 continue
-            bits = []
-            alone = None
             # Bit-invariance is a property of the GPU's MMA (each output's K order fixed whatever
             # the tile): the interpreter's numpy matmul rounds by its own blocking, so it is
             # checked on CUDA only.
-            if mode == "invariant" and x.is_cuda:
-                n_alone = min(max(ms), INVARIANT_MAX_ROWS)
-                alone = torch.cat([_product(x[r:r + 1], w, path) for r in range(n_alone)])
-            errs = []
-            for m in ms:
-                y = _product(x[:m], w, path)
-                e = kernel_guard.row_errors(y, ref[:m])
-                errs.append(e.max())
-                if alone is not None:
-                    bits.append(torch.ne(y, alone[:m]).any(dim=-1).sum())
-            errs_t = torch.stack(errs).cpu()
-            worst = float(errs_t.max())
-            wrong = [m for m, e in zip(ms, errs_t.tolist()) if not e <= tol]
-            bits_t = torch.stack(bits).cpu().tolist() if bits else []
-            not_invariant = [m for m, b in zip(ms, bits_t) if b]
+            check = check_products(lambda xs: _product(xs, w, path), x, ref, ms, mode == "invariant", x.is_cuda, tol)
             results.append({"K": k, "N": n, "group": g, "act_order": act_order, "dtype": str(dtype).split(".")[-1],
-                            "path": path, "mode": mode, "rows_checked": len(ms), "wrong_rows_at": wrong,
-                            "not_bit_invariant_at": not_invariant, "worst_rel_err": worst, "tolerance": tol})
+                            "path": path, "mode": mode, "rows_checked": check.rows_checked,
+                            "wrong_rows_at": check.wrong_rows_at, "not_bit_invariant_at": check.not_bit_invariant_at,
+                            "worst_rel_err": check.worst_rel_err, "tolerance": tol})
     return results
 
 
@@ -166,14 +251,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--modes", default="normal,invariant")
     ap.add_argument("--dtypes", default="float16", help="float16,bfloat16")
     ap.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (compiles run in parallel)")
+    ap.add_argument("--quick", action="store_true", help="the start-up proof of the fast variants instead")
+    ap.add_argument("--preset", default=None, help=f"with --quick: the preset whose shapes to prove "
+                                                   f"(default {QUICK_PRESET}; one of {', '.join(PRESET_SHAPES)})")
     a = ap.parse_args(argv)
-    from hierviz.quant import triton_w4
-    if not triton_w4.HAVE_TRITON:
-        print("error: w4-sweep needs the triton package", file=sys.stderr)
-        return 2
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not triton_w4.interpreting():
-        print("error: w4-sweep needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", file=sys.stderr)
+    if a.quick:
+        return quick(a)
+    device = sweep_device()
+    if device is None:
         return 2
     if a.shapes:
         shapes = {tuple(int(v) for v in s.lower().split("x")): [f"{s}"] for s in a.shapes.split(",")}
@@ -192,8 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for (k, n), layers in sorted(shapes.items()):
         for gs in a.groups.split(","):
             g = k if gs == "channel" else int(gs)
-            if k % g or not triton_w4.supports(W4Weight(torch.zeros(1, k // 2, dtype=torch.uint8),
-                                                        torch.zeros(1, k // g), torch.zeros(1, k // g), g)):
+            if k % g or not triton_supports(g):
                 continue
             for act in acts:
                 jobs.append(((k, n), layers, g, act))

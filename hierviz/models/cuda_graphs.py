@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hierviz.config import options, overrides
+from hierviz.models.drafter import is_drafter
 
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 HEAD_WINDOW = 128        # extra window columns for an EAGLE head's tree-drafting masks
@@ -99,12 +100,12 @@ class _Bucket:
 
 
 class StaticRunner:
-    """Static-shape forwards of one model (a Transformer or an EagleHead) over one KV cache it
+    """Static-shape forwards of one model (a Transformer or a draft head) over one KV cache it
     owns. Leased to one decoding state at a time (see `lease`)."""
 
     def __init__(self, model, live_len: int, window_extra: int, graphs: bool) -> None:
         self.model = model
-        self.is_head = not hasattr(model, "layers")          # EagleHead takes features too
+        self.is_head = is_drafter(model)                       # a draft head takes features too
         self.live_len = live_len
         self.window_extra = window_extra
         self.graphs = graphs

@@ -20,6 +20,11 @@ from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, Wei
 
 
 class EagleHead(nn.Module):
+    """EAGLE-1/2 head: a hierviz.models.drafter.Drafter reading its base's final hidden state."""
+
+    head_type = "eagle2"
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], base: Transformer) -> None:
         super().__init__()
         if cfg.hidden_size != base.cfg.hidden_size:
@@ -52,6 +57,19 @@ class EagleHead(nn.Module):
     def new_cache(self, max_len: int) -> KVCache:
         c = self.cfg
         return KVCache(1, c.num_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The base's final hidden state: the first H columns of its output rows (a base may also
+        carry an EAGLE-3 head's layer features after them)."""
+        return features[..., :self.cfg.hidden_size]
+
+    def draft_vocab_mask(self) -> Optional[torch.Tensor]:
+        """bool [vocab]: the FR-Spec draft vocabulary, or None (the full vocabulary)."""
+        if self.draft_vocab is None:
+            return None
+        mask = torch.zeros(self.base.cfg.vocab_size, dtype=torch.bool, device=self.draft_vocab.device)
+        mask[self.draft_vocab] = True
+        return mask
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: Optional[KVCache], attn_mask: Optional[torch.Tensor] = None,

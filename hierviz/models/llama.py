@@ -224,16 +224,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 cache: Optional[KVCache], attn_mask: Optional[Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
-                slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+                slots: Optional[torch.Tensor] = None, attn_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer's output. On the fused static path (CUDA, fp16/bf16) x is consumed: the
         residual adds write into it in place (callers pass a tensor of their own); there attn_mask
-        may come as `fused.visible_columns` (Transformer.run_layers computes them once)."""
+        may come as `fused.visible_columns` (Transformer.run_layers computes them once).
+        attn_in: the attention's input when it is not input_norm(x) (an EAGLE-3 layer attends over
+        [normed embedding ; normed feature] while x, the feature, stays the residual)."""
         cfg = self.cfg
-        if isinstance(attn_mask, tuple) or (cache is not None and slots is not None and attn_mask is not None
-                                            and fused.usable(x)):
+        if attn_in is None and (isinstance(attn_mask, tuple) or (cache is not None and slots is not None
+                                                                 and attn_mask is not None and fused.usable(x))):
             return self._forward_fused(x, cos, sin, cache.k[layer], cache.v[layer], attn_mask, slots)
         lead, t = x.shape[:-2], x.shape[-2]      # lead = () when decoding, (B,) for batched training
-        h = x if self.input_norm is None else self.input_norm(x)
+        h = attn_in if attn_in is not None else x if self.input_norm is None else self.input_norm(x)
         q, k, v = self.qkv.split(self.qkv(h))
         q = apply_rope(q.view(*lead, t, cfg.num_heads, cfg.head_dim).transpose(-3, -2), cos, sin)
         k = apply_rope(k.view(*lead, t, cfg.num_kv_heads, cfg.head_dim).transpose(-3, -2), cos, sin)
@@ -356,15 +358,46 @@ class Transformer(nn.Module):
             attn_mask = fused.visible_columns(attn_mask)      # once per forward, not per layer
         elif self._invariant_cpu(x) and cache is not None and slots is None:
             attn_mask = TokenKeys.from_mask(attn_mask, cache.length, t)
+        captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                captured.append(x.clone())      # the fused path adds the residual into x in place
             x = layer(x, cos, sin, i, cache, attn_mask, slots)
         if cache is not None and slots is None:
             cache.length += t
+        if captured:
+            return torch.cat([self.norm(x), *captured], -1)
         return self.norm(x)
+
+    # Residual-stream rows a draft head reads (hierviz.models.drafter): the input of each of these
+    # layers, appended to forward's output after the final hidden state. Empty: nothing extra.
+    feature_layers: tuple[int, ...] = ()
+
+    def add_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """Also hand out the rows entering `layers` (a draft head's request; kept sorted, shared by
+        every head on this model). Static runners built before must be dropped (their outputs are
+        narrower)."""
+        bad = [i for i in layers if not 0 <= i < self.cfg.num_layers]
+        if bad:
+            raise WeightsError(f"feature layers {bad} do not exist in a {self.cfg.num_layers}-layer model")
+        self.feature_layers = tuple(sorted(set(self.feature_layers) | set(layers)))
+
+    @property
+    def feature_width(self) -> int:
+        """Width of forward's output rows: the final hidden state, then each feature layer's input."""
+        return self.cfg.hidden_size * (1 + len(self.feature_layers))
+
+    def layer_features(self, rows: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+        """The columns of forward's output rows that hold `layers`' inputs, concatenated in that order."""
+        h = self.cfg.hidden_size
+        idx = [self.feature_layers.index(i) for i in layers]
+        return torch.cat([rows[..., h * (1 + j):h * (2 + j)] for j in idx], -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., V] float32. With an output vocabulary set, only those rows of the LM head are
         computed and every other token gets -inf (argmax / softmax stay in global token ids)."""
+        if hidden.shape[-1] != self.cfg.hidden_size:    # rows carrying a head's feature columns too
+            hidden = hidden[..., :self.cfg.hidden_size].contiguous()
         if self.output_vocab is None:
             if self._invariant_cpu(hidden) and self.lm_head.weight is not None:
                 return _rows_invariant_product(hidden, self.lm_head.weight).float()

@@ -14,6 +14,7 @@ import torch
 
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
+from hierviz.models.eagle3 import LAYER_PREFIX, Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer, Weight
 from hierviz.quant.w4 import W4Weight, dequantize, quantize_linears
 
@@ -179,3 +180,39 @@ class CheckpointWeights:
         g_idx = torch.arange(k, dtype=torch.int32, device=self.device) // group
         return {"qweight": qweight.cpu(), "qzeros": qzeros.cpu(), "scales": scales.half().cpu(), "g_idx": g_idx.cpu()}
 
+
+def synthetic_eagle3_head(base: Transformer, seed: int, draft_vocab_size: int | None = None,
+                          feature_layers: tuple[int, ...] | None = None) -> Eagle3Head:
+    """A random EAGLE-3 head over `base` at its shapes (tests; what-if at real shapes): fc over the
+    base's `feature_layers` (default: the EAGLE-3 default layers), the midlayer (attention input
+    2H), norms of 1, its own LM head; with draft_vocab_size, a reduced draft vocabulary: a random
+    subset of the base vocabulary that keeps the lowest ids (special tokens), d2t/t2d to match.
+    The head does not attach itself: call base.add_feature_layers(head.feature_layers) before
+    running the base."""
+    cfg = dataclasses.replace(base.cfg, num_layers=1, qkv_bias=False)
+    layers = feature_layers if feature_layers is not None else default_feature_layers(base.cfg.num_layers)
+    dev, dt = base.device, base.dtype
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    w: dict[str, Any] = {}
+    for name, (n, k) in linear_shapes(cfg).items():
+        # q/k/v read [normed embedding ; normed feature]: twice the hidden size
+        fan_in = 2 * h if name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") else k
+        w[f"{LAYER_PREFIX}.{name}.weight"] = random_dense(n, fan_in, dt, dev, gen)
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"{LAYER_PREFIX}.{norm}.weight"] = torch.ones(h, dtype=dt, device=dev)
+    w["norm.weight"] = torch.ones(h, dtype=dt, device=dev)
+    w["fc.weight"] = random_dense(h, len(layers) * base.cfg.hidden_size, dt, dev, gen)
+    vd = vocab if draft_vocab_size is None else draft_vocab_size
+    if not 0 < vd <= vocab:
+        raise ValueError(f"draft vocabulary size {vd} must be in 1..{vocab} (the base vocabulary)")
+    w["lm_head.weight"] = random_dense(vd, h, dt, dev, gen)
+    if vd < vocab:
+        low = min(8, vd)       # the lowest ids (pad/bos/eos and such) are always draftable
+        rest = torch.randperm(vocab - low, generator=torch.Generator().manual_seed(seed))[:vd - low] + low
+        ids = torch.cat([torch.arange(low), rest.sort().values])
+        w["d2t"] = ids - torch.arange(vd)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        w["t2d"] = t2d
+    return Eagle3Head(cfg, w, base, tuple(layers), draft_vocab_size=vd)

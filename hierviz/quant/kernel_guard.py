@@ -2,10 +2,11 @@
 
 Three checks, used by hierviz.quant.triton_w4 for every launch it chooses itself:
 
-* `platform_proven`: the (GPU architecture, Triton version) pairs the full correctness sweep
-  (`python -m hierviz w4-sweep`, docs/kernels.md) passed on. Elsewhere the Hopper-only
-  variants (TMA descriptor loads, the CUDA-core one-token kernel) are not used: the pointer-load
-  MMA kernel is, which the sweep proved with TMA forced off (the path an A100 takes).
+* `fast_variants` / `platform_proven`: the Hopper-only variants (TMA descriptor loads, the
+  CUDA-core one-token kernel) run where the full correctness sweep (`python -m hierviz w4-sweep`,
+  docs/kernels.md) passed on the (GPU architecture, Triton version) pair, or where the start-up
+  proof on this very platform passed (hierviz.quant.w4_proof). Elsewhere the pointer-load MMA
+  kernel runs, which the sweep proved with TMA forced off (the path an A100 takes).
 * `async_register_hazards`: a structural check of the compiled TTGIR. A wgmma whose weight
   operand comes from registers computed inside the loop must complete before the loop's next
   iteration; the PTX ISA leaves rewriting those registers before `wgmma.wait_group` undefined,
@@ -20,7 +21,7 @@ dequantize-and-matmul reference (slow, always right), with a warning.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -47,17 +48,64 @@ def triton_version() -> Optional[str]:
     return ".".join(triton.__version__.split(".")[:2])
 
 
-_PROVEN: dict[int, bool] = {}
+# The variants only a proven platform uses: codes through TMA descriptors (`Config.tma`), and the
+# CUDA-core one-token kernel (`Config.gemv`).
+FAST_VARIANTS: tuple[str, ...] = ("tma", "gemv")
 
 
-def platform_proven(device: torch.device) -> bool:
-    """Whether this GPU and Triton are a pair the full correctness sweep passed on."""
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def supported_variants(device: torch.device) -> tuple[str, ...]:
+    """The fast variants this device can run: all from Hopper (sm_90) on, and under the
+    interpreter (it emulates TMA); none on older GPUs."""
     if device.type != "cuda":
-        return True          # the interpreter: the CPU tests check it
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _PROVEN:     # asked on every product: a device query each time would cost host time
-        _PROVEN[i] = (torch.cuda.get_device_capability(i)[0], triton_version()) in PROVEN_PLATFORMS
-    return _PROVEN[i]
+        return FAST_VARIANTS
+    return FAST_VARIANTS if torch.cuda.get_device_capability(_index(device))[0] >= 9 else ()
+
+
+def on_static_list(device: torch.device) -> bool:
+    """Whether this GPU and Triton are a pair the full correctness sweep passed on."""
+    return device.type == "cuda" and (torch.cuda.get_device_capability(_index(device))[0],
+                                      triton_version()) in PROVEN_PLATFORMS
+
+
+# (device index, activation dtype) -> the fast variants in use: asked on every product, so the
+# answer (device queries, the verdict cache) is kept until a verdict changes
+_PROVEN: dict[tuple[int, torch.dtype], frozenset[str]] = {}
+_ON_CHANGE: list[Callable[[], None]] = []
+
+
+def fast_variants(device: torch.device, dtype: torch.dtype = torch.float16) -> frozenset[str]:
+    """The fast variants products of dtype may use on device: on the static list all it supports,
+    else those a start-up proof on this platform passed (hierviz.quant.w4_proof.enabled_variants:
+    in memory after a proof, or from the disk cache); under the interpreter all."""
+    if device.type != "cuda":
+        return frozenset(FAST_VARIANTS)     # the interpreter: the CPU tests check it
+    key = (_index(device), dtype)
+    if key not in _PROVEN:
+        # imported here: w4_proof imports the kernel module, which imports this one
+        from hierviz.quant import w4_proof
+        _PROVEN[key] = w4_proof.enabled_variants(torch.device("cuda", key[0]), dtype)
+    return _PROVEN[key]
+
+
+def platform_proven(device: torch.device, dtype: torch.dtype = torch.float16) -> bool:
+    """Whether every fast variant may run here (the static list, or a passing verdict)."""
+    return fast_variants(device, dtype) >= frozenset(FAST_VARIANTS)
+
+
+def when_verdicts_change(callback: Callable[[], None]) -> None:
+    """Call back (no arguments) whenever a verdict changes: caches of choices made under it drop."""
+    _ON_CHANGE.append(callback)
+
+
+def verdicts_changed() -> None:
+    """Forget the answers kept per device and tell the caches that depend on them."""
+    _PROVEN.clear()
+    for callback in _ON_CHANGE:
+        callback()
 
 
 _DOT = re.compile(r"^\s*(%[\w#:]+)\s*=\s*ttng\.warp_group_dot\s+(%[\w]+)(?:#\d+)?\s*,.*?\}\s*:\s*(\S+)")

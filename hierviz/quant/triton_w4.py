@@ -805,22 +805,27 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     return _launch(x, w, p, safe, interp, add_to)[0]
 
 
-def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = None) -> Config:
+def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = None,
+                  variants: Optional[frozenset[str]] = None) -> Config:
     """The configuration a product gets on x's device: the tuned one (batch-invariant where the
-    weight asks for it); on a GPU and Triton the correctness sweep has not passed on, the same
-    tiles without the Hopper-only variants (TMA loads, the CUDA-core one-token kernel).
-    hopper_paths=False forces that older-GPU choice anywhere (the sweep's pointer path)."""
+    weight asks for it), using only the fast variants (kernel_guard.FAST_VARIANTS: TMA loads, the
+    CUDA-core one-token kernel) the platform may use (kernel_guard.fast_variants: the static
+    list or a start-up proof); without them the same tiles with pointer loads.
+    hopper_paths=True / False allows all / none of them anywhere (the sweep's tma and pointer
+    paths); variants names the allowed ones exactly (the start-up proof, one at a time)."""
     m, k = x.shape
     n = w.out_features
-    proven = kernel_guard.platform_proven(x.device) if hopper_paths is None else hopper_paths
+    if variants is None:
+        variants = (kernel_guard.fast_variants(x.device, x.dtype) if hopper_paths is None
+                    else frozenset(kernel_guard.FAST_VARIANTS) if hopper_paths else frozenset())
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
     if w.batch_invariant and m <= INVARIANT_MAX_ROWS:
         cfg = invariant_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16)
     else:
         cfg = pick_config(m, n, k, w.group_size, sm_count(x.device), x.dtype == torch.bfloat16,
-                          gemv=_has_tma(x.device) and proven)
-    if not proven:
+                          gemv=_has_tma(x.device) and "gemv" in variants)
+    if "tma" not in variants:
         cfg = dataclasses.replace(cfg, tma=False, tma_sox=False, tiled=False)
     return cfg
 
@@ -829,6 +834,8 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
 # (the chosen one or its pointer-load variant), or None: use the reference product.
 _VERIFIED: dict[tuple, Optional[Config]] = {}
 _HAZARDS: dict[int, list[str]] = {}     # compiled kernel -> its TTGIR hazards
+# a new verdict changes which configurations are chosen: their first-use results start over
+kernel_guard.when_verdicts_change(_VERIFIED.clear)
 
 
 def _verified(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config) -> Optional[Config]:
