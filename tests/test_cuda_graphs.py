@@ -163,3 +163,12 @@ def test_warm_up_prepares_every_bucket_of_every_model(static) -> None:
     for model in st.models.present():
         runners = model.static_runners
         assert runners and all(sorted(r._buckets) == list(cuda_graphs.BUCKETS) for r in runners), model
+
+
+def test_a_runner_knows_a_draft_head_from_a_base_model(stack) -> None:
+    """A head's runner passes features, a base model's does not: told apart by the head type, on
+    every Python (a Protocol isinstance misses nn.Module submodules from Python 3.12 on)."""
+    from hierviz.models.drafter import is_drafter
+    m = stack.models
+    assert [is_drafter(x) for x in m.present()] == [False, False, True, True, True]
+    assert [x.head_type for x in (m.e_m, m.e_t, m.e_t3)] == ["eagle2", "eagle2", "eagle3"]

@@ -33,7 +33,7 @@ from hierviz.models import cuda_graphs, fused
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
-from hierviz.models.synthetic import hf_weights, synthetic_eagle3_head, tiny_models
+from hierviz.models.synthetic import hf_weights, synthetic_eagle3_head
 from hierviz.quant.w4 import quantize_rtn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,8 @@ def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: Decod
 def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
     """Every decoder on the static path (graphs on CUDA) against AR on the dynamic path, fp32.
     fused_ops: with the fused layer kernels forced (they serve fp16/bf16 by default)."""
-    models = Models(*tiny_models(259, device))
+    from hierviz.stack import tiny_random_stack
+    models = tiny_random_stack(device).models      # every method's models, an EAGLE-3 head included
     s = DecodeSettings(m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
                        min_draft_len=4, spec_k=3)
     prompt = list(range(40, 60))

@@ -15,7 +15,7 @@ node) are already that width and feed the next depth as they are.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -24,7 +24,6 @@ if TYPE_CHECKING:     # annotations only: hierviz.memory reads HEAD_SLOTS withou
     from hierviz.models.llama import KVCache, Transformer
 
 
-@runtime_checkable
 class Drafter(Protocol):
     head_type: str                     # a key of HEAD_TYPES, shown in traces and panels
     cfg: ModelConfig                   # the head's own layer shape
@@ -92,5 +91,7 @@ def load_head(folder: Union[str, Path], base: Transformer, head_type: Optional[s
 
 
 def is_drafter(model: object) -> bool:
-    """A draft head (takes features) rather than a base model."""
-    return isinstance(model, Drafter)
+    """A draft head (takes features) rather than a base model: it names its head type. (Not a
+    Protocol isinstance: from Python 3.12 that looks attributes up statically and misses an
+    nn.Module's submodules.)"""
+    return getattr(model, "head_type", None) in HEAD_TYPES
