@@ -187,3 +187,22 @@ def test_bad_input_gives_a_clear_error(download_root, tmp_path):
     assert "a trace is a .json file" in analyse_tab.analyse(None, str(text), None)[0]
     status, *_ = analyse_tab.analyse("/etc/passwd", None, None)
     assert "pick one of the recorded traces" in status
+
+
+def test_a_recorded_trace_as_b_is_overlaid_with_a_column_per_run(download_root, tmp_path):
+    a, b = (next(p for _, p in shipped_traces() if p.endswith(name))
+            for name in ("h200-smollm2-python-tips.json", "tiny-random-plumbing.json"))
+    status, tau, depth, table, *_ = analyse_tab.analyse(a, None, None, 1, b)
+    assert "A = h200-smollm2-python-tips.json, B = tiny-random-plumbing.json" in status
+    labels = [f"{w}: {m}" for w in "AB" for m in ("HierSpec", "EAGLE-2", "Autoregressive")]
+    assert [t.name for t in tau.data] == labels
+    assert {t.name.split(" · ")[0] for t in depth.data} == set(labels[:2] + labels[3:5])    # AR drafts nothing
+    assert re.findall(r"<th>(.*?)</th>", table) == ["", *labels]
+    # an upload as B wins over the recorded choice, as for A
+    up = tmp_path / "b.json"
+    up.write_text(eagle2().to_json(), encoding="utf-8")
+    status, tau, *_ = analyse_tab.analyse(a, None, str(up), 1, b)
+    assert "B = b.json" in status and tau.data[-1].name == "B: EAGLE-2"
+    # only the listed recorded traces are read
+    status, *_ = analyse_tab.analyse(a, None, None, 1, "/etc/passwd")
+    assert "hv-status-error" in status and "trace B: pick one of the recorded traces" in status

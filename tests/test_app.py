@@ -60,7 +60,8 @@ def test_live_run_streams_every_panel(client):
     assert any("Running EAGLE-2 (method 2 of 2)" in s for s in statuses)
     assert "Traceback" not in "".join(statuses)
     assert "paused while this page drew" not in status_of(final)   # an API client never reports drawing
-    status, download, step, view, tree, seq, verdict, output, latency, stats, time_scale, crossover, headline = final
+    status, download, step, view, tree, seq, verdict, output, latency, stats, time_scale, crossover, headline, side = final
+    assert side == ""                  # the side-by-side panel is built only when the visitor asks for it
     assert time_scale["value"] in TIME_SCALES and crossover["type"] == "plotly"
     assert "HierSpec is" in headline and "Over the first" in headline        # the first screen's speed line
     fig = json.loads(tree["plot"])

@@ -169,6 +169,19 @@ def test_replay_and_switch_run(page):
     wait_status(pg, "EAGLE-2 tree drafted by E_T", "#hv-tree")
     assert "has no sequence draft" in pg.inner_text("#hv-seq")
     pg.screenshot(path=str(ARTIFACTS / "browser-eagle2-view.png"), full_page=False)
+    # side by side: the inspected EAGLE-2 step beside HierSpec's at the same token count, following the step
+    pg.click("#hv-side-by-side-on input")
+    wait_status(pg, "HierSpec, step", "#hv-side-by-side")
+    shown = int(pg.input_value(slider))
+    assert f"EAGLE-2, step {shown} of" in pg.inner_text("#hv-side-by-side")
+    pg.click("#hv-prev")
+    wait_status(pg, f"EAGLE-2, step {shown - 1} of", "#hv-side-by-side")
+    # one click exports the inspected step, both methods' trees in it, as a standalone SVG
+    with pg.expect_download() as download:
+        pg.click("#hv-export-step")
+    assert download.value.suggested_filename == f"hierviz-eagle2-step-{shown - 1}.svg"
+    svg = Path(download.value.path()).read_text(encoding="utf-8")
+    assert "T accepted a path of" in svg and "M accepted a path of" in svg
 
 
 def test_a_run_waits_in_line_and_stop_takes_it_out(page, app_url):
@@ -197,8 +210,11 @@ def test_a_run_waits_in_line_and_stop_takes_it_out(page, app_url):
 
 def test_whatif_tab_renders_a_plot(page):
     pg = page
-    pg.get_by_role("tab", name="What-if").click()
+    # the headline's link to the real-scale result opens the tab (the stats note has the same link)
+    assert pg.locator("#hv-stats a.hv-tab-link").count() == 1
+    pg.click("#hv-headline a.hv-tab-link")
     pg.wait_for_selector("#hv-whatif-run")
+    assert pg.get_by_role("tab", name="What-if").get_attribute("aria-selected") == "true"
     from hierviz.app.whatif_tab import recorded_results
     if recorded_results():      # shipped results open with the tab
         pg.wait_for_selector("#hv-whatif-a .js-plotly-plot")

@@ -1,9 +1,10 @@
 """The Analyse tab: whole-run views of a recorded or uploaded trace, or of two side by side.
 
-Trace A is an uploaded file or, without one, the chosen recorded trace; trace B, an optional second
-upload, is overlaid on A. Uploads are read by the visualizer's loader (handlers.read_upload: the same
-checks and size limits), recorded traces only from the shipped list, so the page never makes the
-server read a path a visitor chose. The CSV and HTML downloads are written to this visitor's own
+Trace A is an uploaded file or, without one, the chosen recorded trace; trace B, optional, is chosen
+the same way (an upload, else a recorded trace) and overlaid on A, with a column per run in the
+table. Uploads are read by the visualizer's loader (handlers.read_upload: the same checks and size
+limits), recorded traces only from the shipped list, so the page never makes the server read a path
+a visitor chose. The CSV and HTML downloads are written to this visitor's own
 folder under the app's download folder (hierviz/app/downloads.py).
 """
 from __future__ import annotations
@@ -31,9 +32,11 @@ from hierviz.viz.run_figs import (Series, comparison_html, depth_figure, series_
 EXPLAIN = """**Analyse a whole run.** τ per step is how many tokens each target pass produced; the depth chart
 shows how often the drafts were accepted at each depth, counted over the run so far. *Worst rejections* lists
 the steps that threw the most drafted tokens away: open them in the Visualizer with the step slider. Upload a
-second trace (B) to overlay it on the first (A), e.g. two drafter heads on the same prompt."""
+second trace (B), recorded or uploaded, to overlay it on the first (A), e.g. two drafter heads on the same
+prompt, or the H200 run against the CPU one."""
 
 UPLOADS_AT_ONCE = 4
+NO_TRACE_B = "none (A only)"
 # the files the tab offers, in the order of its download buttons
 DOWNLOADS = ("hierviz-steps.csv", "hierviz-summary.csv", "hierviz-replay.html", "hierviz-step.svg")
 WORST_HEADERS = ["run", "step", "thrown away", "what happened"]
@@ -53,22 +56,25 @@ def read_as(which: str, upload: str) -> list[Trace]:
         raise TraceError(f"trace {which} ({Path(upload).name}): {e}") from None
 
 
-def first_runs(shipped_path: Optional[str], upload: Optional[str]) -> tuple[str, list[Trace]]:
-    """(name, runs) of trace A: the upload if there is one, else the chosen recorded trace."""
+def chosen_runs(which: str, shipped_path: Optional[str], upload: Optional[str]) -> tuple[str, list[Trace]]:
+    """(name, runs) of trace `which` (A or B): the upload if there is one, else the chosen recorded
+    trace (only those listed are read: the browser sends a path)."""
     if upload:
-        return Path(upload).name, read_as("A", upload)
+        return Path(upload).name, read_as(which, upload)
     if not shipped_path or shipped_path not in {p for _, p in shipped_traces()}:
-        raise TraceError("pick one of the recorded traces or upload a trace file")
+        raise TraceError(f"trace {which}: pick one of the recorded traces or upload a trace file")
     return Path(shipped_path).name, shipped_runs(shipped_path)
 
 
-def load_series(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Optional[str]) -> tuple[str, list[Series]]:
-    """(what was loaded, the series to show); TraceError or OSError with a message for the visitor."""
-    name_a, runs_a = first_runs(shipped_path, upload_a)
-    if not upload_b:
+def load_series(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Optional[str],
+                shipped_b: Optional[str] = None) -> tuple[str, list[Series]]:
+    """(what was loaded, the series to show); TraceError or OSError with a message for the visitor.
+    B is optional: an upload, else a recorded trace, else none."""
+    name_a, runs_a = chosen_runs("A", shipped_path, upload_a)
+    if not upload_b and not shipped_b:
         return name_a, series_of(sorted_runs(runs_a))
-    runs_b = read_as("B", upload_b)
-    return (f"A = {name_a}, B = {Path(upload_b).name}",
+    name_b, runs_b = chosen_runs("B", shipped_b, upload_b)
+    return (f"A = {name_a}, B = {name_b}",
             series_of(sorted_runs(runs_a), "A: ") + series_of(sorted_runs(runs_b), "B: "))
 
 
@@ -129,11 +135,12 @@ def failed(message: str) -> tuple:
 
 
 def analyse(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Optional[str], step: Any = 1,
-            request: Optional[gr.Request] = None) -> tuple:
+            shipped_b: Optional[str] = None, request: Optional[gr.Request] = None) -> tuple:
     """(status, tau figure, depth figure, comparison table, worst rejections, then the DOWNLOADS) for
-    trace A, and B overlaid when uploaded; `step` is the step of A's first run to export as SVG."""
+    trace A, and B (uploaded or recorded) overlaid when given; `step` is the step of A's first run to
+    export as SVG."""
     try:
-        name, series = load_series(shipped_path, upload_a, upload_b)
+        name, series = load_series(shipped_path, upload_a, upload_b, shipped_b)
     except (TraceError, OSError) as e:
         return failed(redact_paths(f"Could not analyse: {e}"))
     # the replay and the step picture show the first run: it needs a step (a trace may have none)
@@ -159,8 +166,10 @@ def analyse_tab() -> None:
             choice = gr.Dropdown(shipped, value=first, label="recorded trace (A)")
             upload_a = TraceUpload(label=f"…or upload a trace JSON as A (max {MAX_TRACE_BYTES // 2**20} MB)",
                                    file_types=[".json"], type="filepath")
-            upload_b = TraceUpload(label="optional: a second trace JSON (B) to compare", file_types=[".json"],
-                                   type="filepath")
+            # B: none, a recorded trace, or an upload (which wins, as for A)
+            choice_b = gr.Dropdown([(NO_TRACE_B, ""), *shipped], value="",
+                                   label="optional: a second trace (B) to compare")
+            upload_b = TraceUpload(label="…or upload a trace JSON as B", file_types=[".json"], type="filepath")
             go_btn = gr.Button("Analyse", variant="primary")
             status = gr.HTML(status_html("Pick a recorded trace or upload one, then press Analyse."))
             steps_btn = gr.DownloadButton("Per-step CSV", value=None, interactive=False)
@@ -176,5 +185,5 @@ def analyse_tab() -> None:
                                  column_widths=["14%", "8%", "10%", "68%"])
     outputs = [status, tau_plot, depth_plot, table, worst, steps_btn, summary_btn, replay_btn, svg_btn]
     # reading an upload takes a few times its size in memory for a moment: a few at a time
-    go_btn.click(analyse, [choice, upload_a, upload_b, step_no], outputs, api_visibility="private",
+    go_btn.click(analyse, [choice, upload_a, upload_b, step_no, choice_b], outputs, api_visibility="private",
                  concurrency_id="analyse", concurrency_limit=UPLOADS_AT_ONCE)

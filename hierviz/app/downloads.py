@@ -1,4 +1,5 @@
-"""The comparison file the page offers for download after a live run, one per visitor.
+"""The comparison file the page offers for download after a live run, and the picture of a step a
+visitor exports, one of each per visitor.
 
 Each visitor's file lives in its own folder under DOWNLOAD_ROOT; a new run replaces it, a closed
 page removes it, and the process keeps at most MAX_KEPT visitors' files (the oldest go first), so
@@ -19,6 +20,7 @@ from hierviz.trace import Trace, save_comparison
 
 DOWNLOAD_ROOT = process_folder("downloads")
 MAX_KEPT = 64
+STEP_PICTURE_SUFFIX = ".svg"
 _lock = threading.Lock()
 
 
@@ -45,6 +47,21 @@ def save(key: str, runs: list[Trace]) -> Optional[str]:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"hierviz-trace-{methods}.json"
         save_comparison(runs, path)
+        _trim()
+    return str(path)
+
+
+def save_step_picture(key: str, name: str, text: str) -> str:
+    """Write a picture of one step (`name`, an SVG) beside the visitor `key`'s comparison file,
+    replacing their previous picture; its path. A new run's download clears the folder, pictures too."""
+    folder = _folder(key)
+    with _lock:
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob(f"*{STEP_PICTURE_SUFFIX}"):
+            old.unlink(missing_ok=True)
+        path = folder / name
+        # a token may be a lone surrogate (JSON allows one): export.step_svg replaced those already
+        path.write_text(text, encoding="utf-8", errors="replace")
         _trim()
     return str(path)
 

@@ -18,12 +18,13 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.guard import RATE, log_refusal
 from hierviz.app.line import LINE
-from hierviz.app.render import (PANELS, STEP_PANELS, download_update, headline_update, nav_updates, panel_updates,
-                                run_label, runs_shown_updates)
+from hierviz.app.render import (PANELS, SIDE, STEP_PANELS, download_update, headline_update, nav_updates,
+                                panel_updates, run_label, runs_shown_updates, side_update)
 from hierviz.app.session import SESSIONS, Session, session_key, state_bytes, state_limit_mb
 from hierviz.app.shipped import shipped_runs, shipped_traces
 from hierviz.retime import TIME_SCALES
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json
+from hierviz.viz.export import step_svg
 
 RUN_ORDER = ("hierspec", "eagle2", "ar")
 
@@ -32,13 +33,13 @@ RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", 
               "t_depth", "t_topk", "t_size", "with_ar", "session")
 # API clients read these by position: new outputs go at the end
 RUN_CORE = ("status", "session", "download", "step", "view", *PANELS)
-RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover", "headline")
-LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline")
+RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover", "headline", SIDE)
+LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline", SIDE)
 TIME_SCALE_OUTPUTS = (*PANELS, "headline")
-PLAY_OUTPUTS = ("status", "step", *PANELS)
-VIEW_OUTPUTS = (*PANELS, "step", "view")
-SCRUB_OUTPUTS = PANELS
-STEP_OUTPUTS = ("step", *PANELS)
+PLAY_OUTPUTS = ("status", "step", *PANELS, SIDE)
+VIEW_OUTPUTS = (*PANELS, "step", "view", SIDE)
+SCRUB_OUTPUTS = (*PANELS, SIDE)
+STEP_OUTPUTS = ("step", *PANELS, SIDE)
 MIN_SPEED, MAX_SPEED = 0.2, 20.0      # replay speeds offered, steps per second
 REPLAY_SLOW_S = 0.5
 
@@ -129,12 +130,47 @@ def set_time_scale(sess: Session, time_scale: Optional[str]) -> tuple:
                                      "headline": headline_update(sess)})
 
 
+def set_side_by_side(sess: Session, on: Any) -> Any:
+    """Show or hide EAGLE-2's step at the same token count beside the inspected HierSpec step; the
+    choice is the visitor's and stays for the next runs or traces they show."""
+    sess.side_by_side = bool(on) if isinstance(on, bool) else False
+    return side_update(sess)
+
+
 def switch_view(sess: Session, method: Optional[str]) -> tuple:
     """Show another run of the comparison, at its latest step."""
     if not method or method == sess.view:
         return pack(VIEW_OUTPUTS, {})
     sess.view, sess.step, sess.follow = method, -1, True
     return pack(VIEW_OUTPUTS, {**panel_updates(sess), **nav_updates(sess)})
+
+
+# ---- a step for slides ------------------------------------------------------------------------
+
+def step_picture_name(trace: Trace, i: int) -> str:
+    """The exported picture's file name: the run and the step (from 1) it shows."""
+    return f"hierviz-{run_slug(trace)}-step-{i + 1}{downloads.STEP_PICTURE_SUFFIX}"
+
+
+def run_slug(trace: Trace) -> str:
+    method = str(trace.meta.get("method", "run"))
+    return method if method.isidentifier() else "run"
+
+
+def export_step(sess: Session, request: gr.Request) -> tuple:
+    """The inspected step's panels (and the other method's step beside them when the side-by-side
+    view is on) as one standalone SVG, offered for download (the page clicks the hidden button)."""
+    main = sess.run()
+    if main is None or not main.steps:
+        return (status_html("Nothing to export yet: run a prompt or load a trace first.", "error"),
+                gr.update(value=None))
+    i = len(main.steps) - 1 if sess.step < 0 else min(sess.step, len(main.steps) - 1)
+    svg = step_svg(main, i, sess.runs if sess.side_by_side else None)
+    path = downloads.save_step_picture(session_key(request), step_picture_name(main, i), svg)
+    return (status_html(f"Exported step {i + 1} of {run_label(main)} as {Path(path).name} (opens in any browser, "
+                        "offline; drop it on a slide).", "ok"),
+            # an update, not a new component: Gradio serves the file from the download folder (a static path)
+            gr.update(value=path))
 
 
 # ---- recorded traces --------------------------------------------------------------------------
@@ -177,36 +213,38 @@ def loaded_updates(sess: Session, msg: str) -> dict[str, Any]:
             "download": download_update(sess), **runs_shown_updates(sess), **panel_updates(sess), **nav_updates(sess)}
 
 
-def trace_updates(name: str, read: Any, download: Optional[str]) -> dict[str, Any]:
-    """The updates (LOAD_OUTPUTS names) of showing the runs `read()` returns; a message if it fails."""
+def trace_updates(name: str, read: Any, download: Optional[str], shown: Optional[Session] = None) -> dict[str, Any]:
+    """The updates (LOAD_OUTPUTS names) of showing the runs `read()` returns, keeping the view
+    choices of the session `shown` (the one on screen); a message if it fails."""
     try:
         runs = sorted_runs(read())
     except (TraceError, OSError) as e:
         message = f"Could not read {name}: {e}"
         log_refusal("trace", message)
         return {"status": status_html(message, "error")}
-    sess = Session(runs=runs, view=str(runs[0].meta.get("method")), source=name, download=download)
+    sess = (shown if isinstance(shown, Session) else Session()).carried(
+        runs=runs, view=str(runs[0].meta.get("method")), source=name, download=download)
     return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay.")
 
 
-def load_file(path: Optional[str]) -> tuple:
+def load_file(path: Optional[str], shown: Optional[Session] = None) -> tuple:
     """/load_trace: an uploaded trace file. Nothing is offered for download: the visitor has the file."""
     if not path:
         return pack(LOAD_OUTPUTS, {})
-    return pack(LOAD_OUTPUTS, trace_updates(Path(path).name, lambda: read_upload(path), None))
+    return pack(LOAD_OUTPUTS, trace_updates(Path(path).name, lambda: read_upload(path), None, shown))
 
 
-def shipped_updates(path: Optional[str]) -> dict[str, Any]:
+def shipped_updates(path: Optional[str], shown: Optional[Session] = None) -> dict[str, Any]:
     """The updates of showing a recorded trace; only the listed ones are read (the browser sends a
     path). Its download is the shipped file itself."""
     if not path or path not in {p for _, p in shipped_traces()}:
         return {"status": status_html("Pick one of the recorded traces first.", "error")}
-    return trace_updates(Path(path).name, lambda: shipped_runs(path), path)
+    return trace_updates(Path(path).name, lambda: shipped_runs(path), path, shown)
 
 
-def load_shipped(path: Optional[str]) -> tuple:
+def load_shipped(path: Optional[str], shown: Optional[Session] = None) -> tuple:
     """One of the recorded traces."""
-    return pack(LOAD_OUTPUTS, shipped_updates(path))
+    return pack(LOAD_OUTPUTS, shipped_updates(path, shown))
 
 
 def on_open() -> tuple:

@@ -16,6 +16,7 @@ from hierviz.app.stacks import set_operator_stack
 from hierviz.app.visualizer import pick, visualizer_tab
 from hierviz.app.whatif_tab import whatif_tab
 from hierviz.trace import MAX_TRACE_BYTES
+from hierviz.viz.panels import WHATIF_TAB
 
 HEADER = """<div class="hv-header"><h1>HierSpec, step by step</h1>
 <p>A tiny draft head guesses a <b>tree</b> of tokens → a mid-size model <b>M</b> checks the tree and turns it into a
@@ -54,15 +55,16 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
     with PublicBlocks(title="hierviz: hierarchical speculative decoding", fill_width=True,
                       delete_cache=(600, 900)) as demo:
         gr.HTML(HEADER)
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Visualizer", id="viz"):
                 viz = visualizer_tab(stack_default)
-            for title, builder in [("Profile", profile_tab), ("What-if", whatif_tab), ("Analyse", analyse_tab),
-                                   *TAB_BUILDERS]:
-                with gr.Tab(title):
+            for title, builder, tab_id in [("Profile", profile_tab, None), ("What-if", whatif_tab, WHATIF_TAB),
+                                           ("Analyse", analyse_tab, None), *((t, b, None) for t, b in TAB_BUILDERS)]:
+                with gr.Tab(title, id=tab_id):
                     builder()
             with gr.Tab("How it works", id="about"):
                 about_tab()
+        wire_tab_links(tabs)
         demo.load(on_open, None, pick(viz, LOAD_OUTPUTS), show_progress="hidden", api_visibility="private")
         # a projector-sized screen opens in the presentation layout; the checkbox's change sets the class
         demo.load(None, None, [viz["present"]], js=PRESENT_ON_SMALL_SCREENS_JS, api_visibility="private")
@@ -71,10 +73,20 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
     return demo
 
 
+def wire_tab_links(tabs: gr.Tabs) -> None:
+    """A link to the What-if tab in a panel (viz.panels.tab_link) clicks this hidden button, which
+    selects the tab on the server's side: on a narrow screen the tab's own button is folded away in
+    a menu, so the page cannot click it."""
+    goto = gr.Button("Open the What-if tab", visible="hidden", elem_id=f"hv-goto-{WHATIF_TAB}")
+    goto.click(lambda: gr.Tabs(selected=WHATIF_TAB), None, tabs, queue=False, show_progress="hidden",
+               api_visibility="private")
+
+
 PRESENT_ON_SMALL_SCREENS_JS = "() => window.innerWidth <= 1280 && window.innerHeight <= 720"
 
 # Keyboard shortcuts of the Visualizer (the keys are listed on the page, visualizer.KEYS_HELP):
-# they click the step and replay buttons, and never act while focus is in a text field.
+# they click the step and replay buttons, and never act while focus is in a text field. Links to a
+# tab open it.
 KEYS_JS = """<script>
 document.addEventListener("keydown", (e) => {
   const t = e.target;
@@ -87,6 +99,15 @@ document.addEventListener("keydown", (e) => {
     const playing = (document.getElementById("hv-status")?.innerText || "").startsWith("Replaying");
     press(playing ? "hv-pause" : "hv-play");
   }
+});
+// a link to a tab (hierviz.viz.panels.tab_link) opens it through its hidden button (layout.wire_tab_links)
+document.addEventListener("click", (e) => {
+  const link = e.target.closest && e.target.closest("a[data-hv-tab]");
+  const goto = link && document.getElementById("hv-goto-" + link.dataset.hvTab);
+  if (!goto) return;
+  e.preventDefault();
+  goto.click();
+  window.scrollTo({top: 0});
 });
 </script>"""
 

@@ -26,13 +26,16 @@ from hierviz.app.handlers import RUN_ORDER, RUN_OUTPUTS, error_update, input_err
 from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
 from hierviz.app.pacing import Pacer, pace_mode
 from hierviz.app.progress import TIMINGS, RunPlan, record_method, with_heartbeat
-from hierviz.app.render import STEP_PANELS, download_update, nav_updates, panel_updates, run_label, runs_shown_updates
+from hierviz.app.render import (LIVE_SOURCE, STEP_PANELS, download_update, nav_updates, panel_updates, run_label,
+                                runs_shown_updates)
 from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, session_key, state_limit_mb, step_bytes
 from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
 from hierviz.config import ConfigError, options
 from hierviz.decoding.settings import DecodeSettings, SettingsError, default_settings
 from hierviz.engine import is_warm, run_method, warm_up
+from hierviz.retime import MEASURED, TIME_SCALES, real_scale_available
 from hierviz.trace import Trace, TraceError
+from hierviz.viz.panels import whole_run_ratios
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,7 +73,7 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
             yield run_update(status=status_html("Stopped before it started: your run left the line.", "warn"))
             return
         methods = [m for m in RUN_ORDER if m != "ar" or with_ar]
-        new = Session(view="hierspec", source="live run")
+        new = (sess if isinstance(sess, Session) else Session()).carried(view="hierspec", source=LIVE_SOURCE)
         pacer = Pacer(request, flags, live_pace_mode())
         async for update in in_thread(device_run(settings, methods, new, key, stack_name, prompt, pacer, stopped)):
             yield update
@@ -208,10 +211,25 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
             break
         yield from stream_method(new, stack, method, prompt, settings, pacer, lambda: stopped() or budget.full, budget,
                                  plan)
+    if not stopped() and not budget.full and len(new.runs) == len(methods):
+        # a whole run: its ratios join the visitor's history of runs of this prompt and settings
+        new.history = new.history.add(repeat_key(stack_name, prompt, settings, methods), run_ratios(new.runs))
+        new.counted = True
     new.download = downloads.save(key, new.runs)
     # the comparison's subject is HierSpec: the final screen shows it, the other runs are a click away
     new.view, new.step, new.follow = methods[0], -1, True
     yield finished_update(new, stopped(), budget, pacer.paced)
+
+
+def repeat_key(stack_name: str, prompt: str, settings: DecodeSettings, methods: list[str]) -> tuple:
+    """What makes two live runs repeats of one another: the stack, prompt, settings and methods."""
+    return stack_name, prompt, repr(settings), tuple(methods)
+
+
+def run_ratios(runs: list[Trace]) -> dict[str, dict[str, float]]:
+    """HierSpec's whole-run speedups at each time scale the headline can show."""
+    scales = TIME_SCALES if real_scale_available() else (MEASURED,)
+    return {scale: whole_run_ratios(runs, scale) for scale in scales}
 
 
 def timed_warm_up(stack_name: str, stack: Any, methods: list[str], settings: DecodeSettings) -> None:

@@ -13,6 +13,7 @@ import gradio as gr
 from hierviz.app.session import Session
 from hierviz.retime import RETIMED, TIME_SCALES, at_time_scale, default_time_scale
 from hierviz.trace import Trace
+from hierviz.viz.compare import side_by_side_html
 from hierviz.viz.crossover import crossover_figure
 from hierviz.viz.latency import latency_figure
 from hierviz.viz.panels import (PREFILL_TEXT, headline_html, is_prefill, output_html, sequence_html, stats_html,
@@ -20,9 +21,13 @@ from hierviz.viz.panels import (PREFILL_TEXT, headline_html, is_prefill, output_
 from hierviz.viz.style import method_label
 from hierviz.viz.tree import tree_figure
 
+LIVE_SOURCE = "live run"         # Session.source of a live run's session
 PANELS = ("tree", "seq", "verdict", "output", "latency", "stats")
+# HierSpec and EAGLE-2 at the same token count (a panel that is shown only when asked for); the
+# events that move the step send it after their other outputs, so API clients' positions hold
+SIDE = "side"
 # the panels that change with every step; the others only grow and are sent less often
-STEP_PANELS = {"tree", "seq", "verdict"}
+STEP_PANELS = {"tree", "seq", "verdict", SIDE}
 NO_TREE_TEXT = "No draft tree in this step: the target decodes one token at a time."
 
 
@@ -43,7 +48,8 @@ def empty_panels() -> dict[str, Any]:
     """The panels with nothing to show, made once: every live run starts by clearing them. Gradio
     only reads the figures it is given, so one copy serves every visitor."""
     return dict(tree=tree_figure([]), seq=sequence_html(None), verdict=verdict_html(None),
-                output=output_html(None), latency=latency_figure(None), stats=stats_html([]))
+                output=output_html(None), latency=latency_figure(None), stats=stats_html([]),
+                side=side_by_side_html(None, 0, []))
 
 
 def chosen_time_scale(runs: list[Trace], time_scale: Optional[str]) -> str:
@@ -70,7 +76,20 @@ def render_panels(sess: Session, step: Optional[int] = None, time_scale: Optiona
     return dict(tree=tree_figure(st.trees, tree_title(main, i), empty), seq=sequence_html(st),
                 verdict=verdict_html(st), output=output_html(main, i, i),
                 latency=latency_figure(main_timed, i, others, projected=main_timed.meta.get("time_scale") == RETIMED),
-                stats=stats_html(sess.runs, {main.meta.get("method", ""): i}, scale))
+                stats=stats_html(sess.runs, {main.meta.get("method", ""): i}, scale), side=side_panel(sess, i))
+
+
+def side_panel(sess: Session, i: int) -> str:
+    """The side-by-side panel of step i of the inspected run; empty while the visitor has it off
+    (nothing to build or send for a hidden panel)."""
+    return side_by_side_html(sess.run(), i, sess.runs, sess.source == LIVE_SOURCE) if sess.side_by_side else ""
+
+
+def side_update(sess: Session) -> Any:
+    """The side-by-side panel shown or hidden, at the inspected step."""
+    main = sess.run()
+    i = (len(main.steps) - 1 if sess.step < 0 else sess.step) if main is not None and main.steps else 0
+    return gr.HTML(value=side_panel(sess, i), visible=sess.side_by_side)
 
 
 def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[str]] = None,
@@ -91,8 +110,10 @@ def runs_shown_updates(sess: Session) -> dict[str, Any]:
 
 
 def headline_update(sess: Session) -> str:
-    """The whole comparison's speed line at the visitor's time scale (top of the page)."""
-    return headline_html(sess.runs, chosen_time_scale(sess.runs, sess.time_scale))
+    """The whole comparison's speed line at the visitor's time scale (top of the page); after a
+    repeated live run of the same prompt and settings, the median and range over those runs."""
+    repeats = sess.history.repeats() if sess.counted else None
+    return headline_html(sess.runs, chosen_time_scale(sess.runs, sess.time_scale), repeats)
 
 
 def crossover_panel(sess: Session) -> Any:

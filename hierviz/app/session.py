@@ -28,6 +28,27 @@ STATE_CAPACITY = 64         # visitors whose state Gradio keeps at most (the lea
 MAX_FLAGS = 10_000          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
 
 
+@dataclass(frozen=True)
+class RepeatHistory:
+    """HierSpec's whole-run speedups in each of a visitor's live runs of one prompt, one set of
+    settings and one stack (`key`), oldest first; a run of anything else starts a new history."""
+    key: tuple = ()
+    ratios: tuple[dict[str, dict[str, float]], ...] = ()   # per run: time scale -> other method -> speedup
+
+    def add(self, key: tuple, ratios: dict[str, dict[str, float]]) -> "RepeatHistory":
+        """This history with one more run of `key`; a run of another key replaces it."""
+        return RepeatHistory(key, (self.ratios if key == self.key else ()) + (ratios,))
+
+    def repeats(self) -> dict[str, dict[str, list[float]]]:
+        """time scale -> other method -> the speedup in each run (viz.panels.Repeats)."""
+        out: dict[str, dict[str, list[float]]] = {}
+        for run in self.ratios:
+            for scale, by_method in run.items():
+                for method, speedup in by_method.items():
+                    out.setdefault(scale, {}).setdefault(method, []).append(speedup)
+        return out
+
+
 @dataclass
 class Session:
     runs: list[Trace] = field(default_factory=list)
@@ -37,6 +58,14 @@ class Session:
     source: str = ""                # "live run" or the trace file name
     download: Optional[str] = None  # path of the comparison JSON the page offers
     time_scale: Optional[str] = None  # hierviz.retime.TIME_SCALES choice (None: the runs' default)
+    side_by_side: bool = False      # show EAGLE-2's step at the same token count beside HierSpec's
+    history: RepeatHistory = field(default_factory=RepeatHistory)   # the visitor's repeated live runs
+    counted: bool = False           # these runs are the history's latest (a whole live run, not stopped)
+
+    def carried(self, **fields: Any) -> "Session":
+        """A new Session for a new set of runs that keeps what the visitor chose and ran before: the
+        side-by-side view and the history of their repeated live runs."""
+        return Session(side_by_side=self.side_by_side, history=self.history, **fields)
 
     def run(self, method: Optional[str] = None) -> Optional[Trace]:
         """The run of `method` (default: the viewed one), else the first run, else None."""

@@ -102,6 +102,9 @@ def run_panel(ui: Components, stack_default: str | None) -> None:
     with gr.Accordion("Recorded traces", open=True, elem_id="hv-traces"):
         replay_panel(ui)
     ui["download"] = gr.DownloadButton("Download trace JSON", value=None, interactive=False, elem_id="hv-download")
+    ui["export_step"] = gr.Button("Download the inspected step (SVG, for slides)", elem_id="hv-export-step")
+    # the file's button stays out of sight: the export writes the file, then the page clicks it
+    ui["step_svg"] = gr.DownloadButton("Step picture", value=None, visible="hidden", elem_id="hv-step-svg")
 
 
 def settings_panel(ui: Components, stack_default: str | None) -> None:
@@ -168,8 +171,12 @@ def live_view(ui: Components) -> None:
     gr.HTML(legend_html(), elem_classes=["hv-legend-block"])
     with gr.Row(elem_classes=["hv-scrub"]):
         ui["view"] = gr.Radio([], label="Inspect run", scale=2, elem_id="hv-view")
+        ui["side_by_side"] = gr.Checkbox(False, label="Side by side with EAGLE-2", scale=1, min_width=150,
+                                         elem_id="hv-side-by-side-on")
         ui["step"] = SliderField(1, 2, value=1, step=1, label="Step", scale=5, interactive=False, elem_id="hv-step")
     replay_controls(ui)
+    # the inspected step beside the other method's at the same token count; shown when asked for
+    ui["side"] = gr.HTML("", visible=False, elem_id="hv-side-by-side", elem_classes=["hv-scroll"])
     with gr.Row(equal_height=False, elem_classes=["hv-tree-row"]):
         with gr.Column(scale=3, min_width=300):
             ui["tree"] = gr.Plot(label="Draft tree(s)", elem_id="hv-tree", elem_classes=["hv-tree"])
@@ -227,6 +234,10 @@ def wire_inspect(ui: Components) -> None:
     ui["view"].input(h.switch_view, [ui["session"], ui["view"]], pick(ui, h.VIEW_OUTPUTS), show_progress="hidden",
                      api_visibility="private")
     ui["present"].change(None, [ui["present"]], None, js=PRESENT_JS, api_visibility="private")
+    ui["side_by_side"].input(h.set_side_by_side, [ui["session"], ui["side_by_side"]], [ui["side"]],
+                             show_progress="hidden", api_visibility="private")
+    ui["export_step"].click(h.export_step, [ui["session"]], [ui["status"], ui["step_svg"]], show_progress="hidden",
+                            api_visibility="private").then(None, None, None, js=CLICK_STEP_PICTURE_JS)
     ui["time_scale"].input(h.set_time_scale, [ui["session"], ui["time_scale"]], pick(ui, h.TIME_SCALE_OUTPUTS),
                            show_progress="hidden", api_visibility="private")
 
@@ -235,9 +246,9 @@ def wire_replay(ui: Components) -> None:
     """Upload, recorded traces (loaded when chosen), Play from the step on screen, Pause."""
     outputs = pick(ui, h.LOAD_OUTPUTS)
     # parsing a large upload takes a few times its size in memory for a moment: a few at a time
-    ui["upload"].upload(h.load_file, [ui["upload"]], outputs, show_progress="hidden", api_name="load_trace",
-                        concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE)
-    ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"]], outputs, show_progress="hidden",
+    ui["upload"].upload(h.load_file, [ui["upload"], ui["session"]], outputs, show_progress="hidden",
+                        api_name="load_trace", concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE)
+    ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"], ui["session"]], outputs, show_progress="hidden",
                            api_visibility="private")
     play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"], ui["step"]], pick(ui, h.PLAY_OUTPUTS),
                                 show_progress="hidden", api_visibility="private")
@@ -246,6 +257,9 @@ def wire_replay(ui: Components) -> None:
     ui["pause_btn"].click(None, None, None, cancels=[play], queue=False, api_visibility="private").then(
         h.replay_stopped, None, [ui["status"]], queue=False, api_visibility="private")
 
+
+# After an export, the hidden download button holds the new picture: clicking it downloads that file.
+CLICK_STEP_PICTURE_JS = "() => { document.querySelector('#hv-step-svg')?.click(); return []; }"
 
 # The presentation layout is a class on <body> that assets/app.css keys on; the checkbox sets it.
 PRESENT_JS = "(on) => { document.body.classList.toggle('hv-present', !!on); return []; }"

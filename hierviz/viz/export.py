@@ -18,10 +18,10 @@ from typing import Optional
 
 import plotly.graph_objects as go
 
-from hierviz.trace import DraftTree, Step, Trace
-from hierviz.viz.panels import chip, legend_html, output_html, sequence_html, verdict_html
+from hierviz.trace import Step, Trace
+from hierviz.viz.compare import COUNTERPART, matching_step, side_by_side_html
+from hierviz.viz.panels import legend_html, output_html, sequence_html, tree_html, verdict_html
 from hierviz.viz.style import esc, method_label
-from hierviz.viz.tree import bonus_status, node_status
 
 APP_CSS = Path(__file__).resolve().parents[2] / "assets" / "app.css"
 
@@ -61,8 +61,6 @@ REPLAY_CSS = """
 body { font-family: ui-sans-serif, system-ui, "DejaVu Sans", sans-serif; margin: 1.5em; color: #222; }
 .hv-replay-nav { position: sticky; top: 0; background: white; padding: .5em 0; border-bottom: 1px solid #ddd; }
 .hv-replay-nav button { margin-right: .5em; padding: .3em 1em; }
-.hv-depth-row { margin: .2em 0; }
-.hv-depth-cap { display: inline-block; width: 5em; color: #666; font-size: .85em; }
 """
 
 
@@ -73,22 +71,6 @@ def app_stylesheet() -> str:
     except OSError:
         return ""
     return "" if "url(" in css or "@import" in css else css
-
-
-def tree_html(tree: DraftTree, number: int) -> str:
-    """One draft tree as rows of chips by depth, coloured by what its verifier did with each node."""
-    status = node_status(tree)
-    who = "M" if tree.verifier == "intermediate" else "T"
-    rows = []
-    for d in range(1, tree.depth + 1):
-        chips = "".join(chip(n.text, status[n.id], f"node {n.id} · parent {n.parent} · score {n.score:.2f}",
-                             "✓" if status[n.id] == "tree" else "")
-                        for n in tree.nodes if n.depth == d)
-        rows.append(f'<div class="hv-depth-row"><span class="hv-depth-cap">depth {d}</span>{chips}</div>')
-    bonus = chip(tree.bonus_text, bonus_status(tree), f"{who}'s own token after the accepted path", "+")
-    head = (f'<div class="hv-head">Tree {number}: {len(tree.nodes)} nodes, {who} accepted a path of '
-            f'{len(tree.accepted)} then added {bonus}</div>')
-    return f'<div class="hv-panel">{head}{"".join(rows)}</div>'
 
 
 def step_section(trace: Trace, i: int) -> str:
@@ -129,39 +111,63 @@ def static_export_available() -> bool:
 # ---- one step as an image ----------------------------------------------------------------------
 
 SVG_WIDTH = 960
+SVG_PAIR_WIDTH = 1280      # two columns side by side
 SVG_BODY_STYLE = 'font-family: ui-sans-serif, system-ui, &quot;DejaVu Sans&quot;, sans-serif; color: #222; padding: 12px'
 # characters XML 1.0 forbids (control codes, lone surrogates); random-weight models emit them as tokens
 NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
-def step_panels_xhtml(trace: Trace, i: int) -> str:
+def paired_step(trace: Trace, i: int, beside: Optional[list[Trace]]) -> Optional[tuple[Trace, int]]:
+    """The other method's run and its step at step i's token count (hierviz.viz.compare), if `beside`
+    holds one with such a step."""
+    other = next((t for t in beside or [] if t.meta.get("method") == COUNTERPART.get(str(trace.meta.get("method")))),
+                 None)
+    j = matching_step(other.steps, sum(len(s.new_tokens) for s in trace.steps[: i + 1])) if other else None
+    return None if other is None or j is None else (other, j)
+
+
+def step_panels_xhtml(trace: Trace, i: int, beside: Optional[list[Trace]] = None) -> str:
     """Step i's panels as well-formed XHTML (an SVG holds HTML only as XML): the builders' markup is
-    XML but for <br>, and their escaping (&amp; &lt; &gt; &quot; &#x27;) is valid XML already."""
+    XML but for <br>, and their escaping (&amp; &lt; &gt; &quot; &#x27;) is valid XML already. With
+    `beside` (the comparison's runs), the other method's step at the same token count beside it."""
     st = trace.steps[i]
-    trees = "".join(tree_html(t, k + 1) for k, t in enumerate(st.trees))
-    html = f"{trees}{sequence_html(st)}{verdict_html(st)}{output_html(trace, i, i)}"
+    if paired_step(trace, i, beside):
+        html = side_by_side_html(trace, i, beside or []) + output_html(trace, i, i)
+    else:
+        trees = "".join(tree_html(t, k + 1) for k, t in enumerate(st.trees))
+        html = f"{trees}{sequence_html(st)}{verdict_html(st)}{output_html(trace, i, i)}"
     return NOT_XML.sub("\ufffd", html.replace("<br>", "<br/>"))
 
 
-def svg_height(trace: Trace, i: int) -> int:
-    """A height in px that holds step i's panels: rows of chips per tree depth and lines of output
-    text, with room to spare (a foreignObject clips, it does not grow)."""
-    st = trace.steps[i]
-    tree_rows = sum(2 + len(t.nodes) // 12 + t.depth for t in st.trees)
+def tree_rows(st: Step, chips_per_line: int) -> int:
+    """Lines of chips a step's trees take: a heading, then each depth's chips wrapped."""
+    return sum(2 + len(t.nodes) // chips_per_line + t.depth for t in st.trees)
+
+
+def svg_size(trace: Trace, i: int, beside: Optional[list[Trace]] = None) -> tuple[int, int]:
+    """(width, height) in px that hold step i's panels: rows of chips per tree depth and lines of
+    output text, with room to spare (a foreignObject clips, it does not grow); two columns, each as
+    tall as the longer one, when the other method's step stands beside it."""
     out_chars = sum(len(x) for s in trace.steps[: i + 1] for x in s.new_text)
-    return 420 + 40 * tree_rows + 28 * (out_chars // 90)
+    pair = paired_step(trace, i, beside)
+    if pair is None:
+        return SVG_WIDTH, 420 + 40 * tree_rows(trace.steps[i], 12) + 28 * (out_chars // 90)
+    other, j = pair
+    rows = max(tree_rows(trace.steps[i], 8), tree_rows(other.steps[j], 8))
+    return SVG_PAIR_WIDTH, 620 + 40 * rows + 28 * (out_chars // 120)
 
 
-def step_svg(trace: Trace, i: int) -> str:
+def step_svg(trace: Trace, i: int, beside: Optional[list[Trace]] = None) -> str:
     """Step i's panels as one standalone SVG (HTML inside a foreignObject, styles inline), which any
-    browser opens offline; a picture for slides that needs neither plotly's exporter nor a network."""
+    browser opens offline; a picture for slides that needs neither plotly's exporter nor a network.
+    `beside`: the comparison's runs, to put the other method's step at the same token count beside it."""
     title = f"Step {i + 1} of {len(trace.steps)} · {method_label(str(trace.meta.get('method', '?')))}"
-    height = svg_height(trace, i)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{SVG_WIDTH}" height="{height}" '
-            f'viewBox="0 0 {SVG_WIDTH} {height}"><rect width="100%" height="100%" fill="white"/>'
-            f'<foreignObject x="0" y="0" width="{SVG_WIDTH}" height="{height}">'
+    width, height = svg_size(trace, i, beside)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}"><title>{esc(title)}</title><rect width="100%" height="100%" fill="white"/>'
+            f'<foreignObject x="0" y="0" width="{width}" height="{height}">'
             f'<div xmlns="http://www.w3.org/1999/xhtml" style="{SVG_BODY_STYLE}"><style><![CDATA[{app_stylesheet()}{REPLAY_CSS}]]></style>'
-            f'<h2>{esc(title)}</h2>{step_panels_xhtml(trace, i)}</div></foreignObject></svg>')
+            f'<h2>{esc(title)}</h2>{step_panels_xhtml(trace, i, beside)}</div></foreignObject></svg>')
 
 
 def figure_image(fig: go.Figure, fmt: str = "png") -> Optional[bytes]:

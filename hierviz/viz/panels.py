@@ -6,13 +6,15 @@ markup in the page. Colours are inline so that each fragment is self-contained; 
 """
 from __future__ import annotations
 
+import statistics
 from typing import Optional
 
 from hierviz.retime import (MEASURED, RETIMED, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
                             whatif_headline)
-from hierviz.trace import Step, Trace, first_difference, output_tokens, trace_stats
+from hierviz.trace import DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
                                token_label)
+from hierviz.viz.tree import bonus_status, node_status
 
 UNKNOWN_ROLE_COLOR = "#E5E7EB"
 
@@ -120,6 +122,23 @@ def sequence_html(step: Optional[Step]) -> str:
     head = (f'<div class="hv-head">Sequence draft: <b>{len(step.sequence)}</b> tokens'
             + (f' from <b>{n_trees}</b> tree{"s" if n_trees != 1 else ""}' if n_trees else "") + '</div>')
     return _box(head + f'<div class="hv-chips">{"".join(parts)}</div>')
+
+
+def tree_html(tree: DraftTree, number: int) -> str:
+    """One draft tree as rows of chips by depth (the HTML export and the side-by-side view; the app's
+    own tree is a plotly figure), coloured by what its verifier did with each node."""
+    status = node_status(tree)
+    who = "M" if tree.verifier == "intermediate" else "T"
+    rows = []
+    for d in range(1, tree.depth + 1):
+        chips = "".join(chip(n.text, status[n.id], f"node {n.id} · parent {n.parent} · score {n.score:.2f}",
+                             "✓" if status[n.id] == "tree" else "")
+                        for n in tree.nodes if n.depth == d)
+        rows.append(f'<div class="hv-depth-row"><span class="hv-depth-cap">depth {d}</span>{chips}</div>')
+    bonus = chip(tree.bonus_text, bonus_status(tree), f"{who}'s own token after the accepted path", "+")
+    head = (f'<div class="hv-head">Tree {number}: {len(tree.nodes)} nodes, {who} accepted a path of '
+            f'{len(tree.accepted)} then added {bonus}</div>')
+    return f'<div class="hv-panel">{head}{"".join(rows)}</div>'
 
 
 VERDICT_HEAD = '<div class="hv-head">Target T\'s verdict</div>'
@@ -263,44 +282,88 @@ def where_measured(meta: dict) -> str:
     return {"cuda": "a CUDA GPU", "cpu": "a CPU", "": "an unnamed device"}.get(device, device)
 
 
-def speed_phrase(speedup: float, other: str) -> str:
-    faster = "faster than" if speedup >= 1 else "the speed of"
-    return f'<b>{speedup:.2f}×</b> {faster} {esc(method_label(other))}'
+# HierSpec's speedup over each other method in each of a visitor's repeated runs of one prompt and
+# one set of settings: time scale -> other method -> one speedup per run, oldest first
+Repeats = dict[str, dict[str, list[float]]]
 
 
-def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = MEASURED) -> str:
-    """HierSpec against each other run over the same first N tokens, and where the times come from."""
+def ratio_text(speedup: float, runs: Optional[list[float]] = None, bold: bool = True) -> str:
+    """A speedup; over repeated runs (two or more), their median and range instead."""
+    b, unb = ("<b>", "</b>") if bold else ("", "")
+    if not runs or len(runs) < 2:
+        return f"{b}{speedup:.2f}×{unb}"
+    return (f"{b}median {statistics.median(runs):.2f}×{unb} (range {min(runs):.2f}–{max(runs):.2f} "
+            f"over {len(runs)} runs)")
+
+
+def speed_phrase(speedup: float, other: str, runs: Optional[list[float]] = None) -> str:
+    """"1.22× faster than EAGLE-2"; over repeated runs (`runs`) the median decides the wording."""
+    typical = statistics.median(runs) if runs and len(runs) >= 2 else speedup
+    faster = "faster than" if typical >= 1 else "the speed of"
+    return f"{ratio_text(speedup, runs)} {faster} {esc(method_label(other))}"
+
+
+def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = MEASURED,
+                    repeats: Optional[dict[str, list[float]]] = None) -> str:
+    """HierSpec against each other run over the same first N tokens, and where the times come from.
+    `repeats`: other method -> HierSpec's speedup in each of the visitor's runs of this prompt and
+    settings; with two or more, the line gives their median and range."""
     ratios = equal_token_ratios(steps)
     if not ratios:
         return ""
     n = ratios[0].n_tokens
-    line = "HierSpec is " + " · ".join(speed_phrase(r.speedup, r.other) for r in ratios)
+    repeats = repeats or {}
+    line = "HierSpec is " + " · ".join(speed_phrase(r.speedup, r.other, repeats.get(r.other)) for r in ratios)
     if time_scale == RETIMED:
         where = (f're-timed at real scale, <b>projected</b>: {esc(str(meta.get("retimed_on", "")))}, the same '
                  f'tokens and accept decisions as measured on {esc(where_measured({"device": meta.get("measured_device")}))}')
     else:
         where = f"as measured on {esc(where_measured(meta))}"
+    k = max((len(v) for v in repeats.values()), default=0)
+    again = (f" Median and range over your {k} runs of this prompt and these settings (the first N tokens of "
+             "each).") if k >= 2 else ""
     return (f'<div class="hv-speedup">{line}</div>'
-            f'<div class="hv-muted">Over the first {n} token{"s" if n != 1 else ""} of every run, {where}.</div>')
+            f'<div class="hv-muted">Over the first {n} token{"s" if n != 1 else ""} of every run, {where}.{again}</div>')
 
 
-def headline_html(runs: list[Trace], time_scale: str = MEASURED) -> str:
+def whole_run_ratios(runs: list[Trace], time_scale: str = MEASURED) -> dict[str, float]:
+    """HierSpec's speedup over each other run, over the first N tokens of the whole runs (N: the
+    fewest any produced), at `time_scale`: the headline's numbers."""
+    timed = at_time_scale(runs, time_scale)
+    return {r.other: r.speedup for r in equal_token_ratios({run_method(t): t.steps for t in timed})}
+
+
+# The app's What-if tab (hierviz.app.layout gives the tab this id); a link to it carries the id in
+# data-hv-tab, and the page's click listener (layout.KEYS_JS) opens the tab
+WHATIF_TAB = "whatif"
+
+
+def tab_link(tab: str, text: str) -> str:
+    """A link that opens the app's tab `tab`; outside the app it points at the page's own #tab."""
+    return f'<a href="#{esc(tab)}" class="hv-tab-link" data-hv-tab="{esc(tab)}">{esc(text)}</a>'
+
+
+def headline_html(runs: list[Trace], time_scale: str = MEASURED, repeats: Optional[Repeats] = None) -> str:
     """The whole comparison in one line for the top of the page, at the chosen time scale; for a
-    small stack re-timed, the measured ratios beside it, so the first screen never hides either."""
+    small stack re-timed, the measured ratios beside it, so the first screen never hides either.
+    `repeats`: the visitor's repeated runs of this prompt and settings (median and range shown)."""
     if not runs:
         return ""
     if time_scale == RETIMED and not real_scale_available():
         time_scale = MEASURED
     timed = at_time_scale(runs, time_scale)
-    line = speed_line_html({run_method(t): t.steps for t in timed}, timed[0].meta, time_scale)
+    repeats = repeats or {}
+    line = speed_line_html({run_method(t): t.steps for t in timed}, timed[0].meta, time_scale, repeats.get(time_scale))
     if not line:
         return ""
     measured = ""
     if time_scale == RETIMED:
         ratios = equal_token_ratios({run_method(t): t.steps for t in runs})
         measured = ('<div class="hv-muted">As measured on ' + esc(where_measured(runs[0].meta)) + ": "
-                    + " · ".join(f"{r.speedup:.2f}× {esc(method_label(r.other))}" for r in ratios)
-                    + " (a 135M target cannot show the method: see the note by the statistics).</div>"
+                    + " · ".join(f"{ratio_text(r.speedup, repeats.get(MEASURED, {}).get(r.other), False)} "
+                                 f"{esc(method_label(r.other))}" for r in ratios)
+                    + " (a 135M target cannot show the method: see the note by the statistics, and the "
+                    + tab_link(WHATIF_TAB, "What-if tab") + " for the real-scale result).</div>"
                     if is_small_stack(runs[0].meta) and ratios else "")
     return f'<div class="hv-headline">{line}{measured}</div>'
 
@@ -315,7 +378,7 @@ def small_stack_html(meta: dict, time_scale: str = MEASURED) -> str:
            if device == "cuda" else
            "on a CPU a 135M target is compute-bound: every verified token costs nearly a full step")
     headline = whatif_headline()
-    real = (f' At Llama-3-70B / 8B shapes on an H200 the <b>What-if</b> tab projects HierSpec at '
+    real = (f' At Llama-3-70B / 8B shapes on an H200 the <b>{tab_link(WHATIF_TAB, "What-if")}</b> tab projects HierSpec at '
             f'<b>{headline["ar"]:.2f}×</b> Autoregressive and <b>{headline["eagle2"]:.2f}×</b> EAGLE-2 '
             f'(the paper\'s trees, assumed acceptance rates).') if headline else ""
     shown = ("These numbers are the small stack's tokens priced at real scale; choose "

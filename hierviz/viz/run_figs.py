@@ -223,4 +223,6 @@ def comparison_html(series: list[Series]) -> str:
     header, rows = comparison_table(series)
     head = "".join(f"<th>{esc(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f'<table class="hv-stats"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    # two files' runs make a wide table: it scrolls sideways in its box (focusable, for a keyboard)
+    return ('<div class="hv-table-scroll" tabindex="0" role="region" aria-label="Runs side by side">'
+            f'<table class="hv-stats"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
