@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Options:
     stack: Optional[str]        # HIERVIZ_STACK: the app's default stack (preset name)
-    cache_dir: Path             # HIERVIZ_CACHE: converted GGUF weights (default ~/.cache/hierviz)
+    cache_dir: Path             # HIERVIZ_CACHE: converted GGUF weights, W4 proof verdicts (default ~/.cache/hierviz)
     static: bool                # HIERVIZ_STATIC: static-shape runners on CUDA (default on)
     cuda_graphs: bool           # HIERVIZ_CUDA_GRAPHS: CUDA graphs over the static runners (default on)
     fused: bool                 # HIERVIZ_FUSED: fused Triton layer kernels on CUDA fp16/bf16 (default on)

@@ -13,12 +13,12 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from hierviz.decoding.decoders import DECODERS, cache_margin
+from hierviz.decoding.decoders import COMPARISON_ORDER, DECODERS, cache_margin
 from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.decoding.verify import Sampler
 from hierviz.machine import gpu_name
 from hierviz.models import cuda_graphs
-from hierviz.stack import Stack, StackError, load_stack, preset_names
+from hierviz.stack import Stack, StackError, load_stack, preset_names, stack_comparison
 from hierviz.trace import METHODS, Trace, output_tokens
 
 __all__ = ["EngineError", "run_method", "generate", "load_stack", "STACK_PRESETS", "DecodeSettings"]
@@ -155,4 +155,4 @@ def warm_up(stack: Stack, methods: list[str], settings: DecodeSettings, max_new_
         cuda_graphs.prepare_models(stack.models.present())
 
 
-__all__ += ["StackError", "output_tokens", "prepare", "warm_up", "is_warm"]
+__all__ += ["StackError", "output_tokens", "prepare", "warm_up", "is_warm", "COMPARISON_ORDER", "stack_comparison"]

@@ -29,7 +29,7 @@ import torch
 
 from hierviz import memory
 from hierviz.config import options
-from hierviz.decoding.decoders import Models
+from hierviz.decoding.decoders import COMPARISON_ORDER, METHOD_NEEDS, Models
 from hierviz.models.config import ModelConfigError
 from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, Drafter, head_type_of, load_head
 from hierviz.models.llama import Transformer, WeightsError
@@ -180,14 +180,8 @@ def check_spec(spec: Any, p: Path) -> None:
             raise StackError(f"stack file {p}: {key!r} must be a string")
 
 
-def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
-               w4_kernel: Optional[str] = None) -> Stack:
-    """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json.
-    dtype / w4_kernel override the stack file's choice for this device."""
-    name_or_path = name_or_path or DEFAULT_STACK
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if name_or_path == "tiny-random":
-        return tiny_random_stack(dev)
+def read_spec(name_or_path: str) -> tuple[dict[str, Any], Path]:
+    """A stack file's checked JSON and its path, from a preset name, a file or a folder holding stack.json."""
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         p = p / "stack.json"
@@ -202,6 +196,28 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     except OSError as e:
         raise StackError(f"cannot read stack file {p}: {e}") from None
     check_spec(spec, p)
+    return spec, p
+
+
+def stack_comparison(name_or_path: Optional[str] = None) -> list[str]:
+    """The methods a comparison runs on a stack (COMPARISON_ORDER), read from its file without
+    loading a model: the app names them before the load."""
+    name_or_path = name_or_path or DEFAULT_STACK
+    if name_or_path == "tiny-random":
+        return list(COMPARISON_ORDER)
+    spec, _ = read_spec(name_or_path)
+    return [m for m in COMPARISON_ORDER if all(part == "target" or spec.get(part) for part in METHOD_NEEDS[m])]
+
+
+def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
+               w4_kernel: Optional[str] = None) -> Stack:
+    """A preset name (see preset_names()), or a stack JSON file / folder holding stack.json.
+    dtype / w4_kernel override the stack file's choice for this device."""
+    name_or_path = name_or_path or DEFAULT_STACK
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if name_or_path == "tiny-random":
+        return tiny_random_stack(dev)
+    spec, p = read_spec(name_or_path)
     base = p.parent
     dtype_name = dtype or _for_device(spec, "dtype", dev, "float32")
     if dtype_name not in DTYPES:

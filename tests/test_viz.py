@@ -281,6 +281,11 @@ def test_stats_say_which_kernels_and_vocabulary_ran() -> None:
     assert run_setup_line({"w4_kernel": "int4pack_cpu", "target_batch_invariant": True}) == \
         "T kernel int4pack_cpu (batch-invariant)"
     assert run_setup_line({}) == ""
+    # the GPU's W4 start-up proof and an EAGLE-3 head are named where the stack has them
+    proof = "W4 fast path: proven here (NVIDIA H200, Triton 3.9, 4 shapes x 128 row counts, 16 s)"
+    assert run_setup_line({"w4_kernel": "triton", "w4_fast_path": proof,
+                           "head_types": {"e_m": "eagle3", "e_t": "eagle2", "e_t3": "eagle3"}}) == \
+        f"T kernel triton · {proof} · EAGLE-3 head on M and T"
     t = Trace(meta={"method": "ar", **meta})
     assert "Ran on cpu float32" in stats_html([t])
 

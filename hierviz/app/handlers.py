@@ -25,8 +25,9 @@ from hierviz.app.shipped import shipped_runs, shipped_traces
 from hierviz.retime import TIME_SCALES
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json
 from hierviz.viz.export import step_svg
+from hierviz.engine import COMPARISON_ORDER
 
-RUN_ORDER = ("hierspec", "eagle2", "ar")
+RUN_ORDER = COMPARISON_ORDER      # a comparison's runs, HierSpec first (those a stack has: stack_comparison)
 
 # Inputs and outputs of each event, by component name (hierviz.app.visualizer builds the components).
 RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft",

@@ -22,7 +22,7 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.gpu import on_gpu, run_duration
 from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, client_address, log_refusal, redact_paths
-from hierviz.app.handlers import RUN_ORDER, RUN_OUTPUTS, error_update, input_error, pack, run_update
+from hierviz.app.handlers import RUN_OUTPUTS, error_update, input_error, pack, run_update
 from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
 from hierviz.app.pacing import Pacer, pace_mode
 from hierviz.app.progress import TIMINGS, RunPlan, record_method, with_heartbeat
@@ -32,7 +32,7 @@ from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, sess
 from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
 from hierviz.config import ConfigError, options
 from hierviz.decoding.settings import DecodeSettings, SettingsError, default_settings
-from hierviz.engine import is_warm, run_method, warm_up
+from hierviz.engine import StackError, is_warm, run_method, stack_comparison, warm_up
 from hierviz.retime import MEASURED, TIME_SCALES, real_scale_available
 from hierviz.trace import Trace, TraceError
 from hierviz.viz.panels import whole_run_ratios
@@ -60,6 +60,7 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
     try:
         settings = checked_settings(max_new, temperature, m_depth, m_topk, m_size, min_draft, t_depth, t_topk, t_size)
         stack_name = check_stack(stack, stack_choices())
+        methods = [m for m in comparison_of(stack_name) if m != "ar" or with_ar]
         if not isinstance(prompt, str) or not prompt.strip():
             raise VisitorError("The prompt is empty: type a question or an instruction first.")
         ticket = admit(key, client_address(request))
@@ -72,13 +73,20 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
         if LINE.position(ticket) != 0 or stopped():
             yield run_update(status=status_html("Stopped before it started: your run left the line.", "warn"))
             return
-        methods = [m for m in RUN_ORDER if m != "ar" or with_ar]
         new = (sess if isinstance(sess, Session) else Session()).carried(view="hierspec", source=LIVE_SOURCE)
         pacer = Pacer(request, flags, live_pace_mode())
         async for update in in_thread(device_run(settings, methods, new, key, stack_name, prompt, pacer, stopped)):
             yield update
     finally:
         LINE.leave(ticket)
+
+
+def comparison_of(stack_name: str) -> list[str]:
+    """The methods a live comparison runs on this stack (VisitorError for a stack file that cannot be read)."""
+    try:
+        return stack_comparison(stack_name)
+    except StackError as e:
+        raise VisitorError(str(e) if options().allow_custom_stacks else redact_paths(str(e))) from None
 
 
 def checked_settings(max_new: Any, temperature: Any, m_depth: Any, m_topk: Any, m_size: Any, min_draft: Any,
@@ -319,8 +327,8 @@ def prewarm(stack_name: str) -> bool:
     """Load and warm `stack_name` with the page's default settings at start-up, in its turn on the
     device line, so that the first visitor's run pays neither; the times measured give the first
     runs their ETA. A failure is logged and left to the first run to report. True when warmed."""
-    methods = list(RUN_ORDER)
     try:
+        methods = stack_comparison(stack_name)
         with LINE.hold("start-up warm-up"):
             started = time.monotonic()
             stack = get_stack(stack_name)

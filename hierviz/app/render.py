@@ -12,7 +12,7 @@ import gradio as gr
 
 from hierviz.app.session import Session
 from hierviz.retime import RETIMED, TIME_SCALES, at_time_scale, default_time_scale
-from hierviz.trace import Trace
+from hierviz.trace import TREE_ON_TARGET, Step, Trace
 from hierviz.viz.compare import side_by_side_html
 from hierviz.viz.crossover import crossover_figure
 from hierviz.viz.latency import latency_figure
@@ -37,10 +37,19 @@ def tree_title(trace: Trace, i: int) -> str:
         return f"Step {i + 1}: prefill"
     if st.method == "hierspec":
         n = len(st.trees)
-        return f"Step {i + 1}: {n} tree{'s' if n != 1 else ''} drafted by E_M and checked by the intermediate M"
-    if st.method == "eagle2":
-        return f"Step {i + 1}: EAGLE-2 tree drafted by E_T and checked by the target T"
+        head = " (an EAGLE-3 head)" if (trace.meta.get("head_types") or {}).get("e_m") == "eagle3" else ""
+        return (f"Step {i + 1}: {n} tree{'s' if n != 1 else ''} drafted by E_M{head} and checked by the intermediate M"
+                + _unavoidable(st))
+    if st.method in TREE_ON_TARGET:
+        return f"Step {i + 1}: {method_label(st.method)} tree drafted by E_T and checked by the target T" + _unavoidable(st)
     return f"Step {i + 1} ({method_label(st.method)})"
+
+
+def _unavoidable(st: Step) -> str:
+    """A note for the trees whose rejection no draft could avoid (the verifier's token lay outside
+    the head's draft vocabulary)."""
+    n = sum(t.undraftable for t in st.trees)
+    return f" · {n} unavoidable rejection{'s' if n != 1 else ''} (outside the draft vocabulary)" if n else ""
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from hierviz.viz.panels import is_prefill, sequence_html, tree_html, verdict_htm
 from hierviz.viz.style import esc, method_label
 
 # the run shown beside each run (the teaching comparison is HierSpec's sequence against EAGLE-2's tree)
-COUNTERPART = {"hierspec": "eagle2", "eagle2": "hierspec"}
+COUNTERPART = {"hierspec": "eagle2", "eagle2": "hierspec", "eagle3": "hierspec"}
 
 
 def tokens_after(steps: list[Step], i: int) -> int:

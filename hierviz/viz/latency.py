@@ -13,6 +13,7 @@ from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, method_label
 METHOD_STAGE_NAMES = {
     "hierspec": {"draft": "E_M draft", "intermediate_verify": "M verifies trees", "target_verify": "T verifies sequence"},
     "eagle2": {"draft": "E_T draft", "target_verify": "T verifies tree"},
+    "eagle3": {"draft": "E_T draft (EAGLE-3)", "target_verify": "T verifies tree"},
     "spec": {"draft": "M drafts", "target_verify": "T verifies sequence"},
     "ar": {"target_verify": "T forward"},
 }

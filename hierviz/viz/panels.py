@@ -11,7 +11,7 @@ from typing import Optional
 
 from hierviz.retime import (MEASURED, RETIMED, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
                             whatif_headline)
-from hierviz.trace import DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
+from hierviz.trace import TREE_ON_TARGET, DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
                                token_label)
 from hierviz.viz.tree import bonus_status, node_status
@@ -73,6 +73,7 @@ def swatch(kind: str) -> str:
 METHOD_ROLES = {
     "hierspec": {"tree", "intermediate_bonus", "target_bonus", "rejected", "discarded"},
     "eagle2": {"tree", "target_bonus", "rejected", "discarded"},
+    "eagle3": {"tree", "target_bonus", "rejected", "discarded"},
     "spec": {"draft", "target_bonus", "rejected", "discarded"},
     "ar": {"target_bonus"},
 }
@@ -96,10 +97,10 @@ def sequence_html(step: Optional[Step]) -> str:
         return _box('<p class="hv-muted">Run a prompt or load a trace to see the sequence draft.</p>')
     if is_prefill(step):
         return _box(f'<p class="hv-muted">{esc(PREFILL_TEXT)}</p>')
-    if step.method == "eagle2":
+    if step.method in TREE_ON_TARGET:
         n = sum(len(t.nodes) for t in step.trees)
-        return _box(f'<p class="hv-muted">EAGLE-2 has no sequence draft: the target verifies the whole '
-                    f'{n}-token tree itself in one forward pass.</p>')
+        return _box(f'<p class="hv-muted">{esc(method_label(step.method))} has no sequence draft: the target '
+                    f'verifies the whole {n}-token tree itself in one forward pass.</p>')
     if step.method == "ar":
         return _box('<p class="hv-muted">Autoregressive decoding has no draft: one target forward, one token.</p>')
     if not step.sequence:
@@ -157,7 +158,7 @@ def verdict_html(step: Optional[Step]) -> str:
         text = step.new_text[0] if step.new_text else bonus
         return _box(VERDICT_HEAD + f'<div class="hv-chips">{chip(text, "target_bonus", "target T generated this token")}</div>'
                     '<div class="hv-sum">No draft: the target ran one forward pass for one token.</div>')
-    if step.method == "eagle2":
+    if step.method in TREE_ON_TARGET:
         tree = step.trees[0] if step.trees else None
         by_id = {n.id: n for n in tree.nodes} if tree else {}
         acc = [by_id[a] for a in tree.accepted] if tree else []
@@ -243,6 +244,12 @@ def run_setup_line(meta: dict) -> str:
         parts.append(f'T kernel {meta["w4_kernel"]}' + (" (batch-invariant)" if meta.get("target_batch_invariant") else ""))
     if meta.get("intermediate_w4_kernel") and meta.get("intermediate_w4_kernel") != meta.get("w4_kernel"):
         parts.append(f'M kernel {meta["intermediate_w4_kernel"]}')
+    if meta.get("w4_fast_path"):          # the start-up proof of the W4 kernel's fast variants (GPU)
+        parts.append(str(meta["w4_fast_path"]))
+    heads = meta.get("head_types") or {}
+    if "eagle3" in heads.values():
+        parts.append("EAGLE-3 head on " + " and ".join({"e_m": "M", "e_t": "T", "e_t3": "T"}[k]
+                                                        for k, v in heads.items() if v == "eagle3"))
     vocab = str(meta.get("draft_vocab") or "")
     if vocab and vocab != "full":
         name = vocab.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".json")
@@ -409,6 +416,10 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None, time_sc
         ("τ intermediate (tokens / M tree)", lambda s: _fmt(s["tau_intermediate"])),
         ("mean sequence draft", lambda s: _fmt(s["mean_sequence_len"] or None, 1)),
     ]
+    if any(s["undraftable_rejections"] for _, s in cols):
+        # the verifier's token lay outside the head's draft vocabulary: no tree could have held it
+        rows.append(("rejections no draft could avoid",
+                     lambda s: f'{s["undraftable_rejections"]} of {s["tree_rejections"]}' if s["tree_rejections"] else "–"))
     head = "".join(f"<th>{esc(method_label(m))}</th>" for m, _ in cols)
     body = "".join(f"<tr><td>{name}</td>" + "".join(f"<td>{f(s)}</td>" for _, s in cols) + "</tr>"
                    for name, f in rows)

@@ -74,6 +74,7 @@ STAGE_LABELS = {
 METHOD_LABELS = {
     "hierspec": "HierSpec",
     "eagle2": "EAGLE-2",
+    "eagle3": "EAGLE-3",
     "spec": "Sequence spec.",
     "ar": "Autoregressive",
 }
