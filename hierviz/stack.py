@@ -66,14 +66,18 @@ class Stack:
         return self.models.target.cfg.max_position
 
 
+# built in code, not read from files: name -> whether it has an EAGLE-3 head on T (the eagle3 method)
+TINY_STACKS = {"tiny-random": False, "tiny-random-eagle3": True}
+
+
 def preset_names() -> list[str]:
     names = sorted(p.stem for p in PRESET_DIR.glob("*.json")) if PRESET_DIR.exists() else []
-    return names + ["tiny-random"]
+    return names + list(TINY_STACKS)
 
 
 def is_local_preset(name: str) -> bool:
     """Whether a preset's models all ship with hierviz or its pip packages (no hub download)."""
-    if name == "tiny-random":
+    if name in TINY_STACKS:
         return True
     try:
         spec = json.loads((PRESET_DIR / f"{name}.json").read_text(encoding="utf-8"))
@@ -203,8 +207,8 @@ def stack_comparison(name_or_path: Optional[str] = None) -> list[str]:
     """The methods a comparison runs on a stack (COMPARISON_ORDER), read from its file without
     loading a model: the app names them before the load."""
     name_or_path = name_or_path or DEFAULT_STACK
-    if name_or_path == "tiny-random":
-        return list(COMPARISON_ORDER)
+    if name_or_path in TINY_STACKS:
+        return [m for m in COMPARISON_ORDER if m != "eagle3" or TINY_STACKS[name_or_path]]
     spec, _ = read_spec(name_or_path)
     return [m for m in COMPARISON_ORDER if all(part == "target" or spec.get(part) for part in METHOD_NEEDS[m])]
 
@@ -215,8 +219,8 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     dtype / w4_kernel override the stack file's choice for this device."""
     name_or_path = name_or_path or DEFAULT_STACK
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if name_or_path == "tiny-random":
-        return tiny_random_stack(dev)
+    if name_or_path in TINY_STACKS:
+        return tiny_random_stack(dev, eagle3=TINY_STACKS[name_or_path])
     spec, p = read_spec(name_or_path)
     base = p.parent
     dtype_name = dtype or _for_device(spec, "dtype", dev, "float32")
@@ -330,15 +334,18 @@ def _draft_vocab(path: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0) -> Stack:
-    """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work)."""
+def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0, eagle3: bool = False) -> Stack:
+    """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work). eagle3:
+    also an EAGLE-3 head on T over its layers 0, 2, 3, drafting over 200 of the 259 byte tokens
+    (the `tiny-random-eagle3` stack)."""
     models = Models(*tiny_models(ByteTokenizer.vocab_size, device, seed))
-    # an EAGLE-3 head over T's layers 0, 2, 3 with a draft vocabulary of 200 of the 259 byte tokens
-    models.e_t3 = synthetic_eagle3_head(models.target, seed + 3, draft_vocab_size=200, feature_layers=(0, 2, 3))
-    models.target.add_feature_layers(models.e_t3.feature_layers)
-    meta = {"stack": "tiny-random", "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
+    name = "tiny-random-eagle3" if eagle3 else "tiny-random"
+    meta = {"stack": name, "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
             "target": "random 4-layer W4 (RTN g32)", "intermediate": "2 of the target's layers",
-            "e_m": "random", "e_t": "random", "e_t3": "random EAGLE-3, 200-token draft vocabulary",
-            "head_types": {"e_m": "eagle2", "e_t": "eagle2", "e_t3": "eagle3"},
+            "e_m": "random", "e_t": "random", "head_types": {"e_m": "eagle2", "e_t": "eagle2"},
             "device": str(device), "dtype": "float32", "w4_kernel": "reference", "draft_vocab": "full"}
-    return Stack("tiny-random", models, ByteTokenizer(), meta)
+    if eagle3:
+        models.e_t3 = synthetic_eagle3_head(models.target, seed + 3, draft_vocab_size=200, feature_layers=(0, 2, 3))
+        models.target.add_feature_layers(models.e_t3.feature_layers)
+        meta.update(e_t3="random EAGLE-3, 200-token draft vocabulary", head_types={**meta["head_types"], "e_t3": "eagle3"})
+    return Stack(name, models, ByteTokenizer(), meta)

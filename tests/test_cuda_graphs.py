@@ -24,7 +24,7 @@ from tests.tiny import prefill_sequence_tree
 @pytest.fixture(scope="module")
 def stack():
     torch.set_num_threads(1)
-    return tiny_random_stack()
+    return tiny_random_stack(eagle3=True)
 
 
 @pytest.fixture

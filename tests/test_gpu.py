@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def stack():
-    return tiny_random_stack("cuda")
+    return tiny_random_stack("cuda", eagle3=True)
 
 
 @pytest.mark.parametrize("prompt", ["Static shapes", "hello world, trees"])
@@ -219,6 +219,21 @@ def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -
     for preset in ("eagle2", "paper"):
         seeded = {r["method"]: r for r in runs if r["trees"] == preset and r["seeded"] and not r["miss_every"]}
         assert all(seeded[m]["tokens_per_round"] > 2 for m in ("spec", "eagle2", "hierspec")), (preset, seeded)
+
+
+def test_whatif_exact_with_eagle3_heads_through_cuda_graphs(tmp_path) -> None:
+    """--exact --head eagle3 on the GPU path: EAGLE-3 heads over T's and M's layer features, their
+    draft logits steered through the tree graphs (successors mapped to draft indices), every output
+    equal to AR's and the fully seeded runs accepted deep."""
+    import json
+
+    from hierviz.measure import whatif
+    assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--head", "eagle3", "--max-new-tokens", "48",
+                        "--methods", "ar,eagle3,hierspec", "--exact-trees", "eagle2", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
+    assert all(r["identical"] and not r["steering_miss"] for r in runs)
+    seeded = {r["method"]: r for r in runs if r["seeded"] and not r["miss_every"]}
+    assert all(seeded[m]["tokens_per_round"] > 2 for m in ("eagle3", "hierspec")), seeded
 
 
 @pytest.fixture(scope="module")

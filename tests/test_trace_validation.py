@@ -110,7 +110,7 @@ MiB = 2 ** 20
 
 @pytest.fixture(scope="module")
 def engine_traces() -> dict[str, Trace]:
-    stack = tiny_random_stack()
+    stack = tiny_random_stack(eagle3=True)
     return {m: generate(stack, m, "w5 w7 w9", SETTINGS) for m in METHODS}
 
 

@@ -1,6 +1,6 @@
 """The what-if projection (hierviz.measure.whatif) at tiny shapes on the CPU: forced acceptance replays a
-trace's accepted lengths exactly through the real decoders; rates mode is seeded; bad
-arguments exit with code 2 and a one-line error."""
+trace's accepted lengths exactly through the real decoders, with EAGLE-2 or EAGLE-3 heads; rates mode
+is seeded; bad arguments exit with code 2 and a one-line error."""
 from __future__ import annotations
 
 import json
@@ -56,6 +56,7 @@ def test_replays_engine_trace_exactly(engine_trace: Path, tmp_path: Path) -> Non
         assert info["replay"][m]["exact"]
     assert info["label"] == "projected with replayed acceptance"
     assert set(info["speedup_vs_ar"]) == {"ar", "eagle2", "hierspec"}
+    assert info["head"] == "eagle2" and "hierspec_vs_eagle2" in info and "feature_layers" not in info
     assert "projected with replayed acceptance" in (tmp_path / "whatif.md").read_text()
 
 
@@ -124,6 +125,11 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     (FAST + ["--sweep", "--sweep-scales", "x", "--max-new-tokens", "4"], "--sweep-scales"),
     (FAST + ["--sweep", "--sweep-tree-sizes", "0"], "--sweep-tree-sizes"),
     (FAST + ["--sweep", "--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json")], "--sweep"),
+    (FAST + ["--methods", "ar,eagle3"], "method eagle3 drafts with EAGLE-3 heads: it needs --head eagle3"),
+    (FAST + ["--head", "eagle3", "--methods", "eagle2,hierspec"], "method eagle2 drafts with EAGLE-2 heads: it needs --head eagle2"),
+    (FAST + ["--head", "eagle3", "--sweep"], "--sweep compares EAGLE-2 and HierSpec: it takes --head eagle2"),
+    (FAST + ["--head", "eagle3", "--draft-vocab", "513"], "--draft-vocab must be between 1 and the vocabulary size 512"),
+    (FAST + ["--head", "eagle3", "--exact", "--methods", "ar,eagle2"], "it needs --head eagle2"),
 ])
 def test_bad_arguments(args: list[str], msg: str, tmp_path: Path, capsys) -> None:
     assert main(args + ["--out", str(tmp_path)]) == 2
@@ -259,3 +265,67 @@ def test_exact_steering_follows_the_table_after_it_changes() -> None:
     assert reg.successors(out[1:3].clone()).tolist() == [106, 107]    # rows at 4, 5 predict 6, 7
     assert reg.successors(out[2:]).tolist() == [107, 108]             # a view: found by its pointer
     assert reg.successors(torch.randn(2, 8)) is None
+
+
+def test_eagle3_heads_are_timed_and_recorded(tmp_path: Path) -> None:
+    """--head eagle3: E_M and E_T are EAGLE-3 heads (fc over layer features, a d2t draft vocabulary
+    with --draft-vocab), the eagle3 method runs T's tree with them and HierSpec drafts with the
+    EAGLE-3 E_M; the output names the head type. Sharpened like the EAGLE-2 heads: at rate 1
+    every tree is accepted to its full depth."""
+    assert main(FAST + ["--head", "eagle3", "--draft-vocab", "300", "--max-new-tokens", "12", "--acceptance-rates",
+                        "1.0", "--seq-rate", "1.0", "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "whatif.json").read_text())
+    assert info["head"] == "eagle3" and info["formats"]["heads"] == "EAGLE-3, synthetic"
+    assert list(info["methods"]) == ["ar", "eagle3", "hierspec"]            # the default methods for the head
+    assert info["draft_vocab"] == 300 and info["hierspec_vs_eagle3"] > 0
+    assert info["feature_layers"] == {"target": [0, 2, 3], "intermediate": [0, 1]}   # tiny bases: distinct layers
+    e3 = info["methods"]["eagle3"]
+    assert e3["forwards"]["e_t"] > 0 and e3["stages_ms"]["draft"] > 0
+    assert all(r["trees"] == [info["settings"]["t_depth"]] for r in e3["accepted"])
+    assert all(n == info["settings"]["m_depth"] for r in info["methods"]["hierspec"]["accepted"] for n in r["trees"])
+    assert "EAGLE-3 draft heads" in (tmp_path / "whatif.md").read_text()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_exact_mode_with_eagle3_heads(tmp_path: Path, monkeypatch, static: bool) -> None:
+    """--exact --head eagle3: eagle3 and HierSpec (EAGLE-3 E_M) equal AR in every variant, and the
+    seeded runs are steered through the EAGLE-3 heads (trees accepted, > 2 tokens per round).
+    static: through the static-shape runners the GPU uses (outputs handed out as copies)."""
+    from hierviz.models import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "_force", static)     # force_static, restored after the test
+    assert main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--head", "eagle3", "--max-new-tokens", "32",
+                 "--methods", "ar,eagle3,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "whatif_exact.json").read_text())
+    assert info["head"] == "eagle3" and info["passed"]
+    assert info["ar_tokens_outside_draft_vocab"] == {"e_m": 0, "e_t3": 0}          # the full draft vocabulary
+    runs = {(r["method"], r["seeded"], r["miss_every"]): r for r in info["runs"]}
+    assert len(runs) == 6 and all(r["identical"] and r["tokens"] == 32 for r in runs.values())
+    for m in ("eagle3", "hierspec"):
+        assert runs[(m, True, 0)]["accepted_tree_nodes"] > 0 and runs[(m, True, 0)]["tokens_per_round"] > 2
+        assert runs[(m, True, 7)]["accepted_tree_nodes"] > 0
+        assert runs[(m, False, 0)]["tokens_per_round"] < 1.2               # the drafts as drawn: random heads
+
+
+@pytest.mark.parametrize("head, steered", [("eagle3", True), ("eagle3", False), ("eagle2", True)])
+def test_exact_steering_with_a_reduced_draft_vocabulary(tmp_path, monkeypatch, head, steered) -> None:
+    """Heads drafting over 256 of 512 tokens (EAGLE-3: d2t; EAGLE-2: FR-Spec rows) cannot draft half
+    of AR's tokens: the boost goes to a successor's draft index, trees cut by an undraftable token
+    are counted, and the steering-miss check leaves them out: T's tree method makes under 2 tokens
+    per round overall yet passes. Without the boost the same run still fails as a steering miss."""
+    from hierviz.measure import whatif_exact
+    if not steered:
+        monkeypatch.setattr(whatif_exact, "_boost", lambda logits, succ: logits)
+    args = ["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--head", head, "--draft-vocab", "256",
+            "--max-new-tokens", "40", "--methods", f"ar,{head},hierspec", "--exact-trees", "paper",
+            "--exact-variants", "seeded", "--out", str(tmp_path)]
+    assert main(args) == (0 if steered else 1)
+    info = json.loads((tmp_path / "whatif_exact.json").read_text())
+    assert info["identical"] and info["draft_vocab"] == 256
+    assert len(info["ar_tokens_outside_draft_vocab"]) == 2 and all(n > 0 for n in info["ar_tokens_outside_draft_vocab"].values())
+    runs = {r["method"]: r for r in info["runs"]}
+    if steered:
+        assert not info["steering_misses"]
+        assert all(r["undraftable_trees"] > 0 and r["accepted_tree_nodes"] > 0 for r in runs.values())
+        assert runs[head]["tokens_per_round"] <= 2 and runs["hierspec"]["tokens_per_round"] > 2
+    else:
+        assert all(r["steering_miss"] for r in runs.values())

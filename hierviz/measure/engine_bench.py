@@ -72,7 +72,7 @@ def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
     """Every decoder on the static path (graphs on CUDA) against AR on the dynamic path, fp32.
     fused_ops: with the fused layer kernels forced (they serve fp16/bf16 by default)."""
     from hierviz.stack import tiny_random_stack
-    models = tiny_random_stack(device).models      # every method's models, an EAGLE-3 head included
+    models = tiny_random_stack(device, eagle3=True).models      # every method's models
     s = DecodeSettings(m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
                        min_draft_len=4, spec_k=3)
     prompt = list(range(40, 60))

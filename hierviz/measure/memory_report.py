@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hierviz.memory import DEFAULT_CONTEXT, GB, shape_estimate, stack_estimate, table
-from hierviz.stack import PRESET_DIR, preset_names, resolve_path
+from hierviz.stack import PRESET_DIR, TINY_STACKS, preset_names, resolve_path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.load:
         return measure_load(a.load, a.compare, a.trace, a.max_new_tokens, a.context)
-    names = [a.stack] if a.stack else [n for n in preset_names() if n not in ("tiny-random",)]
+    names = [a.stack] if a.stack else [n for n in preset_names() if n not in TINY_STACKS]
     rows = []
     for name in names:
         try:
@@ -117,7 +117,7 @@ def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new
     if cuda:
         out["gpu_allocated_gb"] = round(torch.cuda.memory_allocated() / GB, 2)
         out["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
-    if name != "tiny-random":
+    if name not in TINY_STACKS:
         spec, base = _stack_file(name)
         read = checkpoint_bytes(spec, base)
         out["checkpoint_gb"] = round(read / GB, 2)

@@ -1,17 +1,18 @@
 """`python -m hierviz whatif`: real-scale projection with replayed acceptance.
 
 Latency does not depend on weight values, acceptance does not depend on the GPU. So this
-builds synthetic-weight models of real shapes (target W4A16, intermediate dense or W4A16, EAGLE heads
-of matching shape), runs the REAL decoders of hierviz.decoding.decoders — the same forwards,
-kernels, CUDA graphs, cache compaction and rollback — and forces only the accept/reject
-decisions through an AcceptOracle (hierviz.decoding.verify): replayed from a recorded trace or
-drawn from per-depth acceptance rates (seeded). Every figure it writes is labelled
-"projected with replayed acceptance".
+builds synthetic-weight models of real shapes (target W4A16, intermediate dense or W4A16, EAGLE-2
+or EAGLE-3 draft heads of matching shape: --head), runs the REAL decoders of
+hierviz.decoding.decoders — the same forwards, kernels, CUDA graphs, cache compaction and
+rollback — and forces only the accept/reject decisions through an AcceptOracle
+(hierviz.decoding.verify): replayed from a recorded trace or drawn from per-depth acceptance
+rates (seeded). Every figure it writes is labelled "projected with replayed acceptance".
 
     python -m hierviz whatif --target llama3-70b --intermediate llama3-8b \
         --acceptance assets/traces/h200-smollm2-python-tips.json --out runs/whatif
     python -m hierviz whatif --tiny --acceptance-rates 0.9,0.8,0.7 --out /tmp/w   # CPU, seconds
     python -m hierviz whatif --tiny --sweep --out /tmp/w                          # sensitivity
+    python -m hierviz whatif --tiny --head eagle3 --draft-vocab 300 --out /tmp/w  # EAGLE-3 heads
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,20 +37,24 @@ from hierviz.machine import machine_info
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.eagle import EagleHead
+from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
+from hierviz.models.llama import Transformer
 from hierviz.measure.profile import load_shape
-from hierviz.models.synthetic import synthetic_head, synthetic_model, w4_group
+from hierviz.models.synthetic import synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
 LABEL = "projected with replayed acceptance"
-METHODS = ("ar", "spec", "eagle2", "hierspec")
+METHODS = ("ar", "spec", "eagle2", "hierspec", "eagle3")
+HEADS = ("eagle2", "eagle3")      # --head: the draft heads' type; each is also the method of T's own tree
+HEAD_NAMES = {"eagle2": "EAGLE-2", "eagle3": "EAGLE-3"}
 # Default rates when neither a trace nor rates are given. They are an assumption, not a
 # measurement: per-depth conditional acceptance chosen so that EAGLE-2 accepts ~3.3 draft
 # tokens per round at depth 5 (tau ~ 4.3 with the bonus token), the regime the EAGLE-2 paper
 # reports for LLaMA-3-Instruct on MT-bench; see docs/whatif.md.
 DEFAULT_RATES = (0.9, 0.8, 0.75, 0.7, 0.65, 0.6)
 DEFAULT_SEQ_RATE = 0.85   # T accepting each of M's draft tokens (Llama-3-8B drafting for 70B): assumption
-SHARPEN = 12.0            # see SharpHead
+SHARPEN = 12.0            # see SharpDraft
 CPU_LIMIT_BYTES = 4e9
 
 
@@ -66,22 +71,31 @@ def tiny_config(big: bool) -> ModelConfig:
                        num_kv_heads=2, head_dim=h // 4, rope_theta=500000.0, max_position=4096)
 
 
-class SharpHead(EagleHead):
-    """An EAGLE head with random weights drafts from near-uniform distributions, so EAGLE-2's
-    rerank keeps only shallow trees and a replayed path of depth 4 would not exist. Trained
-    heads are confident; this scales the draft logits by SHARPEN / (their standard deviation,
-    measured once on the first call) so the best branch dominates and trees reach their full
-    depth. Same matmuls, one extra elementwise op. (Standardising every row instead cost four
-    more kernels over the vocabulary per depth, a what-if-only cost that fell on HierSpec's
-    ~2.3 trees per round more than on EAGLE-2's one; log_softmax ignores the mean anyway.)"""
+class SharpDraft:
+    """Mixin for a draft head class. A head with random weights drafts from near-uniform
+    distributions, so EAGLE-2's rerank keeps only shallow trees and a replayed path of depth 4
+    would not exist. Trained heads are confident; this scales the draft logits by SHARPEN /
+    (their standard deviation, measured once on the first call) so the best branch dominates and
+    trees reach their full depth. Same matmuls, one extra elementwise op. (Standardising every row
+    instead cost four more kernels over the vocabulary per depth, a what-if-only cost that fell on
+    HierSpec's ~2.3 trees per round more than on EAGLE-2's one; log_softmax ignores the mean anyway.)"""
 
     _scale: Optional[float] = None
+    draft_logits: Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]   # the head class's
 
     def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        logits, ids = self.draft_logits(hidden)   # full or FR-Spec vocabulary (--draft-vocab)
+        logits, ids = self.draft_logits(hidden)   # full or reduced draft vocabulary (--draft-vocab)
         if self._scale is None:   # one host read, at the warm-up's first draft
             self._scale = SHARPEN / max(float(logits.std(-1).mean()), 1e-6)
         return torch.log_softmax(logits * self._scale, -1), ids
+
+
+class SharpHead(SharpDraft, EagleHead):
+    """A sharpened EAGLE-1/2 head (SharpDraft)."""
+
+
+class SharpEagle3Head(SharpDraft, Eagle3Head):
+    """A sharpened EAGLE-3 head (SharpDraft)."""
 
 
 def model_bytes(cfg: ModelConfig, fmt: str) -> float:
@@ -91,16 +105,50 @@ def model_bytes(cfg: ModelConfig, fmt: str) -> float:
     return per_layer * cfg.num_layers * (0.53 if fmt == "w4" else 2.0) + 2 * 2.0 * cfg.vocab_size * h
 
 
+def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default low, middle and high layers; on a base too shallow for them to be distinct
+    layers (under 7: the tiny shapes), its first, middle and last layer, each once."""
+    layers = default_feature_layers(num_layers)
+    if len(set(layers)) == len(layers) and all(0 <= i < num_layers for i in layers):
+        return layers
+    return tuple(sorted({0, num_layers // 2, num_layers - 1}))
+
+
+def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpEagle3Head:
+    """A synthetic EAGLE-3 head on `base`, sharpened, with `base` handing out its feature rows."""
+    head = synthetic_eagle3_head(base, seed, draft_vocab, eagle3_feature_layers(base.cfg.num_layers))
+    head.__class__ = SharpEagle3Head   # synthetic_eagle3_head builds an Eagle3Head; the subclass adds no state
+    base.add_feature_layers(head.feature_layers)
+    return head
+
+
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
-                 seed: int = 0, m_format: str = "dense") -> Models:
-    """Synthetic T (W4A16), M (`m_format`: "dense" as in the paper's stack, or "w4") and heads."""
+                 seed: int = 0, m_format: str = "dense", head: str = "eagle2",
+                 draft_vocab: Optional[int] = None) -> Models:
+    """Synthetic T (W4A16), M (`m_format`: "dense" as in the paper's stack, or "w4") and heads of
+    type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3) drafting over
+    `draft_vocab` token ids (None: the full vocabulary)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise WhatIfError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
+    if head not in HEADS:
+        raise WhatIfError(f"unknown head type {head!r}; choose one of {', '.join(HEADS)}")
+    if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
+        raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
     target = synthetic_model(t_cfg, "w4", dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
-    return Models(target, inter, synthetic_head(inter, seed + 2, SharpHead), synthetic_head(target, seed + 3, SharpHead))
+    if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
+        return Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
+                      e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab))
+    e_m, e_t = synthetic_head(inter, seed + 2, SharpHead), synthetic_head(target, seed + 3, SharpHead)
+    if draft_vocab is not None:
+        # FR-Spec rows of the base's LM head; which ids does not change the timing (acceptance is
+        # forced); real stacks use the most frequent tokens (stack.py "draft_vocab")
+        ids = torch.arange(draft_vocab, device=device)
+        for h in (e_m, e_t):
+            h.set_draft_vocab(ids)
+    return Models(target, inter, e_m, e_t)
 
 
 # ---- forced acceptance ------------------------------------------------------------------------
@@ -283,7 +331,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--m-acceptance-rates", default=None, help="rates for E_M trees verified by M (default: same)")
     ap.add_argument("--seq-rate", type=float, default=DEFAULT_SEQ_RATE,
                     help="rates mode: probability T accepts each token of M's sequence draft")
-    ap.add_argument("--methods", default="ar,eagle2,hierspec")
+    ap.add_argument("--head", default="eagle2", choices=HEADS,
+                    help="draft heads E_M and E_T: eagle2 (EAGLE-1/2) or eagle3 (EAGLE-3: fc over three layer "
+                         "features, its own LM head over its draft vocabulary); the method of T's tree is named alike")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated, from ar, spec, hierspec and the --head's tree method "
+                         "(default: ar,eagle2,hierspec; with --head eagle3: ar,eagle3,hierspec)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="default: the trace's length when replaying, else 128")
     ap.add_argument("--prompt-len", type=int, default=128, help="synthetic prompt length (tokens)")
@@ -295,8 +348,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     ap.add_argument("--draft-vocab", type=int, default=None,
-                    help="FR-Spec: the EAGLE heads draft over this many token ids (verifiers keep the full "
-                         "vocabulary; default: full)")
+                    help="the heads draft over this many token ids (verifiers keep the full vocabulary; default: "
+                         "full): FR-Spec rows of the LM head for eagle2, a d2t/t2d draft vocabulary for eagle3")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per method (same forced decisions each time); the run with the median "
                          "time is reported, every run's time is kept (decode_s_runs)")
@@ -387,8 +440,9 @@ def _oracle_factory(a: argparse.Namespace, trace: Optional[dict[str, Any]], scal
 
 
 def _method_seed(seed: int, method: str) -> int:
-    """A stable per-method seed (Python's str hash is salted per process)."""
-    return seed * 1000 + METHODS.index(method)
+    """A stable per-method seed (Python's str hash is salted per process). eagle3 draws eagle2's:
+    T's tree gets the same forced decisions whichever head type drafts it."""
+    return seed * 1000 + METHODS.index("eagle2" if method == "eagle3" else method)
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -400,11 +454,24 @@ def _w4_format(cfg: ModelConfig, kernel: str) -> str:
     return f"W4A16 synthetic codes, group {w4_group(cfg, 128)}, kernel {kernel}"
 
 
+def _methods(a: argparse.Namespace) -> list[str]:
+    """--methods as a list; its default names the --head's tree method."""
+    text = a.methods if a.methods is not None else f"ar,{a.head},hierspec"
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
 def _check_args(a: argparse.Namespace, methods: list[str]) -> None:
     """Flag values that cannot run, refused before any model is built."""
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        raise WhatIfError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+        choices = [m for m in METHODS if m not in HEADS or m == a.head]
+        raise WhatIfError(f"unknown method(s) {bad}; choose from {', '.join(choices)}")
+    other_head = [m for m in methods if m in HEADS and m != a.head]
+    if other_head:   # the run builds one head type: T's tree method is the one of --head
+        raise WhatIfError(f"method {other_head[0]} drafts with {HEAD_NAMES[other_head[0]]} heads: it needs "
+                          f"--head {other_head[0]} (this run's heads are {a.head})")
+    if a.sweep and a.head != "eagle2":
+        raise WhatIfError("--sweep compares EAGLE-2 and HierSpec: it takes --head eagle2")
     if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
         raise WhatIfError("give either --acceptance (a trace) or --acceptance-rates, not both")
     if a.acceptance and a.sweep:
@@ -439,16 +506,6 @@ def _trace_and_settings(a: argparse.Namespace, methods: list[str]) -> tuple[Opti
     return trace, _settings(a, base_settings, max_new), max_new
 
 
-def _use_draft_vocab(a: argparse.Namespace, models: Models, vocab: int, dev: str) -> None:
-    if not 1 <= a.draft_vocab <= vocab:
-        raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {vocab}")
-    # which ids does not change the timing (acceptance is forced); real stacks use the most
-    # frequent tokens (stack.py "draft_vocab")
-    ids = torch.arange(a.draft_vocab, device=dev)
-    for head in (models.e_m, models.e_t):
-        head.set_draft_vocab(ids)
-
-
 def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: ModelConfig, dev: str, dtype: torch.dtype,
             kernel: str, trace: Optional[dict], rates_info: dict, s: DecodeSettings, results: dict) -> dict[str, Any]:
     info: dict[str, Any] = {
@@ -457,7 +514,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "formats": {"target": _w4_format(t_cfg, kernel),
                     "intermediate": (f"dense {str(dtype).replace('torch.', '')}" if a.intermediate_format == "dense"
                                      else _w4_format(m_cfg, kernel)),
-                    "heads": "EAGLE-1/2 layout, synthetic"},
+                    "heads": "EAGLE-1/2 layout, synthetic" if a.head == "eagle2" else "EAGLE-3, synthetic"},
+        "head": a.head,
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
         "acceptance": ({"mode": "trace", "source": a.acceptance,
                         "source_stack": {m: trace[m]["stack"] for m in trace}} if trace else
@@ -465,17 +523,25 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
         "methods": results, "machine": _machine(dev)}
+    if a.head == "eagle3":
+        info["feature_layers"] = _feature_layers_info(t_cfg, m_cfg)
     if trace:
         info["replay"] = {m: _replay_check(trace[m]["rows"], results[m]["accepted"]) for m in results if m in trace}
     info["speedup_vs_ar"] = ({m: r["tokens_per_s"] / results["ar"]["tokens_per_s"] for m, r in results.items()}
                              if "ar" in results else {})
-    if "hierspec" in results and "eagle2" in results:
-        info["hierspec_vs_eagle2"] = results["hierspec"]["tokens_per_s"] / results["eagle2"]["tokens_per_s"]
+    if "hierspec" in results and a.head in results:
+        info[f"hierspec_vs_{a.head}"] = results["hierspec"]["tokens_per_s"] / results[a.head]["tokens_per_s"]
     return info
 
 
+def _feature_layers_info(t_cfg: ModelConfig, m_cfg: ModelConfig) -> dict[str, list[int]]:
+    """The base layers whose inputs the EAGLE-3 heads fuse, per base model."""
+    return {"target": list(eagle3_feature_layers(t_cfg.num_layers)),
+            "intermediate": list(eagle3_feature_layers(m_cfg.num_layers))}
+
+
 def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
-    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    methods = _methods(a)
     _check_args(a, methods)
     trace, s, max_new = _trace_and_settings(a, methods)
     sweep_settings: list[DecodeSettings] = []
@@ -492,11 +558,9 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
                           f"{t_cfg.max_position}-token context of the target shape")
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
-    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format)
+    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format, a.head, a.draft_vocab)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
-    if a.draft_vocab is not None:
-        _use_draft_vocab(a, models, t_cfg.vocab_size, dev)
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
     make, rates_info = _oracle_factory(a, trace)
@@ -520,8 +584,8 @@ def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods
     bad = [p for p in presets if p not in TREE_PRESETS]
     if bad or not presets:
         raise WhatIfError(f"unknown tree preset(s) {bad}; choose from {', '.join(TREE_PRESETS)}")
-    if a.draft_vocab is not None or a.acceptance or a.sweep:
-        raise WhatIfError("--exact takes no --draft-vocab, --acceptance or --sweep")
+    if a.acceptance or a.sweep:
+        raise WhatIfError("--exact takes no --acceptance or --sweep")
     prompt = _prompt(models.target.cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
     if a.exact_miss_every < 2:
@@ -531,9 +595,10 @@ def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods
         raise WhatIfError(f"--exact-variants takes {', '.join(whatif_exact.VARIANTS)} (comma-separated)")
     res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != "ar"], a.exact_miss_every,
                                  log=lambda line: print(line, flush=True), variants=variants)
-    return {"exact": True, "shapes": names, "device": dev, "dtype": str(models.target.dtype).replace("torch.", ""),
-            "settings": s.to_dict(), "tree_presets": {p: TREE_PRESETS[p] for p in presets},
-            "machine": _machine(dev), **res}
+    return {"exact": True, "shapes": names, "head": a.head,
+            "draft_vocab": a.draft_vocab or models.target.cfg.vocab_size, "device": dev,
+            "dtype": str(models.target.dtype).replace("torch.", ""), "settings": s.to_dict(),
+            "tree_presets": {p: TREE_PRESETS[p] for p in presets}, "machine": _machine(dev), **res}
 
 
 def _check_finite(models: Models, prompt: list[int]) -> None:
@@ -662,7 +727,8 @@ def markdown(info: dict[str, Any]) -> str:
         lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {info['speedup_vs_ar'].get(m, float('nan')):.2f}x | "
                      f"{r['tokens_per_round']:.2f} | " +
                      " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
-    lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels.")
+    lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels; "
+                 f"{HEAD_NAMES[info['head']]} draft heads.")
     if "sweep" in info:
         lines += ["", "| scale | best EAGLE-2 | (tree size) | best HierSpec | (min draft) | winner |", "|---|---|---|---|---|---|"]
         for v in info["sweep"]["verdicts"]:

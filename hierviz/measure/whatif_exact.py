@@ -1,11 +1,11 @@
 """`python -m hierviz whatif --exact`: lossless decoding at real model shapes, with real acceptance.
 
 The what-if's timing runs force accept/reject decisions; this mode forces none. It builds the
-same synthetic full-shape models (W4A16 target with batch-invariant products, intermediate, EAGLE
-heads), decodes with AR, then with every speculative method twice:
+same synthetic full-shape models (W4A16 target with batch-invariant products, intermediate, EAGLE-2
+or EAGLE-3 heads), decodes with AR, then with every speculative method twice:
 
 * unsteered: the random drafters as they are (acceptance is whatever the models give);
-* seeded: M, E_M and E_T have their logits raised for AR's own token at the position a row
+* seeded: M and the heads have their logits raised for AR's own token at the position a row
   predicts, so draft paths that follow AR's continuation rank first and get accepted, compacted
   and rolled back (a path that left it proposes AR's later tokens, which the verifier rejects). Only proposals are steered: the target
   verifies with its own logits, so every accept/reject decision still comes from the models.
@@ -14,6 +14,11 @@ Each method's output must equal AR's token for token, for every tree preset aske
 (`--exact-trees`, default eagle2,paper: hierviz.decoding.settings.TREE_PRESETS). Exit code 1 on
 any difference, and on a steering miss: a seeded run that accepts no tree node or draft token, or
 that makes 2 tokens per round or fewer with every draft seeded, proves nothing.
+
+A head with a reduced draft vocabulary (EAGLE-3's d2t, FR-Spec rows) cannot draft AR's token where
+it lies outside that vocabulary: the boost goes to the token's draft index, and such a token gets
+none. The tree is then cut there, an honest miss the trace marks (`undraftable`) and each run counts
+(`undraftable_trees`); the steering-miss check looks only where no cut could interfere (steering_miss).
 
 Steering reaches rows through the forward outputs they are views of (data pointers), so it also
 works inside the CUDA graphs of the static path, where a forward runs only at capture time.
@@ -31,6 +36,8 @@ import torch
 from hierviz.decoding.decoders import DECODERS, Models, cache_margin
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings
 from hierviz.decoding.verify import Sampler
+from hierviz.measure.whatif import HEAD_NAMES
+from hierviz.models.drafter import Drafter
 from hierviz.models.llama import Transformer
 
 BOOST = 30.0           # above every other logit of a row: the steered token ranks first
@@ -144,9 +151,22 @@ def steer_model(model: Transformer, registry: _Registry) -> None:
     model.__class__ = Steered
 
 
-def steer_head(head, registry: _Registry) -> None:
-    """Make an EAGLE head draft the table's successors first."""
+def draft_index(draft_ids: Optional[torch.Tensor], vocab: int) -> Optional[torch.Tensor]:
+    """Target id -> its index in the draft vocabulary whose entries are the target ids `draft_ids`
+    (the inverse of EAGLE-3's arange + d2t), -1 where t2d is false; None for the full vocabulary."""
+    if draft_ids is None:
+        return None
+    index = torch.full((vocab,), -1, dtype=torch.long, device=draft_ids.device)
+    index[draft_ids.long()] = torch.arange(draft_ids.numel(), device=draft_ids.device)
+    return index
+
+
+def steer_head(head: Drafter, registry: _Registry) -> None:
+    """Make a draft head (any head type with draft_logits: EAGLE-1/2, EAGLE-3) draft the table's
+    successors first. Set its draft vocabulary before: the successors are mapped to it here."""
     base = type(head)
+    ids_now = head.draft_vocab
+    index = draft_index(ids_now, head.base.cfg.vocab_size)
 
     class Steered(base):  # type: ignore[misc, valid-type]
         def forward(self, tokens, features, positions, *args, **kw):
@@ -157,12 +177,16 @@ def steer_head(head, registry: _Registry) -> None:
         steering = registry
 
         def draft_logits(self, hidden):
-            # raised before the head's own sharpening and log-softmax (SharpHead), which stay as
+            # raised before the head's own sharpening and log-softmax (SharpDraft), which stay as
             # they are: the boost keeps the steered token first at any positive scale
             logits, ids = base.draft_logits(self, hidden)
-            if ids is not None:
-                raise ValueError("--exact steers the full draft vocabulary; drop --draft-vocab")
-            return _boost(logits, registry.successors(hidden)), ids
+            if ids is not ids_now:
+                raise ValueError("the head's draft vocabulary changed after steer_head: set it before steering")
+            succ = registry.successors(hidden)
+            if succ is not None and index is not None:
+                # target ids -> draft indices; one outside the draft vocabulary maps to -1, left unboosted
+                succ = torch.where(succ >= 0, index[succ.clamp(min=0)], succ)
+            return _boost(logits, succ), ids
 
     head.__class__ = Steered
     _steer_tree_graphs()
@@ -205,14 +229,31 @@ def decode(models: Models, method: str, s: DecodeSettings, prompt: list[int]) ->
 
 
 def acceptance(steps: list) -> dict[str, Any]:
-    decode_steps = steps[1:]
-    trees = [t for st in decode_steps for t in st.trees]
+    """The decode rounds' acceptance (steps[0] is the prefill)."""
+    return _tally(steps[1:])
+
+
+def _tally(rounds: list) -> dict[str, Any]:
+    trees = [t for st in rounds for t in st.trees]
     full = sum(1 for t in trees if t.accepted and max(n.depth for n in t.nodes if n.id in set(t.accepted))
                == max(n.depth for n in t.nodes))
-    return {"rounds": len(decode_steps), "trees_n": len(trees),
+    return {"rounds": len(rounds), "trees_n": len(trees),
             "accepted_tree_nodes": sum(len(t.accepted) for t in trees), "full_depth_trees": full,
-            "target_accepted": sum(st.target_accepted for st in decode_steps),
-            "tokens_per_round": sum(len(st.new_tokens) for st in decode_steps) / max(1, len(decode_steps))}
+            "undraftable_trees": sum(1 for t in trees if t.undraftable),
+            "target_accepted": sum(st.target_accepted for st in rounds),
+            "tokens_per_round": sum(len(st.new_tokens) for st in rounds) / max(1, len(rounds))}
+
+
+def outside_draft_vocab(models: Models, tokens: list[int]) -> dict[str, int]:
+    """Per head: how many of `tokens` (AR's continuation) its draft vocabulary lacks, which no
+    steering can make it draft."""
+    out = {}
+    for name in ("e_m", "e_t", "e_t3"):
+        head = getattr(models, name)
+        if head is not None:
+            mask = head.draft_vocab_mask()
+            out[name] = 0 if mask is None else int((~mask[torch.tensor(tokens, device=mask.device)]).sum())
+    return out
 
 
 VARIANTS = ("drawn", "partly-seeded", "seeded")
@@ -226,10 +267,13 @@ def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: 
     registry = _Registry(SuccessorTable(len(prompt) + base.max_new_tokens + cache_margin(base) + 64,
                                         models.target.device))
     steer_model(models.intermediate, registry)
-    steer_head(models.e_m, registry)
-    steer_head(models.e_t, registry)
+    for head in (models.e_m, models.e_t, models.e_t3):
+        if head is not None:
+            steer_head(head, registry)
     want, _ = decode(models, "ar", base, prompt)
-    log(f"AR: {len(want)} tokens")
+    outside = outside_draft_vocab(models, want)
+    log(f"AR: {len(want)} tokens" + "".join(f"; {n} outside {name}'s draft vocabulary"
+                                             for name, n in outside.items() if n))
     runs = []
     for preset in presets:
         s = dataclasses.replace(base, **TREE_PRESETS[preset])
@@ -247,45 +291,61 @@ def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: 
                                   None if len(got) == len(want) else min(len(got), len(want)))
                 row = {"trees": preset, "seeded": seeded, "miss_every": miss, "method": method, "identical": first_diff is None,
                        "first_difference": first_diff, "tokens": len(got), "seconds": secs, **acceptance(steps)}
-                row["steering_miss"] = steering_miss(row)
+                row["steering_miss"] = steering_miss(row, steps)
                 runs.append(row)
                 log(f"{'ok   ' if row['identical'] else 'DIFF '} trees={preset:6s} seeded={int(seeded)} miss={miss} {method:8s} "
                     f"tokens={len(got)} tokens/round={row['tokens_per_round']:.2f} accepted tree nodes="
                     f"{row['accepted_tree_nodes']} full-depth trees={row['full_depth_trees']}/{row['trees_n']} "
-                    f"target accepted={row['target_accepted']} ({secs} s)"
+                    f"target accepted={row['target_accepted']} "
+                    + (f"trees cut by the draft vocabulary={row['undraftable_trees']} "
+                       if row["undraftable_trees"] else "")
+                    + f"({secs} s)"
                     + ("" if row["identical"] else f" first difference at token {first_diff}")
                     + (f" STEERING MISS: {row['steering_miss']}" if row["steering_miss"] else ""))
     registry.table.clear()
     misses = [r for r in runs if r["steering_miss"]]
-    return {"ar_tokens": len(want), "runs": runs, "identical": all(r["identical"] for r in runs),
-            "steering_misses": len(misses), "passed": all(r["identical"] for r in runs) and not misses}
+    return {"ar_tokens": len(want), "ar_tokens_outside_draft_vocab": outside, "runs": runs,
+            "identical": all(r["identical"] for r in runs), "steering_misses": len(misses), "passed": all(r["identical"] for r in runs) and not misses}
 
 
-def steering_miss(row: dict[str, Any]) -> str:
+def steering_miss(row: dict[str, Any], steps: list) -> str:
     """Why a seeded run shows the steering did not reach its drafts ('' when it did). A seeded
-    run that accepts nothing would pass the identity check while proving nothing."""
+    run that accepts nothing would pass the identity check while proving nothing.
+
+    A tree cut by a token outside its head's draft vocabulary (marked undraftable) accepts less
+    however well steered. So no accepted tree node, or no draft token the target accepted, is a
+    miss only where some tree, or some round's target-verified tree, was not cut; the tokens per
+    round of a fully seeded run are judged over the rounds whose target-verified tree was not cut
+    (HierSpec's trees are verified by M, and its draft to T goes on past a cut tree). With the full
+    vocabulary that is every tree and round; where every one was cut there is nothing to judge."""
     if not row["seeded"] or row["tokens"] < 8:
         return ""
-    if row["method"] != "spec" and row["accepted_tree_nodes"] == 0:
+    rounds = steps[1:-1]     # the last round drafts past the end of AR's continuation: nothing seeded there
+    judged = [st for st in rounds if not any(t.undraftable and t.verifier == "target" for t in st.trees)]
+    total = _tally(rounds)
+    some_tree_uncut = total["undraftable_trees"] < total["trees_n"]
+    if row["method"] != "spec" and total["accepted_tree_nodes"] == 0 and some_tree_uncut:
         return "no tree node accepted"
-    if row["target_accepted"] == 0:
+    if judged and total["target_accepted"] == 0:
         return "the target accepted no draft token"
-    if not row["miss_every"] and row["tokens_per_round"] <= 2:
-        return f"{row['tokens_per_round']:.2f} tokens per round with every draft seeded (needs > 2)"
+    per_round = _tally(judged)["tokens_per_round"]
+    if not row["miss_every"] and judged and per_round <= 2:
+        return f"{per_round:.2f} tokens per round with every draft seeded (needs > 2)"
     return ""
 
 
 def markdown(info: dict[str, Any]) -> str:
     lines = [f"# What-if --exact: {info['shapes']['target']} / {info['shapes']['intermediate']} on "
-             f"{info['machine'].get('gpu', 'CPU')}, {info['settings']['max_new_tokens']} tokens",
+             f"{info['machine'].get('gpu', 'CPU')}, {info['settings']['max_new_tokens']} tokens, "
+             f"{HEAD_NAMES[info['head']]} heads drafting over {info['draft_vocab']} tokens",
              "", "| trees | drafts | method | identical to AR | tokens/round | accepted tree nodes | full-depth trees | "
-             "target accepted |", "|---|---|---|---|---|---|---|---|"]
+             "target accepted | trees cut by the draft vocabulary |", "|---|---|---|---|---|---|---|---|---|"]
     for r in info["runs"]:
         lines.append(f"| {r['trees']} | {_drafts(r)} | {r['method']} | "
                      f"{'yes' if r['identical'] else 'NO (token %s)' % r['first_difference']}"
                      f"{' (steering miss: %s)' % r['steering_miss'] if r.get('steering_miss') else ''} | "
                      f"{r['tokens_per_round']:.2f} | {r['accepted_tree_nodes']} | {r['full_depth_trees']}/{r['trees_n']} | "
-                     f"{r['target_accepted']} |")
+                     f"{r['target_accepted']} | {r['undraftable_trees']} |")
     return "\n".join(lines)
 
 

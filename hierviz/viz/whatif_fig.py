@@ -19,10 +19,10 @@ import plotly.graph_objects as go
 from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, esc, method_label
 
 LABEL = "projected with replayed acceptance"   # == hierviz.whatif.LABEL (kept import-free of torch)
-METHOD_ORDER = ("ar", "spec", "eagle2", "hierspec")
+METHOD_ORDER = ("ar", "spec", "eagle2", "eagle3", "hierspec")
 # the roles' hues where they mean the same (HierSpec teal as accepted trees, EAGLE-2 orange as T,
 # sequence spec. lavender as M drafting alone); distinct under simulated colour blindness
-METHOD_COLORS = {"ar": "#333333", "spec": "#B286E9", "eagle2": "#C96A00", "hierspec": "#297B7A"}
+METHOD_COLORS = {"ar": "#333333", "spec": "#B286E9", "eagle2": "#C96A00", "eagle3": "#7A3E00", "hierspec": "#297B7A"}
 LABEL_TEXT_COLOR = "#1F2937"   # winner labels: the star carries the colour, the text stays readable
 STAGE_ORDER = ("draft", "intermediate_verify", "target_verify", "overhead")
 
