@@ -138,7 +138,8 @@ def retime_trace(trace: Trace, costs: Optional[CostModel] = None) -> Trace:
     Its meta says so ("time_scale", "retimed_on"), so every view of it can label it projected."""
     costs = costs or real_scale_costs()
     steps = [replace(s, timings_ms=step_cost_ms(s, costs)) for s in trace.steps]
-    meta = {**trace.meta, "time_scale": RETIMED, "retimed_on": costs.label(), "measured_device": trace.meta.get("device")}
+    meta = {**trace.meta, "time_scale": RETIMED, "retimed_on": costs.label(), "measured_device": trace.meta.get("device"),
+            "measured_gpu": trace.meta.get("gpu")}
     return replace(trace, meta=meta, steps=steps, prefill_ms=0.0)
 
 

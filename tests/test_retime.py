@@ -187,6 +187,7 @@ def test_speed_line_says_where_and_labels_projections() -> None:
                            for ts in (MEASURED, RETIMED))
     assert "as measured on NVIDIA H200" in measured and "projected" not in measured.split("<table")[0].split("What-if")[0]
     assert "re-timed at real scale, projected" in projected and "tokens / s (projected)" in projected
+    assert "accept decisions as measured on NVIDIA H200" in projected      # where the tokens come from
     for page in (measured, projected):
         assert "launch-bound" in page and "55 %" in page and "What-if" in page
     headline = whatif_headline()

@@ -323,7 +323,7 @@ def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = 
     line = "HierSpec is " + " · ".join(speed_phrase(r.speedup, r.other, repeats.get(r.other)) for r in ratios)
     if time_scale == RETIMED:
         where = (f're-timed at real scale, <b>projected</b>: {esc(str(meta.get("retimed_on", "")))}, the same '
-                 f'tokens and accept decisions as measured on {esc(where_measured({"device": meta.get("measured_device")}))}')
+                 f'tokens and accept decisions as measured on {esc(where_measured({"device": meta.get("measured_device"), "gpu": meta.get("measured_gpu")}))}')
     else:
         where = f"as measured on {esc(where_measured(meta))}"
     k = max((len(v) for v in repeats.values()), default=0)
