@@ -281,3 +281,14 @@ def test_hierspec_intermediate_cache_is_the_accepted_text(which, request):
                 break
     gen.close()
     assert rounds >= 8
+
+
+def test_the_eagle3_tree_preset_decodes_losslessly(stack):
+    """SafeAILab's EAGLE-3 tree settings (8 levels of 10, 59 nodes) on the tiny stack's EAGLE-3
+    head: the deepest trees any preset drafts still fit the caches and reproduce AR."""
+    from hierviz.decoding.settings import TREE_PRESETS
+    s = DecodeSettings(max_new_tokens=24, **TREE_PRESETS["eagle3"])
+    want = output_tokens(generate(stack, "ar", "deep trees", s))
+    tr = generate(stack, "eagle3", "deep trees", s)
+    assert output_tokens(tr) == want
+    assert max(len(t.nodes) for step in tr.steps for t in step.trees) == 59

@@ -71,10 +71,14 @@ CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_depth": 5, 
 # `total_token` (S = total_token - 1) and drafts `depth + 1` levels (D = depth + 1); SpecMQuant's
 # scripts count the root in their tree sizes and draft `num_iter` levels.
 #   eagle2:        SafeAILab EAGLE-2 defaults, depth 5 / total_token 60 / top_k 10 -> D 6, S 59, K 10
+#   eagle3:        SafeAILab EAGLE-3 defaults (EaModel.from_pretrained with use_eagle3), depth 7 /
+#                  total_token 60 / top_k 10 -> D 8, S 59, K 10 (E_M as in eagle2)
 #   paper:         SpecMQuant's HierSpec run (E_M: num_iter 3, topk 10, tree size 30 -> D 3, S 29;
 #                  min draft length 6) and its EAGLE-2 baseline on the 70B (3 / 10 / 24 -> D 3, S 23)
 TREE_PRESETS: dict[str, dict[str, int]] = {
     "eagle2": {"t_depth": 6, "t_topk": 10, "t_tree_size": 59, "m_depth": 3, "m_topk": 10, "m_tree_size": 29,
+               "min_draft_len": 6},
+    "eagle3": {"t_depth": 8, "t_topk": 10, "t_tree_size": 59, "m_depth": 3, "m_topk": 10, "m_tree_size": 29,
                "min_draft_len": 6},
     "paper": {"t_depth": 3, "t_topk": 10, "t_tree_size": 23, "m_depth": 3, "m_topk": 10, "m_tree_size": 29,
               "min_draft_len": 6},
