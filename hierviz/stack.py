@@ -29,7 +29,7 @@ import torch
 
 from hierviz import memory
 from hierviz.config import options
-from hierviz.decoding.decoders import COMPARISON_ORDER, METHOD_NEEDS, Models
+from hierviz.decoding.decoders import Models, comparison_having
 from hierviz.models.config import ModelConfigError
 from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, Drafter, head_type_of, load_head
 from hierviz.models.llama import Transformer, WeightsError
@@ -207,10 +207,10 @@ def stack_comparison(name_or_path: Optional[str] = None) -> list[str]:
     """The methods a comparison runs on a stack (COMPARISON_ORDER), read from its file without
     loading a model: the app names them before the load."""
     name_or_path = name_or_path or DEFAULT_STACK
-    if name_or_path in TINY_STACKS:
-        return [m for m in COMPARISON_ORDER if m != "eagle3" or TINY_STACKS[name_or_path]]
+    if name_or_path in TINY_STACKS:        # every part but, without its flag, the EAGLE-3 head
+        return comparison_having(lambda part: part != "e_t3" or TINY_STACKS[name_or_path])
     spec, _ = read_spec(name_or_path)
-    return [m for m in COMPARISON_ORDER if all(part == "target" or spec.get(part) for part in METHOD_NEEDS[m])]
+    return comparison_having(lambda part: bool(spec.get(part)))
 
 
 def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
@@ -241,7 +241,8 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         if spec.get("e_m") and inter is None:
             raise StackError("e_m needs an intermediate model in the stack")
         bases = {"target": target, "intermediate": inter}
-        e_m, e_t, e_t3 = (_load_head(key, spec.get(key), base, bases[role]) for key, (role, _) in HEAD_SLOTS.items())
+        heads = [_load_head(key, spec.get(key), base, bases[role]) for key, (role, _) in HEAD_SLOTS.items()]
+        e_m, e_t, e_t3 = heads
         tok_src = resolve_path(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
     except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
@@ -268,9 +269,8 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
             inter.restrict_output_vocab(ids)
     meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
-            "e_m": (spec.get("e_m") or {}).get("path"), "e_t": (spec.get("e_t") or {}).get("path"),
-            "e_t3": (spec.get("e_t3") or {}).get("path"),
-            "head_types": {k: h.head_type for k, h in (("e_m", e_m), ("e_t", e_t), ("e_t3", e_t3)) if h is not None},
+            **{key: (spec.get(key) or {}).get("path") for key in HEAD_SLOTS},
+            "head_types": {key: h.head_type for key, h in zip(HEAD_SLOTS, heads) if h is not None},
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
             "intermediate_w4_kernel": m_kernel if inter is not None else None,
             "target_batch_invariant": target.batch_invariant,

@@ -21,7 +21,7 @@ from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, for
                                      verify_tree_sampling)
 from hierviz.models.drafter import Drafter
 from hierviz.models.llama import Transformer
-from hierviz.trace import DraftTree, SeqToken, Step, TreeNode
+from hierviz.trace import DraftTree, SeqToken, Step, TreeNode, tree_rejected
 
 
 @dataclass
@@ -49,7 +49,12 @@ COMPARISON_ORDER = ("hierspec", "eagle2", "eagle3", "ar")   # a comparison's run
 
 def comparison_methods(models: Models) -> list[str]:
     """The methods a side-by-side comparison runs on this stack, in COMPARISON_ORDER."""
-    return [m for m in COMPARISON_ORDER if not models.missing(m)]
+    return comparison_having(lambda part: getattr(models, part) is not None)
+
+
+def comparison_having(has: Callable[[str], bool]) -> list[str]:
+    """The methods of COMPARISON_ORDER whose every part (METHOD_NEEDS) `has` says is there."""
+    return [m for m in COMPARISON_ORDER if all(has(part) for part in METHOD_NEEDS[m])]
 
 
 PART_NAMES = {"intermediate": "intermediate model", "e_m": "draft head on the intermediate (E_M)",
@@ -122,11 +127,9 @@ def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text:
     lies outside the head's draft vocabulary, which no tree could have held."""
     nodes = [TreeNode(i + 1, t, text(t), p + 1, d, s, lp)
              for i, (t, p, d, s, lp) in enumerate(zip(tree.tokens, tree.parents, tree.depths, tree.scores, tree.logprobs))]
-    last = path[-1] if path else -1
-    rejected = last in tree.parents         # the verifier turned down every child of its last node
-    undraftable = rejected and draftable is not None and not draftable[bonus]
-    return DraftTree(tree.root, text(tree.root), nodes, [i + 1 for i in path], bonus, text(bonus), verifier,
-                     undraftable)
+    out = DraftTree(tree.root, text(tree.root), nodes, [i + 1 for i in path], bonus, text(bonus), verifier)
+    out.undraftable = draftable is not None and not draftable[bonus] and tree_rejected(out)
+    return out
 
 
 def _step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,

@@ -116,8 +116,7 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpEagle3Head:
     """A synthetic EAGLE-3 head on `base`, sharpened, with `base` handing out its feature rows."""
-    head = synthetic_eagle3_head(base, seed, draft_vocab, eagle3_feature_layers(base.cfg.num_layers))
-    head.__class__ = SharpEagle3Head   # synthetic_eagle3_head builds an Eagle3Head; the subclass adds no state
+    head = synthetic_eagle3_head(base, seed, draft_vocab, eagle3_feature_layers(base.cfg.num_layers), SharpEagle3Head)
     base.add_feature_layers(head.feature_layers)
     return head
 

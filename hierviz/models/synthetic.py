@@ -182,7 +182,8 @@ class CheckpointWeights:
 
 
 def synthetic_eagle3_head(base: Transformer, seed: int, draft_vocab_size: int | None = None,
-                          feature_layers: tuple[int, ...] | None = None) -> Eagle3Head:
+                          feature_layers: tuple[int, ...] | None = None,
+                          head_class: type[Eagle3Head] = Eagle3Head) -> Eagle3Head:
     """A random EAGLE-3 head over `base` at its shapes (tests; what-if at real shapes): fc over the
     base's `feature_layers` (default: the EAGLE-3 default layers), the midlayer (attention input
     2H), norms of 1, its own LM head; with draft_vocab_size, a reduced draft vocabulary: a random
@@ -215,4 +216,4 @@ def synthetic_eagle3_head(base: Transformer, seed: int, draft_vocab_size: int | 
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         w["t2d"] = t2d
-    return Eagle3Head(cfg, w, base, tuple(layers), draft_vocab_size=vd)
+    return head_class(cfg, w, base, tuple(layers), draft_vocab_size=vd)
