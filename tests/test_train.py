@@ -41,13 +41,18 @@ def trained(tmp_path_factory):
     qs = ["--questions", *map(str, QUESTIONS)]
     assert data.main(["--target", str(target), "--tokenizer", "byte", "--out", str(d / "data.pt"), "--num-prompts", "24",
                       "--max-new-tokens", "12", "--batch-size", "12", "--heldout-every", "4", "--device", "cpu",
-                      "--draft-vocab", "64", *qs]) == 0
+                      "--draft-vocab", "64", "--draft-vocab-out", str(d / "draft_vocab.json"), *qs]) == 0
     assert distill.main(["--target", str(target), "--data", str(d / "data.pt"), "--out", str(d / "M"), "--layers", "2",
                          "--steps", "4", "--batch-tokens", "512", "--group-size", "32", "--calib-samples", "6",
                          "--top1-weight", "0.5", "--device", "cpu"]) == 0
     assert eagle_train.main(["--target", str(target), "--intermediate", str(d / "M"), "--data", str(d / "data.pt"),
                              "--out-t", str(d / "E_T"), "--out-m", str(d / "E_M"), "--steps", "4", "--batch-tokens",
                              "512", "--device", "cpu", "--report", str(d / "eagle.json")]) == 0
+    assert eagle_train.main(["--head-type", "eagle3", "--target", str(target), "--intermediate", str(d / "M"),
+                             "--data", str(d / "data.pt"), "--out-t", str(d / "E_T3"), "--out-m", str(d / "E_M3"),
+                             "--draft-vocab", str(d / "draft_vocab.json"), "--draft-vocab-size", "48",
+                             "--ttt-steps", "3", "--head-intermediate-size", "96", "--steps", "4",
+                             "--batch-tokens", "512", "--device", "cpu", "--report", str(d / "eagle3.json")]) == 0
     return d
 
 
@@ -213,6 +218,17 @@ def test_pipeline_in_two_calls(tmp_path):
     assert "stages: distill heads" in log and log.count("stages:") == 2
     assert json.loads((out / "distill.json").read_text())["init"] == second["INIT"]
     assert (work / "smollm2-m2-eagle" / "model.safetensors").is_file()
+    # a third call trains EAGLE-3 heads on a given M (as for the shipped one)
+    third = {"STAGES": "heads", "HEAD_TYPE": "eagle3", "TTT": "2", "DV_T": "24", "DV_M": "16", "HEAD_INTER": "64",
+             "INTERMEDIATE": str(work / "smollm2-m2-gptq")}
+    p = subprocess.run(["bash", str(script), str(target), "byte", str(work), str(out)], cwd=root,
+                       env={**env, **third}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = json.loads((out / "eagle.json").read_text())
+    assert rep["head_type"] == "eagle3" and rep["intermediate"] == third["INTERMEDIATE"]
+    for name, vocab in (("smollm2-eagle3-t", 24), ("smollm2-m2-eagle3", 16)):
+        cfg = json.loads((work / name / "config.json").read_text())
+        assert cfg["draft_vocab_size"] == vocab and cfg["transformer_layer_config"]["intermediate_size"] == 64
 
 
 def _hf_greedy(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
@@ -293,3 +309,72 @@ def test_instruct_stage(tmp_path, monkeypatch):
     answered = sum(v for k, v in cats.items() if k.startswith("instruct-") and not k.startswith("instruct-ask-"))
     assert answered == info["answered_prompts"] > 0
     assert len(d) == 6 + 10 + answered
+
+
+def test_eagle3_heads_draft_in_the_engine_as_training_unrolled_them(trained):
+    """An EAGLE-3 head written by `train eagle --head-type eagle3` loads through the engine's loader,
+    and the engine, drafting a chain through its KV cache as a tree does (own output fed back, one
+    position further each depth), gives the training head's unrolled steps: training-time test's
+    mask and positions are the tree's."""
+    from safetensors.torch import load_file
+    from hierviz.models.eagle3 import canonical_names, load_eagle3_head
+    from hierviz.models.llama import Transformer
+    from hierviz.models.loading import load_weights
+    from hierviz.train.common import with_shared_embeddings
+    from hierviz.train.eagle3_train import Eagle3TrainHead
+    from hierviz.train.eagle_train import _Base
+    from hierviz.train.common import build_hf, load_base
+    t_cfg, t_w = load_base(trained / "target")
+    for name, base_dir in (("E_T3", trained / "target"), ("E_M3", trained / "M")):
+        cfg_e, w_e, _ = load_weights(base_dir)
+        if name == "E_M3":
+            cfg_raw, w_raw = load_base(base_dir)
+            w_raw = with_shared_embeddings(w_raw, t_w)
+            _, t_w_e, _ = load_weights(trained / "target")
+            w_e = dict(w_e, **{k: t_w_e[k] for k in ("model.embed_tokens.weight",) if k not in w_e})
+        else:
+            cfg_raw, w_raw = t_cfg, t_w
+        engine_base = Transformer(cfg_e, w_e)
+        head = load_eagle3_head(trained / name, engine_base)
+        engine_base.add_feature_layers(head.feature_layers)
+        assert head.draft_vocab_size == 48 and head.cfg.intermediate_size == 96
+        assert bool(head.draft_vocab_mask()[2])                     # end-of-sequence stays draftable
+        raw = load_file(str(trained / name / "model.safetensors"))
+        from hierviz.train.eagle3_train import feature_layers_for, head_config
+        ids = torch.arange(raw["d2t"].numel()) + raw["d2t"]
+        th = Eagle3TrainHead(head_config(cfg_raw, cfg_raw["vocab_size"], 96), ids, feature_layers_for(
+            cfg_raw["num_hidden_layers"]), cfg_raw["hidden_size"])
+        th.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in canonical_names(raw).items()})
+        assert th.feature_layers == head.feature_layers
+        hf = _Base("base", build_hf(cfg_raw, w_raw, torch.device("cpu")).eval())
+        x = torch.randint(3, 259, (1, 14), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            feats, _ = hf.hidden_at(x, th.feature_layers)
+            steps = th.unroll(hf.embed, x, feats, 3)
+            rows = engine_base(x[0], torch.arange(14))
+            g = head.project_features(rows[:-1])
+            torch.testing.assert_close(g, th.fc(feats[0, :-1]), rtol=1e-4, atol=1e-4)
+            t = 8
+            cache = head.new_cache(32)
+            out = head(x[0, 1:t + 2], g[:t + 1], torch.arange(t + 1), cache)
+            chain = [out[-1]]
+            for s in (1, 2):
+                nxt = head(x[0, t + s + 1:t + s + 2], chain[-1][None], torch.tensor([t + s]), cache)
+                chain.append(nxt[0])
+            for s in range(3):
+                torch.testing.assert_close(chain[s], steps[s][0, t], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out, steps[0][0, :t + 1], rtol=1e-4, atol=1e-4)
+    rep = json.loads((trained / "eagle3.json").read_text())
+    assert rep["head_type"] == "eagle3" and rep["ttt_steps"] == 3
+    assert len(rep["heads"]["e_m"]["heldout_top1_by_depth"]["greedy"]) == 3
+
+
+def test_eagle3_draft_vocabulary_keeps_its_size_and_the_end_token(tmp_path):
+    from hierviz.train.eagle3_train import read_draft_vocab
+    f = tmp_path / "v.json"
+    f.write_text(json.dumps([7, 3, 9, 4, 11]))
+    assert read_draft_vocab(str(f), 3, 20, [2]).tolist() == [2, 3, 7]     # 9 gave way to the end token
+    assert read_draft_vocab(str(f), None, 20, [3]).tolist() == [3, 4, 7, 9, 11]
+    assert read_draft_vocab(None, None, 5, [2]).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(SystemExit, match="outside"):
+        read_draft_vocab(str(f), None, 10, [])

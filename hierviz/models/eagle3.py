@@ -288,7 +288,7 @@ def _feature_layers_of(raw: dict[str, Any], layout: str, num_layers: int) -> tup
     return default_feature_layers(num_layers)
 
 
-def _canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def canonical_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint names -> canonical ones: no "model." prefix, the layer under "midlayer."."""
     out = {}
     for k, v in weights.items():
@@ -320,7 +320,7 @@ def load_eagle3_head(folder: PathLike, base: Transformer) -> Eagle3Head:
     raw = read_config_json(folder)
     layout = _layout_of(raw)
     cfg, layer_raw = _head_config(raw, layout)
-    weights = _canonical_names(load_state_dict_folder(folder))   # .bin: weights_only
+    weights = canonical_names(load_state_dict_folder(folder))   # .bin: weights_only
     for key in ("fc.weight", "lm_head.weight", *(f"{LAYER_PREFIX}.{n}" for n in _LAYER_TENSORS)):
         if key not in weights:
             raise WeightsError(f"{folder} is not a complete EAGLE-3 head ({layout} layout): tensor {key!r} is missing")
@@ -378,40 +378,52 @@ def save_eagle3_head(folder: PathLike, head: Eagle3Head, layout: str = "safeaila
     """Write `head` as `layout` stores it: config.json plus pytorch_model.bin (safeailab's published
     format) or model.safetensors (fmt "bin" / "safetensors" overrides). d2t is int64, t2d bool.
     verifier: the base model's name for speculators' config."""
+    base = head.base
+    return write_eagle3_checkpoint(folder, head.state_dict_canonical(), head.cfg, head.dtype, head.feature_layers,
+                                   base.cfg.num_layers, base.cfg.hidden_size, layout, fmt, verifier,
+                                   norm_before_residual=head.norm_before_residual)
+
+
+def write_eagle3_checkpoint(folder: PathLike, tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
+                            feature_layers: tuple[int, ...], base_num_layers: int, base_hidden_size: int,
+                            layout: str = "safeailab", fmt: Optional[str] = None, verifier: Optional[str] = None,
+                            norm_before_residual: bool = False) -> Path:
+    """Write an EAGLE-3 head given by its canonical tensors (Eagle3Head.state_dict_canonical's names,
+    d2t and t2d included) and its layer config, as `layout` stores it (see save_eagle3_head); the
+    training command writes its heads through here too."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown EAGLE-3 layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     folder = Path(folder)
-    base = head.base
-    tensors = head.state_dict_canonical()
     extras = [k for k in ("fc.bias", "input_norm.weight") if k in tensors]
-    if head.norm_before_residual:
+    if norm_before_residual:
         extras.append("norm_before_residual")
     if layout != "speculators" and extras:
         raise ModelConfigError(f"the {layout} layout cannot record {', '.join(extras)}: write this head as speculators")
-    ids = [int(i) for i in head.feature_layers]
-    cfg = _llama_config(head.cfg, head.dtype)
+    ids = [int(i) for i in feature_layers]
+    draft_vocab_size = int(tensors["lm_head.weight"].shape[0])
+    config_llama = _llama_config(cfg, dtype)
     if layout == "safeailab":
         # SafeAILab's config has no aux layer key: its heads read the default layers
-        if tuple(ids) != default_feature_layers(base.cfg.num_layers):
+        if tuple(ids) != default_feature_layers(base_num_layers):
             raise ModelConfigError(f"the safeailab layout cannot record feature layers {ids} (it always reads "
-                                   f"{list(default_feature_layers(base.cfg.num_layers))}): write specforge or speculators")
-        config = dict(cfg, draft_vocab_size=head.draft_vocab_size)
+                                   f"{list(default_feature_layers(base_num_layers))}): write specforge or speculators")
+        config = dict(config_llama, draft_vocab_size=draft_vocab_size)
     elif layout == "specforge":
         if "embed_tokens.weight" in tensors:
             raise ModelConfigError("the specforge layout stores no embedding (SGLang uses the target's): this head "
                                    "has its own; write safeailab or speculators")
-        config = dict(cfg, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=head.draft_vocab_size,
+        config = dict(config_llama, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab_size,
                       eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
                                     "use_aux_hidden_state": True})
-        if head.cfg.hidden_size != base.cfg.hidden_size:
-            config["target_hidden_size"] = base.cfg.hidden_size
+        if cfg.hidden_size != base_hidden_size:
+            config["target_hidden_size"] = base_hidden_size
     else:
-        layer_cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "use_cache")}
+        layer_cfg = {k: v for k, v in config_llama.items() if k not in ("architectures", "torch_dtype", "use_cache")}
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                  "transformer_layer_config": layer_cfg, "draft_vocab_size": head.draft_vocab_size,
-                  "norm_before_residual": head.norm_before_residual,
+                  "transformer_layer_config": layer_cfg, "draft_vocab_size": draft_vocab_size,
+                  "norm_before_residual": norm_before_residual,
                   "norm_before_fc": "input_norm.weight" in tensors,
-                  "target_hidden_size": base.cfg.hidden_size if head.cfg.hidden_size != base.cfg.hidden_size else None,
+                  "target_hidden_size": base_hidden_size if cfg.hidden_size != base_hidden_size else None,
                   "eagle_aux_hidden_state_layer_ids": ids,
                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],

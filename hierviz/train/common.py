@@ -111,9 +111,18 @@ def copy_into(module: torch.nn.Module, weights: dict[str, torch.Tensor], what: s
                 own[k].copy_(weights[k].to(own[k].dtype))
 
 
+def _llama_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The LLAMA_KEYS a config sets; rope_theta read from transformers 5's rope_parameters too."""
+    kw = {k: cfg[k] for k in LLAMA_KEYS if k in cfg and cfg[k] is not None}
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in kw and "rope_theta" in rope:
+        kw["rope_theta"] = rope["rope_theta"]
+    return kw
+
+
 def llama_config(cfg: dict[str, Any], **overrides: Any):
     from transformers import LlamaConfig
-    kw = {k: cfg[k] for k in LLAMA_KEYS if k in cfg and cfg[k] is not None}
+    kw = _llama_keys(cfg)
     kw.update(overrides)
     c = LlamaConfig(**kw)
     c._attn_implementation = "sdpa"
@@ -139,7 +148,7 @@ def build_hf(cfg: dict[str, Any], weights: dict[str, torch.Tensor], device: torc
 def hf_config_dict(cfg: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """A clean config.json dict (Llama) derived from a base config."""
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    out.update({k: cfg[k] for k in LLAMA_KEYS if k in cfg and cfg[k] is not None})
+    out.update(_llama_keys(cfg))
     out.update(overrides)
     return out
 

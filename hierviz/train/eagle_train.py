@@ -1,7 +1,11 @@
-"""Train EAGLE-1/2 draft heads: E_T on the target's features, E_M on the intermediate's.
+"""Train draft heads: E_T on the target's features, E_M on the intermediate's.
 
     python -m hierviz train eagle --target T.gguf --intermediate M_DIR --data data.pt \
-        --out-t E_T_DIR --out-m E_M_DIR --steps 3000 --time-budget 150
+        --out-t E_T_DIR --out-m E_M_DIR --steps 3000 --time-budget 150 [--head-type eagle3 ...]
+
+One loop trains either head type; each type brings its head, loss, held-out check and writer
+(Eagle2Trainer here; hierviz.train.eagle3_train.Eagle3Trainer for EAGLE-3 with training-time
+test). EAGLE-1/2:
 
 A head is one Llama decoder layer without input norm, fed fc(cat(embed(token_{t+1}), feature_t))
 at position t, where feature_t is the base model's last hidden state after its final norm; its
@@ -146,6 +150,28 @@ class _Base:
     def lm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(h)
 
+    def lm_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.model.model.norm.weight
+
+    @torch.no_grad()
+    def hidden_at(self, x: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual rows entering each of `layers`, concatenated [B, L, len(layers) * H], the
+        final normed hidden state [B, L, H]): what an EAGLE-3 head reads, numbered as the engine's
+        Transformer.add_feature_layers numbers them."""
+        rows: dict[int, torch.Tensor] = {}
+        hooks = [self.model.model.layers[i].register_forward_pre_hook(
+            lambda _m, args, kw, i=i: rows.__setitem__(i, (args[0] if args else kw["hidden_states"])), with_kwargs=True)
+            for i in layers]
+        try:
+            last = self.model.model(input_ids=x).last_hidden_state
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.cat([rows[i] for i in layers], -1), last
+
 
 def head_loss(head: EagleTrainHead, base: _Base, x: torch.Tensor, m: torch.Tensor, feats: torch.Tensor,
               noise: float, p_w: float, device) -> tuple[torch.Tensor, dict]:
@@ -171,32 +197,77 @@ def head_loss(head: EagleTrainHead, base: _Base, x: torch.Tensor, m: torch.Tenso
 
 @torch.no_grad()
 def head_accuracy(head: EagleTrainHead, base: _Base, data: TokenData, idx: list[int], device, max_len: int,
-                  batch_tokens: int, depths: int = 3) -> Optional[list[float]]:
+                  batch_tokens: int, depths: int = 3, trainer: Optional["Eagle2Trainer"] = None) -> Optional[list[float]]:
     """Top-1 accuracy vs the base's argmax at depths 1..depths on held-out samples (all positions).
-    Depth k feeds the head's own depth-(k-1) predictions back as features (tokens stay true)."""
+    Depth k feeds the head's own depth-(k-1) outputs back as features (tokens stay true)."""
     if not idx:
         return None
+    trainer = trainer or Eagle2Trainer(None)
     hits, tots = [0] * depths, [0] * depths
     head.eval()
     for x, lens, _ in batches(data, idx, batch_tokens, max_len, seed=0, loop=False):
         x = x.to(device)
         m = valid_mask(lens, x.shape[1], device)
         with autocast(device):
-            feats = base.features(x)
-            emb = base.embed(x[:, 1:])
-            want = base.lm(feats[:, 1:]).argmax(-1)
-            f_in = feats[:, :-1]
-            pair = m[:, 1:].clone()
-            for d in range(depths):
-                pred = head(emb, f_in)
-                got = base.lm(pred).argmax(-1)
-                ok = pair.clone()
-                ok[:, :d] = False                      # depth d needs d earlier predictions
-                hits[d] += int(((got == want) & ok).sum())
-                tots[d] += int(ok.sum())
-                f_in = torch.cat((feats[:, :1], pred[:, :-1].to(feats.dtype)), 1)
+            h, t = trainer.depth_hits(head, base, x, m, depths)
+        hits = [a + b for a, b in zip(hits, h)]
+        tots = [a + b for a, b in zip(tots, t)]
     head.train()
     return [round(h / max(t, 1), 4) for h, t in zip(hits, tots)]
+
+
+class Eagle2Trainer:
+    """The EAGLE-1/2 head type for the training loop: head, loss, held-out hits, writer."""
+
+    head_type = "eagle2"
+
+    def __init__(self, a: Optional[argparse.Namespace]) -> None:
+        self.a = a
+
+    def make(self, base: _Base, cfg: dict, device: torch.device) -> EagleTrainHead:
+        return EagleTrainHead(cfg, bias=not self.a.no_bias).to(device)
+
+    def init(self, head: EagleTrainHead, folder: str | Path) -> None:
+        init_head(head, folder)
+
+    def loss(self, head: EagleTrainHead, base: _Base, x: torch.Tensor, m: torch.Tensor, device) -> tuple[torch.Tensor, dict]:
+        with autocast(device):
+            feats = base.features(x)
+        return head_loss(head, base, x, m, feats, self.a.noise, self.a.p_w, device)
+
+    @torch.no_grad()
+    def depth_hits(self, head: EagleTrainHead, base: _Base, x: torch.Tensor, m: torch.Tensor,
+                   depths: int) -> tuple[list[int], list[int]]:
+        feats = base.features(x)
+        emb = base.embed(x[:, 1:])
+        want = base.lm(feats[:, 1:]).argmax(-1)
+        f_in = feats[:, :-1]
+        pair = m[:, 1:]
+        hits, tots = [], []
+        for d in range(depths):
+            pred = head(emb, f_in)
+            got = base.lm(pred).argmax(-1)
+            ok = pair.clone()
+            ok[:, :d] = False                      # depth d needs d earlier predictions
+            hits.append(int(((got == want) & ok).sum()))
+            tots.append(int(ok.sum()))
+            f_in = torch.cat((feats[:, :1], pred[:, :-1].to(feats.dtype)), 1)
+        return hits, tots
+
+    def save(self, head: EagleTrainHead, folder: str | Path, base_cfg: dict, extra: dict) -> Path:
+        return save_head(head, folder, base_cfg, extra)
+
+    @staticmethod
+    def stats_line(st: dict) -> str:
+        return f"v {st['vloss']:.4f} p {st['ploss']:.3f} acc {st['acc']:.3f}"
+
+
+def trainer_for(a: argparse.Namespace):
+    """The head type's trainer (--head-type)."""
+    if a.head_type == "eagle3":
+        from hierviz.train.eagle3_train import Eagle3Trainer
+        return Eagle3Trainer(a)
+    return Eagle2Trainer(a)
 
 
 def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -214,6 +285,17 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--p-w", type=float, default=0.1, help="weight of the token cross-entropy")
     ap.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (x feature std)")
     ap.add_argument("--no-bias", action="store_true")
+    ap.add_argument("--head-type", choices=("eagle2", "eagle3"), default="eagle2",
+                    help="eagle2: EAGLE-1/2 heads (feature regression); eagle3: EAGLE-3 heads (low/middle/high "
+                         "features, own draft vocabulary, training-time test)")
+    ap.add_argument("--ttt-steps", type=int, default=7, help="eagle3: drafting steps unrolled in training")
+    ap.add_argument("--draft-vocab", default=None,
+                    help="eagle3: JSON list of token ids, most frequent first (train data's FR-Spec file); "
+                         "none = the whole vocabulary")
+    ap.add_argument("--draft-vocab-size", type=int, default=None, help="eagle3: keep the first N of --draft-vocab")
+    ap.add_argument("--draft-vocab-size-m", type=int, default=None, help="eagle3: E_M's own N (default: --draft-vocab-size)")
+    ap.add_argument("--head-intermediate-size", type=int, default=None,
+                    help="eagle3: the head's MLP width (default: the base's)")
     ap.add_argument("--init-t", default=None, help="start E_T from this head folder (SafeAILab layout) instead of random")
     ap.add_argument("--init-m", default=None, help="start E_M from this head folder (e.g. the shipped E_M, for a new M)")
     ap.add_argument("--device", default=None)
@@ -224,6 +306,11 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         ap.error("give --out-t and/or --out-m")
     if a.out_m and not a.intermediate:
         ap.error("--out-m needs --intermediate")
+    if a.ttt_steps < 1:
+        ap.error("--ttt-steps must be at least 1")
+    for n in (a.draft_vocab_size, a.draft_vocab_size_m):
+        if n is not None and n < 2:
+            ap.error("a draft vocabulary needs at least 2 tokens")
     return a
 
 
@@ -244,21 +331,21 @@ def _load_bases(a: argparse.Namespace, device: torch.device) -> dict[str, tuple[
     return bases
 
 
-def _make_heads(bases: dict[str, tuple[_Base, dict]], a: argparse.Namespace,
-                device: torch.device) -> tuple[dict[str, EagleTrainHead], dict[str, torch.optim.Optimizer]]:
+def _make_heads(bases: dict[str, tuple[_Base, dict]], a: argparse.Namespace, device: torch.device,
+                trainer) -> tuple[dict[str, torch.nn.Module], dict[str, torch.optim.Optimizer]]:
     heads, opts = {}, {}
-    for k, (_, cfg) in bases.items():
-        heads[k] = EagleTrainHead(cfg, bias=not a.no_bias).to(device)
+    for k, (base, cfg) in bases.items():
+        heads[k] = trainer.make(base, cfg, device)
         init = a.init_t if k == "e_t" else a.init_m
         if init:
-            init_head(heads[k], init)
+            trainer.init(heads[k], init)
         opts[k] = torch.optim.AdamW(heads[k].parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                     fused=device.type == "cuda")
     return heads, opts
 
 
-def _train(heads: dict[str, EagleTrainHead], opts: dict, bases: dict[str, tuple[_Base, dict]], data: TokenData,
-           a: argparse.Namespace, device: torch.device) -> tuple[Progress, dict[str, list], dict[str, dict]]:
+def _train(heads: dict[str, torch.nn.Module], opts: dict, bases: dict[str, tuple[_Base, dict]], data: TokenData,
+           a: argparse.Namespace, device: torch.device, trainer) -> tuple[Progress, dict[str, list], dict[str, dict]]:
     """Train every head on the same batches until the step count or time budget runs out; returns
     the progress, the logged loss figures per head and each head's last ones."""
     prog = Progress(a.steps, a.time_budget)
@@ -271,10 +358,7 @@ def _train(heads: dict[str, EagleTrainHead], opts: dict, bases: dict[str, tuple[
         m = valid_mask(lens, x.shape[1], device)
         scale = prog.lr_scale()
         for k, head in heads.items():
-            base = bases[k][0]
-            with autocast(device):
-                feats = base.features(x)
-            loss, st = head_loss(head, base, x, m, feats, a.noise, a.p_w, device)
+            loss, st = trainer.loss(head, bases[k][0], x, m, device)
             for g in opts[k].param_groups:
                 g["lr"] = a.lr * scale
             opts[k].zero_grad(set_to_none=True)
@@ -286,26 +370,26 @@ def _train(heads: dict[str, EagleTrainHead], opts: dict, bases: dict[str, tuple[
         if prog.step % 50 == 0 or prog.step == 1 or prog.done:
             for k in heads:
                 logs[k].append({"step": prog.step, **{n: round(v, 4) for n, v in last[k].items()}})
-            log(f"eagle step {prog.step} " + " | ".join(
-                f"{k}: v {last[k]['vloss']:.4f} p {last[k]['ploss']:.3f} acc {last[k]['acc']:.3f}" for k in heads)
-                + f" ({time.time() - prog.t0:.0f}s)")
+            log(f"{trainer.head_type} step {prog.step} " + " | ".join(
+                f"{k}: {trainer.stats_line(last[k])}" for k in heads) + f" ({time.time() - prog.t0:.0f}s)")
     return prog, logs, last
 
 
-def _evaluate_and_save(heads: dict[str, EagleTrainHead], bases: dict[str, tuple[_Base, dict]], data: TokenData,
+def _evaluate_and_save(heads: dict[str, torch.nn.Module], bases: dict[str, tuple[_Base, dict]], data: TokenData,
                        a: argparse.Namespace, device: torch.device, prog: Progress, logs: dict[str, list],
-                       last: dict[str, dict]) -> dict[str, dict]:
+                       last: dict[str, dict], trainer) -> dict[str, dict]:
     """Held-out accuracy of each head, written into its saved folder; the report entry per head."""
     out_heads = {}
     for k, head in heads.items():
         base = bases[k][0]
-        acc = {mode: head_accuracy(head, base, data, data.indices("heldout", mode), device, a.max_len, a.batch_tokens)
+        acc = {mode: head_accuracy(head, base, data, data.indices("heldout", mode), device, a.max_len, a.batch_tokens,
+                                   trainer=trainer)
                for mode in ("greedy", "sampled")}
         out = a.out_t if k == "e_t" else a.out_m
         info = {"base": base.name, "steps": prog.step, "final": {n: round(v, 4) for n, v in last.get(k, {}).items()},
                 "heldout_top1_by_depth": acc, "log": logs[k]}
-        save_head(head, out, bases[k][1], {"base": base.name, "steps": prog.step,
-                                           "heldout_top1_by_depth": acc})
+        trainer.save(head, out, bases[k][1], {"base": base.name, "steps": prog.step,
+                                              "heldout_top1_by_depth": acc})
         out_heads[k] = info
         log(f"{k} -> {out}: held-out top-1 by depth {acc}")
     return out_heads
@@ -318,14 +402,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = pick_device(a.device)
     data = TokenData.load(a.data)
     bases = _load_bases(a, device)
-    heads, opts = _make_heads(bases, a, device)
-    log(f"training {list(heads)} on {device} ({time.time() - t0:.1f}s)")
-    prog, logs, last = _train(heads, opts, bases, data, a, device)
+    trainer = trainer_for(a)
+    heads, opts = _make_heads(bases, a, device, trainer)
+    log(f"training {trainer.head_type} heads {list(heads)} on {device} ({time.time() - t0:.1f}s)")
+    prog, logs, last = _train(heads, opts, bases, data, a, device, trainer)
     report = {"command": command_line("hierviz train eagle", argv), "target": str(a.target),
               "intermediate": a.intermediate, "data": str(a.data), "steps": prog.step,
               "seconds_training": round(time.time() - prog.t0, 1), "lr": a.lr, "batch_tokens": a.batch_tokens,
-              "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "heads": {}, "env": env_info(device)}
-    report["heads"] = _evaluate_and_save(heads, bases, data, a, device, prog, logs, last)
+              "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "head_type": a.head_type,
+              "heads": {}, "env": env_info(device)}
+    if a.head_type == "eagle3":
+        report.update(ttt_steps=a.ttt_steps, draft_vocab=a.draft_vocab, draft_vocab_size=a.draft_vocab_size,
+                      draft_vocab_size_m=a.draft_vocab_size_m, head_intermediate_size=a.head_intermediate_size)
+    report["heads"] = _evaluate_and_save(heads, bases, data, a, device, prog, logs, last, trainer)
     report["seconds_total"] = round(time.time() - t0, 1)
     write_json(a.report, report)
     return 0

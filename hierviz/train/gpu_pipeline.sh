@@ -46,12 +46,20 @@ cp "$W/distill.json" "$OUT/"
 tar -C "$W" -cf "$OUT/M.tar" "$MDIR"
 fi
 if has heads; then
-HEAD_OUT="--out-t $W/smollm2-eagle-t --out-m $W/smollm2-m${LAYERS:-8}-eagle ${INIT_M:+--init-m $INIT_M}"
-[ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-eagle ${INIT_M:+--init-m $INIT_M}"
-$PY -m hierviz train eagle --target "$T" --intermediate "$W/$MDIR" --data "$W/data.pt" \
-  $HEAD_OUT --steps "${EAGLE_STEPS:-4000}" --lr "${EAGLE_LR:-6e-4}" \
+# HEAD_TYPE=eagle3: EAGLE-3 heads (training-time test over TTT steps) over DRAFT_VOCAB_FILE's first DV_T
+# (E_T) / DV_M (E_M) tokens, MLP width HEAD_INTER; INTERMEDIATE=M_DIR trains E_M on a given (e.g. the
+# shipped) M instead of this run's
+HT=${HEAD_TYPE:-eagle2}
+SFX=eagle; [ "$HT" = eagle3 ] && SFX=eagle3
+MPATH=${INTERMEDIATE:-$W/$MDIR}
+HEAD_OUT="--out-t $W/smollm2-$SFX-t --out-m $W/smollm2-m${LAYERS:-8}-$SFX ${INIT_M:+--init-m $INIT_M}"
+[ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-$SFX ${INIT_M:+--init-m $INIT_M}"
+E3=""
+[ "$HT" = eagle3 ] && E3="--head-type eagle3 --ttt-steps ${TTT:-7} --draft-vocab ${DRAFT_VOCAB_FILE:-$W/draft_vocab.json} ${DV_T:+--draft-vocab-size $DV_T} ${DV_M:+--draft-vocab-size-m $DV_M} ${HEAD_INTER:+--head-intermediate-size $HEAD_INTER}"
+$PY -m hierviz train eagle --target "$T" --intermediate "$MPATH" --data "$W/data.pt" \
+  $HEAD_OUT $E3 --steps "${EAGLE_STEPS:-4000}" --lr "${EAGLE_LR:-6e-4}" \
   --time-budget "${EAGLE_S:-150}" --batch-tokens "${BATCH_TOKENS:-16384}" --report "$W/eagle.json" || exit 3
 cp "$W/eagle.json" "$OUT/"
-tar -C "$W" -cf "$OUT/heads.tar" $(cd "$W" && ls -d smollm2-eagle-t smollm2-m*-eagle 2>/dev/null)
+tar -C "$W" -cf "$OUT/heads.tar" $(cd "$W" && ls -d smollm2-$SFX-t smollm2-m*-$SFX 2>/dev/null)
 fi
 } 2>&1 | tee -a "$OUT/log.txt"
