@@ -1,6 +1,6 @@
 """The shipped offline default stack (assets/stacks/smollm2-offline.json: SmolLM2 Q4_1 target,
-trained W4 intermediate and EAGLE heads) loads with no network, and HierSpec and EAGLE-2 on it
-reproduce the target's greedy output token for token."""
+trained W4 intermediate, EAGLE-2 heads and an EAGLE-3 head on T) loads with no network, and HierSpec,
+EAGLE-2 and EAGLE-3 on it reproduce the target's greedy output token for token."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,6 +27,10 @@ def test_default_stack_loads_offline(stack):
     assert m.intermediate.embed.data_ptr() == m.target.embed.data_ptr() or \
         bool((m.intermediate.embed == m.target.embed).all())
     assert m.e_m.draft_vocab is not None and m.e_m.draft_vocab.numel() == 8192
+    # E_T3 reads T's layers 2 / 15 / 27 and drafts over the same 8192 FR-Spec tokens as E_T
+    assert m.e_t3.head_type == "eagle3" and m.e_t3.feature_layers == (2, 15, 27)
+    assert set(m.e_t3.draft_ids.tolist()) == set(m.e_t.draft_vocab.tolist())
+    assert stack.meta["head_types"]["e_t3"] == "eagle3"
 
 
 def test_both_models_run_the_int4_kernel_target_batch_invariant(stack):
@@ -59,12 +63,12 @@ def test_shipped_target_verifies_a_tree_bit_for_bit(stack):
 
 
 @pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a haiku about autumn leaves."])
-def test_hierspec_and_eagle2_match_ar(stack, prompt):
+def test_hierspec_eagle2_and_eagle3_match_ar(stack, prompt):
     from hierviz.engine import DecodeSettings, generate, output_tokens
     s = DecodeSettings(max_new_tokens=24)
     ar = output_tokens(generate(stack, "ar", prompt, s))
     assert len(ar) > 0
-    for method in ("eagle2", "hierspec"):
+    for method in ("eagle2", "eagle3", "hierspec"):
         trace = generate(stack, method, prompt, s)
         assert output_tokens(trace) == ar, method
         # T runs once per step, so tau is the answer's length over the step count; above 1, the

@@ -142,9 +142,9 @@ def test_recorded_sweep_table_matches_json(shipped, results):
     rows = _table(table)
     for v in d["verdicts"]:
         e2, hs, ratio, winner = rows[f"{v['scale']:g}"]
-        assert e2 == f"{v['best_eagle2']:.2f}x ({v['best_eagle2_tree_size']})"
+        assert e2 == f"{v['best_tree']:.2f}x ({v['best_tree_size']})"
         assert hs == f"{v['best_hierspec']:.2f}x ({v['best_min_draft_len']})"
-        assert float(ratio.rstrip("x")) == pytest.approx(v["best_hierspec"] / v["best_eagle2"], abs=0.0051)
+        assert float(ratio.rstrip("x")) == pytest.approx(v["best_hierspec"] / v["best_tree"], abs=0.0051)
         assert winner == f"**{'HierSpec' if v['winner'] == 'hierspec' else 'EAGLE-2'}**"
     assert "--sweep-scales 0.8,1.1" in source and " \\\n    --" in source     # wrapped as shell lines
 

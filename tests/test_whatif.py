@@ -108,6 +108,23 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     assert all(v["winner"] in ("eagle2", "hierspec") for v in sw["verdicts"])
     assert sw["label"] == "projected with replayed acceptance"
     assert sw["formats"]["intermediate"].startswith("dense") and sw["stage_sync"] is True   # labelled in the UI
+    assert sw["tree_method"] == "eagle2" and {r["method"] for r in sw["rows"]} == {"eagle2", "hierspec"}
+
+
+def test_sweep_with_eagle3_heads_compares_eagle3_and_hierspec(tmp_path: Path) -> None:
+    """--sweep --head eagle3: T's own tree is EAGLE-3's, HierSpec drafts with an EAGLE-3 E_M; the
+    verdicts, the table and the app's sweep figure name EAGLE-3."""
+    from hierviz.app.whatif_tab import summary_markdown
+    from hierviz.viz.whatif_fig import sweep_figure
+    assert main(FAST + ["--head", "eagle3", "--draft-vocab", "200", "--sweep", "--sweep-scales", "0.5,1.0",
+                        "--sweep-tree-sizes", "12", "--sweep-min-draft", "4", "--max-new-tokens", "10",
+                        "--out", str(tmp_path)]) == 0
+    sw = json.loads((tmp_path / "sweep.json").read_text())
+    assert sw["tree_method"] == "eagle3" and {r["method"] for r in sw["rows"]} == {"eagle3", "hierspec"}
+    assert all(v["winner"] in ("eagle3", "hierspec") and v["best_tree"] > 0 for v in sw["verdicts"])
+    assert "| scale | best EAGLE-3 |" in (tmp_path / "whatif.md").read_text()
+    assert "best EAGLE-3 (tree size)" in summary_markdown(sw)
+    assert any(t.name == "best EAGLE-3" for t in sweep_figure(sw).data)
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -127,7 +144,6 @@ def test_sweep_writes_verdicts(tmp_path: Path) -> None:
     (FAST + ["--sweep", "--acceptance", str(ROOT / "assets/traces/h200-smollm2-python-tips.json")], "--sweep"),
     (FAST + ["--methods", "ar,eagle3"], "method eagle3 drafts with EAGLE-3 heads: it needs --head eagle3"),
     (FAST + ["--head", "eagle3", "--methods", "eagle2,hierspec"], "method eagle2 drafts with EAGLE-2 heads: it needs --head eagle2"),
-    (FAST + ["--head", "eagle3", "--sweep"], "--sweep compares EAGLE-2 and HierSpec: it takes --head eagle2"),
     (FAST + ["--head", "eagle3", "--draft-vocab", "513"], "--draft-vocab must be between 1 and the vocabulary size 512"),
     (FAST + ["--head", "eagle3", "--exact", "--methods", "ar,eagle2"], "it needs --head eagle2"),
 ])

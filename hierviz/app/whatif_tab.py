@@ -121,11 +121,12 @@ def _fmt_x(v: Optional[float]) -> str:
 def summary_markdown(d: dict[str, Any]) -> str:
     """Table of one result: tokens/s, speedup vs AR, tau, ms/token (whatif) or the verdicts (sweep)."""
     if kind(d) == "sweep":
-        lines = ["| scale | best EAGLE-2 (tree size) | best HierSpec (min draft) | HierSpec / EAGLE-2 | winner |",
+        tree_name = method_label(d.get("tree_method", "eagle2"))
+        lines = [f"| scale | best {tree_name} (tree size) | best HierSpec (min draft) | HierSpec / {tree_name} | winner |",
                  "|---|---|---|---|---|"]
         for v in sorted(d["verdicts"], key=lambda v: float(v["scale"])):
-            ratio = v["best_hierspec"] / v["best_eagle2"] if v["best_eagle2"] else None
-            lines.append(f"| {v['scale']:g} | {v['best_eagle2']:.2f}x ({v['best_eagle2_tree_size']}) | "
+            ratio = v["best_hierspec"] / v["best_tree"] if v["best_tree"] else None
+            lines.append(f"| {v['scale']:g} | {v['best_tree']:.2f}x ({v['best_tree_size']}) | "
                          f"{v['best_hierspec']:.2f}x ({v['best_min_draft_len']}) | {_fmt_x(ratio)} | "
                          f"**{method_label(v['winner'])}** |")
         lines += ["", f"Speedups vs AR ({d.get('ar_tokens_per_s', 0):.1f} tokens/s), {LABEL}; scale multiplies "

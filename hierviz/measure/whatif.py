@@ -469,8 +469,6 @@ def _check_args(a: argparse.Namespace, methods: list[str]) -> None:
     if other_head:   # the run builds one head type: T's tree method is the one of --head
         raise WhatIfError(f"method {other_head[0]} drafts with {HEAD_NAMES[other_head[0]]} heads: it needs "
                           f"--head {other_head[0]} (this run's heads are {a.head})")
-    if a.sweep and a.head != "eagle2":
-        raise WhatIfError("--sweep compares EAGLE-2 and HierSpec: it takes --head eagle2")
     if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
         raise WhatIfError("give either --acceptance (a trace) or --acceptance-rates, not both")
     if a.acceptance and a.sweep:
@@ -636,19 +634,20 @@ def _scales(text: str) -> list[float]:
 
 def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: list[int],
               base: dict[str, Any], cache_len: Optional[int] = None) -> dict[str, Any]:
-    """AR once; EAGLE-2 per (scale, E_T tree size); HierSpec per (scale, min draft length); each
-    the median of --repeat runs."""
+    """AR once; T's own tree method (EAGLE-2, or EAGLE-3 with --head eagle3) per (scale, E_T tree
+    size); HierSpec per (scale, min draft length); each the median of --repeat runs."""
     scales = _scales(a.sweep_scales)
     sizes = _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
     drafts = _ints(a.sweep_min_draft, "--sweep-min-draft")
+    tree_method = a.head          # the head type is also the method of T's own tree
     ar = base["ar"] if "ar" in base else run_repeated(models, "ar", s, lambda m: None, prompt, cache_len, a.repeat)
     rows = []
     for sc in scales:
         make, rinfo = _oracle_factory(a, None, sc)
         for size in sizes:
             st = _settings_copy(s, t_tree_size=size)
-            r = run_repeated(models, "eagle2", st, make, prompt, cache_len, a.repeat)
-            rows.append({"method": "eagle2", "scale": sc, "t_tree_size": size, "rates": rinfo["rates"],
+            r = run_repeated(models, tree_method, st, make, prompt, cache_len, a.repeat)
+            rows.append({"method": tree_method, "scale": sc, "t_tree_size": size, "rates": rinfo["rates"],
                          "tokens_per_s": r["tokens_per_s"], "tokens_per_round": r["tokens_per_round"],
                          "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
         for md in drafts:
@@ -660,13 +659,14 @@ def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: 
                          "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
     verdicts = []
     for sc in scales:
-        e = [r for r in rows if r["scale"] == sc and r["method"] == "eagle2"]
+        e = [r for r in rows if r["scale"] == sc and r["method"] == tree_method]
         h = [r for r in rows if r["scale"] == sc and r["method"] == "hierspec"]
         be, bh = max(e, key=lambda r: r["tokens_per_s"]), max(h, key=lambda r: r["tokens_per_s"])
-        verdicts.append({"scale": sc, "best_eagle2": be["speedup_vs_ar"], "best_eagle2_tree_size": be["t_tree_size"],
+        verdicts.append({"scale": sc, "best_tree": be["speedup_vs_ar"], "best_tree_size": be["t_tree_size"],
                          "best_hierspec": bh["speedup_vs_ar"], "best_min_draft_len": bh["min_draft_len"],
-                         "winner": "hierspec" if bh["tokens_per_s"] > be["tokens_per_s"] else "eagle2"})
-    return {"label": LABEL, "ar_tokens_per_s": ar["tokens_per_s"], "rows": rows, "verdicts": verdicts}
+                         "winner": "hierspec" if bh["tokens_per_s"] > be["tokens_per_s"] else tree_method})
+    return {"label": LABEL, "tree_method": tree_method, "ar_tokens_per_s": ar["tokens_per_s"], "rows": rows,
+            "verdicts": verdicts}
 
 
 def _settings_copy(s: DecodeSettings, **kw: Any) -> DecodeSettings:
@@ -704,7 +704,7 @@ def sweep_html(info: dict[str, Any]) -> str:
     import plotly.graph_objects as go
     sw = info["sweep"]
     fig = go.Figure()
-    for key, method in (("t_tree_size", "eagle2"), ("min_draft_len", "hierspec")):
+    for key, method in (("t_tree_size", sw.get("tree_method", "eagle2")), ("min_draft_len", "hierspec")):
         for v in sorted({r[key] for r in sw["rows"] if r["method"] == method}):
             pts = [r for r in sw["rows"] if r["method"] == method and r[key] == v]
             fig.add_trace(go.Scatter(x=[r["scale"] for r in pts], y=[r["speedup_vs_ar"] for r in pts],
@@ -729,9 +729,11 @@ def markdown(info: dict[str, Any]) -> str:
     lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels; "
                  f"{HEAD_NAMES[info['head']]} draft heads.")
     if "sweep" in info:
-        lines += ["", "| scale | best EAGLE-2 | (tree size) | best HierSpec | (min draft) | winner |", "|---|---|---|---|---|---|"]
+        tree_name = HEAD_NAMES[info["sweep"].get("tree_method", "eagle2")]
+        lines += ["", f"| scale | best {tree_name} | (tree size) | best HierSpec | (min draft) | winner |",
+                  "|---|---|---|---|---|---|"]
         for v in info["sweep"]["verdicts"]:
-            lines.append(f"| {v['scale']} | {v['best_eagle2']:.2f}x | {v['best_eagle2_tree_size']} | "
+            lines.append(f"| {v['scale']} | {v['best_tree']:.2f}x | {v['best_tree_size']} | "
                          f"{v['best_hierspec']:.2f}x | {v['best_min_draft_len']} | {v['winner']} |")
     return "\n".join(lines) + "\n"
 

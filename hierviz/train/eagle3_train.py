@@ -65,8 +65,8 @@ class _Attn(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             rep = self.heads // self.kv
-            keys = [kk.repeat_interleave(rep, 1) for kk, _ in earlier] + [k.repeat_interleave(rep, 1)]
-            vals = [vv.repeat_interleave(rep, 1) for _, vv in earlier] + [v.repeat_interleave(rep, 1)]
+            keys = [kk for kk, _ in earlier] + [k.repeat_interleave(rep, 1)]
+            vals = [vv for _, vv in earlier] + [v.repeat_interleave(rep, 1)]
             scale = self.hd ** -0.5
             causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
             s0 = (q @ keys[0].transpose(-1, -2)).float().masked_fill(~causal, float("-inf")) * scale
@@ -75,7 +75,10 @@ class _Attn(nn.Module):
             a = p[..., :n] @ vals[0]
             for j, vv in enumerate(vals[1:]):
                 a = a + p[..., n + j:n + j + 1] * vv
-        return self.o_proj(a.transpose(1, 2).reshape(b, n, self.heads * self.hd)), (k, v)
+        # later steps read this step's keys with one copy per query head
+        rep = self.heads // self.kv
+        return self.o_proj(a.transpose(1, 2).reshape(b, n, self.heads * self.hd)), (k.repeat_interleave(rep, 1),
+                                                                                   v.repeat_interleave(rep, 1))
 
 
 class _MidLayer(nn.Module):
@@ -221,33 +224,39 @@ class Eagle3Trainer:
             raise SystemExit(f"cannot start a head from {folder}: {e}")
         copy_into(head, weights, f"EAGLE-3 head {folder} does not fit this base and draft vocabulary")
 
-    def _targets(self, head: Eagle3TrainHead, base, x: torch.Tensor, m: torch.Tensor):
+    def _targets(self, head: Eagle3TrainHead, base, x: torch.Tensor, m: torch.Tensor, steps: int):
         """Base features and, per position j, the base's distribution of token j+1 over the draft
-        vocabulary, its full-vocabulary argmax and whether that argmax is draftable."""
+        vocabulary, its full-vocabulary argmax, whether that argmax is draftable and whether token j
+        exists; all but the features padded by steps + 1 columns, so that every unrolled step reads
+        a view."""
         with torch.no_grad():
             feats, last = base.hidden_at(x, head.feature_layers)
             full = base.lm(last)
             want = full.argmax(-1)
             p = torch.softmax(full[..., head.draft_ids].float(), -1)
-        return feats, p, want, head.t2d[want] & m
+            del full
+            ok = head.t2d[want] & m
+        return feats, *(_padded(t, steps + 1) for t in (p, want, ok, m))
 
     def loss(self, head: Eagle3TrainHead, base, x: torch.Tensor, m: torch.Tensor, device) -> tuple[torch.Tensor, dict]:
         from hierviz.train.common import autocast
+        steps = self.a.ttt_steps
         with autocast(device):
-            feats, p, want, ok = self._targets(head, base, x, m)
-            outs = head.unroll(base.embed, x, feats, self.a.ttt_steps)
+            feats, p, want, ok, mp = self._targets(head, base, x, m, steps)
+            outs = head.unroll(base.embed, x, feats, steps)
             total = 0.0
             stats = {}
             ids = head.draft_ids
             for s, out in enumerate(outs):
-                sl = slice(s + 1, s + 1 + out.shape[1])
-                valid = _shifted(ok, sl) & _shifted(m, slice(s + 2, s + 2 + out.shape[1]))
+                n = out.shape[1]
+                # row t of step s drafts token t+s+2: the base's distribution at position t+s+1
+                valid = ok[:, s + 1:s + 1 + n] & mp[:, s + 2:s + 2 + n]
                 logp = F.log_softmax(head.logits(out).float(), -1)
-                ce = -(_shifted(p, sl) * logp).sum(-1)
+                ce = -(p[:, s + 1:s + 1 + n] * logp).sum(-1)
                 n_valid = valid.sum().clamp_min(1)
                 total = total + STEP_WEIGHT ** s * (ce * valid).sum() / n_valid
                 if s in (0, len(outs) - 1):
-                    hit = (ids[logp.argmax(-1)] == _shifted(want, sl)) & valid
+                    hit = (ids[logp.argmax(-1)] == want[:, s + 1:s + 1 + n]) & valid
                     stats[f"acc{s + 1}"] = (hit.sum() / n_valid).item()
             stats["loss"] = total.item()
         return total, stats
@@ -257,14 +266,14 @@ class Eagle3Trainer:
                    depths: int) -> tuple[list[int], list[int]]:
         """Hits of the head's argmax on the base's argmax at depths 1..depths, every position whose
         token exists (an argmax outside the draft vocabulary counts as a miss)."""
-        feats, _, want, _ = self._targets(head, base, x, m)
+        feats, _, want, _, mp = self._targets(head, base, x, m, depths)
         outs = head.unroll(base.embed, x, feats, depths)
         hits, tots = [], []
         for s, out in enumerate(outs):
-            sl = slice(s + 1, s + 1 + out.shape[1])
-            valid = _shifted(m, slice(s + 2, s + 2 + out.shape[1]))
+            n = out.shape[1]
+            valid = mp[:, s + 2:s + 2 + n]
             got = head.draft_ids[head.logits(out).argmax(-1)]
-            hits.append(int(((got == _shifted(want, sl)) & valid).sum()))
+            hits.append(int(((got == want[:, s + 1:s + 1 + n]) & valid).sum()))
             tots.append(int(valid.sum()))
         return hits, tots
 
@@ -288,11 +297,6 @@ class Eagle3Trainer:
         return " ".join(f"{k} {v:.3f}" for k, v in st.items())
 
 
-def _shifted(t: torch.Tensor, sl: slice) -> torch.Tensor:
-    """t[:, sl] padded with zeros (False) past t's end, so every unrolled step keeps n columns."""
-    n = sl.stop - sl.start
-    part = t[:, sl]
-    if part.shape[1] == n:
-        return part
-    pad = t.new_zeros((t.shape[0], n - part.shape[1], *t.shape[2:]))
-    return torch.cat((part, pad), 1)
+def _padded(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """t [B, L, ...] with `cols` zero (False) columns appended."""
+    return torch.cat((t, t.new_zeros((t.shape[0], cols, *t.shape[2:]))), 1)

@@ -8,7 +8,7 @@
 # NUM_PROMPTS, GEN_BATCH, MAX_NEW, MODES, SAMPLES_PER_PROMPT, DERIVED (+ DERIVED_S), INSTRUCT (+ INSTRUCT_S), LAYERS,
 # GROUP, TOP1, LR, EAGLE_LR, SEED (new prompts and batch orders); INIT=FILE continues the distillation from a saved student (every distill stage leaves
 # WORK_DIR/M_float.safetensors, so a second call can go on where the first stopped; INIT=M_DIR starts
-# from a shipped M checkpoint); INIT_M=HEAD_DIR starts E_M from a saved head; HEADS=m trains only E_M (E_T depends
+# from a shipped M checkpoint); INIT_M / INIT_T=HEAD_DIR start E_M / E_T from a saved head; HEADS=m (t) trains only E_M (E_T) (E_T depends
 # on T alone, so a new M does not need a new E_T). Every stage logs to OUT_DIR/log.txt and leaves its
 # products in OUT_DIR as it finishes, so a run cut short still returns what it made.
 set -uo pipefail
@@ -52,8 +52,9 @@ if has heads; then
 HT=${HEAD_TYPE:-eagle2}
 SFX=eagle; [ "$HT" = eagle3 ] && SFX=eagle3
 MPATH=${INTERMEDIATE:-$W/$MDIR}
-HEAD_OUT="--out-t $W/smollm2-$SFX-t --out-m $W/smollm2-m${LAYERS:-8}-$SFX ${INIT_M:+--init-m $INIT_M}"
+HEAD_OUT="--out-t $W/smollm2-$SFX-t ${INIT_T:+--init-t $INIT_T} --out-m $W/smollm2-m${LAYERS:-8}-$SFX ${INIT_M:+--init-m $INIT_M}"
 [ "${HEADS:-mt}" = m ] && HEAD_OUT="--out-m $W/smollm2-m${LAYERS:-8}-$SFX ${INIT_M:+--init-m $INIT_M}"
+[ "${HEADS:-mt}" = t ] && HEAD_OUT="--out-t $W/smollm2-$SFX-t ${INIT_T:+--init-t $INIT_T}"
 E3=""
 [ "$HT" = eagle3 ] && E3="--head-type eagle3 --ttt-steps ${TTT:-7} --draft-vocab ${DRAFT_VOCAB_FILE:-$W/draft_vocab.json} ${DV_T:+--draft-vocab-size $DV_T} ${DV_M:+--draft-vocab-size-m $DV_M} ${HEAD_INTER:+--head-intermediate-size $HEAD_INTER}"
 $PY -m hierviz train eagle --target "$T" --intermediate "$MPATH" --data "$W/data.pt" \

@@ -34,9 +34,9 @@ def shipped_sweep() -> Optional[dict[str, Any]]:
 
 
 def sweep_ratios(sweep: dict[str, Any]) -> list[tuple[float, float]]:
-    """(acceptance scale, best HierSpec / best EAGLE-2) per scale of a sweep, by scale."""
+    """(acceptance scale, best HierSpec / best of T's own tree method) per scale of a sweep, by scale."""
     verdicts = sorted(sweep.get("verdicts") or [], key=lambda v: float(v["scale"]))
-    return [(float(v["scale"]), v["best_hierspec"] / v["best_eagle2"]) for v in verdicts if v.get("best_eagle2")]
+    return [(float(v["scale"]), v["best_hierspec"] / v["best_tree"]) for v in verdicts if v.get("best_tree")]
 
 
 def ratio_at(points: list[tuple[float, float]], scale: float) -> Optional[float]:

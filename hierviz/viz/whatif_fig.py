@@ -176,11 +176,13 @@ def stages_figure(d: dict[str, Any]) -> go.Figure:
 
 
 def sweep_figure(d: dict[str, Any]) -> go.Figure:
-    """Speedup vs AR against the acceptance scale: every configuration thin, the best EAGLE-2
-    and best HierSpec per scale bold, a star on the winner and its name above each scale."""
+    """Speedup vs AR against the acceptance scale: every configuration thin, the best of T's own
+    tree method (EAGLE-2 or EAGLE-3) and best HierSpec per scale bold, a star on the winner and its
+    name above each scale."""
     rows, verdicts = d.get("rows") or [], sorted(d.get("verdicts") or [], key=lambda v: float(v["scale"]))
+    tree_method = d.get("tree_method", "eagle2")
     fig = go.Figure()
-    for method, key, short in (("eagle2", "t_tree_size", "E_T tree size"), ("hierspec", "min_draft_len", "min draft")):
+    for method, key, short in ((tree_method, "t_tree_size", "E_T tree size"), ("hierspec", "min_draft_len", "min draft")):
         for v in sorted({r[key] for r in rows if r.get("method") == method and key in r}):
             pts = sorted((r for r in rows if r.get("method") == method and r.get(key) == v), key=lambda r: r["scale"])
             fig.add_trace(go.Scatter(
@@ -189,7 +191,7 @@ def sweep_figure(d: dict[str, Any]) -> go.Figure:
                 line=dict(color=METHOD_COLORS[method], width=1.2, dash="dot"), marker=dict(size=5),
                 hovertemplate=f"{method_label(method)}, {short} {v}<br>scale %{{x}}: %{{y:.2f}}x vs AR<extra></extra>"))
     xs = [v["scale"] for v in verdicts]
-    for method, best, cfg, short in (("eagle2", "best_eagle2", "best_eagle2_tree_size", "tree size"),
+    for method, best, cfg, short in ((tree_method, "best_tree", "best_tree_size", "tree size"),
                                      ("hierspec", "best_hierspec", "best_min_draft_len", "min draft")):
         fig.add_trace(go.Scatter(
             x=xs, y=[v[best] for v in verdicts], mode="lines+markers", name=f"best {method_label(method)}",
@@ -197,7 +199,7 @@ def sweep_figure(d: dict[str, Any]) -> go.Figure:
             customdata=[v[cfg] for v in verdicts],
             hovertemplate=f"best {method_label(method)} ({short} %{{customdata}})<br>"
                           "scale %{x}: %{y:.2f}x vs AR<extra></extra>"))
-    win_best = [v["best_hierspec"] if v["winner"] == "hierspec" else v["best_eagle2"] for v in verdicts]
+    win_best = [v["best_hierspec"] if v["winner"] == "hierspec" else v["best_tree"] for v in verdicts]
     fig.add_trace(go.Scatter(
         x=xs, y=win_best, mode="markers", name="winner at this scale", hoverinfo="skip",
         marker=dict(symbol="star", size=17, color=[METHOD_COLORS.get(v["winner"], "#333") for v in verdicts],
