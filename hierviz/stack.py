@@ -36,7 +36,7 @@ from hierviz.models.llama import Transformer, WeightsError
 from hierviz.models.loading import open_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
 from hierviz.models.synthetic import synthetic_eagle3_head, tiny_models
-from hierviz.quant.w4 import quantize_linears
+from hierviz.quant.formats import get_format, quantize_linears, quantize_option
 from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,12 +111,14 @@ def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
         from hierviz.quant.gguf import convert_gguf_cached
         src = str(convert_gguf_cached(src_path, CACHE_DIR / "gguf"))
     q = spec.get("quantize")
-    if q and not (isinstance(q, str) and q.startswith("rtn-g") and q[5:].isdigit()):
-        raise StackError(f"unknown quantize option {q!r} (use e.g. 'rtn-g32')")
-    # RTN quantizes the values as stored, so a model quantized here is cast after it
+    try:
+        quantize = quantize_option(q, torch.device(device)) if q else None
+    except ValueError as e:
+        raise StackError(str(e)) from None
+    # a quantizer reads the values as stored, so a model quantized here is cast after it
     cfg, weights, folder = open_weights(src, device, None if q else dtype)
-    if q:
-        weights = quantize_linears(weights, int(q[5:]))
+    if quantize is not None:
+        weights = quantize_linears(weights, quantize)
     if spec.get("share_embeddings"):
         if share_from is None:
             raise StackError("share_embeddings needs a target loaded first")
@@ -147,7 +149,6 @@ def _kernel_available(name: str) -> bool:
     return True
 
 
-ROW_INVARIANT_CPU_KERNELS = ("int4pack_cpu",)   # measured: a row's bits do not depend on the other rows
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -252,7 +253,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     # T's verifications must round as its one-token steps do: on a GPU always; on the CPU only a
     # row-invariant W4 kernel makes that possible (BLAS's dense products are not), and then the
     # per-token attention it needs is worth its cost
-    target.set_batch_invariant(dev.type != "cpu" or kernel in ROW_INVARIANT_CPU_KERNELS)
+    target.set_batch_invariant(dev.type != "cpu" or target.products_rows_invariant_cpu())
     models = Models(target, inter, e_m, e_t, e_t3)
     check_vocab(models, tokenizer)
     # before any warm-up or graph capture (they fix the W4 configurations): prove the fast W4
@@ -334,14 +335,17 @@ def _draft_vocab(path: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0, eagle3: bool = False) -> Stack:
+def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0, eagle3: bool = False,
+                      target_format: str = "w4a16") -> Stack:
     """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work). eagle3:
     also an EAGLE-3 head on T over its layers 0, 2, 3, drafting over 200 of the 259 byte tokens
-    (the `tiny-random-eagle3` stack)."""
-    models = Models(*tiny_models(ByteTokenizer.vocab_size, device, seed))
+    (the `tiny-random-eagle3` stack). target_format: T's weight format (hierviz.quant.formats)."""
+    models = Models(*tiny_models(ByteTokenizer.vocab_size, device, seed, target_format))
     name = "tiny-random-eagle3" if eagle3 else "tiny-random"
     meta = {"stack": name, "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
-            "target": "random 4-layer W4 (RTN g32)", "intermediate": "2 of the target's layers",
+            "target": ("random 4-layer W4 (RTN g32)" if target_format == "w4a16"
+                       else f"random 4-layer {get_format(target_format).label}"),
+            "intermediate": "2 of the target's layers",
             "e_m": "random", "e_t": "random", "head_types": {"e_m": "eagle2", "e_t": "eagle2"},
             "device": str(device), "dtype": "float32", "w4_kernel": "reference", "draft_vocab": "full"}
     if eagle3:

@@ -150,7 +150,7 @@ def test_tab_builds_and_analyses_a_shipped_trace(download_root):
     with gr.Blocks():
         analyse_tab.analyse_tab()
     path = next(p for _, p in shipped_traces() if p.endswith("handmade-demo.json"))
-    status, tau, depth, table, worst, *buttons = analyse_tab.analyse(path, None, None, "3")
+    status, tau, depth, table, worst, *buttons, position = analyse_tab.analyse(path, None, None, "3")
     assert "hv-status-ok" in status and isinstance(tau, go.Figure) and isinstance(depth, go.Figure)
     assert len(tau.data) == 3 and worst and "<table" in table
     files = [btn["value"] for btn in buttons]
@@ -173,7 +173,7 @@ def test_bad_input_gives_a_clear_error(download_root, tmp_path):
     bad.write_text("{", encoding="utf-8")
     status, *rest = analyse_tab.analyse(None, str(bad), None)
     assert "hv-status-error" in status and "trace A (bad.json): not valid JSON" in status
-    assert str(tmp_path) not in status and len(rest) == 4 + len(analyse_tab.DOWNLOADS)
+    assert str(tmp_path) not in status and len(rest) == 5 + len(analyse_tab.DOWNLOADS)
     good = tmp_path / "good.json"
     good.write_text(hierspec().to_json(), encoding="utf-8")
     status, *_ = analyse_tab.analyse(None, str(good), str(bad))
@@ -206,3 +206,31 @@ def test_a_recorded_trace_as_b_is_overlaid_with_a_column_per_run(download_root, 
     # only the listed recorded traces are read
     status, *_ = analyse_tab.analyse(a, None, None, 1, "/etc/passwd")
     assert "hv-status-error" in status and "trace B: pick one of the recorded traces" in status
+
+
+def test_an_imported_acceptance_goes_beside_the_runs_own(download_root, tmp_path):
+    """A deployment's acceptance file (here a vLLM /metrics scrape) is drawn position by position
+    beside each run's own conditional acceptance, its engine's definition in the status; a bad or
+    oversized file is a clear error."""
+    from hierviz.measure.acceptance_import import load_acceptance
+    from hierviz.trace import trace_stats
+    data = Path(__file__).resolve().parent / "data" / "acceptance"
+    path = next(p for _, p in shipped_traces() if p.endswith("handmade-demo.json"))
+    status, *_, position = analyse_tab.analyse(path, None, None, 1, None, str(data / "vllm_metrics.prom"))
+    assert "hv-status-ok" in status and "vllm-prometheus" in status
+    imp = load_acceptance(data / "vllm_metrics.prom")
+    yours = [t for t in position.data if t.name.startswith("yours")]
+    assert len(yours) == 1 and list(yours[0].y) == pytest.approx(imp.rates)
+    runs = [t for t in position.data if not t.name.startswith("yours")]
+    series = analyse_tab.load_series(path, None, None)[1]
+    assert len(runs) == len([s for s in series if trace_stats(s.trace.steps)["per_depth_acceptance"]])
+    first = next(s for s in series if s.label == runs[0].name)
+    want = trace_stats(first.trace.steps)["per_depth_acceptance"]
+    assert list(runs[0].y) == pytest.approx([want[d] for d in sorted(want, key=int)][:len(runs[0].y)])
+    bad = tmp_path / "bad.prom"
+    bad.write_text("# HELP nothing here\nsome_counter 1\n")
+    status, *rest = analyse_tab.analyse(path, None, None, 1, None, str(bad))
+    assert "hv-status-error" in status and "bad.prom" in status and str(tmp_path) not in status
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b" " * (analyse_tab.MAX_TRACE_BYTES + 1))
+    assert "over" in analyse_tab.analyse(path, None, None, 1, None, str(big))[0]

@@ -353,3 +353,31 @@ def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_pat
         assert kernel_guard.platform_proven(dev)          # from the disk cache
     finally:
         w4_proof.forget_in_memory()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 128, 300])
+def test_w8a8_product_on_the_gpu_is_the_cpu_definition_and_row_invariant(m) -> None:
+    """W8A8 int8 on CUDA (torch._int_mm, rows padded past 16): each row's bits equal the row alone,
+    and the values equal the CPU's integer definition. A pass here is what lets the format's
+    gpu_proven flag be set (hierviz/quant/w8a8.py)."""
+    from hierviz.quant.w8a8 import quantize_w8, w8a8_linear
+    g = torch.Generator().manual_seed(m)
+    for k, n in ((4096, 14336), (8192, 1024), (576, 1536)):
+        q = quantize_w8(torch.randn(n, k, generator=g))
+        x = torch.randn(m, k, generator=g)
+        cpu = w8a8_linear(x, q)
+        qc = q.to("cuda")
+        gpu = w8a8_linear(x.cuda(), qc)
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-4)
+        for r in {0, m // 2, m - 1}:
+            assert torch.equal(w8a8_linear(x[r:r + 1].cuda(), qc), gpu[r:r + 1])
+        half = w8a8_linear(x.cuda().half(), qc)
+        assert half.dtype == torch.float16
+
+
+@pytest.mark.parametrize("method", ["spec", "eagle2", "hierspec"])
+def test_decoders_reproduce_ar_of_a_w8a8_target_through_graphs(method) -> None:
+    st = tiny_random_stack("cuda", target_format="w8a8-int8")
+    s = DecodeSettings(max_new_tokens=32)
+    ar = output_tokens(generate(st, "ar", "the quick brown fox", s))
+    assert output_tokens(generate(st, method, "the quick brown fox", s)) == ar

@@ -345,3 +345,61 @@ def test_exact_steering_with_a_reduced_draft_vocabulary(tmp_path, monkeypatch, h
         assert runs[head]["tokens_per_round"] <= 2 and runs["hierspec"]["tokens_per_round"] > 2
     else:
         assert all(r["steering_miss"] for r in runs.values())
+
+
+DATA = ROOT / "tests" / "data" / "acceptance"
+
+
+def test_constant_rate_gives_the_mean():
+    from hierviz.measure.whatif import constant_rate
+    r = constant_rate(2.0, 5)
+    assert sum(r ** k for k in range(1, 6)) == pytest.approx(2.0, abs=1e-9)
+    assert constant_rate(0.0, 4) == 0.0 and constant_rate(9.0, 4) == 1.0
+
+
+def test_whatif_replays_an_imported_vllm_scrape(tmp_path: Path) -> None:
+    """--acceptance-import: a vLLM /metrics scrape's per-position rates drive the run, and the
+    outputs say where they came from."""
+    from hierviz.measure.acceptance_import import load_acceptance
+    from hierviz.viz.whatif_fig import acceptance_label
+    imp = load_acceptance(DATA / "vllm_metrics.prom")
+    assert main(FAST + ["--acceptance-import", str(DATA / "vllm_metrics.prom"), "--max-new-tokens", "10",
+                        "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "whatif.json").read_text())
+    acc = info["acceptance"]
+    assert acc["rates"] == pytest.approx(imp.rates, abs=1e-6)
+    assert acc["imported"]["format"] == "vllm-prometheus" and acc["imported"]["steps"] == imp.steps
+    assert acceptance_label(info).startswith("imported from vllm-prometheus file vllm_metrics.prom")
+
+
+def test_whatif_takes_a_cascade_import_per_level_and_sweeps_it(tmp_path: Path) -> None:
+    """SpecMQuant's two levels: the intermediate's rates for E_M trees, the sequence level's mean
+    as the sequence rate; --sweep scales the imported rates."""
+    from hierviz.measure.acceptance_import import load_acceptance
+    from hierviz.measure.whatif import constant_rate
+    imp = load_acceptance(DATA / "specmquant_answers.jsonl")
+    assert main(FAST + ["--acceptance-import", str(DATA / "specmquant_answers.jsonl"), "--sweep", "--sweep-scales",
+                        "0.5,1.0", "--sweep-tree-sizes", "12", "--sweep-min-draft", "4", "--max-new-tokens", "8",
+                        "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "whatif.json").read_text())
+    acc = info["acceptance"]
+    assert acc["m_rates"] == pytest.approx(imp.levels["intermediate"].rates, abs=1e-6)
+    seq = imp.levels["sequence"]
+    assert acc["seq_rate"] == pytest.approx(constant_rate(seq.mean_accepted_length, seq.draft_length), abs=1e-9)
+    assert any("sequence level" in w for w in acc["imported"]["warnings"])
+    sw = json.loads((tmp_path / "sweep.json").read_text())
+    assert sw["acceptance"]["imported"]["format"] == "specmquant-jsonl" and len(sw["verdicts"]) == 2
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--acceptance-rates", "0.5"], "one source of acceptance"),
+    (["--acceptance-format", "sglang-meta-info"], "--acceptance-import"),
+])
+def test_imported_acceptance_errors_are_clear(tmp_path: Path, capsys, extra, msg) -> None:
+    assert main(FAST + ["--acceptance-import", str(DATA / "vllm_metrics.prom"), *extra, "--out", str(tmp_path)]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_a_missing_import_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    assert main(FAST + ["--acceptance-import", str(tmp_path / "none.prom"), "--out", str(tmp_path)]) == 2
+    assert "none.prom" in capsys.readouterr().err

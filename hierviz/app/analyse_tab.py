@@ -26,14 +26,17 @@ from hierviz.app.session import session_key
 from hierviz.app.shipped import shipped_runs, shipped_traces
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError
 from hierviz.viz.export import replay_html, step_svg
-from hierviz.viz.run_figs import (Series, comparison_html, depth_figure, series_of, steps_csv, summary_csv,
-                                  tau_figure, worst_rejections)
+from hierviz.viz.run_figs import (Series, comparison_html, depth_figure, position_figure, series_of, steps_csv,
+                                  summary_csv, tau_figure, worst_rejections)
 
 EXPLAIN = """**Analyse a whole run.** τ per step is how many tokens each target pass produced; the depth chart
 shows how often the drafts were accepted at each depth, counted over the run so far. *Worst rejections* lists
 the steps that threw the most drafted tokens away: open them in the Visualizer with the step slider. Upload a
 second trace (B), recorded or uploaded, to overlay it on the first (A), e.g. two drafter heads on the same
-prompt, or the H200 run against the CPU one."""
+prompt, or the H200 run against the CPU one. Upload your own deployment's acceptance (a vLLM `/metrics` scrape or
+per-request metrics, SGLang `meta_info`, Spec-Bench, EAGLE or SpecMQuant answers) to set it beside the run's, position
+by position."""
+ACCEPTANCE_TYPES = [".json", ".jsonl", ".txt", ".prom"]
 
 UPLOADS_AT_ONCE = 4
 NO_TRACE_B = "none (A only)"
@@ -131,28 +134,54 @@ def worst_rows(series: list[Series]) -> list[list[Any]]:
 def failed(message: str) -> tuple:
     """The outputs of a failed load: the message, everything else left as it was."""
     log_refusal("analyse", message)
-    return (status_html(message, "error"), *(gr.skip() for _ in range(len(DOWNLOADS) + 4)))
+    return (status_html(message, "error"), *(gr.skip() for _ in range(len(DOWNLOADS) + 5)))
+
+
+def read_acceptance(upload: str):
+    """A visitor's acceptance file (any format hierviz.measure.acceptance_import reads), no larger
+    than a trace upload; AcceptanceImportError with a message for the visitor."""
+    from hierviz.measure.acceptance_import import AcceptanceImportError, load_acceptance
+    path = Path(upload)
+    if path.stat().st_size > MAX_TRACE_BYTES:
+        raise AcceptanceImportError(f"acceptance file is over {MAX_TRACE_BYTES // 2**20} MB")
+    try:
+        return load_acceptance(path)
+    except AcceptanceImportError as e:
+        raise AcceptanceImportError(f"acceptance file {path.name}: {e}") from None
+
+
+def acceptance_note(imp) -> str:
+    """One line on an imported acceptance, with its engine's own definition."""
+    return (f" Your acceptance ({imp.source_format}): {imp.steps} verification steps, "
+            f"{imp.mean_accepted_length:.2f} draft tokens accepted per step. {imp.definition}")
 
 
 def analyse(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Optional[str], step: Any = 1,
-            shipped_b: Optional[str] = None, request: Optional[gr.Request] = None) -> tuple:
-    """(status, tau figure, depth figure, comparison table, worst rejections, then the DOWNLOADS) for
-    trace A, and B (uploaded or recorded) overlaid when given; `step` is the step of A's first run to
-    export as SVG."""
+            shipped_b: Optional[str] = None, acceptance_upload: Optional[str] = None,
+            request: Optional[gr.Request] = None) -> tuple:
+    """(status, tau figure, depth figure, comparison table, worst rejections, the DOWNLOADS, then the
+    per-position figure) for trace A, and B (uploaded or recorded) overlaid when given; `step` is the
+    step of A's first run to export as SVG; `acceptance_upload`, a deployment's acceptance file, goes
+    beside the runs' own per-position acceptance."""
+    from hierviz.measure.acceptance_import import AcceptanceImportError
     try:
         name, series = load_series(shipped_path, upload_a, upload_b, shipped_b)
-    except (TraceError, OSError) as e:
+        imported = read_acceptance(acceptance_upload) if acceptance_upload else None
+    except (TraceError, OSError, AcceptanceImportError) as e:
         return failed(redact_paths(f"Could not analyse: {e}"))
     # the replay and the step picture show the first run: it needs a step (a trace may have none)
     if not series or not series[0].trace.steps:
         return failed(f"{name} has no steps to analyse.")
     paths = save_files(session_key(request), download_files(series, export_step(series, step)))
-    return (status_html(f"Analysed {name}: " + ", ".join(s.label for s in series) + ".", "ok"),
+    note = acceptance_note(imported) if imported else ""
+    yours = (f"yours ({imported.source_format})", list(imported.rates)) if imported and imported.rates else None
+    return (status_html(f"Analysed {name}: " + ", ".join(s.label for s in series) + "." + note, "ok"),
             tau_figure(series), depth_figure(series), comparison_html(series), worst_rows(series),
             # an update, not a new component: Gradio resolves the path when it sends the event's outputs,
             # and serves it from the download folder (a static path) without copying it
             *(gr.update(value=paths[n], interactive=True)
-              for n in DOWNLOADS))
+              for n in DOWNLOADS),
+            position_figure(series, yours))
 
 
 # ---- the tab -----------------------------------------------------------------------------------
@@ -170,6 +199,9 @@ def analyse_tab() -> None:
             choice_b = gr.Dropdown([(NO_TRACE_B, ""), *shipped], value="",
                                    label="optional: a second trace (B) to compare")
             upload_b = TraceUpload(label="…or upload a trace JSON as B", file_types=[".json"], type="filepath")
+            acceptance_up = TraceUpload(label="optional: your deployment's acceptance (vLLM /metrics, SGLang, "
+                                              "Spec-Bench, EAGLE or SpecMQuant file)",
+                                        file_types=ACCEPTANCE_TYPES, type="filepath")
             go_btn = gr.Button("Analyse", variant="primary")
             status = gr.HTML(status_html("Pick a recorded trace or upload one, then press Analyse."))
             steps_btn = gr.DownloadButton("Per-step CSV", value=None, interactive=False)
@@ -180,10 +212,11 @@ def analyse_tab() -> None:
         with gr.Column(scale=3):
             tau_plot = gr.Plot(label="τ per step")
             depth_plot = gr.Plot(label="acceptance by depth")
+            position_plot = gr.Plot(label="acceptance per draft position, this run beside yours")
             table = gr.HTML()
             worst = gr.Dataframe(headers=WORST_HEADERS, label="worst rejections", interactive=False, wrap=True,
                                  column_widths=["14%", "8%", "10%", "68%"])
-    outputs = [status, tau_plot, depth_plot, table, worst, steps_btn, summary_btn, replay_btn, svg_btn]
+    outputs = [status, tau_plot, depth_plot, table, worst, steps_btn, summary_btn, replay_btn, svg_btn, position_plot]
     # reading an upload takes a few times its size in memory for a moment: a few at a time
-    go_btn.click(analyse, [choice, upload_a, upload_b, step_no, choice_b], outputs, api_visibility="private",
+    go_btn.click(analyse, [choice, upload_a, upload_b, step_no, choice_b, acceptance_up], outputs, api_visibility="private",
                  concurrency_id="analyse", concurrency_limit=UPLOADS_AT_ONCE)

@@ -41,6 +41,7 @@ from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
 from hierviz.measure.profile import load_shape
 from hierviz.models.synthetic import synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
+from hierviz.quant.formats import get_format, quantize_option
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -98,11 +99,15 @@ class SharpEagle3Head(SharpDraft, Eagle3Head):
     """A sharpened EAGLE-3 head (SharpDraft)."""
 
 
+BYTES_PER_WEIGHT = {"w4": 0.53, "w8a8-int8": 1.0, "dense": 2.0}   # codes plus scales, per linear weight
+TARGET_FORMATS = tuple(BYTES_PER_WEIGHT)
+
+
 def model_bytes(cfg: ModelConfig, fmt: str) -> float:
     h, i = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_kv_heads * cfg.head_dim
     per_layer = 2 * h * cfg.num_heads * cfg.head_dim + 2 * h * kv + 3 * h * i
-    return per_layer * cfg.num_layers * (0.53 if fmt == "w4" else 2.0) + 2 * 2.0 * cfg.vocab_size * h
+    return per_layer * cfg.num_layers * BYTES_PER_WEIGHT[fmt] + 2 * 2.0 * cfg.vocab_size * h
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -123,8 +128,9 @@ def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] =
 
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
                  seed: int = 0, m_format: str = "dense", head: str = "eagle2",
-                 draft_vocab: Optional[int] = None) -> Models:
-    """Synthetic T (W4A16), M (`m_format`: "dense" as in the paper's stack, or "w4") and heads of
+                 draft_vocab: Optional[int] = None, t_format: str = "w4") -> Models:
+    """Synthetic T (`t_format`: W4A16 "w4" as in the paper, or "dense" / "w8a8-int8"), M (`m_format`:
+    "dense" as in the paper's stack, or "w4") and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3) drafting over
     `draft_vocab` token ids (None: the full vocabulary)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
@@ -134,7 +140,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
         raise WhatIfError(f"unknown head type {head!r}; choose one of {', '.join(HEADS)}")
     if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
         raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
-    target = synthetic_model(t_cfg, "w4", dtype, device, kernel, seed)
+    target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
     if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
@@ -322,12 +328,21 @@ def parser() -> argparse.ArgumentParser:
         f"kernels, forced acceptance. Every figure is {LABEL}."))
     ap.add_argument("--target", default="llama3-70b", help="shape: llama3-8b, llama3-70b, smollm2 or a config.json")
     ap.add_argument("--intermediate", default="llama3-8b", help="shape of the intermediate model M")
+    ap.add_argument("--target-format", default="w4", choices=list(TARGET_FORMATS),
+                    help="T's weight format: w4 (W4A16, the paper's), w8a8-int8 (int8 weights and per-token int8 "
+                         "activations) or dense (the run's dtype)")
     ap.add_argument("--intermediate-format", default="dense", choices=["dense", "w4"],
                     help="M's weights: dense (the paper's stack) or W4A16 like the target")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
     ap.add_argument("--acceptance-rates", default=None,
                     help=f"per-depth tree acceptance rates, e.g. 0.9,0.8,0.7 (default {','.join(map(str, DEFAULT_RATES))})")
     ap.add_argument("--m-acceptance-rates", default=None, help="rates for E_M trees verified by M (default: same)")
+    ap.add_argument("--acceptance-import", default=None, metavar="FILE",
+                    help="your deployment's acceptance: a vLLM /metrics scrape, get_metrics() JSON or per-request "
+                         "metrics, SGLang meta_info, Spec-Bench / EAGLE / SpecMQuant answer JSONL or a hierviz trace; "
+                         "its per-position rates are replayed as --acceptance-rates (docs/acceptance.md)")
+    ap.add_argument("--acceptance-format", default=None, help="the --acceptance-import file's format (default: detected)")
+    ap.add_argument("--acceptance-model", default=None, help="the model to take from a scrape that holds several")
     ap.add_argument("--seq-rate", type=float, default=DEFAULT_SEQ_RATE,
                     help="rates mode: probability T accepts each token of M's sequence draft")
     ap.add_argument("--head", default="eagle2", choices=HEADS,
@@ -414,7 +429,12 @@ def _shapes(a: argparse.Namespace, dev: str) -> tuple[dict[str, str], ModelConfi
         raise WhatIfError(f"cannot read a shape config: {e}") from None
     except ValueError as e:
         raise WhatIfError(str(e)) from None
-    need = model_bytes(t_cfg, "w4") + model_bytes(m_cfg, a.intermediate_format)
+    if a.target_format not in ("w4", "dense"):
+        try:
+            quantize_option(a.target_format, torch.device(dev))      # refuses a format unproven on this GPU
+        except ValueError as e:
+            raise WhatIfError(str(e)) from None
+    need = model_bytes(t_cfg, a.target_format) + model_bytes(m_cfg, a.intermediate_format)
     if dev == "cpu" and need > CPU_LIMIT_BYTES:
         raise WhatIfError(f"{t_name} + {m_name} need ~{need / 1e9:.0f} GB of weights: too big for a CPU run "
                           "(use --tiny, small config.json shapes, or --device cuda)")
@@ -451,6 +471,15 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 def _w4_format(cfg: ModelConfig, kernel: str) -> str:
     return f"W4A16 synthetic codes, group {w4_group(cfg, 128)}, kernel {kernel}"
+
+
+def _target_format(fmt: str, cfg: ModelConfig, kernel: str, dtype: torch.dtype) -> str:
+    """T's format as the outputs name it; its first word is the label the figures show."""
+    if fmt == "w4":
+        return _w4_format(cfg, kernel)
+    if fmt == "dense":
+        return f"dense {str(dtype).replace('torch.', '')}"
+    return f"{get_format(fmt).label} synthetic (random weights through its quantizer)"
 
 
 def _methods(a: argparse.Namespace) -> list[str]:
@@ -508,7 +537,7 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
-        "formats": {"target": _w4_format(t_cfg, kernel),
+        "formats": {"target": _target_format(a.target_format, t_cfg, kernel, dtype),
                     "intermediate": (f"dense {str(dtype).replace('torch.', '')}" if a.intermediate_format == "dense"
                                      else _w4_format(m_cfg, kernel)),
                     "heads": "EAGLE-1/2 layout, synthetic" if a.head == "eagle2" else "EAGLE-3, synthetic"},
@@ -516,7 +545,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
         "acceptance": ({"mode": "trace", "source": a.acceptance,
                         "source_stack": {m: trace[m]["stack"] for m in trace}} if trace else
-                       {"mode": "rates", **rates_info, "seed": a.seed}),
+                       {"mode": "rates", **rates_info, "seed": a.seed,
+                        **({"imported": a.imported} if getattr(a, "imported", None) else {})}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
         "methods": results, "machine": _machine(dev)}
@@ -537,7 +567,64 @@ def _feature_layers_info(t_cfg: ModelConfig, m_cfg: ModelConfig) -> dict[str, li
             "intermediate": list(eagle3_feature_layers(m_cfg.num_layers))}
 
 
+def constant_rate(mean_accepted: float, draft_length: int) -> float:
+    """The per-position rate r with r + r^2 + ... + r^K = the mean accepted length (K = draft_length):
+    one rate standing for a level known only by its mean."""
+    if mean_accepted <= 0:
+        return 0.0
+    if mean_accepted >= draft_length:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** k for k in range(1, draft_length + 1)) < mean_accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+def apply_imported_acceptance(a: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """--acceptance-import: the file's rates become --acceptance-rates (the target's level),
+    --m-acceptance-rates (an intermediate level) and --seq-rate (a sequence level); a level known
+    only by its mean gets the one rate that gives that mean. Returns what the outputs record."""
+    if not a.acceptance_import:
+        return None
+    from hierviz.measure.acceptance_import import AcceptanceImportError, load_acceptance
+    if a.acceptance or a.acceptance_rates or a.m_acceptance_rates:
+        raise WhatIfError("give one source of acceptance: --acceptance-import, --acceptance or --acceptance-rates")
+    try:
+        imp = load_acceptance(Path(a.acceptance_import), a.acceptance_format, model=a.acceptance_model)
+    except AcceptanceImportError as e:
+        raise WhatIfError(f"--acceptance-import {a.acceptance_import}: {e}") from None
+    except OSError as e:
+        raise WhatIfError(f"cannot read {a.acceptance_import}: {e.strerror}") from None
+
+    warnings = list(imp.warnings)
+    depth = _settings(a, {}, 16).t_depth     # the run's tree depth (flags and --trees)
+
+    def rates_of(level) -> list[float]:
+        if level.rates:
+            return list(level.rates)
+        if not level.draft_length:
+            warnings.append(f"draft length unknown: the mean is spread over {depth} positions (the run's tree depth)")
+        return [constant_rate(level.mean_accepted_length, level.draft_length or depth)]
+
+    top = imp.levels.get("target", imp)
+    if "target" not in imp.levels and "sequence" in imp.levels:
+        warnings.append("no tree level verified by the target: T's tree rates are the sequence level's")
+    if not rates_of(top) or top.steps == 0:
+        raise WhatIfError(f"--acceptance-import {a.acceptance_import}: no verification steps to take rates from")
+    a.acceptance_rates = ",".join(f"{r:.6f}" for r in rates_of(top))
+    if "intermediate" in imp.levels:
+        a.m_acceptance_rates = ",".join(f"{r:.6f}" for r in rates_of(imp.levels["intermediate"]))
+    if "sequence" in imp.levels:
+        seq = imp.levels["sequence"]
+        a.seq_rate = constant_rate(seq.mean_accepted_length, seq.draft_length or max(1, len(seq.rates)))
+    return {"source": a.acceptance_import, "format": imp.source_format, "definition": imp.definition,
+            "steps": imp.steps, "mean_accepted_length": imp.mean_accepted_length, "rates": list(imp.rates),
+            "levels": sorted(imp.levels), "warnings": warnings}
+
+
 def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
+    a.imported = apply_imported_acceptance(a)
     methods = _methods(a)
     _check_args(a, methods)
     trace, s, max_new = _trace_and_settings(a, methods)
@@ -555,7 +642,8 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
                           f"{t_cfg.max_position}-token context of the target shape")
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
-    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format, a.head, a.draft_vocab)
+    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format, a.head, a.draft_vocab,
+                          a.target_format)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
@@ -682,7 +770,8 @@ def _title(info: dict[str, Any]) -> str:
     sh = info["shapes"]
     where = info["machine"].get("gpu", info["device"])
     m_fmt = " (W4A16)" if info["formats"]["intermediate"].startswith("W4A16") else ""
-    return f"{sh['target']} (W4A16) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
+    t_fmt = str(info["formats"]["target"]).split()[0]
+    return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
 
 
 def chart_html(info: dict[str, Any]) -> str:
@@ -745,7 +834,8 @@ def write_outputs(info: dict[str, Any], out: Path) -> None:
     if sweep is not None:
         (out / "sweep.json").write_text(json.dumps({**{k: info[k] for k in ("schema", "shapes", "formats", "device",
                                                                              "machine", "settings", "w4_kernel",
-                                                                             "tiny", "stage_sync", "draft_vocab")
+                                                                             "tiny", "stage_sync", "draft_vocab",
+                                                                             "acceptance")
                                                        if k in info},
                                                     **({"command": info["command"]} if "command" in info else {}),
                                                     **sweep}, indent=1))

@@ -1,6 +1,7 @@
 """A compact Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Mistral, SmolLM2) for batch-1 decoding.
 
-Weights are float tensors or `W4Weight`s (the engine's one quantized format). Every forward
+Weights are float tensors or weights of a registered format (hierviz.quant.formats: W4A16,
+W8A8 int8), each linear's product done by its format. Every forward
 appends its tokens' keys/values to a preallocated `KVCache`; the caller passes the positions
 (tree nodes share a depth-based position) and an attention mask over [cache | new tokens], so
 the same code serves causal decoding, sequence verification and tree verification. `forward`
@@ -10,7 +11,7 @@ them through the LM head.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,10 @@ from torch import nn
 
 from hierviz.models import fused
 from hierviz.models.config import ModelConfig, rope_frequencies
-from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, matmul_nt, w4_linear
+from hierviz.quant.formats import QuantLinear, format_of, out_features, weight_to
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, matmul_nt
 
-Weight = Union[torch.Tensor, W4Weight]
+Weight = Union[torch.Tensor, Any]      # a dense tensor or a weight-format weight (hierviz.quant.formats)
 
 
 class WeightsError(ValueError):
@@ -136,67 +138,52 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with W dense or W4. Several linears reading the same input are fused
-    into one (concatenated along the output dim) when their formats allow it. A dense weight is
-    copied (fused or not) unless copy=False: then a single one is kept as given (a loader's own
-    tensor, released to the model: no second copy while the model is built)."""
+    """y = x W^T (+ b) with W dense or in a weight format (hierviz.quant.formats: the format's
+    product does the work). Several linears reading the same input are fused into one
+    (concatenated along the output dim). A dense weight is copied (fused or not) unless
+    copy=False: then a single one is kept as given (a loader's own tensor, released to the model:
+    no second copy while the model is built). `kernel` names the format's kernel (W4's KERNELS)."""
 
     def __init__(self, weights: list[Weight], biases: list[Optional[torch.Tensor]], w4_kernel: str = "reference",
                  copy: bool = True) -> None:
         super().__init__()
-        self.splits = [w.out_features if isinstance(w, W4Weight) else w.shape[0] for w in weights]
+        self.splits = [out_features(w) for w in weights]
         self.w4_kernel = w4_kernel
-        if all(isinstance(w, torch.Tensor) for w in weights):
+        fmts = {f.name if f else "dense" for f in map(format_of, weights)}
+        if len(fmts) > 1:
+            raise WeightsError(f"a fused linear mixes weight formats: {', '.join(sorted(fmts))}")
+        fmt = format_of(weights[0])
+        self.q: Optional[QuantLinear] = None
+        if fmt is None:
             dense = weights[0].contiguous() if len(weights) == 1 and not copy else torch.cat(weights, 0)
             self.weight = nn.Parameter(dense, requires_grad=False)
-            self.w4: list[W4Weight] = []
-        elif all(isinstance(w, W4Weight) for w in weights):
-            self.weight = None
-            self.w4 = _fuse_w4(weights)
         else:
-            raise WeightsError("a fused linear mixes dense and 4-bit weights")
+            self.weight = None
+            self.q = fmt.make_linear(weights, w4_kernel)
         if any(b is not None for b in biases):
-            full = [b if b is not None else torch.zeros(n, dtype=self._dtype(), device=self._device())
+            ref = next(b for b in biases if b is not None)
+            full = [b if b is not None else torch.zeros(n, dtype=ref.dtype, device=ref.device)
                     for b, n in zip(biases, self.splits)]
             self.bias = nn.Parameter(torch.cat(full), requires_grad=False)
         else:
             self.bias = None
 
-    def _dtype(self) -> torch.dtype:
-        return self.weight.dtype if self.weight is not None else self.w4[0].scales.dtype
-
-    def _device(self) -> torch.device:
-        return self.weight.device if self.weight is not None else self.w4[0].codes.device
+    @property
+    def w4(self) -> list[W4Weight]:
+        """The W4 weights of a W4A16 linear (W4-only tools: the kernel proof, the op profile)."""
+        return self.q.weights if self.q is not None and self.q.format == "w4a16" else []
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x W^T (+ b); with add_to (the residual), added into add_to in place, which is returned."""
-        if self.weight is not None:
-            y = matmul_nt(x, self.weight)
-        elif len(self.w4) == 1:
-            if self.bias is None:     # the kernel adds into add_to itself where it can
-                return w4_linear(x, self.w4[0], self.w4_kernel, add_to)
-            y = w4_linear(x, self.w4[0], self.w4_kernel)
-        else:
-            y = torch.cat([w4_linear(x, w, self.w4_kernel) for w in self.w4], -1)
+        if self.weight is None and self.bias is None:   # the format's product adds into add_to itself
+            return self.q(x, add_to)
+        y = matmul_nt(x, self.weight) if self.weight is not None else self.q(x)
         if self.bias is not None:
             y = y + self.bias
         return y if add_to is None else add_to.add_(y)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.splits, -1)
-
-
-def _fuse_w4(ws: list[W4Weight]) -> list[W4Weight]:
-    """One W4Weight when group sizes and input permutations agree, else the list unchanged."""
-    if len(ws) == 1:
-        return ws
-    g = ws[0].group_size
-    same_perm = all((w.perm is None and ws[0].perm is None) or
-                    (w.perm is not None and ws[0].perm is not None and torch.equal(w.perm, ws[0].perm)) for w in ws)
-    if not same_perm or any(w.group_size != g for w in ws):
-        return ws
-    return [W4Weight(torch.cat([w.codes for w in ws]), torch.cat([w.scales for w in ws]),
-                     torch.cat([w.offsets for w in ws]), g, ws[0].perm)]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -304,7 +291,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, Weight], w4_kernel: str = "reference",
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
                  release: bool = False) -> None:
-        """weights: HF names -> float tensors / W4Weights, anywhere, any float dtype (each is moved
+        """weights: HF names -> float tensors / weight-format weights, anywhere, any float dtype (each is moved
         to `device` and cast to `dtype` as it is used). release: remove each entry from `weights`
         once used and keep unfused dense weights without a copy, so a loader's own weights
         (already on the device, hierviz.models.loading.open_weights) are held about once while
@@ -428,8 +415,15 @@ class Transformer(nn.Module):
         not). Drafters need none of it."""
         self.batch_invariant = on
         for mod in self.modules():
-            for w in getattr(mod, "w4", None) or []:
-                w.batch_invariant = on
+            if isinstance(mod, Linear) and mod.q is not None:
+                mod.q.set_batch_invariant(on)
+
+    def products_rows_invariant_cpu(self) -> bool:
+        """Whether every decoder-layer product gives a row the same bits at any row count on the
+        CPU (a format's kernel says so; dense BLAS products do not): what a batch-invariant CPU
+        verifier needs besides its own attention and LM head."""
+        lins = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        return bool(lins) and all(m.q is not None and m.q.rows_invariant_cpu for m in lins)
 
     def _invariant_cpu(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -468,7 +462,5 @@ def weight_getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.
         if name not in weights:
             raise WeightsError(f"checkpoint has no tensor {name!r}")
         w = weights.pop(name) if release else weights[name]
-        if isinstance(w, W4Weight):
-            return w.to(device, dtype)
-        return w.to(device=device, dtype=dtype)
+        return weight_to(w, device, dtype)
     return get

@@ -1,6 +1,6 @@
 """Checkpoints in, one format inside: HF safetensors folders (sharded or not), hub ids,
 GPTQ (AutoGPTQ / GPTQModel) folders and GGUF files all become (ModelConfig, weights dict)
-with float tensors and `W4Weight`s under HF parameter names.
+with float tensors and weight-format weights (W4Weight, ...) under HF parameter names.
 
 Folders are streamed onto the device the model will run on: each tensor is read memory-mapped,
 copied there and converted there (GPTQ repack, dtype casts), so host memory holds about one
@@ -17,8 +17,8 @@ import torch
 
 from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.models.llama import Weight, WeightsError
-from hierviz.quant.gptq import cast_float, cast_w4, checkpoint_tensors, iter_tensors
-from hierviz.quant.w4 import W4Weight
+from hierviz.quant.gptq import cast_float, checkpoint_tensors, iter_tensors
+from hierviz.quant.formats import weight_to
 
 
 def resolve_source(name_or_path: str) -> Path:
@@ -149,4 +149,4 @@ def _placed(weights: dict[str, Weight], device: torch.device | str,
     """weights moved to device (and cast), one at a time: each host tensor is dropped once moved."""
     for k in list(weights):
         w = weights.pop(k)
-        yield k, cast_w4(w.to(device), dtype) if isinstance(w, W4Weight) else cast_float(w.to(device), dtype)
+        yield k, cast_float(w.to(device), dtype) if isinstance(w, torch.Tensor) else weight_to(w, device, dtype)

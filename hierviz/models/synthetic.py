@@ -16,7 +16,9 @@ from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import LAYER_PREFIX, Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer, Weight
-from hierviz.quant.w4 import W4Weight, dequantize, quantize_linears
+from hierviz.quant.formats import dense_of, get_format
+from hierviz.quant.formats import quantize_linears as to_format
+from hierviz.quant.w4 import W4Weight, quantize_rtn
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -46,12 +48,18 @@ def random_w4(n: int, k: int, g: int, dtype: torch.dtype, device: str | torch.de
 
 def layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device: str | torch.device,
                   gen: torch.Generator) -> dict[str, Weight]:
-    """One decoder layer's weights, keys without the "model.layers.N." prefix; fmt "w4" or "dense"."""
+    """One decoder layer's weights, keys without the "model.layers.N." prefix; fmt "w4", "dense" or
+    another weight format's name (hierviz.quant.formats: random dense weights through its quantizer)."""
     h = cfg.hidden_size
     w: dict[str, Weight] = {"input_layernorm.weight": torch.ones(h, dtype=dtype, device=device),
                             "post_attention_layernorm.weight": torch.ones(h, dtype=dtype, device=device)}
+    quantize = None if fmt in ("w4", "dense") else get_format(fmt).quantize
     for name, (n, k) in linear_shapes(cfg).items():
-        w[f"{name}.weight"] = random_dense(n, k, dtype, device, gen) if fmt == "dense" else random_w4(n, k, g, dtype, device, gen)
+        if fmt == "w4":
+            w[f"{name}.weight"] = random_w4(n, k, g, dtype, device, gen)
+        else:
+            dense = random_dense(n, k, dtype, device, gen)
+            w[f"{name}.weight"] = dense if quantize is None else quantize(dense)
     return w
 
 
@@ -106,10 +114,10 @@ def hf_weights(cfg: ModelConfig, device: str, seed: int = 0, std: float = 0.02) 
     return w
 
 
-def tiny_models(vocab: int = 259, device: torch.device | str = "cpu",
-                seed: int = 0) -> tuple[Transformer, Transformer, EagleHead, EagleHead]:
-    """Random tiny T (4 layers, W4 RTN g32), M (two of T's layers, dense) and random EAGLE heads
-    (E_M, E_T): the tiny-random stack."""
+def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int = 0,
+                target_format: str = "w4a16") -> tuple[Transformer, Transformer, EagleHead, EagleHead]:
+    """Random tiny T (4 layers, W4 RTN g32, or another weight format's quantizer), M (two of T's
+    layers, dense) and random EAGLE heads (E_M, E_T): the tiny-random stack."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, std: float = 0.15) -> torch.Tensor:
@@ -134,7 +142,8 @@ def tiny_models(vocab: int = 259, device: torch.device | str = "cpu",
     cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
                num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
-    t_w = quantize_linears(model_weights(4), 32)
+    quantize = (lambda w: quantize_rtn(w, 32)) if target_format == "w4a16" else get_format(target_format).quantize
+    t_w = to_format(model_weights(4), quantize)
     target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
     # batch-invariant although load_stack's rule would not ask for it here (its `reference`
     # kernel is not row-invariant on the CPU): every test decoding on this stack then runs the
@@ -145,7 +154,7 @@ def tiny_models(vocab: int = 259, device: torch.device | str = "cpu",
     for new, old in ((0, 0), (1, 3)):
         for k, v in t_w.items():
             if k.startswith(f"model.layers.{old}."):
-                m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = dequantize(v) if isinstance(v, W4Weight) else v
+                m_w[k.replace(f"layers.{old}.", f"layers.{new}.")] = dense_of(v)
     inter_m = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=2)), m_w, device=device)
     head_cfg = ModelConfig.from_dict(dict(cfg, num_hidden_layers=1))
 

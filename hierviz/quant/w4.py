@@ -141,12 +141,9 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
 
 
 def quantize_linears(weights: dict[str, Any], group: int) -> dict[str, Any]:
-    """RTN-quantize every dense decoder-layer linear (keeps norms, embeddings, LM head)."""
-    out = dict(weights)
-    for k, w in weights.items():
-        if k.startswith("model.layers.") and k.endswith("_proj.weight") and isinstance(w, torch.Tensor):
-            out[k] = quantize_rtn(w, group)
-    return out
+    """RTN-quantize every dense decoder-layer linear to W4 (keeps norms, embeddings, LM head)."""
+    from hierviz.quant.formats import quantize_linears as to_format
+    return to_format(weights, lambda w: quantize_rtn(w, group))
 
 
 # ---- kernels: the seam where fast matmuls plug in ------------------------------------------
@@ -264,3 +261,54 @@ def w4_linear(x: torch.Tensor, w: W4Weight, kernel: str = "reference",
         return add_to
     y = fn(x2, w).reshape(*shape[:-1], w.out_features)
     return y if add_to is None else add_to.add_(y)
+
+
+ROW_INVARIANT_CPU_KERNELS = ("int4pack_cpu",)   # measured: a row's bits do not depend on the other rows
+
+
+# ---- the W4A16 format behind hierviz.quant.formats' linear interface ---------------------------
+
+def fuse_w4(ws: list[W4Weight]) -> list[W4Weight]:
+    """One W4Weight when group sizes and input permutations agree, else the list unchanged."""
+    if len(ws) == 1:
+        return ws
+    g = ws[0].group_size
+    same_perm = all((w.perm is None and ws[0].perm is None) or
+                    (w.perm is not None and ws[0].perm is not None and torch.equal(w.perm, ws[0].perm)) for w in ws)
+    if not same_perm or any(w.group_size != g for w in ws):
+        return ws
+    return [W4Weight(torch.cat([w.codes for w in ws]), torch.cat([w.scales for w in ws]),
+                     torch.cat([w.offsets for w in ws]), g, ws[0].perm)]
+
+
+class W4Linear:
+    """The W4A16 product of one fused linear: one W4Weight where the parts fuse, else one product
+    per part; `kernel` names the W4 kernel (KERNELS)."""
+
+    format = "w4a16"
+
+    def __init__(self, weights: list[W4Weight], kernel: str = "reference") -> None:
+        self.weights = fuse_w4(weights)
+        self.kernel = kernel
+        self.rows_invariant_cpu = kernel in ROW_INVARIANT_CPU_KERNELS
+
+    def set_batch_invariant(self, on: bool) -> None:
+        for w in self.weights:
+            w.batch_invariant = on
+
+    def __call__(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if len(self.weights) == 1:     # the kernel adds into add_to itself where it can
+            return w4_linear(x, self.weights[0], self.kernel, add_to)
+        y = torch.cat([w4_linear(x, w, self.kernel) for w in self.weights], -1)
+        return y if add_to is None else add_to.add_(y)
+
+
+def _register() -> None:
+    from hierviz.quant.formats import WeightFormat, register
+    register(WeightFormat("w4a16", "W4A16", W4Weight, W4Linear, quantize=lambda w: quantize_rtn(w, 128),
+                          dequantize=dequantize_unpermuted, gpu_proven=True,
+                          description="4-bit weights in groups with a float scale and offset each (GPTQ, GGUF "
+                                      "Q4_0/Q4_1, RTN), 16-bit activations"))
+
+
+_register()

@@ -113,6 +113,30 @@ def depth_figure(series: list[Series]) -> go.Figure:
     return fig
 
 
+def position_figure(series: list[Series], imported: Optional[tuple[str, list[float]]] = None) -> go.Figure:
+    """Conditional acceptance per draft position (accepted, given the position before was), one bar
+    group per position: each run's over the whole run, and `imported` = (label, rates) beside them
+    (a deployment's acceptance read by hierviz.measure.acceptance_import: the same definition)."""
+    fig = go.Figure()
+    for k, s in enumerate(series):
+        curves = depth_acceptance_over_run(s.trace.steps)
+        depths = sorted(curves)[:MAX_DEPTHS_DRAWN]
+        if depths:
+            fig.add_trace(go.Bar(x=[f"position {d}" for d in depths], y=[curves[d][-1][1] for d in depths],
+                                 name=esc(s.label), marker_color=SERIES_COLORS[k % len(SERIES_COLORS)],
+                                 hovertemplate="%{x}: %{y:.0%}<extra>" + esc(s.label) + "</extra>"))
+    if imported:
+        label, rates = imported
+        rates = rates[:MAX_DEPTHS_DRAWN]
+        fig.add_trace(go.Bar(x=[f"position {d}" for d in range(1, len(rates) + 1)], y=rates, name=esc(label),
+                             marker=dict(color="#777", pattern=dict(shape="/")),
+                             hovertemplate="%{x}: %{y:.0%}<extra>" + esc(label) + "</extra>"))
+    fig = _layout(fig, "acceptance per draft position (given the one before was accepted)", "accepted / tried")
+    fig.update_layout(barmode="group", xaxis_title="draft position")
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return fig
+
+
 # ---- worst rejections --------------------------------------------------------------------------
 
 def describe_rejection(step: Step) -> str:

@@ -71,7 +71,8 @@ def shapes_label(d: dict[str, Any]) -> str:
     m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
     dv = reduced_draft_vocab(d)
     fr = f", heads draft over {dv} tokens (FR-Spec)" if dv else ""
-    return f"{sh.get('target', '?')} (W4A16) / {sh.get('intermediate', '?')}{m_fmt}{fr}"
+    t_fmt = str((d.get("formats") or {}).get("target") or "W4A16").split()[0]
+    return f"{sh.get('target', '?')} ({t_fmt}) / {sh.get('intermediate', '?')}{m_fmt}{fr}"
 
 
 def _rates(rs: list[float]) -> str:
@@ -93,18 +94,22 @@ def sweep_base_rates(d: dict[str, Any]) -> tuple[list[float], Optional[float]]:
 
 def acceptance_label(d: dict[str, Any]) -> str:
     """Where the accept/reject decisions came from, in one line."""
+    acc = d.get("acceptance") or {}
+    imp = acc.get("imported") or {}
+    origin = (f"imported from {imp.get('format', '?')} file {PurePath(str(imp.get('source', '?'))).name} "
+              f"({imp.get('steps', 0)} steps, mean {_num(imp.get('mean_accepted_length', 0))} draft tokens "
+              f"accepted per step): " if imp else "")
     if kind(d) == "sweep":
         rates, seq = sweep_base_rates(d)
-        return (f"per-depth tree rates {_rates(rates)}" + (f", sequence rate {_num(seq)}" if seq is not None else "")
+        return (origin + f"per-depth tree rates {_rates(rates)}" + (f", sequence rate {_num(seq)}" if seq is not None else "")
                 + ", each x the acceptance scale (capped at 1)")
-    acc = d.get("acceptance") or {}
     if acc.get("mode") == "trace":
         src = PurePath(str(acc.get("source", "?"))).name
         stacks = sorted({str(s) for s in (acc.get("source_stack") or {}).values() if s})
         return f"replayed from trace {src}" + (f" ({', '.join(stacks)} stack)" if stacks else "")
     if acc.get("mode") == "rates":
         t, m = acc.get("rates") or [], acc.get("m_rates") or []
-        out = f"per-depth tree rates {_rates(t)}"
+        out = origin + f"per-depth tree rates {_rates(t)}"
         if m and m != t:
             out += f" (E_M trees at M: {_rates(m)})"
         return out + f", sequence rate {_num(acc.get('seq_rate', 0))}, seed {acc.get('seed', 0)}"
