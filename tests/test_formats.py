@@ -14,11 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from hierviz.models.llama import Linear, WeightsError  # noqa: E402
 from hierviz.quant.formats import FORMATS, dense_of, format_of, get_format, quantize_option  # noqa: E402
 from hierviz.quant.w4 import W4Weight, quantize_rtn  # noqa: E402
+from hierviz.quant.fp8 import FP8Weight, fp8_linear, quantize_fp8, quantize_tokens_fp8  # noqa: E402
 from hierviz.quant.w8a8 import W8Weight, quantize_tokens, quantize_w8, w8a8_linear  # noqa: E402
 
 
 def test_registry_names_each_format_once():
-    assert {"w4a16", "w8a8-int8"} <= set(FORMATS)
+    assert {"w4a16", "w8a8-int8", "w8a8-fp8"} <= set(FORMATS)
     w = torch.randn(32, 64)
     assert format_of(w) is None
     assert format_of(quantize_rtn(w, 32)).name == "w4a16" and format_of(quantize_w8(w)).name == "w8a8-int8"
@@ -27,6 +28,7 @@ def test_registry_names_each_format_once():
     with pytest.raises(ValueError, match="unknown quantize option 'int3'.*rtn-g"):
         quantize_option("int3")
     assert isinstance(quantize_option("rtn-g32")(w), W4Weight) and isinstance(quantize_option("w8a8-int8")(w), W8Weight)
+    assert isinstance(quantize_option("w8a8-fp8")(w), FP8Weight)
     # not yet run on a GPU here: refused on CUDA rather than run unproven
     with pytest.raises(ValueError, match="has not been run on a GPU"):
         quantize_option("w8a8-int8", torch.device("cuda"))
@@ -47,14 +49,31 @@ def test_w8a8_product_is_its_definition():
     assert err < 0.03
 
 
-def test_w8a8_rows_have_the_same_bits_at_every_row_count():
+def test_fp8_product_is_its_definition():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 96, generator=g), torch.randn(11, 96, generator=g)
+    q = quantize_fp8(w)
+    assert q.codes.dtype == torch.float8_e4m3fn and float(q.codes.float().abs().max()) == 448.0
+    xq, s = quantize_tokens_fp8(x)
+    want = (xq.double() @ q.codes.double().t()) * s.double()[:, None] * q.scales.double()[None, :]
+    torch.testing.assert_close(fp8_linear(x, q).double(), want, rtol=1e-5, atol=1e-5)
+    # torch's own FP8 product (row-wise scales) agrees
+    ref = torch._scaled_mm(xq, q.codes.t(), scale_a=s[:, None], scale_b=q.scales[None, :], out_dtype=torch.float32)
+    torch.testing.assert_close(fp8_linear(x, q), ref, rtol=1e-5, atol=1e-5)
+    err = (fp8_linear(x, q) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()
+    assert err < 0.06
+
+
+@pytest.mark.parametrize("quantize, product", [(quantize_w8, w8a8_linear), (quantize_fp8, fp8_linear)])
+def test_8bit_rows_have_the_same_bits_at_every_row_count(quantize, product):
     g = torch.Generator().manual_seed(1)
-    q = quantize_w8(torch.randn(64, 128, generator=g))
+    q = quantize(torch.randn(64, 128, generator=g))
     x = torch.randn(40, 128, generator=g)
-    whole = w8a8_linear(x, q)
-    for rows in (1, 3, 17, 40):
-        assert torch.equal(w8a8_linear(x[:rows], q), whole[:rows])
-    assert torch.equal(w8a8_linear(x[7:8], q), whole[7:8])
+    whole = product(x, q)
+    for rows in (1, 3, 9, 17, 40):
+        assert torch.equal(product(x[:rows], q), whole[:rows])
+    assert torch.equal(product(x[7:8], q), whole[7:8])
+    assert torch.equal(product(x[33:35], q), whole[33:35])
 
 
 def test_linear_fuses_within_a_format_and_refuses_mixtures():
@@ -73,13 +92,14 @@ def test_linear_fuses_within_a_format_and_refuses_mixtures():
         Linear([a, quantize_w8(b)], [None, None])
 
 
+@pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
 @pytest.mark.parametrize("method", ["spec", "eagle2", "hierspec"])
-def test_every_method_reproduces_ar_of_a_w8a8_target(method):
+def test_every_method_reproduces_ar_of_an_8bit_target(method, fmt):
     from hierviz.engine import DecodeSettings, generate, output_tokens
     from hierviz.stack import tiny_random_stack
-    st = tiny_random_stack("cpu", target_format="w8a8-int8")
+    st = tiny_random_stack("cpu", target_format=fmt)
     t = st.models.target
-    assert t.products_rows_invariant_cpu() and "W8A8" in st.meta["target"]
+    assert t.products_rows_invariant_cpu() and get_format(fmt).label in st.meta["target"]
     s = DecodeSettings(max_new_tokens=24)
     for prompt in ("the quick brown fox", "1 2 3 4"):
         ar = output_tokens(generate(st, "ar", prompt, s))

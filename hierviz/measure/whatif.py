@@ -99,7 +99,7 @@ class SharpEagle3Head(SharpDraft, Eagle3Head):
     """A sharpened EAGLE-3 head (SharpDraft)."""
 
 
-BYTES_PER_WEIGHT = {"w4": 0.53, "w8a8-int8": 1.0, "dense": 2.0}   # codes plus scales, per linear weight
+BYTES_PER_WEIGHT = {"w4": 0.53, "w8a8-int8": 1.0, "w8a8-fp8": 1.0, "dense": 2.0}   # codes plus scales, per linear weight
 TARGET_FORMATS = tuple(BYTES_PER_WEIGHT)
 
 
@@ -329,8 +329,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", default="llama3-70b", help="shape: llama3-8b, llama3-70b, smollm2 or a config.json")
     ap.add_argument("--intermediate", default="llama3-8b", help="shape of the intermediate model M")
     ap.add_argument("--target-format", default="w4", choices=list(TARGET_FORMATS),
-                    help="T's weight format: w4 (W4A16, the paper's), w8a8-int8 (int8 weights and per-token int8 "
-                         "activations) or dense (the run's dtype)")
+                    help="T's weight format: w4 (W4A16, the paper's), w8a8-int8 / w8a8-fp8 (8-bit weights per "
+                         "channel, 8-bit activations per token) or dense (the run's dtype)")
     ap.add_argument("--intermediate-format", default="dense", choices=["dense", "w4"],
                     help="M's weights: dense (the paper's stack) or W4A16 like the target")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")

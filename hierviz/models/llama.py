@@ -148,7 +148,7 @@ class Linear(nn.Module):
                  copy: bool = True) -> None:
         super().__init__()
         self.splits = [out_features(w) for w in weights]
-        self.w4_kernel = w4_kernel
+        self._kernel = w4_kernel
         fmts = {f.name if f else "dense" for f in map(format_of, weights)}
         if len(fmts) > 1:
             raise WeightsError(f"a fused linear mixes weight formats: {', '.join(sorted(fmts))}")
@@ -167,6 +167,17 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.cat(full), requires_grad=False)
         else:
             self.bias = None
+
+    @property
+    def w4_kernel(self) -> str:
+        """The kernel of a format that has several (W4's KERNELS); settable, to switch a built model."""
+        return getattr(self.q, "kernel", self._kernel)
+
+    @w4_kernel.setter
+    def w4_kernel(self, name: str) -> None:
+        self._kernel = name
+        if self.q is not None and hasattr(self.q, "kernel"):
+            self.q.kernel = name
 
     @property
     def w4(self) -> list[W4Weight]:

@@ -7,8 +7,8 @@ one fused linear (`make_linear(weights, kernel)` -> a `QuantLinear`), and option
 from a dense weight. The model code (hierviz.models.llama.Linear) asks `format_of(weight)` and
 never names a format; a stack file picks one with `"quantize"` (`quantize_option`).
 
-Registered here: W4A16 (hierviz.quant.w4, the GPTQ / GGUF / RTN importers' format) and W8A8
-int8 (hierviz.quant.w8a8). A further format is one module that calls `register`, an import in
+Registered here: W4A16 (hierviz.quant.w4, the GPTQ / GGUF / RTN importers' format), W8A8 int8
+(hierviz.quant.w8a8) and W8A8 FP8 (hierviz.quant.fp8). A further format is one module that calls `register`, an import in
 `_load_builtin`, and its tests (docs/formats.md).
 """
 from __future__ import annotations
@@ -61,6 +61,7 @@ def register(fmt: WeightFormat) -> WeightFormat:
 
 def _load_builtin() -> None:
     # each format module registers itself on import
+    import hierviz.quant.fp8  # noqa: F401
     import hierviz.quant.w4  # noqa: F401
     import hierviz.quant.w8a8  # noqa: F401
 

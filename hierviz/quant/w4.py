@@ -290,7 +290,10 @@ class W4Linear:
     def __init__(self, weights: list[W4Weight], kernel: str = "reference") -> None:
         self.weights = fuse_w4(weights)
         self.kernel = kernel
-        self.rows_invariant_cpu = kernel in ROW_INVARIANT_CPU_KERNELS
+
+    @property
+    def rows_invariant_cpu(self) -> bool:
+        return self.kernel in ROW_INVARIANT_CPU_KERNELS
 
     def set_batch_invariant(self, on: bool) -> None:
         for w in self.weights:

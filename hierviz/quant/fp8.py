@@ -1,0 +1,115 @@
+"""The W8A8 FP8 weight format: e4m3 weights with one scale per output channel, activations cast
+to e4m3 per token at run time (dynamic, symmetric), the product accumulated in fp32.
+
+    W[n, k] ~= scales[n] * codes[n, k]          codes float8_e4m3fn [N, K], scales float32 [N]
+    x[t, k] ~= s_x[t] * q[t, k]                  s_x = max_k |x[t, k]| / 448, q = e4m3(x / s_x)
+    y[t, n]  = s_x[t] * scales[n] * sum_k q[t, k] codes[n, k]
+
+Every e4m3 value is exact in fp32, so the product is the fp32 product of the dequantized
+operands; it runs in chunks of a fixed number of rows (each chunk zero-padded to that size), so a
+row's bits do not depend on how many rows share the forward: a batch-invariant target on the
+CPU. On CUDA, Hopper and newer do the product in hardware (torch._scaled_mm with row-wise
+scales); the format is refused on CUDA until the GPU tests have run it (hierviz.quant.formats).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hierviz.quant.formats import WeightFormat, register
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+CHUNK = 8      # rows per product on the CPU: one shape for every call, so rows never round differently
+
+
+@dataclass
+class FP8Weight:
+    codes: torch.Tensor      # float8_e4m3fn [N, K]
+    scales: torch.Tensor     # float32 [N]
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != E4M3 or self.codes.dim() != 2:
+            raise ValueError(f"FP8 codes must be a 2-D float8_e4m3fn tensor, got {self.codes.dtype} "
+                             f"{tuple(self.codes.shape)}")
+        if tuple(self.scales.shape) != (self.codes.shape[0],):
+            raise ValueError(f"FP8 scales must have shape ({self.codes.shape[0]},), got {tuple(self.scales.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "FP8Weight":
+        return FP8Weight(self.codes.to(device), self.scales.to(device), self.batch_invariant)
+
+
+def quantize_fp8(weight: torch.Tensor) -> FP8Weight:
+    """Per-output-channel e4m3 of a dense [N, K] weight (the channel's largest value maps to 448)."""
+    w = weight.float()
+    scales = (w.abs().amax(1) / E4M3_MAX).clamp_min(1e-12)
+    return FP8Weight((w / scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scales)
+
+
+def dequantize_fp8(w: FP8Weight) -> torch.Tensor:
+    return w.codes.float() * w.scales[:, None]
+
+
+def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic e4m3 of activations [M, K]: (codes, scales float32 [M])."""
+    xf = x2.float()
+    s = (xf.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
+    return (xf / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
+
+
+def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
+    """y = x @ W.T in x's dtype, W8A8 FP8 (see the module docstring)."""
+    shape = x.shape
+    q, s = quantize_tokens_fp8(x.reshape(-1, shape[-1]))
+    if q.is_cuda:
+        acc = torch._scaled_mm(q, w.codes.t(), scale_a=s[:, None], scale_b=w.scales[None, :], out_dtype=torch.float32)
+    else:
+        wf = w.codes.float()
+        parts = []
+        for i in range(0, q.shape[0], CHUNK):
+            chunk = q[i:i + CHUNK].float()
+            rows = chunk.shape[0]
+            if rows < CHUNK:
+                chunk = torch.cat([chunk, chunk.new_zeros(CHUNK - rows, chunk.shape[1])])
+            parts.append((wf @ chunk.t()).t()[:rows])
+        acc = torch.cat(parts) * s[:, None] * w.scales[None, :]
+    return acc.to(x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+class FP8Linear:
+    """The W8A8 FP8 product of one fused linear (parts concatenated into one weight)."""
+
+    format = "w8a8-fp8"
+    rows_invariant_cpu = True     # fixed-size row chunks
+
+    def __init__(self, weights: list[FP8Weight], kernel: str = "") -> None:
+        self.weights = weights if len(weights) == 1 else [
+            FP8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]))]
+
+    def set_batch_invariant(self, on: bool) -> None:
+        for w in self.weights:
+            w.batch_invariant = on
+
+    def __call__(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = fp8_linear(x, self.weights[0])
+        return y if add_to is None else add_to.add_(y)
+
+
+FORMAT = register(WeightFormat(
+    "w8a8-fp8", "W8A8-FP8", FP8Weight, FP8Linear, quantize=quantize_fp8, dequantize=dequantize_fp8,
+    description="e4m3 weights per output channel, e4m3 activations per token (dynamic), fp32 sums"))
