@@ -113,6 +113,64 @@ def quantize_linears(weights: dict[str, Any], quantize: Callable[[torch.Tensor],
     return out
 
 
+# ---- the shared shape of 8-bit formats: codes [N, K] with one float32 scale per output channel ----
+
+@dataclass
+class PerChannelWeight:
+    """codes [N, K] of the format's CODE_DTYPE and scales float32 [N]: W[n, k] ~= scales[n] * codes[n, k]."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    batch_invariant: bool = False
+    CODE_DTYPE = torch.int8
+    NAME = "8-bit"
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != self.CODE_DTYPE or self.codes.dim() != 2:
+            raise ValueError(f"{self.NAME} codes must be a 2-D {self.CODE_DTYPE} tensor, got {self.codes.dtype} "
+                             f"{tuple(self.codes.shape)}")
+        if tuple(self.scales.shape) != (self.codes.shape[0],):
+            raise ValueError(f"{self.NAME} scales must have shape ({self.codes.shape[0]},), got {tuple(self.scales.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+    def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "PerChannelWeight":
+        """Move to a device (codes and scales keep their dtypes: dtype is the activations' business)."""
+        return type(self)(self.codes.to(device), self.scales.to(device), self.batch_invariant)
+
+
+class PerChannelLinear:
+    """The product of one fused linear of a per-channel format: the parts concatenated into one
+    weight, `product(x, weight)` doing the work (a row-invariant one: rows_invariant_cpu)."""
+    format = ""
+    rows_invariant_cpu = True
+
+    @staticmethod
+    def product(x: torch.Tensor, w: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __init__(self, weights: list[PerChannelWeight], kernel: str = "") -> None:
+        self.weights = weights if len(weights) == 1 else [
+            type(weights[0])(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]))]
+
+    def set_batch_invariant(self, on: bool) -> None:
+        for w in self.weights:
+            w.batch_invariant = on
+
+    def __call__(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = self.product(x, self.weights[0])
+        return y if add_to is None else add_to.add_(y)
+
+
 def dense_of(w: Any) -> torch.Tensor:
     """The dense [N, K] a weight of any format stands for (a dense tensor as it is)."""
     fmt = format_of(w)

@@ -13,45 +13,20 @@ scales); the format is refused on CUDA until the GPU tests have run it (hierviz.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from hierviz.quant.formats import WeightFormat, register
+from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightFormat, register
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 CHUNK = 8      # rows per product on the CPU: one shape for every call, so rows never round differently
 
 
-@dataclass
-class FP8Weight:
-    codes: torch.Tensor      # float8_e4m3fn [N, K]
-    scales: torch.Tensor     # float32 [N]
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        if self.codes.dtype != E4M3 or self.codes.dim() != 2:
-            raise ValueError(f"FP8 codes must be a 2-D float8_e4m3fn tensor, got {self.codes.dtype} "
-                             f"{tuple(self.codes.shape)}")
-        if tuple(self.scales.shape) != (self.codes.shape[0],):
-            raise ValueError(f"FP8 scales must have shape ({self.codes.shape[0]},), got {tuple(self.scales.shape)}")
-
-    @property
-    def out_features(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.codes.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
-
-    def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "FP8Weight":
-        return FP8Weight(self.codes.to(device), self.scales.to(device), self.batch_invariant)
+class FP8Weight(PerChannelWeight):
+    """float8_e4m3fn codes [N, K], float32 scales [N]."""
+    CODE_DTYPE = E4M3
+    NAME = "FP8"
 
 
 def quantize_fp8(weight: torch.Tensor) -> FP8Weight:
@@ -91,23 +66,10 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
     return acc.to(x.dtype).reshape(*shape[:-1], w.out_features)
 
 
-class FP8Linear:
-    """The W8A8 FP8 product of one fused linear (parts concatenated into one weight)."""
-
+class FP8Linear(PerChannelLinear):
+    """The W8A8 FP8 product of one fused linear; fixed row chunks keep rows invariant on the CPU."""
     format = "w8a8-fp8"
-    rows_invariant_cpu = True     # fixed-size row chunks
-
-    def __init__(self, weights: list[FP8Weight], kernel: str = "") -> None:
-        self.weights = weights if len(weights) == 1 else [
-            FP8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]))]
-
-    def set_batch_invariant(self, on: bool) -> None:
-        for w in self.weights:
-            w.batch_invariant = on
-
-    def __call__(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = fp8_linear(x, self.weights[0])
-        return y if add_to is None else add_to.add_(y)
+    product = staticmethod(fp8_linear)
 
 
 FORMAT = register(WeightFormat(

@@ -13,44 +13,19 @@ dynamic per-token mode; this format does not migrate scales into the weights.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from hierviz.quant.formats import WeightFormat, register
+from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightFormat, register
 
 QMAX = 127
 CUDA_MIN_ROWS = 17     # torch._int_mm on CUDA wants m > 16
 
 
-@dataclass
-class W8Weight:
-    codes: torch.Tensor      # int8 [N, K]
-    scales: torch.Tensor     # float32 [N]
-    batch_invariant: bool = False   # always true of the product; kept for the format interface
-
-    def __post_init__(self) -> None:
-        if self.codes.dtype != torch.int8 or self.codes.dim() != 2:
-            raise ValueError(f"W8 codes must be a 2-D int8 tensor, got {self.codes.dtype} {tuple(self.codes.shape)}")
-        if tuple(self.scales.shape) != (self.codes.shape[0],):
-            raise ValueError(f"W8 scales must have shape ({self.codes.shape[0]},), got {tuple(self.scales.shape)}")
-
-    @property
-    def out_features(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.codes.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
-
-    def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "W8Weight":
-        """Move to a device (codes stay int8, scales float32: dtype is the activations' business)."""
-        return W8Weight(self.codes.to(device), self.scales.to(device), self.batch_invariant)
+class W8Weight(PerChannelWeight):
+    """int8 codes [N, K], float32 scales [N]."""
+    CODE_DTYPE = torch.int8
+    NAME = "W8"
 
 
 def quantize_w8(weight: torch.Tensor) -> W8Weight:
@@ -85,23 +60,10 @@ def w8a8_linear(x: torch.Tensor, w: W8Weight) -> torch.Tensor:
     return y.to(x.dtype).reshape(*shape[:-1], w.out_features)
 
 
-class W8A8Linear:
-    """The W8A8 int8 product of one fused linear (parts concatenated into one weight)."""
-
+class W8A8Linear(PerChannelLinear):
+    """The W8A8 int8 product of one fused linear; integer sums are exact, so rows are invariant."""
     format = "w8a8-int8"
-    rows_invariant_cpu = True     # integer sums are exact
-
-    def __init__(self, weights: list[W8Weight], kernel: str = "int_mm") -> None:
-        self.weights = weights if len(weights) == 1 else [
-            W8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]))]
-
-    def set_batch_invariant(self, on: bool) -> None:
-        for w in self.weights:     # nothing to switch: integer sums are exact
-            w.batch_invariant = on
-
-    def __call__(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = w8a8_linear(x, self.weights[0])
-        return y if add_to is None else add_to.add_(y)
+    product = staticmethod(w8a8_linear)
 
 
 FORMAT = register(WeightFormat(
