@@ -802,7 +802,7 @@ def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path
         return timed(lambda: visitors[i].predict(1, api_name="/scrub"))[1], timed(lambda: upload(fresh[i], f))[1]
     with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
         idle = list(pool.map(idle_visit, range(2 * AT_ONCE)))
-    limit = max(2.0, 2 * max(max(t) for t in idle))
+    limit = max(2.0, 3 * max(max(t) for t in idle))     # the other test worker's load varies between the two
 
     size = options().queue_size
     fillers = [new_client(app_url) for _ in range(size + 1)]
