@@ -16,9 +16,9 @@ from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import LAYER_PREFIX, Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer, Weight
-from hierviz.quant.formats import dense_of, get_format
+from hierviz.quant.formats import dense_of, get_format, quantize_option
 from hierviz.quant.formats import quantize_linears as to_format
-from hierviz.quant.w4 import W4Weight, quantize_rtn
+from hierviz.quant.w4 import W4Weight
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -142,8 +142,7 @@ def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int 
     cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
                num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
-    quantize = (lambda w: quantize_rtn(w, 32)) if target_format == "w4a16" else get_format(target_format).quantize
-    t_w = to_format(model_weights(4), quantize)
+    t_w = to_format(model_weights(4), quantize_option("rtn-g32" if target_format == "w4a16" else target_format))
     target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
     # batch-invariant although load_stack's rule would not ask for it here (its `reference`
     # kernel is not row-invariant on the CPU): every test decoding on this stack then runs the
