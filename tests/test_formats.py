@@ -29,10 +29,21 @@ def test_registry_names_each_format_once():
         quantize_option("int3")
     assert isinstance(quantize_option("rtn-g32")(w), W4Weight) and isinstance(quantize_option("w8a8-int8")(w), W8Weight)
     assert isinstance(quantize_option("w8a8-fp8")(w), FP8Weight)
-    # not yet run on a GPU here: refused on CUDA rather than run unproven
+    assert quantize_option("rtn-g32", torch.device("cuda"))
+
+
+def test_cuda_refuses_an_unproven_format_and_fp8_before_ada(monkeypatch):
+    """A format whose product has not run on a GPU here is refused on CUDA; FP8 needs compute
+    capability 8.9 (an A100 is 8.0) and says which formats to use instead."""
+    import dataclasses
+    monkeypatch.setitem(FORMATS, "w8a8-int8", dataclasses.replace(FORMATS["w8a8-int8"], gpu_proven=False))
     with pytest.raises(ValueError, match="has not been run on a GPU"):
         quantize_option("w8a8-int8", torch.device("cuda"))
-    assert quantize_option("rtn-g32", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9 or newer.*8.0.*W4A16 or W8A8-int8"):
+        quantize_option("w8a8-fp8", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert quantize_option("w8a8-fp8", torch.device("cuda")) is FORMATS["w8a8-fp8"].quantize
 
 
 def test_w8a8_product_is_its_definition():

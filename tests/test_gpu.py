@@ -358,35 +358,43 @@ def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_pat
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 128, 300])
 def test_w8a8_product_on_the_gpu_is_the_cpu_definition_and_row_invariant(m) -> None:
     """W8A8 int8 on CUDA (torch._int_mm, rows padded past 16): each row's bits equal the row alone,
-    and the values equal the CPU's integer definition. A pass here is what lets the format's
+    and the values are the CPU's integer definition up to ties in rounding activations. A pass here is what lets the format's
     gpu_proven flag be set (hierviz/quant/w8a8.py)."""
     from hierviz.quant.w8a8 import quantize_w8, w8a8_linear
     g = torch.Generator().manual_seed(m)
     for k, n in ((4096, 14336), (8192, 1024), (576, 1536)):
         q = quantize_w8(torch.randn(n, k, generator=g))
         x = torch.randn(m, k, generator=g)
-        cpu = w8a8_linear(x, q)
         qc = q.to("cuda")
         gpu = w8a8_linear(x.cuda(), qc)
-        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-4)
         for r in {0, m // 2, m - 1}:
             assert torch.equal(w8a8_linear(x[r:r + 1].cuda(), qc), gpu[r:r + 1])
+        # the integer sums are exact on both devices; an activation exactly between two codes may
+        # round to a different code on each, which moves that row by about one code's worth
+        cpu = w8a8_linear(x, q)
+        assert (gpu.cpu() - cpu).abs().max() <= 1e-3 * cpu.abs().max()
         half = w8a8_linear(x.cuda().half(), qc)
         assert half.dtype == torch.float16
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, 128])
-def test_fp8_product_on_the_gpu_matches_the_cpu_definition(m) -> None:
-    """W8A8 FP8 on CUDA (torch._scaled_mm, row-wise scales; Hopper and newer) against the CPU's exact
-    e4m3 product, and each row alone against the batch."""
+@pytest.mark.parametrize("m", [1, 5, 16, 64, 127, 128, 129, 300])
+def test_fp8_product_on_the_gpu_is_row_invariant_and_close_to_the_cpu_definition(m) -> None:
+    """W8A8 FP8 on CUDA (torch._scaled_mm in fixed 128-row GEMMs): each row's bits equal the row
+    alone at every row count (what lossless decoding needs); the values are the CPU's exact e4m3
+    product up to Hopper's FP8 accumulator, which keeps fewer bits than fp32 (measured: 1.1e-3 of the
+    output's largest value at K=8192)."""
     from hierviz.quant.fp8 import fp8_linear, quantize_fp8
     g = torch.Generator().manual_seed(m)
-    for k, n in ((8192, 28672), (4096, 1024)):
+    for k, n in ((8192, 28672), (4096, 1024), (576, 1536)):
         q = quantize_fp8(torch.randn(n, k, generator=g))
         x = torch.randn(m, k, generator=g)
-        gpu = fp8_linear(x.cuda(), q.to("cuda"))
-        torch.testing.assert_close(gpu.cpu(), fp8_linear(x, q), rtol=1e-4, atol=1e-3)
-        assert torch.equal(fp8_linear(x[:1].cuda(), q.to("cuda")), gpu[:1])
+        qc = q.to("cuda")
+        gpu = fp8_linear(x.cuda(), qc)
+        for r in {0, m // 2, m - 1}:
+            assert torch.equal(fp8_linear(x[r:r + 1].cuda(), qc), gpu[r:r + 1])
+        cpu = fp8_linear(x, q)
+        assert (gpu.cpu() - cpu).abs().max() <= 3e-3 * cpu.abs().max()
+        assert fp8_linear(x.cuda().half(), qc).dtype == torch.float16
 
 
 @pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])

@@ -35,6 +35,7 @@ from hierviz.machine import device_name
 from hierviz.models.config import ModelConfig, rope_frequencies
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm
 from hierviz.models.synthetic import layer_weights, random_dense
+from hierviz.quant.formats import quantize_option
 from hierviz.quant.w4 import W4Weight, register_kernel
 
 SCHEMA = "hierviz.profile/1"
@@ -77,13 +78,13 @@ def build_layer(cfg: ModelConfig, fmt: str, kernel: str, g: int, dtype: torch.dt
 
 
 def layer_bytes(layer: DecoderLayer) -> int:
-    """Bytes a forward must read: weights (W4 codes + scales + offsets) and norms."""
+    """Bytes a forward must read: the linears' weights in their format (codes and scales) and norms."""
     total = 0
     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
         if lin.weight is not None:
             total += lin.weight.numel() * lin.weight.element_size()
-        for w in lin.w4:
-            total += w.codes.shape[0] * w.codes.shape[1] + 2 * w.scales.numel() * w.scales.element_size()
+        if lin.q is not None:
+            total += sum(w.nbytes for w in lin.q.weights)
     for norm in (layer.input_norm, layer.post_norm):
         total += norm.weight.numel() * norm.weight.element_size()
     return total
@@ -167,15 +168,25 @@ def _fits(nbytes: int, device: str) -> bool:
 
 
 def _formats(device: str, only: Optional[list[str]]) -> list[dict]:
+    """The curves a profile draws; the 8-bit formats only where hierviz runs them on this device
+    (hierviz.quant.formats: proven on a GPU before CUDA gets them)."""
     if device == "cuda":
         fmts = [dict(name="fp16", fmt="dense", kernel="reference", dtype=torch.float16, model=True),
                 dict(name="w4a16-triton", fmt="w4", kernel="triton", dtype=torch.float16, model=True),
                 dict(name="w4a16-tinygemm", fmt="w4", kernel="tinygemm", dtype=torch.bfloat16, model=False)]
+        dtype = torch.float16
     else:
         from hierviz.quant.int4pack_cpu import available
         fmts = [dict(name="fp32", fmt="dense", kernel="reference", dtype=torch.float32, model=True),
                 dict(name="w4-int4pack_cpu" if available() else "w4-reference", fmt="w4",
                      kernel="int4pack_cpu" if available() else "reference", dtype=torch.float32, model=True)]
+        dtype = torch.float32
+    for name in ("w8a8-int8", "w8a8-fp8"):
+        try:
+            quantize_option(name, torch.device(device))
+        except ValueError:      # unproven on this GPU, or no FP8 hardware
+            continue
+        fmts.append(dict(name=name, fmt=name, kernel="reference", dtype=dtype, model=True))
     return [f for f in fmts if not only or f["name"] in only]
 
 

@@ -49,6 +49,8 @@ class WeightFormat:
     # its product has run on a GPU here (tests/test_gpu.py); an unproven one is refused on CUDA
     # with a clear message rather than run untested
     gpu_proven: bool = False
+    # the oldest CUDA compute capability whose hardware runs the product (FP8: Ada / Hopper)
+    min_capability: Optional[tuple[int, int]] = None
 
 
 FORMATS: dict[str, WeightFormat] = {}
@@ -97,6 +99,12 @@ def quantize_option(q: Any, device: Optional[torch.device] = None) -> Callable[[
     if fmt is not None and device is not None and torch.device(device).type == "cuda" and not fmt.gpu_proven:
         raise ValueError(f"the {fmt.label} format has not been run on a GPU by hierviz's GPU tests yet: load this "
                          f"stack on the CPU, or use W4A16 ('rtn-g<group>') on the GPU")
+    if fmt is not None and device is not None and torch.device(device).type == "cuda" and fmt.min_capability:
+        have = torch.cuda.get_device_capability(device)
+        if have < fmt.min_capability:
+            need = ".".join(map(str, fmt.min_capability))
+            raise ValueError(f"the {fmt.label} format needs a GPU of compute capability {need} or newer "
+                             f"(this one is {have[0]}.{have[1]}): use W4A16 or W8A8-int8 here")
     if fmt is None or fmt.quantize is None:
         names = [n for n, f in sorted(FORMATS.items()) if f.quantize is not None]
         raise ValueError(f"unknown quantize option {q!r} (use 'rtn-g<group>' for W4A16, e.g. 'rtn-g32', or one of "

@@ -8,8 +8,10 @@ to e4m3 per token at run time (dynamic, symmetric), the product accumulated in f
 Every e4m3 value is exact in fp32, so the product is the fp32 product of the dequantized
 operands; it runs in chunks of a fixed number of rows (each chunk zero-padded to that size), so a
 row's bits do not depend on how many rows share the forward: a batch-invariant target on the
-CPU. On CUDA, Hopper and newer do the product in hardware (torch._scaled_mm with row-wise
-scales); the format is refused on CUDA until the GPU tests have run it (hierviz.quant.formats).
+CPU. On CUDA (compute capability 8.9 and newer) torch._scaled_mm does the product in hardware, in
+fixed 128-row GEMMs for the same reason; Hopper's FP8 tensor cores accumulate with fewer bits than
+fp32, so CUDA's values differ from the CPU's in the last places (each device is exact against its
+own AR).
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightForm
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 CHUNK = 8      # rows per product on the CPU: one shape for every call, so rows never round differently
+# rows per torch._scaled_mm on CUDA: one GEMM shape for every call (the library picks its kernel by
+# shape, and kernels accumulate differently), large enough that a 128-token verification is one GEMM
+CUDA_CHUNK = 128
 
 
 class FP8Weight(PerChannelWeight):
@@ -47,22 +52,32 @@ def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
 
 
+def _chunked(q: torch.Tensor, chunk: int, product) -> torch.Tensor:
+    """product(rows) over fixed-size row chunks, the last one zero-padded: every product has one
+    shape, so a row's bits never depend on how many rows came with it."""
+    parts = []
+    for i in range(0, q.shape[0], chunk):
+        part = q[i:i + chunk]
+        rows = part.shape[0]
+        if rows < chunk:
+            part = torch.cat([part, part.new_zeros(chunk - rows, part.shape[1])])
+        parts.append(product(part)[:rows])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
     """y = x @ W.T in x's dtype, W8A8 FP8 (see the module docstring)."""
     shape = x.shape
     q, s = quantize_tokens_fp8(x.reshape(-1, shape[-1]))
     if q.is_cuda:
-        acc = torch._scaled_mm(q, w.codes.t(), scale_a=s[:, None], scale_b=w.scales[None, :], out_dtype=torch.float32)
+        ones = torch.ones(CUDA_CHUNK, 1, dtype=torch.float32, device=q.device)
+        # the GEMM's per-row scale is 1: s is applied afterwards, so padded rows need none
+        acc = _chunked(q, CUDA_CHUNK, lambda part: torch._scaled_mm(
+            part, w.codes.t(), scale_a=ones, scale_b=w.scales[None, :], out_dtype=torch.float32))
+        acc = acc * s[:, None]
     else:
         wf = w.codes.float()
-        parts = []
-        for i in range(0, q.shape[0], CHUNK):
-            chunk = q[i:i + CHUNK].float()
-            rows = chunk.shape[0]
-            if rows < CHUNK:
-                chunk = torch.cat([chunk, chunk.new_zeros(CHUNK - rows, chunk.shape[1])])
-            parts.append((wf @ chunk.t()).t()[:rows])
-        acc = torch.cat(parts) * s[:, None] * w.scales[None, :]
+        acc = _chunked(q, CHUNK, lambda part: (wf @ part.float().t()).t()) * s[:, None] * w.scales[None, :]
     return acc.to(x.dtype).reshape(*shape[:-1], w.out_features)
 
 
@@ -74,4 +89,5 @@ class FP8Linear(PerChannelLinear):
 
 FORMAT = register(WeightFormat(
     "w8a8-fp8", "W8A8-FP8", FP8Weight, FP8Linear, quantize=quantize_fp8, dequantize=dequantize_fp8,
-    description="e4m3 weights per output channel, e4m3 activations per token (dynamic), fp32 sums"))
+    description="e4m3 weights per output channel, e4m3 activations per token (dynamic), fp32 sums",
+    gpu_proven=True, min_capability=(8, 9)))

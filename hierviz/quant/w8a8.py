@@ -7,8 +7,8 @@ quantized to int8 per token at run time (dynamic, symmetric), the product in int
 
 The integer sum is exact, so each row's result is independent of the other rows by construction:
 a W8A8 target is batch-invariant at every row count with no special kernel. torch._int_mm does
-the product on the CPU and on CUDA (where it wants more than 16 rows: fewer are padded, which
-changes no row's bits). Outlier-heavy activations lose precision per token, as in SmoothQuant's
+the product on the CPU and on CUDA (where it wants more than 16 rows: fewer are padded with zeros,
+which changes no row's bits). Outlier-heavy activations lose precision per token, as in SmoothQuant's
 dynamic per-token mode; this format does not migrate scales into the weights.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def w8a8_linear(x: torch.Tensor, w: W8Weight) -> torch.Tensor:
     x2 = x.reshape(-1, shape[-1])
     q, s = quantize_tokens(x2)
     m = q.shape[0]
-    if q.is_cuda and m < CUDA_MIN_ROWS:
+    if q.is_cuda and m < CUDA_MIN_ROWS:     # zero rows add nothing to any sum: no row's bits change
         q = torch.cat([q, q.new_zeros(CUDA_MIN_ROWS - m, q.shape[1])])
     acc = torch._int_mm(q, w.codes.t())[:m]
     y = acc.float() * s[:, None] * w.scales[None, :]
@@ -68,4 +68,5 @@ class W8A8Linear(PerChannelLinear):
 
 FORMAT = register(WeightFormat(
     "w8a8-int8", "W8A8-int8", W8Weight, W8A8Linear, quantize=quantize_w8, dequantize=dequantize_w8,
-    description="int8 weights per output channel, int8 activations per token (dynamic), int32 products"))
+    description="int8 weights per output channel, int8 activations per token (dynamic), int32 products",
+    gpu_proven=True))

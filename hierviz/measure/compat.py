@@ -1,0 +1,174 @@
+"""`python -m hierviz compat`: the compatibility table — AR, the tree method and HierSpec on one
+target shape in each weight format, with the same acceptance and trees, in one process.
+
+Each format runs the what-if (hierviz.measure.whatif: synthetic weights of the real shape, the real
+decoders and kernels, replayed acceptance) in turn, the previous format's models freed first. A
+target that does not fit the GPU in a format (Llama-3-70B in fp16 on one H200) runs with the
+first L' of its layers, and its target-verification stage is scaled by L / L' (the LM head is
+scaled with the layers, so that figure errs slow by about the head's share); the table marks it.
+
+    python -m hierviz compat --target llama3-70b --intermediate llama3-8b --trees paper --out DIR
+    python -m hierviz compat --tiny --device cpu --out /tmp/c        # CPU, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hierviz.decoding.settings import SettingsError
+from hierviz.measure.profile import ROOT, SHAPES
+from hierviz.measure.whatif import HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, model_bytes, parser, run_whatif
+from hierviz.models.config import ModelConfig
+
+SCHEMA = "hierviz.compat/1"
+FORMAT_NAMES = {"dense": "dense", "w8a8-int8": "W8A8-int8", "w8a8-fp8": "W8A8-FP8", "w4": "W4A16"}
+GPU_FILL = 0.8      # of the GPU's memory for weights: the rest holds caches, graphs and the allocator's slack
+
+
+def _config_path(shape: str) -> Path:
+    return ROOT / "assets" / "configs" / SHAPES[shape] if shape in SHAPES else Path(shape).expanduser()
+
+
+def fitting_layers(t_cfg: ModelConfig, m_cfg: ModelConfig, fmt: str, m_fmt: str, budget: float) -> int:
+    """How many of the target's layers fit `budget` bytes beside M (all of them when they fit)."""
+    layers = t_cfg.num_layers
+    while layers > 1 and (model_bytes(dataclasses.replace(t_cfg, num_layers=layers), fmt)
+                          + model_bytes(m_cfg, m_fmt)) > budget:
+        layers -= 1
+    return layers
+
+
+def _subset_config(shape: str, layers: int, folder: Path) -> str:
+    """A copy of the shape's config.json with only `layers` decoder layers."""
+    raw = json.loads(_config_path(shape).read_text())
+    raw["num_hidden_layers"] = layers
+    p = folder / f"{Path(_config_path(shape)).stem}-{layers}-layers.json"
+    p.write_text(json.dumps(raw))
+    return str(p)
+
+
+def scaled(info: dict[str, Any], factor: float) -> dict[str, float]:
+    """tokens/s per method with the target-verification stage multiplied by `factor`."""
+    out = {}
+    for m, r in info["methods"].items():
+        ms = 1000.0 / r["tokens_per_s"] + r["stages_ms_per_token"].get("target_verify", 0.0) * (factor - 1.0)
+        out[m] = 1000.0 / ms
+    return out
+
+
+def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str) -> dict[str, Any]:
+    tps = scaled(info, all_layers / layers) if layers < all_layers else \
+        {m: r["tokens_per_s"] for m, r in info["methods"].items()}
+    name = f"{info['dtype'].replace('float', 'FP')} (dense)" if fmt == "dense" else FORMAT_NAMES[fmt]
+    r: dict[str, Any] = {"format": fmt, "name": name, "target": info["formats"]["target"],
+                         "tokens_per_s": tps, "layers_measured": layers, "layers": all_layers,
+                         "tokens_per_round": {m: v["tokens_per_round"] for m, v in info["methods"].items()},
+                         "stages_ms_per_token": {m: v["stages_ms_per_token"] for m, v in info["methods"].items()}}
+    if "ar" in tps:
+        r["speedup_vs_ar"] = {m: v / tps["ar"] for m, v in tps.items()}
+    if "hierspec" in tps and tree in tps:
+        r[f"hierspec_vs_{tree}"] = tps["hierspec"] / tps[tree]
+    return r
+
+
+def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in TARGET_FORMATS]
+    if not formats or bad:
+        raise WhatIfError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(TARGET_FORMATS)}")
+    rows, infos = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in formats:
+            w = parser().parse_args(whatif_args + ["--target-format", fmt, "--out", tmp])
+            all_layers = layers = None
+            if not w.tiny:
+                from hierviz.measure.profile import load_shape
+                t_cfg, m_cfg = load_shape(w.target)[1], load_shape(w.intermediate)[1]
+                all_layers = layers = t_cfg.num_layers
+                dev = w.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                if dev == "cuda":
+                    budget = torch.cuda.get_device_properties(0).total_memory * GPU_FILL
+                    layers = fitting_layers(t_cfg, m_cfg, fmt, w.intermediate_format, budget)
+                    if layers < all_layers:
+                        w.target = _subset_config(w.target, layers, Path(tmp))
+            info = run_whatif(w)
+            infos[fmt] = info
+            n = info["configs"]["target"]["num_layers"]
+            rows.append(row(fmt, info, layers or n, all_layers or n, w.head))
+            print(f"[compat] {rows[-1]['name']}: " + ", ".join(
+                f"{m} {v:.1f} tok/s" for m, v in rows[-1]["tokens_per_s"].items()), flush=True)
+            del info
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    first = infos[formats[0]]
+    return {"schema": SCHEMA, "label": LABEL, "shapes": first["shapes"], "device": first["device"],
+            "machine": first["machine"], "head": first["head"], "acceptance": first["acceptance"],
+            "settings": first["settings"], "intermediate": first["formats"]["intermediate"], "rows": rows}
+
+
+def markdown(info: dict[str, Any]) -> str:
+    tree = info["head"]
+    name = HEAD_NAMES[tree]
+    lines = [f"# Compatibility: {info['shapes']['target']} target, {info['shapes']['intermediate']} intermediate "
+             f"({info['intermediate']}), {info['machine'].get('gpu') or info['device']}", "",
+             f"| target format | AR tok/s | {name} tok/s | HierSpec tok/s | {name} / AR | HierSpec / AR | "
+             f"HierSpec / {name} |", "|---|---|---|---|---|---|---|"]
+    notes = []
+    for r in info["rows"]:
+        t, s = r["tokens_per_s"], r.get("speedup_vs_ar", {})
+        mark = ""
+        if r["layers_measured"] < r["layers"]:
+            mark = " *"
+            notes.append(f"\\* {r['name']}: measured with {r['layers_measured']} of {r['layers']} target layers "
+                         f"(the rest do not fit the GPU); target-verification time scaled by "
+                         f"{r['layers']}/{r['layers_measured']}.")
+        f = lambda d, k, fmt: fmt.format(d[k]) if k in d else "–"   # noqa: E731
+        lines.append(f"| {r['name']}{mark} | {f(t, 'ar', '{:.1f}')} | {f(t, tree, '{:.1f}')} | "
+                     f"{f(t, 'hierspec', '{:.1f}')} | {f(s, tree, '{:.2f}x')} | {f(s, 'hierspec', '{:.2f}x')} | "
+                     f"{f(r, f'hierspec_vs_{tree}', '{:.2f}x')} |")
+    lines += ["", f"All figures {LABEL}; synthetic weights of the real shapes, real kernels."] + notes
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m hierviz compat",
+        description="AR, the tree method and HierSpec per target weight format, one process (what-if with "
+                    "replayed acceptance). Other flags are the what-if's (python -m hierviz whatif --help).")
+    ap.add_argument("--formats", default="dense,w8a8-int8,w8a8-fp8,w4",
+                    help=f"target formats, comma-separated, from {', '.join(TARGET_FORMATS)}")
+    ap.add_argument("--out", required=True, help="folder for compat.json and compat.md")
+    a, rest = ap.parse_known_args(argv)
+    if "--target-format" in rest or "--sweep" in rest or "--exact" in rest:
+        print("error: compat sets --target-format itself and takes neither --sweep nor --exact", file=sys.stderr)
+        return 2
+    try:
+        parser().parse_args(rest + ["--out", a.out])       # the what-if's own errors, before any model is built
+        info = run_compat(a, rest)
+    except (WhatIfError, SettingsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except torch.cuda.OutOfMemoryError:
+        print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
+        return 2
+    info["command"] = "python -m hierviz compat " + shlex.join(sys.argv[1:] if argv is None else argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compat.json").write_text(json.dumps(info, indent=1))
+    (out / "compat.md").write_text(markdown(info))
+    print(markdown(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
