@@ -2,7 +2,7 @@
 target shape in each weight format, with the same acceptance and trees, in one process.
 
 Each format runs the what-if (hierviz.measure.whatif: synthetic weights of the real shape, the real
-decoders and kernels, replayed acceptance) in turn, the previous format's models freed first. A
+decoders and kernels, replayed acceptance) in turn, in a child process of its own. A
 target that does not fit the GPU in a format (Llama-3-70B in fp16 on one H200) runs with the
 first L' of its layers, and its target-verification stage is scaled by L / L' (the LM head is
 scaled with the layers, so that figure errs slow by about the head's share); the table marks it.
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,13 +25,13 @@ from typing import Any, Optional
 import torch
 
 from hierviz.decoding.settings import SettingsError
-from hierviz.measure.profile import ROOT, SHAPES
-from hierviz.measure.whatif import HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, model_bytes, parser, run_whatif
+from hierviz.measure.profile import ROOT, SHAPES, load_shape
+from hierviz.measure.whatif import HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, model_bytes, parser
 from hierviz.models.config import ModelConfig
 
 SCHEMA = "hierviz.compat/1"
 FORMAT_NAMES = {"dense": "dense", "w8a8-int8": "W8A8-int8", "w8a8-fp8": "W8A8-FP8", "w4": "W4A16"}
-GPU_FILL = 0.8      # of the GPU's memory for weights: the rest holds caches, graphs and the allocator's slack
+GPU_FILL = 0.6      # of the GPU's memory for weights: the rest holds caches, graphs, activations, slack
 
 
 def _config_path(shape: str) -> Path:
@@ -80,6 +80,17 @@ def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str)
     return r
 
 
+def _run_format(whatif_args: list[str], out: Path) -> dict[str, Any]:
+    """One format's what-if in a child process: its models, graphs and allocator pools end with it,
+    so the next format starts with the whole GPU (and a failure is that format's alone)."""
+    cmd = [sys.executable, "-m", "hierviz.measure.whatif", *whatif_args, "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        err = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise WhatIfError(f"the what-if failed: {err.removeprefix('error: ')}")
+    return json.loads((out / "whatif.json").read_text())
+
+
 def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in TARGET_FORMATS]
@@ -89,9 +100,9 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats:
             w = parser().parse_args(whatif_args + ["--target-format", fmt, "--out", tmp])
+            args = whatif_args + ["--target-format", fmt]
             all_layers = layers = None
             if not w.tiny:
-                from hierviz.measure.profile import load_shape
                 t_cfg, m_cfg = load_shape(w.target)[1], load_shape(w.intermediate)[1]
                 all_layers = layers = t_cfg.num_layers
                 dev = w.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,18 +110,21 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
                     budget = torch.cuda.get_device_properties(0).total_memory * GPU_FILL
                     layers = fitting_layers(t_cfg, m_cfg, fmt, w.intermediate_format, budget)
                     if layers < all_layers:
-                        w.target = _subset_config(w.target, layers, Path(tmp))
-            info = run_whatif(w)
+                        args += ["--target", _subset_config(w.target, layers, Path(tmp))]
+            try:
+                info = _run_format(args, Path(tmp) / fmt)
+            except WhatIfError as e:
+                print(f"[compat] {fmt}: {e}", file=sys.stderr, flush=True)
+                rows.append({"format": fmt, "name": FORMAT_NAMES[fmt], "error": str(e)})
+                continue
             infos[fmt] = info
             n = info["configs"]["target"]["num_layers"]
             rows.append(row(fmt, info, layers or n, all_layers or n, w.head))
             print(f"[compat] {rows[-1]['name']}: " + ", ".join(
                 f"{m} {v:.1f} tok/s" for m, v in rows[-1]["tokens_per_s"].items()), flush=True)
-            del info
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    first = infos[formats[0]]
+    if not infos:
+        raise WhatIfError("no format ran: " + "; ".join(r["error"] for r in rows))
+    first = next(iter(infos.values()))
     return {"schema": SCHEMA, "label": LABEL, "shapes": first["shapes"], "device": first["device"],
             "machine": first["machine"], "head": first["head"], "acceptance": first["acceptance"],
             "settings": first["settings"], "intermediate": first["formats"]["intermediate"], "rows": rows}
@@ -125,6 +139,9 @@ def markdown(info: dict[str, Any]) -> str:
              f"HierSpec / {name} |", "|---|---|---|---|---|---|---|"]
     notes = []
     for r in info["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['error']} | | | | | |")
+            continue
         t, s = r["tokens_per_s"], r.get("speedup_vs_ar", {})
         mark = ""
         if r["layers_measured"] < r["layers"]:
