@@ -16,7 +16,8 @@ DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profi
              "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
              "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
              "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench",
-             "endurance": "hierviz.measure.endurance", "compat": "hierviz.measure.compat"}
+             "endurance": "hierviz.measure.endurance", "compat": "hierviz.measure.compat",
+             "cost-model": "hierviz.measure.cost_model"}
 
 
 TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
@@ -139,6 +140,7 @@ HELP = """\
   profile       forward latency vs verified tokens per weight format
   whatif        real-scale projection with replayed acceptance (--exact: lossless at real shapes)
   compat        AR / EAGLE-2 / HierSpec per target weight format (FP16, W8A8, FP8, W4A16), one process
+  cost-model    roofline model per format fitted to measured profiles; projections to other GPUs
   train         train the offline stack's intermediate model and EAGLE heads
   kernel-bench  W4A16 kernel micro-benchmark (GPU)
   engine-bench  the engine against transformers on the offline stack's shapes, exactness included

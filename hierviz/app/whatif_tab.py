@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 
 import gradio as gr
 
+from hierviz.app.formats_panel import formats_section
 from hierviz.app.common import ROOT, TRACE_DIR, status_html
 from hierviz.app.guard import VisitorError
 from hierviz.app.line import LINE
@@ -486,6 +487,8 @@ def whatif_tab() -> None:
                 table_md = gr.Markdown(table, elem_id="hv-whatif-table")
                 source_md = gr.Markdown(source, elem_id="hv-whatif-source")
             choice.change(show_recorded, choice, [plot_a, plot_b, table_md, source_md], api_visibility="private")
+
+    formats_section()
 
     gr.Markdown("### Live run")
     with gr.Row(equal_height=False):

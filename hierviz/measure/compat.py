@@ -65,6 +65,19 @@ def scaled(info: dict[str, Any], factor: float) -> dict[str, float]:
     return out
 
 
+def target_rows(method: str, result: dict[str, Any], settings: dict[str, Any]) -> float:
+    """Rows one target verification forward holds, on average: the last token plus the draft
+    (AR: 1; a tree: its nodes; HierSpec: M's accepted paths and M's bonus token per E_M tree)."""
+    if method == "ar":
+        return 1.0
+    if method == "spec":
+        return settings["spec_k"] + 1.0
+    if method == "hierspec":
+        drafts = [sum(t + 1 for t in a["trees"]) for a in result.get("accepted", []) if a.get("trees")]
+        return 1.0 + sum(drafts) / len(drafts) if drafts else settings["min_draft_len"] + 1.0
+    return settings["t_tree_size"] + 1.0
+
+
 def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str) -> dict[str, Any]:
     tps = scaled(info, all_layers / layers) if layers < all_layers else \
         {m: r["tokens_per_s"] for m, r in info["methods"].items()}
@@ -73,6 +86,7 @@ def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str)
                          "tokens_per_s": tps, "layers_measured": layers, "layers": all_layers,
                          "tokens_per_round": {m: v["tokens_per_round"] for m, v in info["methods"].items()},
                          "stages_ms_per_token": {m: v["stages_ms_per_token"] for m, v in info["methods"].items()}}
+    r["target_rows_per_round"] = {m: target_rows(m, v, info["settings"]) for m, v in info["methods"].items()}
     if "ar" in tps:
         r["speedup_vs_ar"] = {m: v / tps["ar"] for m, v in tps.items()}
     if "hierspec" in tps and tree in tps:
@@ -96,7 +110,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
     bad = [f for f in formats if f not in TARGET_FORMATS]
     if not formats or bad:
         raise WhatIfError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(TARGET_FORMATS)}")
-    rows, infos = [], {}
+    rows, infos, configs = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats:
             w = parser().parse_args(whatif_args + ["--target-format", fmt, "--out", tmp])
@@ -104,6 +118,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
             all_layers = layers = None
             if not w.tiny:
                 t_cfg, m_cfg = load_shape(w.target)[1], load_shape(w.intermediate)[1]
+                configs = {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)}
                 all_layers = layers = t_cfg.num_layers
                 dev = w.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 if dev == "cuda":
@@ -125,7 +140,11 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
     if not infos:
         raise WhatIfError("no format ran: " + "; ".join(r["error"] for r in rows))
     first = next(iter(infos.values()))
-    return {"schema": SCHEMA, "label": LABEL, "shapes": first["shapes"], "device": first["device"],
+    w = parser().parse_args(whatif_args + ["--out", "-"])
+    shapes = first["shapes"] if w.tiny else {"target": load_shape(w.target)[0],
+                                             "intermediate": load_shape(w.intermediate)[0]}
+    return {"schema": SCHEMA, "label": LABEL, "shapes": shapes, "configs": configs or first["configs"],
+            "device": first["device"],
             "machine": first["machine"], "head": first["head"], "acceptance": first["acceptance"],
             "settings": first["settings"], "intermediate": first["formats"]["intermediate"], "rows": rows}
 

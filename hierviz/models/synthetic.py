@@ -82,7 +82,9 @@ def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str,
     for i in range(cfg.num_layers):
         for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items():
             w[f"model.layers.{i}.{k}"] = v
-    return Transformer(cfg, w, w4_kernel=kernel if fmt == "w4" else "reference", dtype=dtype, device=device)
+    # release: the dict is ours, so each entry goes once used (a dense 70B is held once, not twice)
+    return Transformer(cfg, w, w4_kernel=kernel if fmt == "w4" else "reference", dtype=dtype, device=device,
+                       release=True)
 
 
 def synthetic_head(base: Transformer, seed: int, head_class: type[EagleHead] = EagleHead) -> EagleHead:

@@ -1,0 +1,81 @@
+"""The What-if tab's "formats and GPUs" panel: which method wins on which GPU and weight format.
+
+It reads one shipped file, assets/whatif/cost-model-h200.json (`python -m hierviz cost-model`):
+the compat tables measured on the H200 (`python -m hierviz compat`) and their projections to other
+GPUs by the roofline cost model. Every projected figure says so; nothing here imports a model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import gradio as gr
+
+ROOT = Path(__file__).resolve().parents[2]
+COST_MODEL_FILE = ROOT / "assets" / "whatif" / "cost-model-h200.json"
+MAX_BYTES = 2_000_000
+TREE_NAMES = {"eagle2": "EAGLE-2", "eagle3": "EAGLE-3"}
+
+EXPLAIN = """**Which method wins on my GPU and format?** Each table is one target / intermediate pair at the
+paper's trees and the what-if's default acceptance. The calibration GPU's rows are measured
+(`python -m hierviz compat`, synthetic weights of the real shapes, real kernels); every other row is
+**projected**: the measured stages scaled by a roofline cost model fitted to the measured per-format
+forward curves and applied to each GPU's spec sheet (`python -m hierviz cost-model`, docs/formats.md
+says how well it fits). A format the GPU cannot run or hold is named with the reason."""
+
+
+def load_cost_model(path: Path = COST_MODEL_FILE) -> Optional[dict[str, Any]]:
+    try:
+        if path.stat().st_size > MAX_BYTES:
+            return None
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and d.get("schema") == "hierviz.cost_model/1" else None
+
+
+def pair_labels(d: Optional[dict[str, Any]]) -> list[str]:
+    if not d:
+        return []
+    return [f"{p['shapes']['target']} target, {p['shapes']['intermediate']} intermediate" for p in d["projections"]]
+
+
+def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
+    """GPU x format rows: AR tokens/s, the tree method's and HierSpec's speedups, the winner."""
+    labels = pair_labels(d)
+    if not d or label not in labels:
+        return "No cost-model file is shipped (assets/whatif/cost-model-h200.json)."
+    proj = d["projections"][labels.index(label)]
+    tree = TREE_NAMES.get(proj["head"], proj["head"])
+    lines = [f"| GPU | target format | AR tok/s | {tree} / AR | HierSpec / AR | HierSpec / {tree} | fastest |",
+             "|---|---|---|---|---|---|---|"]
+    for e in proj["rows"]:
+        gpu = e["gpu"].removeprefix("NVIDIA ")
+        if "skipped" in e:
+            lines.append(f"| {gpu} | {e['name']} | — ({e['skipped']}) | | | | |")
+            continue
+        sp, tps = e["speedup_vs_ar"], e["tokens_per_s"]
+        tag = " · *projected*" if e["projected"] else " · measured"
+        winner = {"ar": "AR", "hierspec": "HierSpec"}.get(e["winner"], tree)
+        lines.append(f"| {gpu}{tag} | {e['name']} | {tps['ar']:.1f} | {sp.get(proj['head'], 0):.2f}x | "
+                     f"{sp.get('hierspec', 0):.2f}x | {tps['hierspec'] / tps[proj['head']]:.2f}x | {winner} |")
+    cal = d["calibration"]
+    worst = max(v["max_abs"] for v in cal["in_sample"].values())
+    lines.append(f"\nCost model calibrated on the {cal['gpu']} (largest error on its own measured curves "
+                 f"{worst:.0%}); projected rows keep each kernel's measured efficiency.")
+    return "\n".join(lines)
+
+
+def formats_section() -> None:
+    d = load_cost_model()
+    labels = pair_labels(d)
+    gr.Markdown("### Formats and GPUs")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            pick = gr.Dropdown(labels, value=labels[0] if labels else None, label="model pair",
+                               elem_id="hv-formats-pick")
+            table = gr.Markdown(table_markdown(d, labels[0] if labels else None), elem_id="hv-formats-table")
+        with gr.Column(scale=2):
+            gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
+    pick.change(lambda lb: table_markdown(load_cost_model(), lb), pick, table, api_visibility="private")

@@ -1,0 +1,78 @@
+"""The roofline cost model (hierviz.measure.cost_model) and the What-if tab's formats panel that
+shows its projections: the fit recovers known parameters, the checks report leave-out errors, a
+projection keeps measured rows as measured and names what a GPU cannot run or hold."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hierviz.app import formats_panel
+from hierviz.measure import cost_model as cm
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = [ROOT / "assets/profile/h200-llama3-70b-formats.json", ROOT / "assets/profile/h200-llama3-8b.json"]
+COMPAT = ROOT / "assets/whatif/compat-h200-llama3-70b.json"
+H200 = cm.GPUS["NVIDIA H200"]
+
+
+def test_the_fit_recovers_the_parameters_of_curves_it_generated():
+    truth = cm.Fit(0.88, 0.4, 75.0)
+    tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    curves = [cm.Curve("dense", f"s{n}", tokens,
+                       [cm.layer_us(truth, H200, "fp16", 2.0 * n, n, t) for t in tokens], 2.0 * n, n)
+              for n in (2e8, 8e8)]
+    got = cm.fit(curves, H200, 0.88)
+    assert got.e_c == pytest.approx(0.4, abs=0.006) and got.c0_us == pytest.approx(75.0, rel=0.02)
+    assert max(map(abs, cm.errors(got, curves, H200))) < 0.01
+
+
+def test_calibration_on_the_shipped_h200_profiles_reports_every_check():
+    cal = cm.calibrate([json.loads(p.read_text()) for p in PROFILES], H200)
+    assert set(cal["fits"]) == {"dense", "w4", "w8a8-int8", "w8a8-fp8"}
+    assert 0.8 < cal["e_bw"] <= 1.0                         # the profiles' measured copy rate over the spec
+    assert all(v["mean_abs"] < 0.15 for v in cal["in_sample"].values())
+    assert len(cal["leave_one_shape_out"]) == 8 and set(cal["leave_one_format_out"]) == set(cal["fits"])
+
+
+def test_projection_keeps_measured_rows_and_names_what_a_gpu_cannot_run():
+    cal = cm.calibrate([json.loads(p.read_text()) for p in PROFILES], H200)
+    compat = json.loads(COMPAT.read_text())
+    twice = dataclasses.replace(H200, name="twice", bandwidth_GBps=9600, memory_GB=400,
+                                tflops={k: 2 * v for k, v in H200.tflops.items()})
+    cm.GPUS["twice"] = twice
+    try:
+        proj = cm.project(cal, compat, compat["configs"], [H200, cm.GPUS["NVIDIA A100 80GB SXM"], twice])
+    finally:
+        del cm.GPUS["twice"]
+    rows = {(e["gpu"], e["format"]): e for e in proj["rows"]}
+    for r in compat["rows"]:
+        assert rows[("NVIDIA H200", r["format"])]["tokens_per_s"] == r["tokens_per_s"]
+        assert not rows[("NVIDIA H200", r["format"])]["projected"]
+    assert rows[("NVIDIA A100 80GB SXM", "w8a8-fp8")]["skipped"] == "no FP8 tensor cores"
+    assert "needs ~" in rows[("NVIDIA A100 80GB SXM", "dense")]["skipped"]
+    fast = rows[("twice", "w4")]
+    assert fast["projected"] and fast["tokens_per_s"]["ar"] > rows[("NVIDIA H200", "w4")]["tokens_per_s"]["ar"] * 1.3
+
+
+def test_cli_writes_the_tables_and_refuses_unknown_gpus(tmp_path, capsys):
+    args = ["--profiles", ",".join(map(str, PROFILES)), "--compat", str(COMPAT), "--out", str(tmp_path)]
+    assert cm.main(args + ["--gpus", "NVIDIA L4,NVIDIA H200"]) == 0
+    md = (tmp_path / "cost_model.md").read_text()
+    assert "| w8a8-int8 |" in md and "NVIDIA L4" in md
+    assert cm.main(args + ["--gpus", "NVIDIA B300"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+
+
+def test_formats_panel_tags_measured_and_projected_rows(tmp_path):
+    d = formats_panel.load_cost_model()
+    labels = formats_panel.pair_labels(d)
+    assert labels and "llama3-70b target" in labels[0]
+    md = formats_panel.table_markdown(d, labels[0])
+    assert "H200 · measured" in md and "*projected*" in md and "no FP8 tensor cores" in md
+    assert "No cost-model file" in formats_panel.table_markdown(None, None)
+    bad = tmp_path / "x.json"
+    bad.write_text("{not json")
+    assert formats_panel.load_cost_model(bad) is None
