@@ -13,7 +13,7 @@ from hierviz.app import formats_panel
 from hierviz.measure import cost_model as cm
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = [ROOT / "assets/profile/h200-llama3-70b-formats.json", ROOT / "assets/profile/h200-llama3-8b.json"]
+PROFILES = [ROOT / "assets/profile/h200-llama3-70b-formats.json", ROOT / "assets/profile/h200-llama3-8b-formats.json"]
 COMPAT = ROOT / "assets/whatif/compat-h200-llama3-70b.json"
 H200 = cm.GPUS["NVIDIA H200"]
 

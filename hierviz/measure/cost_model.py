@@ -19,7 +19,7 @@ A method's step on another GPU: the measured stages of `python -m hierviz compat
 each target / intermediate verification scaled by the model's ratio of that GPU to the measured
 one at the rows it verifies; drafting and bookkeeping are kept as measured (launch-bound).
 
-    python -m hierviz cost-model --profiles assets/profile/h200.json,assets/profile/h200-llama3-8b.json \\
+    python -m hierviz cost-model --profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json \\
         --compat assets/whatif/compat-h200-llama3-70b.json --out DIR
 """
 from __future__ import annotations
