@@ -76,3 +76,35 @@ def test_formats_panel_tags_measured_and_projected_rows(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
     assert formats_panel.load_cost_model(bad) is None
+
+
+def test_format_curves_reprice_the_sweep_and_mark_the_crossovers():
+    """At the tables' point (scale 1) the W4A16 curve is the sweep's own; the other formats move by
+    the per-round difference compat measured; crossovers sit between the scales around them."""
+    from hierviz.viz.format_curves import crossing, format_curves, format_curves_figure
+    compat = json.loads(COMPAT.read_text())
+    sweep = json.loads((ROOT / "assets/whatif/h200-llama3-70b-sweep.json").read_text())
+    curves = format_curves(compat, sweep)
+    assert set(curves) == {"dense", "w8a8-int8", "w8a8-fp8", "w4"}
+    w4 = curves["w4"]
+    i = w4["scales"].index(1.0)
+    want = next(r for r in sweep["rows"] if r["method"] == "hierspec" and r["scale"] == 1.0
+                and r["min_draft_len"] == compat["settings"]["min_draft_len"])
+    assert w4["hierspec"][i] == pytest.approx(want["speedup_vs_ar"], rel=1e-9)
+    for c in curves.values():       # acceptance helps every method in every format
+        assert all(a < b for a, b in zip(c["hierspec"], c["hierspec"][1:]))
+        x = c["crossovers"]["hierspec_over_eagle2"]
+        assert x is not None and 0.6 < x < 1.0
+    assert crossing([0, 1, 2], [0.0, 1.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert crossing([0, 1], [2.0, 3.0], [1.0, 1.0]) is None and crossing([0, 1], [0.0, 0.5], [1.0, 1.0]) is None
+    fig = format_curves_figure(curves)
+    assert len(fig.data) == 8 and "projected" in fig.layout.title.text
+    with pytest.raises(ValueError, match="no W4A16 row"):
+        format_curves({**compat, "rows": [r for r in compat["rows"] if r["format"] != "w4"]}, sweep)
+
+
+def test_formats_panel_curves_say_where_hierspec_overtakes(tmp_path):
+    fig, note = formats_panel.curves_figure()
+    assert fig is not None and "HierSpec overtakes EAGLE-2" in note and "W4A16 from 0." in note
+    fig, note = formats_panel.curves_figure(tmp_path / "missing.json")
+    assert fig is None and "not shipped" in note

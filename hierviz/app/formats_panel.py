@@ -14,6 +14,8 @@ import gradio as gr
 
 ROOT = Path(__file__).resolve().parents[2]
 COST_MODEL_FILE = ROOT / "assets" / "whatif" / "cost-model-h200.json"
+COMPAT_70B = ROOT / "assets" / "whatif" / "compat-h200-llama3-70b.json"
+SWEEP_70B = ROOT / "assets" / "whatif" / "h200-llama3-70b-sweep.json"
 MAX_BYTES = 2_000_000
 TREE_NAMES = {"eagle2": "EAGLE-2", "eagle3": "EAGLE-3"}
 
@@ -25,14 +27,39 @@ forward curves and applied to each GPU's spec sheet (`python -m hierviz cost-mod
 says how well it fits). A format the GPU cannot run or hold is named with the reason."""
 
 
-def load_cost_model(path: Path = COST_MODEL_FILE) -> Optional[dict[str, Any]]:
+def _read(path: Path) -> Optional[dict[str, Any]]:
     try:
         if path.stat().st_size > MAX_BYTES:
             return None
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return d if isinstance(d, dict) and d.get("schema") == "hierviz.cost_model/1" else None
+    return d if isinstance(d, dict) else None
+
+
+def load_cost_model(path: Path = COST_MODEL_FILE) -> Optional[dict[str, Any]]:
+    d = _read(path)
+    return d if d and d.get("schema") == "hierviz.cost_model/1" else None
+
+
+def curves_figure(compat_path: Path = COMPAT_70B, sweep_path: Path = SWEEP_70B) -> tuple[Any, str]:
+    """(figure or None, note): speedup over AR against acceptance per format at 70B, crossovers marked."""
+    from hierviz.viz.format_curves import LABEL, format_curves, format_curves_figure
+    compat, sweep = _read(compat_path), _read(sweep_path)
+    if not compat or not sweep:
+        return None, "The 70B compat table or acceptance sweep is not shipped."
+    try:
+        curves = format_curves(compat, sweep)
+    except (KeyError, ValueError, TypeError, ZeroDivisionError):
+        return None, "The shipped compat table and sweep do not fit together."
+    tree = sweep.get("tree_method", "eagle2")
+    marks = []
+    for c in curves.values():
+        x = c["crossovers"][f"hierspec_over_{tree}"]
+        marks.append(f"{c['name']} from {x:.2f}" if x is not None else f"{c['name']}: no crossover in the sweep")
+    note = (f"HierSpec overtakes {TREE_NAMES.get(tree, tree)} at acceptance scale: " + "; ".join(marks)
+            + f". Llama-3-70B target, H200; {LABEL}.")
+    return format_curves_figure(curves, tree), note
 
 
 def pair_labels(d: Optional[dict[str, Any]]) -> list[str]:
@@ -76,6 +103,10 @@ def formats_section() -> None:
             pick = gr.Dropdown(labels, value=labels[0] if labels else None, label="model pair",
                                elem_id="hv-formats-pick")
             table = gr.Markdown(table_markdown(d, labels[0] if labels else None), elem_id="hv-formats-table")
+            fig, note = curves_figure()
+            if fig is not None:
+                gr.Plot(fig, label="speedup against acceptance per format (projected)", elem_id="hv-formats-curves")
+            gr.Markdown(note, elem_id="hv-formats-curves-note")
         with gr.Column(scale=2):
             gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
     pick.change(lambda lb: table_markdown(load_cost_model(), lb), pick, table, api_visibility="private")
