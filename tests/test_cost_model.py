@@ -71,7 +71,8 @@ def test_formats_panel_tags_measured_and_projected_rows(tmp_path):
     labels = formats_panel.pair_labels(d)
     assert labels and "llama3-70b target" in labels[0]
     md = formats_panel.table_markdown(d, labels[0])
-    assert "H200 · measured" in md and "*projected*" in md and "no FP8 tensor cores" in md
+    assert "| H200<br>measured |" in md and "*projected*" in md and "no FP8 cores" in md and "does not fit" in md
+    assert "46 of 80 layers measured, scaled" in md and md.count("**HierSpec") >= 8
     assert "No cost-model file" in formats_panel.table_markdown(None, None)
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
@@ -98,7 +99,7 @@ def test_format_curves_reprice_the_sweep_and_mark_the_crossovers():
     assert crossing([0, 1, 2], [0.0, 1.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
     assert crossing([0, 1], [2.0, 3.0], [1.0, 1.0]) is None and crossing([0, 1], [0.0, 0.5], [1.0, 1.0]) is None
     fig = format_curves_figure(curves)
-    assert len(fig.data) == 8 and "projected" in fig.layout.title.text
+    assert len(fig.data) == 12 and "projected" in fig.layout.title.text     # 2 curves + 1 crossover each
     with pytest.raises(ValueError, match="no W4A16 row"):
         format_curves({**compat, "rows": [r for r in compat["rows"] if r["format"] != "w4"]}, sweep)
 

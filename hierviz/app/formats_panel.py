@@ -68,29 +68,37 @@ def pair_labels(d: Optional[dict[str, Any]]) -> list[str]:
     return [f"{p['shapes']['target']} target, {p['shapes']['intermediate']} intermediate" for p in d["projections"]]
 
 
+def _cell(e: dict[str, Any], tree: str) -> str:
+    if "skipped" in e:
+        return "no FP8 cores" if "FP8" in e["skipped"] else "does not fit"
+    sp = e["speedup_vs_ar"]
+    note = f"<br>({e['layers_note']})" if "layers_note" in e else ""
+    return (f"{TREE_NAMES.get(tree, tree)} {sp.get(tree, 0):.2f}x · **HierSpec {sp.get('hierspec', 0):.2f}x**"
+            f"<br>AR {e['tokens_per_s']['ar']:.0f} tok/s{note}")
+
+
 def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
-    """GPU x format rows: AR tokens/s, the tree method's and HierSpec's speedups, the winner."""
+    """GPUs down, target formats across: each cell the tree method's and HierSpec's speedup over AR
+    and AR's tokens/s, or why the GPU cannot run that format."""
     labels = pair_labels(d)
     if not d or label not in labels:
         return "No cost-model file is shipped (assets/whatif/cost-model-h200.json)."
     proj = d["projections"][labels.index(label)]
-    tree = TREE_NAMES.get(proj["head"], proj["head"])
-    lines = [f"| GPU | target format | AR tok/s | {tree} / AR | HierSpec / AR | HierSpec / {tree} | fastest |",
-             "|---|---|---|---|---|---|---|"]
-    for e in proj["rows"]:
-        gpu = e["gpu"].removeprefix("NVIDIA ")
-        if "skipped" in e:
-            lines.append(f"| {gpu} | {e['name']} | — ({e['skipped']}) | | | | |")
-            continue
-        sp, tps = e["speedup_vs_ar"], e["tokens_per_s"]
-        tag = " · *projected*" if e["projected"] else " · measured"
-        winner = {"ar": "AR", "hierspec": "HierSpec"}.get(e["winner"], tree)
-        lines.append(f"| {gpu}{tag} | {e['name']} | {tps['ar']:.1f} | {sp.get(proj['head'], 0):.2f}x | "
-                     f"{sp.get('hierspec', 0):.2f}x | {tps['hierspec'] / tps[proj['head']]:.2f}x | {winner} |")
+    tree = proj["head"]
+    fmts = list(dict.fromkeys(e["name"] for e in proj["rows"]))
+    gpus = list(dict.fromkeys(e["gpu"] for e in proj["rows"]))
+    cell = {(e["gpu"], e["name"]): e for e in proj["rows"]}
+    lines = ["| GPU | " + " | ".join(fmts) + " |", "|---|" + "---|" * len(fmts)]
+    for g in gpus:
+        measured = any(not cell[(g, f)].get("projected", True) for f in fmts if (g, f) in cell)
+        tag = "measured" if measured else "*projected*"
+        lines.append(f"| {g.removeprefix('NVIDIA ')}<br>{tag} | "
+                     + " | ".join(_cell(cell[(g, f)], tree) if (g, f) in cell else "" for f in fmts) + " |")
     cal = d["calibration"]
     worst = max(v["max_abs"] for v in cal["in_sample"].values())
-    lines.append(f"\nCost model calibrated on the {cal['gpu']} (largest error on its own measured curves "
-                 f"{worst:.0%}); projected rows keep each kernel's measured efficiency.")
+    lines.append(f"\nSpeedups over AR of the same format and GPU. \"Does not fit\": the target's and M's weights "
+                 f"exceed 90 % of the GPU's memory. Cost model calibrated on the {cal['gpu']} (largest error on "
+                 f"its own measured curves {worst:.0%}).")
     return "\n".join(lines)
 
 
@@ -98,15 +106,11 @@ def formats_section() -> None:
     d = load_cost_model()
     labels = pair_labels(d)
     gr.Markdown("### Formats and GPUs")
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=3):
-            pick = gr.Dropdown(labels, value=labels[0] if labels else None, label="model pair",
-                               elem_id="hv-formats-pick")
-            table = gr.Markdown(table_markdown(d, labels[0] if labels else None), elem_id="hv-formats-table")
-            fig, note = curves_figure()
-            if fig is not None:
-                gr.Plot(fig, label="speedup against acceptance per format (projected)", elem_id="hv-formats-curves")
-            gr.Markdown(note, elem_id="hv-formats-curves-note")
-        with gr.Column(scale=2):
-            gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
+    gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
+    pick = gr.Dropdown(labels, value=labels[0] if labels else None, label="model pair", elem_id="hv-formats-pick")
+    table = gr.Markdown(table_markdown(d, labels[0] if labels else None), elem_id="hv-formats-table")
+    fig, note = curves_figure()
+    if fig is not None:
+        gr.Plot(fig, label="speedup against acceptance per format (projected)", elem_id="hv-formats-curves")
+    gr.Markdown(note, elem_id="hv-formats-curves-note")
     pick.change(lambda lb: table_markdown(load_cost_model(), lb), pick, table, api_visibility="private")

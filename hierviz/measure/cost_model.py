@@ -190,6 +190,8 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
                 + model_bytes(ModelConfig(**_cfg_fields(m_cfg)), m_fmt))
         for gpu in gpus:
             entry: dict[str, Any] = {"gpu": gpu.name, "format": fm, "name": r["name"], "projected": gpu.name != base.name}
+            if r.get("layers_measured", 0) < r.get("layers", 0):
+                entry["layers_note"] = f"{r['layers_measured']} of {r['layers']} layers measured, scaled"
             if fm not in MIN_CAPABILITY or gpu.capability >= MIN_CAPABILITY[fm]:
                 pass
             else:

@@ -77,10 +77,14 @@ def format_curves_figure(curves: dict[str, Any], tree: str = "eagle2", title: st
                                      name=f"{names[m]} · {c['name']}", legendgroup=fmt,
                                      line=dict(color=METHOD_COLORS.get(m, "#333333"), dash=DASHES.get(fmt, "solid"))))
         x = c["crossovers"][f"hierspec_over_{tree}"]
-        if x is not None:
-            fig.add_vline(x=x, line=dict(color="#777777", width=1, dash=DASHES.get(fmt, "solid")),
-                          annotation_text=f"{c['name']}: HierSpec > {names[tree]} from {x:.2f}",
-                          annotation_position="top left", annotation_font_size=10)
+        if x is not None:     # the crossover as a marker on the HierSpec curve; the panel's note lists them
+            xs, ys = c["scales"], c["hierspec"]
+            k = max(i for i in range(len(xs) - 1) if xs[i] <= x)
+            y = ys[k] + (ys[k + 1] - ys[k]) * (x - xs[k]) / (xs[k + 1] - xs[k])
+            fig.add_trace(go.Scatter(x=[x], y=[y], mode="markers", marker=dict(symbol="x", size=11, color="#1F2937"),
+                                     name=f"HierSpec > {names[tree]} · {c['name']} ({x:.2f})", legendgroup=fmt,
+                                     hovertemplate=f"{c['name']}: HierSpec overtakes {names[tree]} at %{{x:.2f}}"
+                                                   "<extra></extra>"))
     fig.add_hline(y=1.0, line=dict(color="#999999", width=1))
     fig.update_layout(title=title or f"Speedup over AR against acceptance, per target format ({LABEL})",
                       xaxis_title="acceptance scale (x the default per-depth rates; 1 = the tables' point)",
