@@ -176,6 +176,14 @@ def markdown(info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: Path, stem: str, info: dict[str, Any], md: str) -> None:
+    """DIR/<stem>.json and DIR/<stem>.md, the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(info, indent=1))
+    (out / f"{stem}.md").write_text(md)
+    print(md)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m hierviz compat",
@@ -198,11 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
         return 2
     info["command"] = "python -m hierviz compat " + shlex.join(sys.argv[1:] if argv is None else argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compat.json").write_text(json.dumps(info, indent=1))
-    (out / "compat.md").write_text(markdown(info))
-    print(markdown(info))
+    write_report(Path(a.out), "compat", info, markdown(info))
     return 0
 
 

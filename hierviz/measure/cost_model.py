@@ -283,6 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from hierviz.measure.compat import write_report
     gpu = GPUS[next(iter(names))]
     cal = calibrate(profiles, gpu)
     info: dict[str, Any] = {"schema": SCHEMA, "label": LABEL, "calibration": cal,
@@ -291,11 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         configs = {"target": c["configs"]["target"], "intermediate": c["configs"]["intermediate"]}
         info["projections"].append(project(cal, c, configs, gpus))
     info["command"] = "python -m hierviz cost-model " + shlex.join(sys.argv[1:] if argv is None else argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cost_model.json").write_text(json.dumps(info, indent=1))
-    (out / "cost_model.md").write_text(markdown(info))
-    print(markdown(info))
+    write_report(Path(a.out), "cost_model", info, markdown(info))
     return 0
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from hierviz.models import fused
 from hierviz.models.config import ModelConfig, rope_frequencies
-from hierviz.quant.formats import QuantLinear, format_of, out_features, weight_to
+from hierviz.quant.formats import QuantLinear, fixed_row_chunks, format_of, out_features, weight_to
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, matmul_nt
 
 Weight = Union[torch.Tensor, Any]      # a dense tensor or a weight-format weight (hierviz.quant.formats)
@@ -456,15 +456,8 @@ def _rows_invariant_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (w @ chunk^T)^T over chunks of LM_HEAD_CHUNK rows, zero-padded, so every BLAS call has one shape
     (measured: rows equal alone and in any chunk position; the plain x @ w^T rounds a row differently
     at every M > 1). A one-row product reads the weight once either way: the padding costs ~nothing."""
-    x2 = x.reshape(-1, x.shape[-1])
-    out = []
-    for s in range(0, x2.shape[0], LM_HEAD_CHUNK):
-        chunk = x2[s:s + LM_HEAD_CHUNK]
-        rows = chunk.shape[0]
-        if rows < LM_HEAD_CHUNK:
-            chunk = torch.cat([chunk, chunk.new_zeros(LM_HEAD_CHUNK - rows, chunk.shape[1])])
-        out.append((w @ chunk.t()).t()[:rows])
-    return torch.cat(out).reshape(*x.shape[:-1], w.shape[0])
+    y = fixed_row_chunks(x.reshape(-1, x.shape[-1]), LM_HEAD_CHUNK, lambda chunk: (w @ chunk.t()).t())
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def weight_getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.device, release: bool = False):

@@ -68,6 +68,20 @@ def _load_builtin() -> None:
     import hierviz.quant.w8a8  # noqa: F401
 
 
+def fixed_row_chunks(x2: torch.Tensor, chunk: int, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """product(rows) over fixed-size row chunks of x2 [M, K], the last one zero-padded: every call
+    has one shape, so a row's bits never depend on how many rows came with it (libraries pick
+    kernels, and kernels round, by shape)."""
+    parts = []
+    for i in range(0, x2.shape[0], chunk):
+        part = x2[i:i + chunk]
+        rows = part.shape[0]
+        if rows < chunk:
+            part = torch.cat([part, part.new_zeros(chunk - rows, part.shape[1])])
+        parts.append(product(part)[:rows])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def format_of(w: Any) -> Optional[WeightFormat]:
     """The format of a weight; None for a dense tensor."""
     if isinstance(w, torch.Tensor):

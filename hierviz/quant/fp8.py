@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightFormat, register
+from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightFormat, fixed_row_chunks, register
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -52,19 +52,6 @@ def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
 
 
-def _chunked(q: torch.Tensor, chunk: int, product) -> torch.Tensor:
-    """product(rows) over fixed-size row chunks, the last one zero-padded: every product has one
-    shape, so a row's bits never depend on how many rows came with it."""
-    parts = []
-    for i in range(0, q.shape[0], chunk):
-        part = q[i:i + chunk]
-        rows = part.shape[0]
-        if rows < chunk:
-            part = torch.cat([part, part.new_zeros(chunk - rows, part.shape[1])])
-        parts.append(product(part)[:rows])
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
     """y = x @ W.T in x's dtype, W8A8 FP8 (see the module docstring)."""
     shape = x.shape
@@ -72,12 +59,12 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
     if q.is_cuda:
         ones = torch.ones(CUDA_CHUNK, 1, dtype=torch.float32, device=q.device)
         # the GEMM's per-row scale is 1: s is applied afterwards, so padded rows need none
-        acc = _chunked(q, CUDA_CHUNK, lambda part: torch._scaled_mm(
+        acc = fixed_row_chunks(q, CUDA_CHUNK, lambda part: torch._scaled_mm(
             part, w.codes.t(), scale_a=ones, scale_b=w.scales[None, :], out_dtype=torch.float32))
         acc = acc * s[:, None]
     else:
         wf = w.codes.float()
-        acc = _chunked(q, CHUNK, lambda part: (wf @ part.float().t()).t()) * s[:, None] * w.scales[None, :]
+        acc = fixed_row_chunks(q, CHUNK, lambda part: (wf @ part.float().t()).t()) * s[:, None] * w.scales[None, :]
     return acc.to(x.dtype).reshape(*shape[:-1], w.out_features)
 
 
