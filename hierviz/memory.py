@@ -53,8 +53,11 @@ def _vocab_bytes(c: dict[str, Any], bytes_per: float) -> float:
 
 
 def model_bytes(c: dict[str, Any], fmt: str, group: int = 128, act_bytes: float = 2.0) -> float:
-    """Weights of one model: fmt "w4" (GPTQ, group `group`; -1 = per channel) or "dense"."""
+    """Weights of one model: fmt "w4" (GPTQ, group `group`; -1 = per channel), "w8" (8-bit codes,
+    a float32 scale per output channel) or "dense"."""
     lin = _linear_params(c) * int(c["num_hidden_layers"])
+    if fmt == "w8":
+        return lin * 1.0 + _vocab_bytes(c, act_bytes)
     if fmt == "w4":
         g = int(c["hidden_size"]) if group <= 0 else group
         return lin * 0.5 + lin / g * 2 * 2 * 2 + _vocab_bytes(c, 2.0)
@@ -80,7 +83,7 @@ def workspace_bytes(c: dict[str, Any], act_bytes: float = 2.0) -> float:
 
 def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str], context: int = DEFAULT_CONTEXT,
              act_bytes: float = 2.0) -> dict[str, float]:
-    """models: role -> (config dict, "w4" | "dense", group); heads: the roles whose models carry an
+    """models: role -> (config dict, "w4" | "w8" | "dense", group); heads: the roles whose models carry an
     EAGLE head. Returns bytes per part and the total."""
     parts: dict[str, float] = {}
     for role, (c, fmt, g) in models.items():
@@ -129,6 +132,8 @@ def _config_of(source: str) -> Optional[tuple[dict[str, Any], str, int]]:
             pass
     if qc.get("quant_method") == "gptq" or qc.get("bits") == 4:
         return cfg, "w4", int(qc.get("group_size", 128))
+    if qc.get("quant_method") == "compressed-tensors":
+        return cfg, "w8", 0
     return cfg, "dense", 0
 
 

@@ -1,5 +1,5 @@
 """Checkpoints in, one format inside: HF safetensors folders (sharded or not), hub ids,
-GPTQ (AutoGPTQ / GPTQModel) folders and GGUF files all become (ModelConfig, weights dict)
+GPTQ (AutoGPTQ / GPTQModel) folders, compressed-tensors 8-bit folders and GGUF files all become (ModelConfig, weights dict)
 with float tensors and weight-format weights (W4Weight, ...) under HF parameter names.
 
 Folders are streamed onto the device the model will run on: each tensor is read memory-mapped,
@@ -130,6 +130,9 @@ def open_weights(name_or_path: str | Path, device: torch.device | str = "cpu",
     elif is_gptq(raw, src):
         from hierviz.quant.gptq import gptq_weights
         _, names, stream = gptq_weights(src, device, dtype)
+    elif (raw.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        from hierviz.quant.compressed_tensors import ct_weights      # W8A8 int8 / FP8-dynamic (llm-compressor)
+        names, stream = ct_weights(src, raw, device, dtype)
     else:
         located = checkpoint_tensors(src)
         names, stream = list(located), ((k, cast_float(t, dtype)) for k, t in iter_tensors(located, device))

@@ -1,0 +1,108 @@
+"""The compressed-tensors checkpoint layout (what llm-compressor writes and vLLM loads) for the
+8-bit schemes hierviz runs: W8A8 int8 (`"format": "int-quantized"`) and FP8-dynamic
+(`"format": "float-quantized"`).
+
+config.json carries `quantization_config` with `"quant_method": "compressed-tensors"` and
+`config_groups`, each a scheme for the modules it targets: `weights` (8 bits, `"type"` int or
+float, `"strategy"` channel or tensor, symmetric) and `input_activations` (8 bits, same type,
+`"strategy": "token"`, `"dynamic": true`). A quantized linear is stored as `<name>.weight` (int8 or
+float8_e4m3fn codes, [N, K]) and `<name>.weight_scale` ([N, 1] per channel, or one value per
+tensor), W = weight_scale * weight: exactly hierviz's W8A8 int8 and W8A8 FP8 weights (a per-tensor
+scale is repeated per channel). Modules listed in `"ignore"` (the LM head) stay dense. Schemes
+whose product differs from these formats' (static activation scales, weight-only, groups or
+blocks, 4-bit packing) are refused with a message that names what was found.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hierviz.quant.errors import CheckpointError
+from hierviz.quant.fp8 import FP8Weight
+from hierviz.quant.gptq import cast_float, checkpoint_tensors, iter_tensors
+from hierviz.quant.w8a8 import W8Weight
+
+QUANT_METHOD = "compressed-tensors"
+WEIGHT_TYPES = {"int": W8Weight, "float": FP8Weight}
+SCALE_SUFFIX = ".weight_scale"
+STATIC_SUFFIXES = (".input_scale", ".weight_zero_point", ".input_zero_point")
+
+
+def is_compressed_tensors(config: dict[str, Any]) -> bool:
+    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
+def scheme_type(config: dict[str, Any]) -> str:
+    """"int" or "float": the one 8-bit scheme of the checkpoint; CheckpointError for anything else."""
+    qc = config.get("quantization_config") or {}
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError("compressed-tensors checkpoint without config_groups")
+    types = set()
+    for name, g in groups.items():
+        w, a = (g or {}).get("weights") or {}, (g or {}).get("input_activations")
+        kind = w.get("type")
+        if w.get("num_bits") != 8 or kind not in WEIGHT_TYPES:
+            raise CheckpointError(f"compressed-tensors group {name!r}: {w.get('num_bits')}-bit {kind} weights; hierviz "
+                                  "reads 8-bit int (W8A8-int8) and 8-bit float (FP8-dynamic) schemes")
+        if w.get("strategy") not in ("channel", "tensor") or w.get("symmetric") is False:
+            raise CheckpointError(f"compressed-tensors group {name!r}: weight strategy {w.get('strategy')!r} "
+                                  f"(symmetric={w.get('symmetric')}); hierviz reads symmetric channel or tensor scales")
+        if not a or a.get("num_bits") != 8 or a.get("type") != kind or a.get("strategy") != "token" \
+                or a.get("dynamic") is not True:
+            got = "no input_activations (weight-only)" if not a else \
+                f"{a.get('num_bits')}-bit {a.get('type')} activations, strategy {a.get('strategy')!r}, dynamic={a.get('dynamic')}"
+            raise CheckpointError(f"compressed-tensors group {name!r}: {got}; hierviz's 8-bit formats quantize "
+                                  "activations per token at run time (dynamic), like the W8A8 and FP8_DYNAMIC schemes")
+        types.add(kind)
+    if len(types) != 1:
+        raise CheckpointError("compressed-tensors checkpoint mixes int and float schemes")
+    return types.pop()
+
+
+def _scales(scale: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    s = scale.float().reshape(-1)
+    if s.numel() == 1:
+        return s.expand(n).contiguous()
+    if s.numel() != n:
+        raise CheckpointError(f"{name}{SCALE_SUFFIX} has {s.numel()} values for {n} output channels")
+    return s
+
+
+def ct_weights(folder: Path, config: dict[str, Any], device: torch.device | str = "cpu",
+               dtype: Optional[torch.dtype] = None) -> tuple[list[str], Iterator[tuple[str, Any]]]:
+    """(names, stream of (name, weight)): quantized linears as W8Weight / FP8Weight (codes and
+    float32 scales on `device`), everything else as stored (floats cast to `dtype`)."""
+    kind = scheme_type(config)
+    weight_type = WEIGHT_TYPES[kind]
+    located = checkpoint_tensors(folder)
+    static = sorted(k for k in located if k.endswith(STATIC_SUFFIXES))
+    if static:
+        raise CheckpointError(f"compressed-tensors checkpoint has static quantization parameters ({static[0]}, ...); "
+                              "hierviz's 8-bit formats quantize activations dynamically and symmetrically")
+    quantized = {k[:-len(SCALE_SUFFIX)] for k in located if k.endswith(SCALE_SUFFIX)}
+    missing = sorted(q for q in quantized if f"{q}.weight" not in located)
+    if missing:
+        raise CheckpointError(f"{missing[0]}{SCALE_SUFFIX} has no {missing[0]}.weight beside it")
+    names = [k for k in located if not k.endswith(SCALE_SUFFIX)]
+
+    def stream() -> Iterator[tuple[str, Any]]:
+        codes: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}
+        for k, t in iter_tensors(located, device):
+            base = k[:-len(SCALE_SUFFIX)] if k.endswith(SCALE_SUFFIX) else k[:-len(".weight")] \
+                if k.endswith(".weight") else None
+            if base not in quantized:
+                yield k, cast_float(t, dtype)
+                continue
+            (scales if k.endswith(SCALE_SUFFIX) else codes)[base] = t
+            if base in codes and base in scales:
+                c = codes.pop(base)
+                if c.dtype != weight_type.CODE_DTYPE:
+                    raise CheckpointError(f"{base}.weight is {c.dtype}, not the {weight_type.CODE_DTYPE} of a "
+                                          f"{kind}-quantized scheme")
+                yield f"{base}.weight", weight_type(c, _scales(scales.pop(base), c.shape[0], base))
+    return names, stream()
