@@ -26,7 +26,8 @@ import torch
 
 from hierviz.decoding.settings import SettingsError
 from hierviz.measure.profile import ROOT, SHAPES, load_shape
-from hierviz.measure.whatif import HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, model_bytes, parser
+from hierviz.measure.whatif import (HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, check_request, model_bytes,
+                                    parser)
 from hierviz.models.config import ModelConfig
 
 SCHEMA = "hierviz.compat/1"
@@ -197,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("error: compat sets --target-format itself and takes neither --sweep nor --exact", file=sys.stderr)
         return 2
     try:
-        parser().parse_args(rest + ["--out", a.out])       # the what-if's own errors, before any model is built
+        check_request(parser().parse_args(rest + ["--out", a.out]))   # the what-if's own errors, before any run
         info = run_compat(a, rest)
     except (WhatIfError, SettingsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

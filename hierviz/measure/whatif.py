@@ -623,6 +623,15 @@ def apply_imported_acceptance(a: argparse.Namespace) -> Optional[dict[str, Any]]
             "levels": sorted(imp.levels), "warnings": warnings}
 
 
+def check_request(a: argparse.Namespace) -> None:
+    """What run_whatif refuses before it builds a model (methods, settings, acceptance sources),
+    for a caller that runs the what-if elsewhere (hierviz.measure.compat)."""
+    a.imported = apply_imported_acceptance(a)
+    methods = _methods(a)
+    _check_args(a, methods)
+    _trace_and_settings(a, methods)
+
+
 def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     a.imported = apply_imported_acceptance(a)
     methods = _methods(a)
