@@ -281,3 +281,17 @@ def test_child_errors_and_time_limit_are_messages(tmp_path):
         uw.run_child(["--tiny", "--device", "cpu", "--out", str(tmp_path)], 0.3)
     with pytest.raises(uw.LiveInputError, match="not valid what-if arguments"):
         uw.run_child(["--tiny", "--no-such-flag"], 60)
+
+
+def test_live_run_takes_a_target_format():
+    """The live run's target-format box: each choice reaches the what-if's --target-format, an
+    unknown one is a message, and a W8A8 run on the CPU names its format in the source lines."""
+    for label, name in uw.LIVE_FORMATS.items():
+        a = parser().parse_args(uw.live_argv(uw.TINY, RATES, "0.9", 1.0, 0.85, 8, False, "/tmp/x", label))
+        assert a.target_format == name
+    with pytest.raises(uw.LiveInputError, match="listed target formats"):
+        uw.live_argv(uw.TINY, RATES, "0.9", 1.0, 0.85, 8, False, "/tmp/x", "int3")
+    if uw.cuda_available():
+        return
+    status, _, _, table = list(uw.live_run(uw.TINY, RATES, "0.9,0.8", 1.0, 0.85, 8, "W8A8-int8"))[-1]
+    assert "hv-status-ok" in status and "W8A8-int8" in table, table

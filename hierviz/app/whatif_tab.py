@@ -56,6 +56,9 @@ MAX_NEW_CAP = 64
 PROMPT_LEN = 64
 LIVE_TIMEOUT_S = {"cuda": 300, "cpu": 120}
 LIVE_METHODS = "ar,eagle2,hierspec"
+# the live run's target format: label -> whatif --target-format (hierviz.measure.whatif.TARGET_FORMATS)
+LIVE_FORMATS = {"W4A16 (the paper's)": "w4", "W8A8-int8": "w8a8-int8", "W8A8-FP8": "w8a8-fp8",
+                "FP16 / dense": "dense"}
 SHORT = {"ar": "AR", "spec": "Spec", "eagle2": "EAGLE-2", "hierspec": "HierSpec"}
 
 EXPLAIN = f"""**Which method wins at real model sizes?** `python -m hierviz whatif` builds models of real shapes with
@@ -366,8 +369,10 @@ def _number(v: Any, what: str, lo: float, hi: float) -> float:
 
 
 def live_argv(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any, max_new: Any,
-              cuda: bool, out: str) -> list[str]:
+              cuda: bool, out: str, target_format: Any = next(iter(LIVE_FORMATS))) -> list[str]:
     """The `python -m hierviz whatif` arguments of a live run; LiveInputError for bad input."""
+    if target_format not in LIVE_FORMATS:
+        raise LiveInputError("Choose one of the listed target formats.")
     if shape not in live_shape_choices(cuda):
         if shape in LIVE_SHAPES:
             raise LiveInputError("Real shapes need a CUDA GPU; this machine has none. Choose the tiny shapes.")
@@ -379,7 +384,8 @@ def live_argv(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: An
         t, m = LIVE_SHAPES[shape]
         argv = ["--target", _live_shape(t), "--intermediate", _live_shape(m)]
     argv += ["--device", "cuda"] if cuda else ["--device", "cpu", "--threads", "1"]
-    argv += ["--methods", LIVE_METHODS, "--max-new-tokens", str(n), "--prompt-len", str(PROMPT_LEN)]
+    argv += ["--methods", LIVE_METHODS, "--max-new-tokens", str(n), "--prompt-len", str(PROMPT_LEN),
+             "--target-format", LIVE_FORMATS[target_format]]
     if source == RATES_SOURCE or source is None or source == "":
         sc = _number(scale, "Acceptance scale", 0.1, 1.5)
         rates = [min(1.0, r * sc) for r in parse_rates(rates_text)]
@@ -429,14 +435,14 @@ def run_child(argv: list[str], timeout_s: float) -> dict[str, Any]:
 
 
 def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any, max_new: Any,
-             request: Optional[gr.Request] = None) -> Iterator[tuple[str, Any, Any, str]]:
+             target_format: Any = next(iter(LIVE_FORMATS)), request: Optional[gr.Request] = None) -> Iterator[tuple[str, Any, Any, str]]:
     """Gradio handler: (status, plot A, plot B, table); every failure is a message."""
     keep = gr.skip()
     cuda = cuda_available()
     dev = "cuda" if cuda else "cpu"
     with tempfile.TemporaryDirectory(prefix="hierviz-whatif-") as tmp:
         try:
-            argv = live_argv(shape, source, rates_text, scale, seq_rate, max_new, cuda, tmp)
+            argv = live_argv(shape, source, rates_text, scale, seq_rate, max_new, cuda, tmp, target_format)
             where = "this GPU" if cuda else "the CPU (tiny shapes: plumbing only)"
             after = f" after the {LINE.waiting() + 1} live run(s) in line" if LINE.busy() else ""
             yield (status_html(f"Running AR, EAGLE-2 and HierSpec on {where}{after}… (stopped after "
@@ -508,6 +514,8 @@ def whatif_tab() -> None:
                 seq = gr.Slider(0.0, 1.0, value=DEFAULT_SEQ_RATE, step=0.05,
                                 label="sequence rate (T accepts M's token)")
             max_new = gr.Slider(8, MAX_NEW_CAP, value=32, step=8, label="max new tokens", elem_id="hv-whatif-max-new")
+            fmt = gr.Dropdown(list(LIVE_FORMATS), value=next(iter(LIVE_FORMATS)), label="target weight format",
+                              elem_id="hv-whatif-format")
             go_btn = gr.Button("Run what-if live", variant="primary", elem_id="hv-whatif-run")
         with gr.Column(scale=3):
             live_status = gr.HTML(status_html("Press “Run what-if live”. The default rates are an assumption "
@@ -515,7 +523,7 @@ def whatif_tab() -> None:
             live_a = gr.Plot(label="what-if (live)", visible=False, elem_id="hv-whatif-live-a")
             live_b = gr.Plot(label="what-if (live), per stage", visible=False, elem_id="hv-whatif-live-b")
             live_md = gr.Markdown("", elem_id="hv-whatif-live-table")
-    go_btn.click(live_run, [shape, source_dd, rates, scale, seq, max_new], [live_status, live_a, live_b, live_md],
+    go_btn.click(live_run, [shape, source_dd, rates, scale, seq, max_new, fmt], [live_status, live_a, live_b, live_md],
                  concurrency_id="gpu", concurrency_limit=1, show_progress="hidden", api_visibility="private")
 
 
