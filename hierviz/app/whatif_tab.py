@@ -384,8 +384,9 @@ def live_argv(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: An
         t, m = LIVE_SHAPES[shape]
         argv = ["--target", _live_shape(t), "--intermediate", _live_shape(m)]
     argv += ["--device", "cuda"] if cuda else ["--device", "cpu", "--threads", "1"]
-    argv += ["--methods", LIVE_METHODS, "--max-new-tokens", str(n), "--prompt-len", str(PROMPT_LEN),
-             "--target-format", LIVE_FORMATS[target_format]]
+    argv += ["--methods", LIVE_METHODS, "--max-new-tokens", str(n), "--prompt-len", str(PROMPT_LEN)]
+    if LIVE_FORMATS[target_format] != "w4":      # the what-if's default stays out of the shown command
+        argv += ["--target-format", LIVE_FORMATS[target_format]]
     if source == RATES_SOURCE or source is None or source == "":
         sc = _number(scale, "Acceptance scale", 0.1, 1.5)
         rates = [min(1.0, r * sc) for r in parse_rates(rates_text)]
