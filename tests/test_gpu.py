@@ -404,3 +404,21 @@ def test_decoders_reproduce_ar_of_an_8bit_target_through_graphs(method, fmt) -> 
     s = DecodeSettings(max_new_tokens=32)
     ar = output_tokens(generate(st, "ar", "the quick brown fox", s))
     assert output_tokens(generate(st, method, "the quick brown fox", s)) == ar
+
+
+def test_engine_bench_compiled_transformers_peer_on_the_gpu(tmp_path) -> None:
+    """transformers' static-cache generate with its compiled forward (engine-bench's fastest peer)
+    gives the plain generate's tokens on the same fp32 weights."""
+    import json
+
+    from hierviz.measure import engine_bench as eb
+    from hierviz.models.config import ModelConfig
+    from hierviz.models.synthetic import hf_weights
+    from tests.test_engine_bench import TINY
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(TINY))
+    torch.manual_seed(0)
+    weights = hf_weights(ModelConfig.from_file(cfg_path), "cuda")
+    plain, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, "plain")
+    compiled, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, "static-compiled")
+    assert compiled == plain

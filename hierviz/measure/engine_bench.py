@@ -6,9 +6,10 @@
    must emit the tokens of AR through the dynamic path (the CPU test suite checks the static
    path without graphs; this checks the graphs).
 2. AR speed at SmolLM2-135M's shapes with synthetic weights (assets/configs/smollm2-135m.json):
-   our engine with CUDA graphs vs our engine eager vs a plain transformers LlamaForCausalLM
-   greedy `generate` loop built from the same fp16 weights (~40-50
-   tokens/s on the H200), plus W4A16 (RTN g32, Triton kernel) for the target.
+   our engine with CUDA graphs vs our engine eager vs transformers' LlamaForCausalLM greedy
+   `generate` on the same fp16 weights, three ways: its default dynamic cache, a static cache,
+   and a static cache with the forward compiled (its documented recipe), plus W4A16 (RTN g32,
+   Triton kernel) for the target; the engine's ratio is taken against the fastest of the three.
 3. One round of EAGLE-2 and of HierSpec at the same shapes (6-layer intermediate, random EAGLE
    heads: acceptance is ~0 with random heads, so only the per-round costs mean anything).
 4. What an EAGLE-3 head costs T: AR of the W4 target before, with and after its layer features
@@ -88,8 +89,17 @@ def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
     return res
 
 
+# transformers' ways to generate, slowest to fastest: its default dynamic cache; a static cache;
+# a static cache with the forward compiled (its documented recipe: torch.compile with
+# mode="reduce-overhead", fullgraph=True; CUDA graphs on a GPU)
+HF_VARIANTS = {"plain": "transformers LlamaForCausalLM.generate",
+               "static": "transformers generate, static cache",
+               "static-compiled": "transformers generate, static cache + torch.compile"}
+
+
 def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
-                dtype: torch.dtype) -> tuple[list[int], float]:
+                dtype: torch.dtype, variant: str = "plain") -> tuple[list[int], float]:
+    """Greedy tokens and seconds of transformers' `generate` on the same weights, in one of HF_VARIANTS."""
     from transformers import LlamaConfig, LlamaForCausalLM
     raw = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
     model = LlamaForCausalLM(LlamaConfig(**raw)).to(device=device, dtype=dtype).eval()
@@ -97,8 +107,14 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
     model.tie_weights()
     ids = torch.tensor([prompt], device=device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    if variant != "plain":
+        kw["cache_implementation"] = "static"
+    if variant == "static-compiled":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else None,
+                                      fullgraph=True)
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+        for _ in range(2 if variant == "static-compiled" else 1):   # compile (prefill and step shapes), warm up
+            model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -156,15 +172,24 @@ def _ar_speeds(t_fp16: Transformer, t_w4: Transformer, prompt: list[int], n: int
 
 
 def _against_transformers(res: dict, rows: dict, toks: dict, cfg_path: Path, dense: dict, prompt: list[int],
-                          n: int, dev: str, dtype: torch.dtype) -> None:
-    try:
-        hf_toks, hf_dt = hf_generate(cfg_path, dense, prompt, n, dev, dtype)
-        rows["transformers LlamaForCausalLM.generate fp16"] = n / hf_dt
-        res["identical_prefix"]["ours fp16 graphs vs transformers"] = _agree(toks["ours fp16, CUDA graphs"][:n], hf_toks)
-        print(f"[engine] AR transformers generate fp16              {n / hf_dt:8.1f} tokens/s", flush=True)
-    except Exception as e:  # transformers API drift: report, keep the rest
-        res["hf_error"] = repr(e)
-        print("[engine] transformers loop failed:", repr(e), flush=True)
+                          n: int, dev: str, dtype: torch.dtype, variants: tuple[str, ...] = tuple(HF_VARIANTS)) -> None:
+    """transformers' generate in each variant on the same weights, in this run; a variant that fails
+    (API drift, no compiler) is reported and the rest kept."""
+    for v in variants:
+        try:
+            hf_toks, hf_dt = hf_generate(cfg_path, dense, prompt, n, dev, dtype, v)
+        except Exception as e:
+            res.setdefault("hf_error", {})[v] = repr(e)
+            print(f"[engine] {HF_VARIANTS[v]} failed:", repr(e), flush=True)
+            continue
+        rows[f"{HF_VARIANTS[v]} fp16"] = n / hf_dt
+        res["identical_prefix"][f"ours fp16 graphs vs {HF_VARIANTS[v]}"] = _agree(toks["ours fp16, CUDA graphs"][:n],
+                                                                                  hf_toks)
+        print(f"[engine] AR {HF_VARIANTS[v]:48s} {n / hf_dt:8.1f} tokens/s", flush=True)
+    best = max((r for k, r in rows.items() if k.startswith("transformers")), default=None)
+    if best:
+        res["ours_fp16_graphs_over_best_transformers"] = rows["ours fp16, CUDA graphs"] / best
+        res["ours_w4_graphs_over_best_transformers"] = rows["ours W4A16 triton, CUDA graphs"] / best
 
 
 def _speculative_rounds(t_w4: Transformer, dense: dict, cfg_path: Path, prompt: list[int], s: DecodeSettings,

@@ -1,0 +1,44 @@
+"""engine-bench's transformers peers on the CPU (the GPU run is `python -m hierviz engine-bench`):
+the static-cache `generate` gives the plain one's tokens on the same weights, and a failing
+variant is reported while the others are kept."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hierviz.measure import engine_bench as eb
+from hierviz.models.config import ModelConfig
+from hierviz.models.synthetic import hf_weights
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 10000.0,
+        "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_static_cache_generate_matches_the_plain_one(tmp_path):
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(TINY))
+    torch.manual_seed(0)
+    weights = hf_weights(ModelConfig.from_file(cfg_path), "cpu")
+    prompt = [1, 5, 9, 11]
+    plain, _ = eb.hf_generate(cfg_path, weights, prompt, 6, "cpu", torch.float32, "plain")
+    static, dt = eb.hf_generate(cfg_path, weights, prompt, 6, "cpu", torch.float32, "static")
+    assert len(plain) == 6 and static == plain and dt > 0
+
+
+def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path, monkeypatch):
+    def fake(cfg_path, weights, prompt, n, dev, dtype, variant):
+        if variant == "static-compiled":
+            raise RuntimeError("no C++ compiler")
+        return [3] * n, {"plain": 2.0, "static": 1.0}[variant]
+    monkeypatch.setattr(eb, "hf_generate", fake)
+    res = {"identical_prefix": {}}
+    rows = {"ours fp16, CUDA graphs": 40.0, "ours W4A16 triton, CUDA graphs": 20.0}
+    toks = {"ours fp16, CUDA graphs": [3, 3, 4, 3]}
+    eb._against_transformers(res, rows, toks, tmp_path, {}, [1], 4, "cpu", torch.float32)
+    assert rows[f"{eb.HF_VARIANTS['plain']} fp16"] == 2.0 and rows[f"{eb.HF_VARIANTS['static']} fp16"] == 4.0
+    assert "no C++ compiler" in res["hf_error"]["static-compiled"]
+    assert res["ours_fp16_graphs_over_best_transformers"] == 10.0          # against the fastest peer
+    assert res["identical_prefix"][f"ours fp16 graphs vs {eb.HF_VARIANTS['static']}"] == 2
