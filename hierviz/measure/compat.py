@@ -27,7 +27,7 @@ import torch
 from hierviz.decoding.settings import SettingsError
 from hierviz.measure.profile import ROOT, SHAPES, load_shape
 from hierviz.measure.whatif import (HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, check_request, model_bytes,
-                                    parser)
+                                    parser, run_reporting_errors)
 from hierviz.models.config import ModelConfig
 
 SCHEMA = "hierviz.compat/1"
@@ -197,14 +197,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--target-format" in rest or "--sweep" in rest or "--exact" in rest:
         print("error: compat sets --target-format itself and takes neither --sweep nor --exact", file=sys.stderr)
         return 2
-    try:
+    def work() -> dict[str, Any]:
         check_request(parser().parse_args(rest + ["--out", a.out]))   # the what-if's own errors, before any run
-        info = run_compat(a, rest)
-    except (WhatIfError, SettingsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except torch.cuda.OutOfMemoryError:
-        print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
+        return run_compat(a, rest)
+    info = run_reporting_errors(work, (WhatIfError, SettingsError, ValueError))
+    if info is None:
         return 2
     info["command"] = "python -m hierviz compat " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_report(Path(a.out), "compat", info, markdown(info))

@@ -858,16 +858,23 @@ def write_outputs(info: dict[str, Any], out: Path) -> None:
         print("note: plotly is not installed; charts skipped", file=sys.stderr)
 
 
+def run_reporting_errors(work: Callable[[], dict[str, Any]],
+                         errors: tuple[type[Exception], ...] = (WhatIfError, SettingsError)) -> Optional[dict[str, Any]]:
+    """work()'s result; None after printing `error: ...` for a refused request or a full GPU."""
+    try:
+        return work()
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+    except torch.cuda.OutOfMemoryError:
+        print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
-    try:
-        info = run_whatif(a)
-    except (WhatIfError, SettingsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except torch.cuda.OutOfMemoryError:
-        print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
+    info = run_reporting_errors(lambda: run_whatif(a))
+    if info is None:
         return 2
     info["command"] = "python -m hierviz whatif " + shlex.join(sys.argv[1:] if argv is None else argv)
     if info.get("exact"):
