@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hierviz.models.config import ModelConfig, read_config_json
-from hierviz.quant.gptq import load_state_dict_folder
+from hierviz.quant.compressed_tensors import load_dense_tensors
 from hierviz.quant.w4 import matmul_nt
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, weight_getter
 
@@ -128,13 +128,15 @@ def _rope(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
 
 
 def load_eagle_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json + model.safetensors or pytorch_model.bin in SafeAILab's key layout."""
+    """config.json + model.safetensors or pytorch_model.bin in SafeAILab's key layout (weights as
+    stored, or int8 per channel: hierviz.quant.compressed_tensors.store_weight_only_int8)."""
     folder = Path(folder)
     raw = read_config_json(folder)
     raw.setdefault("model_type", "llama")
     raw = dict(raw, num_hidden_layers=1)
     cfg = ModelConfig.from_dict(raw)
-    weights = load_state_dict_folder(folder)   # safetensors, else pytorch_model.bin with weights_only
+    # safetensors, else pytorch_model.bin with weights_only; int8-stored weights come back dense
+    weights = load_dense_tensors(folder, raw)
     # some exports prefix keys with "model."
     weights = {k[6:] if k.startswith("model.") else k: v for k, v in weights.items()}
     for key in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"):

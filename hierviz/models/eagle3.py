@@ -27,7 +27,8 @@ from hierviz.models.config import ModelConfig, ModelConfigError, read_config_jso
 from hierviz.models.eagle import _rope, _same_rope
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm, Transformer, WeightsError, weight_getter
 from hierviz.quant.errors import CheckpointError
-from hierviz.quant.gptq import checkpoint_tensors, load_state_dict_folder
+from hierviz.quant.compressed_tensors import load_dense_tensors
+from hierviz.quant.gptq import checkpoint_tensors
 
 PathLike = Union[str, Path]
 
@@ -320,7 +321,7 @@ def load_eagle3_head(folder: PathLike, base: Transformer) -> Eagle3Head:
     raw = read_config_json(folder)
     layout = _layout_of(raw)
     cfg, layer_raw = _head_config(raw, layout)
-    weights = canonical_names(load_state_dict_folder(folder))   # .bin: weights_only
+    weights = canonical_names(load_dense_tensors(folder, raw))   # .bin: weights_only; int8-stored: dense
     for key in ("fc.weight", "lm_head.weight", *(f"{LAYER_PREFIX}.{n}" for n in _LAYER_TENSORS)):
         if key not in weights:
             raise WeightsError(f"{folder} is not a complete EAGLE-3 head ({layout} layout): tensor {key!r} is missing")

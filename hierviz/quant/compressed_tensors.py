@@ -11,6 +11,10 @@ tensor), W = weight_scale * weight: exactly hierviz's W8A8 int8 and W8A8 FP8 wei
 scale is repeated per channel). Modules listed in `"ignore"` (the LM head) stay dense. Schemes
 whose product differs from these formats' (static activation scales, weight-only, groups or
 blocks, 4-bit packing) are refused with a message that names what was found.
+
+Draft heads may be stored weight-only: int8 codes with per-channel scales and no
+`input_activations` (`store_weight_only_int8`). A head is small and runs dense, so its loader
+reads such a folder back as plain float tensors (`load_dense_tensors`), W = weight_scale * weight.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 from hierviz.quant.errors import CheckpointError
 from hierviz.quant.fp8 import FP8Weight
-from hierviz.quant.gptq import cast_float, checkpoint_tensors, iter_tensors
+from hierviz.quant.gptq import cast_float, checkpoint_tensors, iter_tensors, load_state_dict_folder
 from hierviz.quant.w8a8 import W8Weight
 
 QUANT_METHOD = "compressed-tensors"
@@ -106,3 +110,71 @@ def ct_weights(folder: Path, config: dict[str, Any], device: torch.device | str 
                                           f"{kind}-quantized scheme")
                 yield f"{base}.weight", weight_type(c, _scales(scales.pop(base), c.shape[0], base))
     return names, stream()
+
+
+# ---- weight-only int8 storage of draft heads ---------------------------------------------------
+
+WEIGHT_ONLY_INT8 = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                "dynamic": False}}
+
+
+def is_weight_only_int8(config: dict[str, Any]) -> bool:
+    """Whether config.json declares the weight-only int8 per-channel scheme store_weight_only_int8
+    writes; CheckpointError for any other weight-only compressed-tensors scheme."""
+    if not is_compressed_tensors(config):
+        return False
+    groups = (config["quantization_config"].get("config_groups") or {})
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError("compressed-tensors checkpoint without config_groups")
+    for name, g in groups.items():
+        w, a = (g or {}).get("weights") or {}, (g or {}).get("input_activations")
+        if a:
+            return False     # a W8A8 scheme: the target importer's (ct_weights)
+        if (w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("symmetric", True)) != (8, "int", "channel", True):
+            raise CheckpointError(f"compressed-tensors group {name!r}: weight-only {w.get('num_bits')}-bit "
+                                  f"{w.get('type')} weights, strategy {w.get('strategy')!r}; hierviz reads weight-only "
+                                  "checkpoints as symmetric 8-bit int with per-channel scales")
+    return True
+
+
+def load_dense_tensors(folder: str | Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """All tensors of a folder (load_state_dict_folder), a weight-only int8 checkpoint's linears
+    dequantized to their scales' dtype; anything else as stored."""
+    weights = load_state_dict_folder(folder)
+    if not is_weight_only_int8(config):
+        return weights
+    out = {k: v for k, v in weights.items() if not k.endswith(SCALE_SUFFIX)}
+    for k in weights:
+        if not k.endswith(SCALE_SUFFIX):
+            continue
+        base = k[:-len(SCALE_SUFFIX)]
+        codes = weights.get(f"{base}.weight")
+        if codes is None:
+            raise CheckpointError(f"{k} has no {base}.weight beside it")
+        if codes.dtype != torch.int8 or codes.dim() != 2:
+            raise CheckpointError(f"{base}.weight is {codes.dtype} {tuple(codes.shape)}, not the int8 [N, K] codes "
+                                  "of a weight-only int8 scheme")
+        scale = weights[k]
+        out[f"{base}.weight"] = (codes.float() * _scales(scale, codes.shape[0], base)[:, None]).to(scale.dtype)
+    stray = sorted(k for k, v in out.items() if v.dtype == torch.int8)
+    if stray:
+        raise CheckpointError(f"{stray[0]} is int8 without a {SCALE_SUFFIX} beside it")
+    return out
+
+
+def store_weight_only_int8(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, quantization_config): every 2-D floating `*.weight` as int8 codes with a per-row
+    scale (max |w| / 127, in the tensor's dtype), the rest unchanged; round to nearest."""
+    out: dict[str, torch.Tensor] = {}
+    for k, t in tensors.items():
+        if not (k.endswith(".weight") and t.dim() == 2 and t.is_floating_point()):
+            out[k] = t
+            continue
+        w = t.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float16).tiny).to(t.dtype)
+        out[k] = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        out[f"{k[:-len('.weight')]}{SCALE_SUFFIX}"] = scale[:, None].contiguous()
+    config = {"quant_method": QUANT_METHOD, "format": "int-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": WEIGHT_ONLY_INT8}, "ignore": []}
+    return out, config

@@ -216,10 +216,11 @@ class Eagle3Trainer:
         return head.to(device)
 
     def init(self, head: Eagle3TrainHead, folder: str | Path) -> None:
-        from hierviz.quant.gptq import load_state_dict_folder
+        from hierviz.models.config import read_config_json
         from hierviz.models.eagle3 import canonical_names
+        from hierviz.quant.compressed_tensors import load_dense_tensors
         try:
-            weights = canonical_names(load_state_dict_folder(folder))
+            weights = canonical_names(load_dense_tensors(folder, read_config_json(folder)))
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"cannot start a head from {folder}: {e}")
         copy_into(head, weights, f"EAGLE-3 head {folder} does not fit this base and draft vocabulary")
