@@ -1,6 +1,7 @@
-"""The roofline cost model (hierviz.measure.cost_model) and the What-if tab's formats panel that
-shows its projections: the fit recovers known parameters, the checks report leave-out errors, a
-projection keeps measured rows as measured and names what a GPU cannot run or hold."""
+"""The cost model (hierviz.measure.cost_model) and the What-if tab's formats panel that shows its
+projections: the kernels it counts are the ones the format modules launch, the fit recovers known
+parameters, the checks it reports are what a refit gives, the shipped file is what the command
+writes, a projection keeps measured rows as measured and names what a GPU cannot run or hold."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hierviz.app import formats_panel
 from hierviz.measure import cost_model as cm
@@ -16,29 +20,163 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = [ROOT / "assets/profile/h200-llama3-70b-formats.json", ROOT / "assets/profile/h200-llama3-8b-formats.json"]
 COMPAT = ROOT / "assets/whatif/compat-h200-llama3-70b.json"
 H200 = cm.GPUS["NVIDIA H200"]
+FORMATS = ("dense", "w4", "w8a8-int8", "w8a8-fp8")
 
 
-def test_the_fit_recovers_the_parameters_of_curves_it_generated():
-    truth = cm.Fit(0.88, 0.4, 75.0)
-    tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    curves = [cm.Curve("dense", f"s{n}", tokens,
-                       [cm.layer_us(truth, H200, "fp16", 2.0 * n, n, t) for t in tokens], 2.0 * n, n)
-              for n in (2e8, 8e8)]
-    got = cm.fit(curves, H200, 0.88)
-    assert got.e_c == pytest.approx(0.4, abs=0.006) and got.c0_us == pytest.approx(75.0, rel=0.02)
-    assert max(map(abs, cm.errors(got, curves, H200))) < 0.01
+@pytest.fixture(scope="module")
+def profiles() -> list[dict]:
+    return [json.loads(p.read_text()) for p in PROFILES]
 
 
-def test_calibration_on_the_shipped_h200_profiles_reports_every_check():
-    cal = cm.calibrate([json.loads(p.read_text()) for p in PROFILES], H200)
-    assert set(cal["fits"]) == {"dense", "w4", "w8a8-int8", "w8a8-fp8"}
-    assert 0.8 < cal["e_bw"] <= 1.0                         # the profiles' measured copy rate over the spec
-    assert all(v["mean_abs"] < 0.15 for v in cal["in_sample"].values())
-    assert len(cal["leave_one_shape_out"]) == 8 and set(cal["leave_one_format_out"]) == set(cal["fits"])
+@pytest.fixture(scope="module")
+def curves(profiles) -> list[cm.Curve]:
+    return [c for p in profiles for c in cm.curves_of(p, H200)]
 
 
-def test_projection_keeps_measured_rows_and_names_what_a_gpu_cannot_run():
-    cal = cm.calibrate([json.loads(p.read_text()) for p in PROFILES], H200)
+@pytest.fixture(scope="module")
+def cal(profiles) -> dict:
+    return cm.calibrate(profiles, H200)
+
+
+# ---- the kernels counted are the code's ----------------------------------------------------------
+
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the format modules take their CUDA branch (rows padded
+    to 17, fixed 128-row GEMMs) while the ops run here."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+class _Launches(TorchDispatchMode):
+    """Each op that launches a kernel on a GPU (not views, allocations or wrapped scalars), with the
+    bytes of the tensors it reads and writes."""
+    NO_KERNEL = ("empty", "scalar_tensor")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.__name__.split(".")[0] not in self.NO_KERNEL:
+            tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.ops.append((func.__name__, sum(t.numel() * t.element_size() for t in tensors)))
+        return out
+
+
+def _launches(fn, *args) -> list[tuple[str, int]]:
+    with _Launches() as mode:
+        fn(*args)
+    return mode.ops
+
+
+@pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
+@pytest.mark.parametrize("t", [1, 4, 16, 17, 32, 128])
+def test_the_8bit_products_launch_the_kernels_the_model_counts(fmt, t):
+    """Count and bytes of every kernel of a W8A8 product (with and without the residual add), as
+    hierviz.quant.w8a8 / fp8 run it on CUDA, against the model's list."""
+    from hierviz.quant.formats import get_format
+    k, n = 256, 512
+    lin = get_format(fmt).make_linear([get_format(fmt).quantize(torch.randn(n, k))], "")
+    x = torch.randn(t, k, dtype=torch.float16).as_subclass(_CudaLike)
+    residual = torch.zeros(t, n, dtype=torch.float16).as_subclass(_CudaLike)
+    for add in (False, True):
+        ops = _launches(lin, x, residual) if add else _launches(lin, x)
+        want = cm.product_kernels(fmt, t, k, n, add, cm.Shape({}), H200)
+        assert len(ops) == len(want), [o for o, _ in ops]
+        assert sum(b for _, b in ops) == pytest.approx(sum(w.bytes for w in want), rel=0.01)
+        assert [w.kind for w in want].count("gemm") == 1
+
+
+def test_the_shared_kernels_and_constants_are_the_codes():
+    from hierviz.models import fused
+    from hierviz.quant import fp8, w8a8
+    ops = _launches(fused.visible_columns, torch.ones(4, 640, dtype=torch.bool))
+    assert len(ops) == cm.VISIBLE_COLUMNS_KERNELS
+    assert cm.ATTN_COLUMNS_PER_PROGRAM == fused.ATTN_BLOCK_L * fused.ATTN_SPLIT_BLOCKS
+    where = cm.Shape({"num_heads": 64, "num_kv_heads": 8, "head_dim": 128}, 512, 640)
+    assert len(cm.attention_kernels(4, where)) == 1 + (fused.attention_splits(640) > 1)
+    assert cm.INT_MM_MIN_ROWS == w8a8.CUDA_MIN_ROWS and cm.FP8_ROWS == fp8.CUDA_CHUNK
+
+
+def test_w4_tiles_follow_the_kernels_configuration():
+    from hierviz.quant.triton_w4 import pick_config
+    for t in (1, 2, 16, 32, 64, 100, 128):
+        for n, k in ((10240, 8192), (8192, 28672), (4096, 4096)):
+            c = pick_config(t, n, k, 128, 132, gemv=True)
+            tiles, rows, stages = cm.w4_tiling(t, n, k, 128, 132, True)
+            assert rows == (0 if c.gemv else c.block_m) and tiles == (1 if c.gemv else -(-t // c.block_m))
+            assert stages > 0
+    # no one-token CUDA-core kernel before Hopper: 16 padded rows
+    assert cm.w4_tiling(1, 10240, 8192, 128, 108, False)[1] == 16
+
+
+def test_weight_bytes_and_kernel_counts_match_the_profiles(profiles, cal):
+    for p in profiles:
+        where = cm.Shape(p["config"], group=p["group_size"])
+        norms = 2 * 2 * p["config"]["hidden_size"]
+        for s in p["series"]:
+            if s["scope"] == "layer" and s["format"] in cm.CURVES:
+                assert cm.weight_bytes(cm.CURVES[s["format"]], where) + norms == pytest.approx(s["weight_bytes"], rel=1e-6)
+    counts = cal["formats"]
+    # one layer: 14 shared kernels; 4 GEMMs + 2 adds; 4 W4 kernels; 16 (int8) / 14 (FP8) per 8-bit product + 2 adds
+    assert counts["dense"]["kernels"]["llama3-70b"] == {"1": 20, "16": 20, "17": 20, "128": 20}
+    assert counts["w4"]["kernels"]["llama3-8b"]["1"] == 18
+    assert counts["w8a8-int8"]["kernels"]["llama3-70b"] == {"1": 80, "16": 80, "17": 72, "128": 72}
+    assert counts["w8a8-fp8"]["kernels"]["llama3-70b"] == {"1": 72, "16": 72, "17": 72, "128": 64}
+
+
+# ---- the fit ---------------------------------------------------------------------------------------
+
+def _synthetic(curves: list[cm.Curve], truth: cm.Fit) -> list[cm.Curve]:
+    return [dataclasses.replace(c, us=[cm.predict_us(truth, tm) for tm in c.terms]) for c in curves]
+
+
+def test_the_fit_recovers_the_parameters_of_curves_it_generated(curves):
+    truth = cm.Fit(launch_us=3.1, e_bw=0.74, e_c=0.36, w4_fill=2.2)
+    got = cm.fit(_synthetic(curves, truth))
+    assert got.launch_us == pytest.approx(3.1, rel=0.02) and got.e_bw == pytest.approx(0.74, rel=0.01)
+    assert got.e_c == pytest.approx(0.36, rel=0.02) and got.w4_fill == pytest.approx(2.2, rel=0.03)
+    assert max(map(abs, cm.errors(got, _synthetic(curves, truth)))) < 0.005
+    no_w4 = cm.fit(_synthetic([c for c in curves if c.fmt != "w4"], truth))
+    assert no_w4.w4_fill == 0.0 and no_w4.e_c == pytest.approx(0.36, rel=0.02)
+
+
+def test_calibration_on_the_shipped_h200_profiles_reports_every_check(cal):
+    assert set(cal["formats"]) == set(FORMATS) and set(cal["in_sample"]) == set(FORMATS)
+    assert 0.8 < cal["copy_e_bw"] <= 1.0 and 0.5 < cal["fit"]["e_bw"] <= 1.0
+    assert 1.0 < cal["fit"]["launch_us"] < 5.0
+    assert all(v["mean_abs"] < 0.1 for v in cal["in_sample"].values())
+    assert len(cal["leave_one_shape_out"]) == 8 and set(cal["leave_one_format_out"]) == set(FORMATS)
+    assert set(cal["whole_model"]) == {f"{f} @ llama3-8b" for f in FORMATS}
+
+
+def test_the_checks_reported_are_what_a_refit_gives(cal, curves):
+    for fm in FORMATS:
+        g = cm.fit([c for c in curves if c.fmt != fm])
+        assert cm.summary(cm.errors(g, [c for c in curves if c.fmt == fm])) == pytest.approx(cal["leave_one_format_out"][fm])
+        assert (g.w4_fill == 0.0) == (fm == "w4")      # the W4 kernel's number needs W4 curves
+    g = cm.fit([c for c in curves if c.shape != "llama3-8b"])
+    for fm in FORMATS:
+        test = [c for c in curves if c.fmt == fm and c.shape == "llama3-8b"]
+        assert cm.summary(cm.errors(g, test)) == pytest.approx(cal["leave_one_shape_out"][f"{fm} @ llama3-8b"])
+
+
+def test_the_shipped_file_is_what_the_command_writes(cal):
+    shipped = json.loads(formats_panel.COST_MODEL_FILE.read_text())
+    assert shipped["calibration"]["fit"] == pytest.approx(cal["fit"])
+    for key in ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model"):
+        assert shipped["calibration"][key].keys() == cal[key].keys(), key
+        for name, s in cal[key].items():
+            assert shipped["calibration"][key][name] == pytest.approx(s), (key, name)
+    assert "--profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json" in shipped["command"]
+
+
+# ---- projections -----------------------------------------------------------------------------------
+
+def test_projection_keeps_measured_rows_and_names_what_a_gpu_cannot_run(cal):
     compat = json.loads(COMPAT.read_text())
     twice = dataclasses.replace(H200, name="twice", bandwidth_GBps=9600, memory_GB=400,
                                 tflops={k: 2 * v for k, v in H200.tflops.items()})
@@ -57,14 +195,26 @@ def test_projection_keeps_measured_rows_and_names_what_a_gpu_cannot_run():
     assert fast["projected"] and fast["tokens_per_s"]["ar"] > rows[("NVIDIA H200", "w4")]["tokens_per_s"]["ar"] * 1.3
 
 
+def test_a_gpu_twice_as_fast_in_everything_halves_every_kernel_but_the_launches(cal, curves):
+    f = cm.Fit(**cal["fit"])
+    twice = dataclasses.replace(H200, bandwidth_GBps=9600, tflops={k: 2 * v for k, v in H200.tflops.items()})
+    for c in curves:
+        where, t = c.where, c.tokens[-1]
+        n = len(cm.forward_kernels(c.fmt, t, where, H200))
+        fast, base = cm.layer_us(f, twice, c.fmt, where, t), cm.layer_us(f, H200, c.fmt, where, t)
+        assert fast - n * f.launch_us == pytest.approx((base - n * f.launch_us) / 2, rel=1e-9)
+
+
 def test_cli_writes_the_tables_and_refuses_unknown_gpus(tmp_path, capsys):
     args = ["--profiles", ",".join(map(str, PROFILES)), "--compat", str(COMPAT), "--out", str(tmp_path)]
     assert cm.main(args + ["--gpus", "NVIDIA L4,NVIDIA H200"]) == 0
     md = (tmp_path / "cost_model.md").read_text()
-    assert "| w8a8-int8 |" in md and "NVIDIA L4" in md
+    assert "| w8a8-int8 |" in md and "NVIDIA L4" in md and "Per kernel launch" in md
     assert cm.main(args + ["--gpus", "NVIDIA B300"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
 
+
+# ---- the What-if tab -------------------------------------------------------------------------------
 
 def test_formats_panel_tags_measured_and_projected_rows(tmp_path):
     d = formats_panel.load_cost_model()

@@ -1,23 +1,46 @@
-"""`python -m hierviz cost-model`: a roofline cost model of one decoder layer per weight format,
-calibrated on profiles measured on one GPU, checked against them, and applied to other GPUs from
-their spec sheets. Every figure it gives for a GPU it did not run on is labelled projected.
+"""`python -m hierviz cost-model`: a cost model of one decoder layer per weight format, built from
+the kernels the layer launches, calibrated on profiles measured on one GPU, checked against them,
+and applied to other GPUs from their spec sheets. Every figure it gives for a GPU it did not run
+on is labelled projected.
 
-One layer verifying T tokens (a profile curve, hierviz.measure.profile) costs
+A layer verifying T tokens (a profile curve, hierviz.measure.profile: the fused static path of
+hierviz.models.llama replayed from a CUDA graph) is the list of kernels it launches
+(`layer_kernels`): the ones every format shares (two RMSNorms, RoPE with the cache write, the
+mask's visible columns, the attention over the cache and its combine, SiLU * up) and what each of
+the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches in its format:
 
-    t(T) = c0 + max(bytes / (e_bw * BW),  2 * T * params / (e_c * P_fmt))
+    FP16        one cuBLAS GEMM; o and down add the residual in a separate kernel
+    W4A16       one Triton kernel (hierviz.quant.triton_w4: its tiles from pick_config; a tile of
+                rows dequantizes all weights again, so T over the tile height reads them twice)
+    W8A8-int8   per-token int8 quantization (9 kernels), zero rows up to 17, torch._int_mm,
+                rescaling (4 kernels), the residual add (hierviz.quant.w8a8)
+    W8A8-FP8    per-token e4m3 quantization (8), a ones fill, zero rows up to 128 (the GEMM always
+                has 128 rows), torch._scaled_mm, rescaling (2), the residual add (hierviz.quant.fp8)
 
-bytes: the layer's weights in the format (codes and scales); BW: the GPU's memory bandwidth;
-params: the layer's linear weights; P_fmt: the GPU's dense tensor-core rate for the format's
-arithmetic (FP16 for dense and W4A16, which dequantizes to FP16; INT8; FP8); e_bw, e_c: the
-fraction of each a kernel reaches; c0: what does not scale with either (attention over a short
-cache, norms, activation quantization, kernel launches). The three are fitted per format on the
-measured GPU and assumed to carry to another GPU: a kernel keeps its efficiencies, the fixed part
-keeps its microseconds. The model is checked by leaving one model shape out (fit on the other,
-predict it) and one format out (efficiencies and fixed part shared by the other formats).
+Each kernel costs a launch plus its traffic or its arithmetic:
+
+    stream      launch + bytes / (e_bw BW)                                  elementwise, norms, attention
+    gemm        launch + max(bytes / (e_bw BW), flops / (e_c P))            cuBLAS / cuBLASLt products
+    w4          launch + bytes (1 + fill stages / steps) / (e_bw BW)        the W4A16 Triton product
+                       + flops / (e_c P)
+
+BW: the GPU's memory bandwidth; P: its dense tensor rate for the product's arithmetic (FP16 for
+FP16 and W4A16, FP8, int8: see `tensor_tflops`). Four numbers are fitted: launch (us per kernel),
+e_bw and e_c (the fraction of bandwidth and tensor rate a kernel reaches) are shared by every
+format; fill is the W4A16 kernel's own: the K steps of latency a program waits per pipeline stage
+before its loop streams (a program runs `steps` K steps with `stages` in flight, both from the
+kernel's configuration), so short K loops read slower. Its arithmetic does not hide under its
+reads (it dequantizes in the warps that multiply); fill is only known where W4A16 curves are in
+the fit (0 otherwise). A format's fixed part is its counted kernels times the launch cost. The
+model is checked by leaving one model shape out (fit on the other, predict it) and one format out
+(fit on the other formats, predict it), and, where a profile has whole-model curves, by predicting
+them from the layer fit.
 
 A method's step on another GPU: the measured stages of `python -m hierviz compat` (same shapes),
 each target / intermediate verification scaled by the model's ratio of that GPU to the measured
-one at the rows it verifies; drafting and bookkeeping are kept as measured (launch-bound).
+one at the rows it verifies (the engine's whole forward: layers, final norm, LM head); drafting
+and bookkeeping are kept as measured (launch-bound). Launches keep their microseconds and kernels
+their efficiencies on another GPU.
 
     python -m hierviz cost-model --profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json \\
         --compat assets/whatif/compat-h200-llama3-70b.json --out DIR
@@ -25,12 +48,15 @@ one at the rows it verifies; drafting and bookkeeping are kept as measured (laun
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 SCHEMA = "hierviz.cost_model/1"
 LABEL = "projected by the roofline cost model"
@@ -43,163 +69,421 @@ class GPU:
     memory_GB: float
     tflops: dict[str, float]        # dense tensor-core rates: "fp16" (fp32 accumulate), "int8", "fp8"
     capability: tuple[int, int]
+    sms: int                        # multiprocessors: the W4 kernel picks its tiles by them
     note: str = ""
 
 
 # Spec-sheet figures, dense (no sparsity), FP16 with FP32 accumulation.
 GPUS = {g.name: g for g in (
-    GPU("NVIDIA H200", 4800, 141, {"fp16": 989.5, "int8": 1979, "fp8": 1979}, (9, 0)),
-    GPU("NVIDIA H100 SXM", 3350, 80, {"fp16": 989.5, "int8": 1979, "fp8": 1979}, (9, 0)),
-    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"fp16": 312, "int8": 624}, (8, 0), "no FP8 tensor cores"),
-    GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"fp16": 165.2, "int8": 660.6, "fp8": 330.3}, (8, 9)),
-    GPU("NVIDIA L4", 300, 24, {"fp16": 121, "int8": 242.5, "fp8": 242.5}, (8, 9)),
-    GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"fp16": 500, "int8": 1000, "fp8": 1000}, (12, 0),
+    GPU("NVIDIA H200", 4800, 141, {"fp16": 989.5, "int8": 1979, "fp8": 1979}, (9, 0), 132),
+    GPU("NVIDIA H100 SXM", 3350, 80, {"fp16": 989.5, "int8": 1979, "fp8": 1979}, (9, 0), 132),
+    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"fp16": 312, "int8": 624}, (8, 0), 108, "no FP8 tensor cores"),
+    GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"fp16": 165.2, "int8": 660.6, "fp8": 330.3}, (8, 9), 128),
+    GPU("NVIDIA L4", 300, 24, {"fp16": 121, "int8": 242.5, "fp8": 242.5}, (8, 9), 58),
+    GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"fp16": 500, "int8": 1000, "fp8": 1000}, (12, 0), 188,
         "tensor rates derived from the 4,000 sparse FP4 TOPS of the spec sheet (/8, /4)"),
 )}
-# a profile curve's name -> (compat format, arithmetic whose peak bounds it)
-CURVES = {"fp16": ("dense", "fp16"), "w4a16-triton": ("w4", "fp16"), "w8a8-int8": ("w8a8-int8", "int8"),
-          "w8a8-fp8": ("w8a8-fp8", "fp8")}
+# a profile curve's name -> the compat format
+CURVES = {"fp16": "dense", "w4a16-triton": "w4", "w8a8-int8": "w8a8-int8", "w8a8-fp8": "w8a8-fp8"}
+# a format's product arithmetic -> the tensor rate it runs at (`tensor_tflops`)
+MATH = {"dense": "fp16", "w4": "fp16", "w8a8-int8": "int_mm", "w8a8-fp8": "fp8"}
 MIN_CAPABILITY = {"w8a8-fp8": (8, 9)}
+INT_MM_MIN_ROWS = 17        # hierviz.quant.w8a8.CUDA_MIN_ROWS: torch._int_mm wants more than 16 rows
+FP8_ROWS = 128              # hierviz.quant.fp8.CUDA_CHUNK: every FP8 GEMM has this many rows
+ATTN_COLUMNS_PER_PROGRAM = 128   # hierviz.models.fused: ATTN_BLOCK_L * ATTN_SPLIT_BLOCKS
+VISIBLE_COLUMNS_KERNELS = 7      # hierviz.models.fused.visible_columns: sum, cumsum, sub, where, long, arange, scatter
+NORM_KERNELS = 8                 # hierviz.models.llama.RMSNorm unfused (the final norm): float, pow, mean, add, rsqrt, mul, to, mul
 
 
 @dataclass(frozen=True)
 class Fit:
-    e_bw: float
-    e_c: float
-    c0_us: float
+    launch_us: float     # per kernel launched (CUDA-graph replay)
+    e_bw: float          # fraction of the spec bandwidth a streaming kernel reaches
+    e_c: float           # fraction of the spec tensor rate a product reaches
+    w4_fill: float = 0.0  # the W4A16 Triton kernel: K steps of latency per pipeline stage, per program
+
+
+@dataclass(frozen=True)
+class Kernel:
+    kind: str            # "stream", "gemm" or "w4"
+    bytes: float
+    flops: float = 0.0
+    math: str = ""       # the tensor rate of its arithmetic: fp16, fp8, int_mm
+    stages: float = 0.0  # W4: pipeline stages per K step of a program (the fill it waits for)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a forward's kernels depend on besides the format and the row count."""
+    cfg: dict[str, Any]
+    context: int = 512   # tokens already in the cache
+    cache: int = 640     # the cache's slots (the static path attends over all of them)
+    group: int = 128     # W4 group size
 
 
 @dataclass(frozen=True)
 class Curve:
-    """One measured layer curve: a format at a shape on the calibration GPU."""
+    """One measured curve: a format at a shape on the calibration GPU (one layer or the whole model)."""
     fmt: str
     shape: str
     tokens: list[int]
     us: list[float]
+    where: Shape
     weight_bytes: float
-    params: float
+    scope: str = "layer"
+    layers: int = 1
+    terms: list["Terms"] = field(default_factory=list, compare=False)
 
 
-def layer_us(f: Fit, gpu: GPU, math: str, weight_bytes: float, params: float, t: int) -> float:
-    mem = weight_bytes / (f.e_bw * gpu.bandwidth_GBps * 1e3)          # bytes / (bytes per us)
-    compute = 2.0 * t * params / (f.e_c * gpu.tflops[math] * 1e6)
-    return f.c0_us + max(mem, compute)
+# ---- the kernels of a forward ------------------------------------------------------------------
 
-
-def _math(fmt: str) -> str:
-    return next(m for f, m in CURVES.values() if f == fmt)
-
-
-def fit(curves: list[Curve], gpu: GPU, e_bw: float) -> Fit:
-    """(e_c, c0) minimising the squared relative error over the curves (a grid for e_c, c0 in
-    closed form). e_bw is the GPU's measured copy rate over its spec (the profile's own
-    measurement): one shape alone cannot tell a slower read from a larger fixed part."""
-    best: Optional[tuple[float, Fit]] = None
-    pts = [(c, t, u) for c in curves for t, u in zip(c.tokens, c.us)]
-    for j in range(1, 201):
-        probe = Fit(e_bw, j / 200, 0.0)
-        roof = [layer_us(probe, gpu, _math(c.fmt), c.weight_bytes, c.params, t) for c, t, _ in pts]
-        c0 = max(0.0, sum((u - r) / u ** 2 for (_, _, u), r in zip(pts, roof)) / sum(1 / u ** 2 for *_, u in pts))
-        err = sum(((r + c0 - u) / u) ** 2 for (_, _, u), r in zip(pts, roof))
-        if best is None or err < best[0]:
-            best = (err, Fit(e_bw, j / 200, c0))
-    assert best is not None
-    return best[1]
-
-
-def errors(f: Fit, curves: list[Curve], gpu: GPU) -> list[float]:
-    return [layer_us(f, gpu, _math(c.fmt), c.weight_bytes, c.params, t) / u - 1
-            for c in curves for t, u in zip(c.tokens, c.us)]
-
-
-def _params(cfg: dict[str, Any]) -> float:
+def products(cfg: dict[str, Any]) -> list[tuple[str, int, int, bool]]:
+    """A layer's fused linears: (name, K, N, whether the residual is added into its output)."""
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     q = cfg["num_heads"] * cfg["head_dim"]
     kv = cfg["num_kv_heads"] * cfg["head_dim"]
-    return 2.0 * h * q + 2.0 * h * kv + 3.0 * h * i
+    return [("qkv", h, q + 2 * kv, False), ("o", q, h, True), ("gate_up", h, 2 * i, False), ("down", i, h, True)]
 
 
-def curves_of(profile: dict[str, Any]) -> list[Curve]:
-    """The layer curves of a profile that the model knows (hierviz.measure.profile's JSON)."""
-    out = []
-    for s in profile["series"]:
-        if s["scope"] == "layer" and s["format"] in CURVES and not s.get("estimated"):
-            out.append(Curve(CURVES[s["format"]][0], profile["shape"], list(profile["tokens"]), list(s["us"]),
-                             s["weight_bytes"] / s["layers"], _params(profile["config"])))
+@functools.lru_cache(maxsize=None)
+def w4_tiling(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> tuple[int, int, float]:
+    """(row tiles, rows per tile (0: the one-token CUDA-core kernel), pipeline stages per K step of
+    a program) of the W4 Triton product of t rows, as hierviz.quant.triton_w4.pick_config chooses
+    them on a GPU of `sms`."""
+    from hierviz.quant.triton_w4 import pick_config
+    c = pick_config(t, n, k, group, sms, gemv=gemv)
+    if c.gemv:      # a program's K loop: its share of the 32-channel quads, block_q of them a step
+        return 1, 0, c.num_stages / (-(-(k // 32) // c.split_k) / c.block_q)
+    sub = group if group <= 256 else 128        # triton_w4._sub_block: channels a step
+    return -(-t // c.block_m), c.block_m, c.num_stages / -(-(k // sub) // c.split_k)
+
+
+def w4_kernels(t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
+    # the one-token CUDA-core kernel and TMA loads run from Hopper on (triton_w4._has_tma)
+    tiles, rows, stages = w4_tiling(t, n, k, where.group, gpu.sms, gpu.capability >= (9, 0))
+    weights = n * k / 2 + 4.0 * n * k / where.group          # codes, fp16 scales and offsets
+    acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
+    return [Kernel("w4", tiles * weights + acts, 2.0 * tiles * rows * n * k, "fp16", stages)]
+
+
+def dense_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
+    out = [Kernel("gemm", 2.0 * n * k + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "fp16")]
+    return out + ([Kernel("stream", 6.0 * t * n)] if add else [])
+
+
+def quantize_kernels(t: int, k: int, fmt: str) -> list[Kernel]:
+    """Per-token dynamic quantization of [t, k] fp16 activations (w8a8.quantize_tokens,
+    fp8.quantize_tokens_fp8): float, abs, amax, / qmax, clamp_min, divide, (round), clamp, cast."""
+    tk = t * k
+    ops = [6 * tk, 8 * tk, 4 * tk + 4 * t, 8 * t, 8 * t, 8 * tk + 4 * t] + ([8 * tk] if fmt == "w8a8-int8" else [])
+    return [Kernel("stream", float(b)) for b in ops + [8 * tk, 5 * tk]]
+
+
+def int8_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
+    m = max(t, INT_MM_MIN_ROWS)
+    pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
+    mm = Kernel("gemm", float(n * k + m * k + 4 * m * n), 2.0 * m * n * k, "int_mm")
+    tn = t * n      # int32 -> float, * token scales, * channel scales, -> fp16
+    rescale = [Kernel("stream", float(b)) for b in (8 * tn, 8 * tn + 4 * t, 8 * tn + 4 * n, 6 * tn)]
+    return quantize_kernels(t, k, "w8a8-int8") + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+
+
+def fp8_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
+    m = FP8_ROWS * -(-t // FP8_ROWS)
+    pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
+    ones = Kernel("stream", 4.0 * FP8_ROWS)
+    mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "fp8")
+    tn = t * n      # * token scales, -> fp16
+    rescale = [Kernel("stream", 8.0 * tn + 4 * t), Kernel("stream", 6.0 * tn)]
+    return quantize_kernels(t, k, "w8a8-fp8") + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+
+
+def product_kernels(fmt: str, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
+    if fmt == "w4":
+        return w4_kernels(t, k, n, add, where, gpu)
+    if fmt == "w8a8-int8":
+        return int8_kernels(t, k, n, add)
+    if fmt == "w8a8-fp8":
+        return fp8_kernels(t, k, n, add)
+    return dense_kernels(t, k, n, add)
+
+
+def attention_kernels(t: int, where: Shape) -> list[Kernel]:
+    """The fused attention (hierviz.models.fused.masked_attention): each token's program reads the
+    keys and values it sees (the context and the new tokens up to itself); a combine when the
+    cache needs more than one program per token."""
+    cfg = where.cfg
+    q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
+    seen = t * where.context + t * (t + 1) / 2
+    out = [Kernel("stream", 4.0 * seen * kv + 4.0 * t * q)]
+    splits = -(-where.cache // ATTN_COLUMNS_PER_PROGRAM)
+    if splits > 1:
+        out.append(Kernel("stream", 4.0 * splits * t * (q + 2 * cfg["num_heads"]) + 2.0 * t * q))
     return out
 
 
+def visible_columns_kernels(t: int, where: Shape) -> list[Kernel]:
+    # the mask [t, cache] turned into each token's columns: small integer tensors
+    return [Kernel("stream", 12.0 * t * where.cache)] * VISIBLE_COLUMNS_KERNELS
+
+
+def layer_kernels(fmt: str, t: int, where: Shape, gpu: GPU, mask_per_layer: bool = True) -> list[Kernel]:
+    """The kernels of one decoder layer on the fused static path (DecoderLayer._forward_fused)."""
+    cfg = where.cfg
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    qkv = cfg["num_heads"] * cfg["head_dim"] + 2 * cfg["num_kv_heads"] * cfg["head_dim"]
+    norm = Kernel("stream", 4.0 * t * h + 2.0 * h)
+    out = [norm]
+    (_, k0, n0, a0), (_, k1, n1, a1), (_, k2, n2, a2), (_, k3, n3, a3) = products(cfg)
+    out += product_kernels(fmt, t, k0, n0, a0, where, gpu)
+    out.append(Kernel("stream", 4.0 * t * qkv))                      # RoPE, k and v into the cache
+    out += (visible_columns_kernels(t, where) if mask_per_layer else []) + attention_kernels(t, where)
+    out += product_kernels(fmt, t, k1, n1, a1, where, gpu) + [norm]
+    out += product_kernels(fmt, t, k2, n2, a2, where, gpu)
+    out.append(Kernel("stream", 6.0 * t * i))                        # SiLU(gate) * up
+    return out + product_kernels(fmt, t, k3, n3, a3, where, gpu)
+
+
+def forward_kernels(fmt: str, t: int, where: Shape, gpu: GPU, layers: int = 1, head: bool = False,
+                    engine: bool = False) -> list[Kernel]:
+    """A forward of `layers` layers (+ the final norm and the dense FP16 LM head). The profile's
+    stack (engine=False) copies its input once and turns the mask into columns in every layer; the
+    engine (hierviz.models.llama.Transformer.run_layers) does the columns once per forward."""
+    h = where.cfg["hidden_size"]
+    out = visible_columns_kernels(t, where) if engine else [Kernel("stream", 4.0 * t * h)]
+    out += layer_kernels(fmt, t, where, gpu, mask_per_layer=not engine) * layers
+    if head:
+        v = where.cfg["vocab_size"]
+        out += [Kernel("stream", 8.0 * t * h)] * NORM_KERNELS
+        out += dense_kernels(t, h, v, False)
+    return out
+
+
+# ---- their time ------------------------------------------------------------------------------
+
+def tensor_tflops(gpu: GPU, math_: str) -> float:
+    """The spec tensor rate a product's arithmetic can use. torch._int_mm calls cuBLASLt without
+    a workspace, which on Hopper leaves it the sm80-class int8 kernels (pytorch/pytorch#187094
+    reports the same on sm_103): an assumption, modelled as the FP16 rate on compute capability 9.0."""
+    if math_ == "int_mm":
+        return gpu.tflops["fp16"] if gpu.capability == (9, 0) else gpu.tflops["int8"]
+    return gpu.tflops[math_]
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A kernel list on one GPU reduced to what the fitted numbers act on (times in us at e = 1)."""
+    kernels: int
+    stream_us: float
+    gemm_mem_us: tuple[float, ...]
+    gemm_comp_us: tuple[float, ...]
+    w4_mem_us: float
+    w4_fill_us: float
+    w4_comp_us: float
+
+
+def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
+    per_us = gpu.bandwidth_GBps * 1e3          # bytes per us
+    gemms = [k for k in kernels if k.kind == "gemm"]
+    w4 = [k for k in kernels if k.kind == "w4"]
+    return Terms(len(kernels), sum(k.bytes for k in kernels if k.kind == "stream") / per_us,
+                 tuple(k.bytes / per_us for k in gemms),
+                 tuple(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in gemms),
+                 sum(k.bytes for k in w4) / per_us, sum(k.bytes * k.stages for k in w4) / per_us,
+                 sum(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in w4))
+
+
+def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, w4_fill: float | np.ndarray) -> float | np.ndarray:
+    """Everything but the launches; numpy arrays of parameters give an array (the fit's grid)."""
+    total = (tm.stream_us + tm.w4_mem_us + w4_fill * tm.w4_fill_us) / e_bw + tm.w4_comp_us / e_c
+    for mem, comp in zip(tm.gemm_mem_us, tm.gemm_comp_us):
+        total = total + np.maximum(mem / e_bw, comp / e_c)
+    return total
+
+
+def predict_us(f: Fit, tm: Terms) -> float:
+    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.w4_fill))
+
+
+def layer_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
+    """One layer of the profile's stack (its input copy included): what a profile curve measures."""
+    return predict_us(f, terms_of(forward_kernels(fmt, t, where, gpu), gpu))
+
+
+def model_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
+    """The engine's whole forward: every layer, the final norm and the LM head."""
+    return predict_us(f, terms_of(forward_kernels(fmt, t, where, gpu, where.cfg["num_layers"], True, True), gpu))
+
+
+# ---- the fit ---------------------------------------------------------------------------------
+
+E_BW = (0.4, 1.0)
+E_C = (0.05, 1.0)
+W4_FILL = (0.0, 8.0)
+
+
+def _points(curves: list[Curve]) -> list[tuple[Terms, float]]:
+    return [(tm, u) for c in curves for tm, u in zip(c.terms, c.us)]
+
+
+def _grid_best(pts: list[tuple[Terms, float]], axes: list[np.ndarray]) -> tuple[float, Fit]:
+    """The grid point of least squared relative error, the launch cost solved in closed form there."""
+    a, b, c = (x.ravel() for x in np.meshgrid(*axes, indexing="ij"))
+    u = np.array([p[1] for p in pts])[:, None]
+    n = np.array([float(p[0].kernels) for p in pts])[:, None]
+    body = np.stack([body_us(tm, a, b, c) for tm, _ in pts])
+    launch = np.maximum(0.0, (n * (u - body) / u ** 2).sum(0) / (n ** 2 / u ** 2).sum(0))
+    err = (((n * launch + body - u) / u) ** 2).sum(0)
+    j = int(err.argmin())
+    return float(err[j]), Fit(float(launch[j]), float(a[j]), float(b[j]), float(c[j]))
+
+
+def _zoom(axis: np.ndarray, best: float) -> np.ndarray:
+    """A finer axis between the best value's neighbours."""
+    if len(axis) == 1:
+        return axis
+    i = int(np.abs(axis - best).argmin())
+    return np.linspace(axis[max(i - 1, 0)], axis[min(i + 1, len(axis) - 1)], 9)
+
+
+def fit(curves: list[Curve]) -> Fit:
+    """(launch, e_bw, e_c, w4_fill) minimising the squared relative error over the curves: a
+    grid, zoomed in three times. Without W4A16 curves w4_fill cannot be told and stays 0."""
+    pts = _points(curves)
+    has_w4 = any(c.fmt == "w4" for c in curves)
+    axes = [np.linspace(*E_BW, 25), np.geomspace(*E_C, 31), np.linspace(*W4_FILL, 17) if has_w4 else np.array([0.0])]
+    best = _grid_best(pts, axes)[1]
+    for _ in range(3):
+        axes = [_zoom(axes[0], best.e_bw), _zoom(axes[1], best.e_c), _zoom(axes[2], best.w4_fill)]
+        best = _grid_best(pts, axes)[1]
+    return best
+
+
+def errors(f: Fit, curves: list[Curve]) -> list[float]:
+    return [predict_us(f, tm) / u - 1 for tm, u in _points(curves)]
+
+
+def summary(errs: list[float]) -> dict[str, float]:
+    return {"mean_abs": sum(map(abs, errs)) / len(errs), "max_abs": max(map(abs, errs))}
+
+
+# ---- the profiles ----------------------------------------------------------------------------
+
+def with_terms(c: Curve, gpu: GPU) -> Curve:
+    head = c.scope == "model"
+    ks = [forward_kernels(c.fmt, t, c.where, gpu, c.layers, head) for t in c.tokens]
+    return Curve(c.fmt, c.shape, c.tokens, c.us, c.where, c.weight_bytes, c.scope, c.layers,
+                 [terms_of(k, gpu) for k in ks])
+
+
+def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[Curve]:
+    """The curves of a profile (hierviz.measure.profile's JSON) that the model knows, measured
+    (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
+    where = Shape(profile["config"], profile["context"], profile["context"] + max(profile["tokens"]),
+                  profile.get("group_size", 128))
+    out = []
+    for s in profile["series"]:
+        if s["scope"] == scope and s["format"] in CURVES and not s.get("estimated"):
+            c = Curve(CURVES[s["format"]], profile["shape"], list(profile["tokens"]), list(s["us"]), where,
+                      s["weight_bytes"] / s["layers"], scope, s["layers"])
+            out.append(with_terms(c, gpu))
+    return out
+
+
+def weight_bytes(fmt: str, where: Shape) -> float:
+    """One layer's linear weights in the format, as the model reads them at one token."""
+    per = {"dense": lambda n, k: 2.0 * n * k, "w4": lambda n, k: n * k / 2 + 4.0 * n * k / where.group,
+           "w8a8-int8": lambda n, k: n * k + 4.0 * n, "w8a8-fp8": lambda n, k: n * k + 4.0 * n}[fmt]
+    return sum(per(n, k) for _, k, n, _ in products(where.cfg))
+
+
+def kernel_counts(fmt: str, where: Shape, gpu: GPU, tokens: tuple[int, ...] = (1, 16, 17, 128)) -> dict[str, int]:
+    return {str(t): len(forward_kernels(fmt, t, where, gpu)) for t in tokens}
+
+
 def calibrate(profiles: list[dict[str, Any]], gpu: GPU) -> dict[str, Any]:
-    """Per-format fits on every curve, and the two checks: each shape left out, each format left out."""
-    curves = [c for p in profiles for c in curves_of(p)]
+    """The fit on every layer curve and its checks: each shape left out, each format left out,
+    the whole-model curves predicted from the layer fit."""
+    curves = [c for p in profiles for c in curves_of(p, gpu)]
+    models = [c for p in profiles for c in curves_of(p, gpu, "model")]
     copy = sum(p["copy_bandwidth_GBps"] for p in profiles) / len(profiles)
-    e_bw = min(1.0, copy / gpu.bandwidth_GBps)
     fmts = sorted({c.fmt for c in curves})
     shapes = sorted({c.shape for c in curves})
-    fits = {fm: fit([c for c in curves if c.fmt == fm], gpu, e_bw) for fm in fmts}
-    summary = lambda errs: {"mean_abs": sum(map(abs, errs)) / len(errs), "max_abs": max(map(abs, errs))}  # noqa: E731
-    in_sample = {fm: summary(errors(fits[fm], [c for c in curves if c.fmt == fm], gpu)) for fm in fmts}
+    f = fit(curves)
     shape_out = {}
-    for fm in fmts:
-        for sh in shapes:
-            train = [c for c in curves if c.fmt == fm and c.shape != sh]
+    for sh in shapes:
+        train = [c for c in curves if c.shape != sh]
+        g = fit(train) if train else None
+        for fm in fmts:
             test = [c for c in curves if c.fmt == fm and c.shape == sh]
-            if train and test:
-                shape_out[f"{fm} @ {sh}"] = summary(errors(fit(train, gpu, e_bw), test, gpu))
+            if g and test:
+                shape_out[f"{fm} @ {sh}"] = summary(errors(g, test))
     format_out = {}
     for fm in fmts:
         train = [c for c in curves if c.fmt != fm]
-        test = [c for c in curves if c.fmt == fm]
         if train:
-            format_out[fm] = summary(errors(fit(train, gpu, e_bw), test, gpu))
-    return {"gpu": gpu.name, "copy_bandwidth_GBps": copy, "e_bw": e_bw, "fits": {fm: asdict(f) for fm, f in fits.items()}, "in_sample": in_sample,
+            format_out[fm] = summary(errors(fit(train), [c for c in curves if c.fmt == fm]))
+    where = {c.shape: c.where for c in curves}
+    per_fmt = {fm: {"tensor_tflops": tensor_tflops(gpu, MATH[fm]),
+                    "kernels": {sh: kernel_counts(fm, w, gpu) for sh, w in where.items()},
+                    "fixed_us": {sh: kernel_counts(fm, w, gpu, (1,))["1"] * f.launch_us for sh, w in where.items()}}
+               for fm in fmts}
+    return {"gpu": gpu.name, "copy_bandwidth_GBps": copy, "copy_e_bw": copy / gpu.bandwidth_GBps, "e_bw": f.e_bw,
+            "fit": asdict(f), "formats": per_fmt,
+            "in_sample": {fm: summary(errors(f, [c for c in curves if c.fmt == fm])) for fm in fmts},
             "leave_one_shape_out": shape_out, "leave_one_format_out": format_out,
+            "whole_model": {f"{c.fmt} @ {c.shape}": summary(errors(f, [c])) for c in models},
             "curves": [{"format": c.fmt, "shape": c.shape} for c in curves]}
 
 
-def model_us(f: Fit, gpu: GPU, fmt: str, cfg: dict[str, Any], bytes_per_param: float, t: int,
-             layers: Optional[int] = None) -> float:
-    """A whole forward: its layers (the layer model) and the LM head (dense FP16, bandwidth-bound)."""
-    n = cfg["num_layers"] if layers is None else layers
-    layer = layer_us(f, gpu, _math(fmt), _params(cfg) * bytes_per_param, _params(cfg), t)
-    head = 2.0 * cfg["vocab_size"] * cfg["hidden_size"] / (f.e_bw * gpu.bandwidth_GBps * 1e3)
-    return n * layer + head
-
+# ---- projections -----------------------------------------------------------------------------
 
 def fits_memory(gpu: GPU, weight_bytes: float) -> bool:
     return weight_bytes <= 0.9 * gpu.memory_GB * 1e9
 
 
+def _skip_reason(gpu: GPU, fm: str, need: float, measured_here: bool) -> Optional[str]:
+    if fm in MIN_CAPABILITY and gpu.capability < MIN_CAPABILITY[fm]:
+        return "no FP8 tensor cores"
+    if not measured_here and not fits_memory(gpu, need):
+        return f"needs ~{need / 1e9:.0f} GB of weights; has {gpu.memory_GB:.0f} GB"
+    return None
+
+
 def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[str, dict[str, Any]],
             gpus: list[GPU]) -> dict[str, Any]:
     """Each compat row's methods on each GPU: measured stages, verification scaled by the model."""
-    from hierviz.measure.whatif import BYTES_PER_WEIGHT, model_bytes
+    from hierviz.measure.whatif import model_bytes
     from hierviz.models.config import ModelConfig
     base = GPUS[calibration["gpu"]]
-    fits = {fm: Fit(**f) for fm, f in calibration["fits"].items()}
+    f = Fit(**calibration["fit"])
     s = compat["settings"]
-    t_cfg, m_cfg = configs["target"], configs["intermediate"]
+    t_shape, m_shape = Shape(configs["target"]), Shape(configs["intermediate"])
     m_fmt = "w4" if compat["intermediate"].startswith("W4A16") else "dense"
     rows_of = {"ar": 1, compat["head"]: s["t_tree_size"] + 1, "hierspec": s["min_draft_len"] + 2}
+    shapes = {"target": t_shape, "intermediate": m_shape}
+    cache: dict[tuple[str, str, str, int], float] = {}
+
+    def ratio(gpu: GPU, fm: str, which: str, t: int) -> float:
+        key = (gpu.name, fm, which, t)
+        if key not in cache:
+            cache[key] = model_us(f, gpu, fm, shapes[which], t) / model_us(f, base, fm, shapes[which], t)
+        return cache[key]
+
     out = []
     for r in compat["rows"]:
         fm = r["format"]
-        if "error" in r or fm not in fits or m_fmt not in fits:
+        if "error" in r:
             continue
-        need = (model_bytes(ModelConfig(**_cfg_fields(t_cfg)), fm)
-                + model_bytes(ModelConfig(**_cfg_fields(m_cfg)), m_fmt))
+        need = (model_bytes(ModelConfig(**_cfg_fields(t_shape.cfg)), fm)
+                + model_bytes(ModelConfig(**_cfg_fields(m_shape.cfg)), m_fmt))
         for gpu in gpus:
             entry: dict[str, Any] = {"gpu": gpu.name, "format": fm, "name": r["name"], "projected": gpu.name != base.name}
             if r.get("layers_measured", 0) < r.get("layers", 0):
                 entry["layers_note"] = f"{r['layers_measured']} of {r['layers']} layers measured, scaled"
-            if fm not in MIN_CAPABILITY or gpu.capability >= MIN_CAPABILITY[fm]:
-                pass
-            else:
-                entry["skipped"] = "no FP8 tensor cores"
-                out.append(entry)
-                continue
-            if gpu.name != base.name and not fits_memory(gpu, need):    # the calibration GPU's rows were measured
-                entry["skipped"] = f"needs ~{need / 1e9:.0f} GB of weights; has {gpu.memory_GB:.0f} GB"
+            skip = _skip_reason(gpu, fm, need, gpu.name == base.name)   # the calibration GPU's rows were measured
+            if skip:
+                entry["skipped"] = skip
                 out.append(entry)
                 continue
             tps = {}
@@ -209,11 +493,8 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
                     tps[m] = r["tokens_per_s"][m]
                     continue
                 t_rows = r.get("target_rows_per_round", {}).get(m, rows_of.get(m, 1))
-                ratio_t = (model_us(fits[fm], gpu, fm, t_cfg, BYTES_PER_WEIGHT[fm], t_rows)
-                           / model_us(fits[fm], base, fm, t_cfg, BYTES_PER_WEIGHT[fm], t_rows))
-                ratio_m = (model_us(fits[m_fmt], gpu, m_fmt, m_cfg, BYTES_PER_WEIGHT[m_fmt], s["m_tree_size"] + 1)
-                           / model_us(fits[m_fmt], base, m_fmt, m_cfg, BYTES_PER_WEIGHT[m_fmt], s["m_tree_size"] + 1))
-                ms = (st.get("target_verify", 0.0) * subset * ratio_t + st.get("intermediate_verify", 0.0) * ratio_m
+                ms = (st.get("target_verify", 0.0) * subset * ratio(gpu, fm, "target", t_rows)
+                      + st.get("intermediate_verify", 0.0) * ratio(gpu, m_fmt, "intermediate", s["m_tree_size"] + 1)
                       + st.get("draft", 0.0) + st.get("overhead", 0.0))
                 tps[m] = 1000.0 / ms
             entry["tokens_per_s"] = tps
@@ -230,20 +511,28 @@ def _cfg_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if k in names}
 
 
+# ---- report ----------------------------------------------------------------------------------
+
+def _pct(s: Optional[dict[str, float]]) -> str:
+    return f"{s['mean_abs']:.1%} / {s['max_abs']:.1%}" if s else "–"
+
+
 def markdown(info: dict[str, Any]) -> str:
     cal = info["calibration"]
+    f = cal["fit"]
+    shapes = ", ".join(sorted({c["shape"] for c in cal["curves"]}))
     lines = [f"# Cost model, calibrated on {cal['gpu']}", "",
-             "| format | e_bw | e_c | c0 us | in-sample mean / max error | each shape left out (max) | "
-             "format left out (mean / max) |", "|---|---|---|---|---|---|---|"]
-    for fm, f in cal["fits"].items():
-        ins = cal["in_sample"][fm]
-        so = [v["max_abs"] for k, v in cal["leave_one_shape_out"].items() if k.startswith(fm + " @")]
-        fo = cal["leave_one_format_out"].get(fm)
-        fo_text = f"{fo['mean_abs']:.1%} / {fo['max_abs']:.1%}" if fo else "–"
-        lines.append(f"| {fm} | {f['e_bw']:.2f} | {f['e_c']:.2f} | {f['c0_us']:.0f} | "
-                     f"{ins['mean_abs']:.1%} / {ins['max_abs']:.1%} | "
-                     f"{', '.join(f'{x:.1%}' for x in so) or '–'} | "
-                     f"{fo_text} |")
+             f"Per kernel launch {f['launch_us']:.2f} us; e_bw {f['e_bw']:.3f} (copy measured: {cal['copy_e_bw']:.3f}); "
+             f"e_c {f['e_c']:.3f}; W4A16 kernel fill {f['w4_fill']:.2f} K steps per stage.", "",
+             f"| format | kernels per layer (T = 1 / 128: {shapes}) | each shape left out: mean / max ({shapes}) | "
+             "in-sample mean / max | format left out: mean / max |", "|---|---|---|---|---|"]
+    for fm, d in cal["formats"].items():
+        counts = ", ".join(f"{d['kernels'][sh]['1']} / {d['kernels'][sh]['128']}" for sh in sorted(d["kernels"]))
+        so = [_pct(v) for k, v in cal["leave_one_shape_out"].items() if k.startswith(fm + " @")]
+        lines.append(f"| {fm} | {counts} | {', '.join(so) or '–'} | {_pct(cal['in_sample'][fm])} | "
+                     f"{_pct(cal['leave_one_format_out'].get(fm))} |")
+    for k, v in cal.get("whole_model", {}).items():
+        lines.append(f"\nWhole model {k}, predicted from the layer fit: {_pct(v)}")
     for proj in info.get("projections", []):
         tree = proj["head"]
         lines += ["", f"## {proj['shapes']['target']} target, {proj['shapes']['intermediate']} intermediate ({LABEL}"
@@ -263,8 +552,8 @@ def markdown(info: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz cost-model", description=(
-        "Fit a roofline cost model per weight format to measured profiles, check it (shape and format left out) "
-        "and project compat tables to other GPUs from their spec sheets."))
+        "Fit a per-kernel cost model of a decoder layer in every weight format to measured profiles, check it "
+        "(shape and format left out) and project compat tables to other GPUs from their spec sheets."))
     ap.add_argument("--profiles", required=True, help="comma-separated profile.json files of one GPU")
     ap.add_argument("--compat", default="", help="comma-separated compat.json files of the same GPU to project")
     ap.add_argument("--gpus", default=",".join(GPUS), help="GPUs to project onto (names as in the model's table)")
