@@ -1,11 +1,12 @@
-"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs hierviz's Triton kernel.
+"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs Marlin vs hierviz's Triton kernel.
 
-    python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...]
+    python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...] [--marlin-src DIR]
     python -m hierviz kernel-bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
     (KERNEL_BENCH_THREADS=N sets torch's CPU threads for the --cpu run)
 
 On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
-group 128, synthetic codes), every M in --ms, all three kernels side by side in one process,
+group 128, synthetic codes), every M in --ms, the kernels side by side in one process (Marlin
+where --marlin-src names its source and a compiler is found: hierviz.measure.marlin_peer),
 timed as CUDA-graph replays (launch overhead out, as in the engine) with 3 rotating copies of
 every weight so that the 60 MB L2 cannot serve repeated reads. Prints a table and writes
 DIR/kernel_bench.json (+ a chart). Correctness of each kernel against the dequantized
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from hierviz.config import options
+from hierviz.measure.marlin_peer import marlin_operands
 from hierviz.models.synthetic import random_w4
 from hierviz.quant.w4 import W4Weight, codes_of, dequantize, quantize_rtn, unpack_codes
 
@@ -226,8 +228,9 @@ def _triton_timings(row: dict, x16: list, xbf: list, ws: list[W4Weight], cfg, cf
 
 
 def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tiny: Optional[list],
-               best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool) -> dict:
-    """cuBLAS fp16, tinygemm and the Triton kernel (both split-K modes, fp16 and bf16) at M rows."""
+               best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool,
+               marlin: Optional[tuple[list, torch.Tensor]] = None) -> dict:
+    """cuBLAS fp16, tinygemm, Marlin and the Triton kernel (both split-K modes, fp16 and bf16) at M rows."""
     from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
     n, k, g = ws[0].out_features, ws[0].in_features, ws[0].group_size
     x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
@@ -247,6 +250,10 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
                                        xbf[0].float() @ ref_w.t())
         row["tinygemm_us"] = timer([lambda x=x, t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], g, t[1])
                                     for x, t in zip(xbf, tiny)], rep_ms)
+    if marlin is not None:        # its own symmetric weights: same shape and bytes
+        layers, marlin_w = marlin
+        row["marlin_err"] = _rel_err(layers[0](x16[0]), x16[0].float() @ marlin_w.t())
+        row["marlin_us"] = timer([lambda x=x, lay=lay: lay(x) for x, lay in zip(x16, layers)], rep_ms)
     try:
         _triton_timings(row, x16, xbf, ws, cfg, cfg_bf16, want, ref_w, timer, rep_ms)
     except Exception as e:
@@ -260,7 +267,8 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
 
 
 def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
-              dry: bool = False, tune_ms: Optional[list[int]] = None, family: str = "all") -> dict:
+              dry: bool = False, tune_ms: Optional[list[int]] = None, family: str = "all",
+              marlin_src: Optional[str] = None, build_dir: Optional[Path] = None) -> dict:
     """dry: run the same code on the CPU under TRITON_INTERPRET=1 (tiny shapes; no timing value)."""
     from hierviz.quant import triton_w4
     dev, info, timer = _bench_device(dry)
@@ -272,10 +280,13 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
     ref_w = dequantize(ws[0], torch.float32)
     tiny = _tinygemm_operands(ws, ref_w, g, dev, info)
     print("tinygemm:", info.get("tinygemm_error", "ok"), flush=True)
+    marlin = None if dry else marlin_operands(marlin_src, k, n, g, ROTATE, build_dir or options().cache_dir / "marlin",
+                                              info)
+    print("marlin:", info.get("marlin_error", f"ok ({info.get('marlin_build')} build)"), flush=True)
     tune_rows, best_cfg = _tune(ws, ref_w, dev, tune_ms or ms, family, timer) if tune else ([], {})
     rows = []
     for m in ms:
-        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry)
+        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin)
         row["floor_us"] = floor_us
         rows.append(row)
         print("bench", row, flush=True)
@@ -328,7 +339,7 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "triton_us", "triton_atomic_us", "triton_bf16_us",
+    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "triton_us", "triton_atomic_us", "triton_bf16_us",
                         "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
             if any(c in r for r in rows)]
     lines = ["| M | " + " | ".join(c.replace("_us", " (us)") for c in cols) + " |",
@@ -341,7 +352,7 @@ def table(res: dict) -> str:
 
 def write_chart(res: dict, out: Path) -> Optional[Path]:
     rows = res["rows"]
-    series = [c for c in ("cublas_fp16_us", "tinygemm_us", "triton_us", "floor_us",
+    series = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "triton_us", "floor_us",
                           "int4pack_cpu_us", "fp32_dense_us") if any(c in r for r in rows)]
     xs = [r["M"] for r in rows]
     try:
@@ -382,7 +393,7 @@ def write_chart(res: dict, out: Path) -> Optional[Path]:
         return None
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz kernel-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--shape", default=None, help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU)")
@@ -393,13 +404,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing budget per measurement")
     ap.add_argument("--family", choices=["all", "gemv"], default="all",
                     help="tuning candidates: all, or only the CUDA-core path's (plus the production entry)")
+    ap.add_argument("--marlin-src", default=None,
+                    help="a checkout of github.com/IST-DASLab/marlin: built with torch's extension builder and "
+                         "timed beside the others (skipped, with the reason, without it or without nvcc)")
     ap.add_argument("--dry", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
     a = ap.parse_args(argv)
     use_gpu = (torch.cuda.is_available() or a.dry) and not a.cpu
     k, n, g = (int(v) for v in (a.shape or ("8192,28672,128" if use_gpu else "576,1536,32")).split(","))
     ms = [int(v) for v in (a.ms or ("1,2,4,8,16,32,64,128" if use_gpu else "1,8,64")).split(",")]
     tune_ms = [int(v) for v in a.tune_ms.split(",")] if a.tune_ms else None
-    res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family) if use_gpu
+    res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family, a.marlin_src)
+           if use_gpu
            else cpu_bench(k, n, g, ms))
     res["command"] = "python -m hierviz kernel-bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
     a.out.mkdir(parents=True, exist_ok=True)
@@ -408,7 +423,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(table(res))
     chart = write_chart(res, a.out)
     print(f"wrote {a.out / name}" + (f" and {chart}" if chart else ""))
-    return res
+    return 0
 
 
 if __name__ == "__main__":
