@@ -455,3 +455,34 @@ def test_marlin_peer_builds_and_multiplies_right(tmp_path) -> None:
         x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
         want = x.float() @ w.t()
         assert float((layer(x).float() - want).norm() / want.norm()) < 5e-3, (m, info["marlin_build"])
+
+
+@pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
+def test_fused_activation_quantizer_matches_torch(fmt) -> None:
+    """hierviz.quant.act_quant on the GPU: codes and scales are torch's bits at 1-300 rows on
+    SmolLM2 / 8B / 70B widths in fp16 and bf16, and decoding an 8-bit target with it equals AR
+    (what PROVEN waits for)."""
+    from hierviz.quant import act_quant
+    from hierviz.quant.fp8 import E4M3, E4M3_MAX, quantize_tokens_fp8
+    from hierviz.quant.w8a8 import QMAX, quantize_tokens
+    if fmt == "w8a8-fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    qmax, code, ref = (QMAX, torch.int8, quantize_tokens) if fmt == "w8a8-int8" else (E4M3_MAX, E4M3, quantize_tokens_fp8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k in (576, 4096, 8192, 28672):
+        for m in (1, 2, 17, 128, 300):
+            for dt in (torch.float16, torch.bfloat16):
+                x = torch.randn(m, k, device="cuda", generator=g).to(dt) * 3
+                q, s = act_quant.quantize_rows(x, qmax, code)
+                q0, s0 = ref(x)
+                assert torch.equal(s, s0), (k, m, dt)
+                assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (k, m, dt)
+    st = tiny_random_stack("cuda", target_format=fmt)
+    s = DecodeSettings(max_new_tokens=24)
+    want = output_tokens(generate(st, "ar", "the quick brown fox", s))
+    act_quant.force(True)
+    try:
+        for method in ("ar", "eagle2", "hierspec"):
+            assert output_tokens(generate(st, method, "the quick brown fox", s)) == want, method
+    finally:
+        act_quant.force(None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from hierviz.quant import act_quant
 from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightFormat, fixed_row_chunks, register
 
 E4M3 = torch.float8_e4m3fn
@@ -55,7 +56,8 @@ def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, w: FP8Weight) -> torch.Tensor:
     """y = x @ W.T in x's dtype, W8A8 FP8 (see the module docstring)."""
     shape = x.shape
-    q, s = quantize_tokens_fp8(x.reshape(-1, shape[-1]))
+    x2 = x.reshape(-1, shape[-1])
+    q, s = act_quant.quantize_rows(x2, E4M3_MAX, E4M3) if act_quant.enabled(x2) else quantize_tokens_fp8(x2)
     if q.is_cuda:
         ones = torch.ones(CUDA_CHUNK, 1, dtype=torch.float32, device=q.device)
         # the GEMM's per-row scale is 1: s is applied afterwards, so padded rows need none

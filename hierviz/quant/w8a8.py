@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hierviz.quant import act_quant
 from hierviz.quant.formats import PerChannelLinear, PerChannelWeight, WeightFormat, register
 
 QMAX = 127
@@ -51,7 +52,7 @@ def w8a8_linear(x: torch.Tensor, w: W8Weight) -> torch.Tensor:
     """y = x @ W.T in x's dtype, through int8 x int8 -> int32."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    q, s = quantize_tokens(x2)
+    q, s = act_quant.quantize_rows(x2, QMAX, torch.int8) if act_quant.enabled(x2) else quantize_tokens(x2)
     m = q.shape[0]
     if q.is_cuda and m < CUDA_MIN_ROWS:     # zero rows add nothing to any sum: no row's bits change
         q = torch.cat([q, q.new_zeros(CUDA_MIN_ROWS - m, q.shape[1])])

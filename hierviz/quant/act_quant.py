@@ -1,0 +1,91 @@
+"""Per-token dynamic activation quantization in one Triton kernel, for the 8-bit formats.
+
+torch's definition (w8a8.quantize_tokens, fp8.quantize_tokens_fp8) runs as about nine small
+kernels per product on CUDA (cast, abs, amax, divide, clamp, divide, round, clamp, cast), which is
+most of what makes a one-token W8A8 layer slower than FP16 on the H200 (docs/formats.md). This
+kernel reads each row twice (its absmax, then its codes) and writes the codes and the row's scale:
+
+    s[t] = max(max_k |x[t, k]| / QMAX, 1e-12)        (fp32, IEEE division)
+    q[t, k] = round_half_even(clamp(x[t, k] / s[t], -QMAX, QMAX))   int8, QMAX = 127
+            = e4m3(clamp(x[t, k] / s[t], -448, 448))                FP8, round to nearest even
+
+the same arithmetic as torch's in the same order, so the codes and scales are the same bits. One
+program per row: a row's result never depends on the others (batch invariance by construction).
+
+Not used on CUDA until tests/test_gpu.py has compared it with torch's path on a GPU (`PROVEN`); the
+CPU tests run it under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# flipped once tests/test_gpu.py::test_fused_activation_quantizer_matches_torch passes on a GPU
+PROVEN = False
+_forced: list[Optional[bool]] = [None]
+ROUND_MAGIC = 12582912.0        # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to nearest even in fp32
+BLOCK = 1024
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # pragma: no cover - triton is a requirement; the torch path needs none of it
+    triton = None
+
+
+def force(on: Optional[bool]) -> None:
+    """Tests: use the kernel (True) or torch's path (False) whatever PROVEN says; None = default."""
+    _forced[0] = on
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether x's rows are quantized by the kernel: on CUDA once proven (or forced, also on the CPU
+    under the interpreter)."""
+    if triton is None:
+        return False
+    if _forced[0] is not None:
+        return _forced[0]
+    return PROVEN and x.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr, FP8: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        x_row = x_ptr + row * stride_x
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        s = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+        tl.store(s_ptr + row, s)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            v = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
+            if FP8:
+                # round to e4m3's grid in fp32 first (3 mantissa bits, subnormal step 2**-9), so the
+                # cast is exact: the interpreter's own fp8 cast drops the carry into the exponent
+                e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                step = (tl.maximum(e - 3, -9) + 127).to(tl.int32)
+                ulp = (step << 23).to(tl.float32, bitcast=True)
+                q = ((((v / ulp) + 12582912.0) - 12582912.0) * ulp).to(tl.float8e4nv)
+            else:
+                q = ((v + 12582912.0) - 12582912.0).to(tl.int8)
+            tl.store(q_ptr + row * stride_q + offs, q, mask=offs < K)
+
+
+def quantize_rows(x2: torch.Tensor, qmax: float, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] of code_dtype, float32 scales [M]) of a contiguous-row [M, K] activation."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    q = torch.empty(m, k, dtype=code_dtype, device=x2.device)
+    s = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m:
+        _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax,
+                             FP8=code_dtype != torch.int8, BLOCK=BLOCK)
+    return q, s

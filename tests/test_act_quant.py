@@ -1,0 +1,94 @@
+"""The fused per-token activation quantizer of the 8-bit formats (hierviz.quant.act_quant) under
+TRITON_INTERPRET=1, in a subprocess: its int8 and e4m3 codes and its scales are torch's definition
+bit for bit (fp32, fp16, bf16 rows; a zero row, an outlier, ties, K beyond one block), so the int8
+and FP8 products come out the same with it. It stays off on CUDA until tests/test_gpu.py has run it
+on a GPU (`PROVEN`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("triton")
+
+_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    from hierviz.quant import act_quant
+    from hierviz.quant.act_quant import quantize_rows
+    from hierviz.quant.fp8 import E4M3, E4M3_MAX, quantize_tokens_fp8
+    from hierviz.quant.w8a8 import QMAX, quantize_tokens
+    out = {}
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        k = str(dt).split(".")[-1]
+        x = torch.randn(6, 1500, dtype=dt) * 3
+        x[2] = 0                                      # a zero row: the 1e-12 floor
+        x[3, 7] = 100                                 # an outlier
+        x[4] = (torch.arange(1500) % 255 - 127).to(dt) / 127 * 0.5 * x[4].abs().max()   # halves: ties
+        x[5] = torch.randn(1500, dtype=dt) * 1e-3
+        q, s = quantize_rows(x, QMAX, torch.int8)
+        q0, s0 = quantize_tokens(x)
+        out[f"int8_{k}"] = [torch.equal(q, q0), torch.equal(s, s0)]
+        q, s = quantize_rows(x[:, :700].contiguous(), E4M3_MAX, E4M3)
+        q0, s0 = quantize_tokens_fp8(x[:, :700])
+        out[f"fp8_{k}"] = [torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), torch.equal(s, s0)]
+    # a strided view is quantized as its values
+    xs = torch.randn(4, 64)[:, ::2]
+    out["strided"] = torch.equal(quantize_rows(xs, QMAX, torch.int8)[0], quantize_tokens(xs)[0])
+    # the formats' products with the kernel forced: the same bits as with torch's quantizer, so
+    # every decoder's output is unchanged (the decoders' equality to AR is tests/test_formats.py's)
+    from hierviz.quant.fp8 import fp8_linear, quantize_fp8
+    from hierviz.quant.w8a8 import quantize_w8, w8a8_linear
+    w = torch.randn(96, 160)
+    x = torch.randn(3, 5, 160, dtype=torch.bfloat16)
+    for fmt, product, weight in (("w8a8-int8", w8a8_linear, quantize_w8(w)), ("w8a8-fp8", fp8_linear, quantize_fp8(w))):
+        act_quant.force(False)
+        want = product(x, weight)
+        act_quant.force(True)
+        out[fmt] = torch.equal(product(x, weight), want)
+        act_quant.force(None)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_codes_and_scales_are_torchs_bits(results, fmt, dtype) -> None:
+    assert results[f"{fmt}_{dtype}"] == [True, True]
+    assert results["strided"]
+
+
+@pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
+def test_the_formats_products_are_unchanged_with_the_kernel(results, fmt) -> None:
+    assert results[fmt] is True
+
+
+def test_off_by_default_until_proven_on_a_gpu() -> None:
+    from hierviz.quant import act_quant
+    x = torch.zeros(2, 8)
+    assert not act_quant.enabled(x)                       # the CPU uses torch's path
+    act_quant.force(True)
+    try:
+        assert act_quant.enabled(x)
+    finally:
+        act_quant.force(None)
