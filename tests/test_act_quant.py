@@ -6,14 +6,12 @@ on a GPU (`PROVEN`)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from tests.tiny import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,11 +62,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted(_SCRIPT)[-1])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -8,13 +8,11 @@ the decoders through them on a GPU by `python -m hierviz.measure.engine_bench` (
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from tests.tiny import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,11 +148,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted(_SCRIPT)[-1])
 
 
 @pytest.mark.parametrize("op", ["norm", "silu_mul", "rope"])

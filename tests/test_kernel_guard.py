@@ -4,14 +4,12 @@ must be on before triton is imported). The sweep's full run is a GPU command (do
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from tests.tiny import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -82,11 +80,8 @@ _SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sweep")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT / "tests/data/ttgir_w4_loop_triton36_chained.txt"),
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted(_SCRIPT, str(ROOT / "tests/data/ttgir_w4_loop_triton36_chained.txt"),
+                                      str(out))[-1])
 
 
 def test_first_use_check_keeps_a_config_that_agrees(guarded) -> None:

@@ -6,9 +6,6 @@ checks run in a fresh Python process and the rest of the suite keeps the compile
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import pytest
 import torch
 
 from hierviz.quant.w4 import KERNELS, W4Weight, dequantize, quantize_rtn, w4_linear
+from tests.tiny import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,11 +126,7 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
     # bf16 wrong, and it cannot run tl.inline_asm_elementwise (the PTX unpack; use_asm is ignored
     # when interpreting). Both are checked against the reference on the GPU by
     # `python -m hierviz kernel-bench` and tests/test_gpu.py.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = json.loads(run_interpreted(_SCRIPT, timeout=300)[-1])
     assert len(errs) == 47
     # fp16 weights and output rounding: ~5e-4 relative; the reference is float64.
     bad = {k: v for k, v in errs.items() if not v < 3e-3}
@@ -255,11 +249,7 @@ def test_batch_invariant_weight_rounds_each_row_as_alone() -> None:
     add inside) for a `batch_invariant` weight; without the flag the M = 17 and 40 products take
     another K split (whether their bits then differ depends on how the platform rounds partial
     sums: on the H200 they did, docs/exactness.md; under the CPU interpreter they may not)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _INVARIANT_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    same = json.loads(proc.stdout.strip().splitlines()[-1])
+    same = json.loads(run_interpreted(_INVARIANT_SCRIPT, timeout=300)[-1])
     assert all(v for k, v in same.items() if k.startswith("True_")), same
     assert same["False_5"] and same["False_5_add"], same
     assert not same["False_17_split"] and not same["False_40_split"], same

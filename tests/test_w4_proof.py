@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from hierviz.measure import w4_sweep  # noqa: E402
 from hierviz.models.config import ModelConfig  # noqa: E402
 from hierviz.quant import kernel_guard, triton_w4, w4_proof  # noqa: E402
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize  # noqa: E402
+from tests.tiny import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -292,11 +291,7 @@ _SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     cache = tmp_path_factory.mktemp("proof-cache")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "HIERVIZ_CACHE": str(cache)}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = run_interpreted(_SCRIPT, extra_env={"HIERVIZ_CACHE": str(cache)})
     return {**json.loads(lines[-1]), "stdout": "\n".join(lines[:-1])}
 
 

@@ -99,3 +99,17 @@ def prefill_sequence_tree(state) -> list[torch.Tensor]:
             out.append(h)
             state.commit_prefix(start, h, h.shape[0] - (0 if step == 0 else 2), [41 + step])
     return out
+
+
+def run_interpreted(script: str, *args: str, extra_env: dict | None = None, timeout: int = 600) -> list[str]:
+    """`script` in a child Python under TRITON_INTERPRET=1 (set before triton is imported), from
+    the repository root; its stdout lines. The test fails with the child's stderr if it fails."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), **(extra_env or {})}
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()
