@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from tests.tiny import run_interpreted
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton")
 

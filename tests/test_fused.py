@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import pytest
 from tests.tiny import run_interpreted
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton")
 
