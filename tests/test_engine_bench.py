@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from hierviz.measure import engine_bench as eb
@@ -42,3 +43,17 @@ def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path, monkeypatch
     assert "no C++ compiler" in res["hf_error"]["static-compiled"]
     assert res["ours_fp16_graphs_over_best_transformers"] == 10.0          # against the fastest peer
     assert res["identical_prefix"][f"ours fp16 graphs vs {eb.HF_VARIANTS['static']}"] == 2
+
+
+def test_a_variant_in_its_own_process_gives_the_same_tokens(tmp_path):
+    """hf_generate_in_child (how the compiled variant runs, so that a crash at its exit stays in its
+    process): same tokens as in this process; a child that fails is a clear error."""
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(TINY))
+    torch.manual_seed(0)
+    weights = hf_weights(ModelConfig.from_file(cfg_path), "cpu")
+    here, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9], 5, "cpu", torch.float32, "plain")
+    there, dt = eb.hf_generate_in_child(cfg_path, weights, [1, 5, 9], 5, "cpu", torch.float32, "plain")
+    assert there == here and dt > 0
+    with pytest.raises(RuntimeError, match="failed in its process"):
+        eb.hf_generate_in_child(tmp_path / "missing.json", weights, [1], 2, "cpu", torch.float32, "plain")

@@ -407,33 +407,21 @@ def test_decoders_reproduce_ar_of_an_8bit_target_through_graphs(method, fmt) -> 
 
 
 def test_engine_bench_compiled_transformers_peer_on_the_gpu(tmp_path) -> None:
-    """transformers' static-cache generate with its compiled forward (engine-bench's fastest peer)
-    gives the plain generate's tokens on the same fp32 weights. In a child process: with torch 2.11
-    the compiled forward's process segfaults at exit, which would take pytest's report with it."""
+    """transformers' static-cache generate with its compiled forward (engine-bench's fastest peer,
+    run in its own process: with torch 2.11 that process segfaults at exit) gives the plain
+    generate's tokens on the same fp32 weights."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    from hierviz.measure import engine_bench as eb
+    from hierviz.models.config import ModelConfig
+    from hierviz.models.synthetic import hf_weights
     from tests.test_engine_bench import TINY
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(TINY))
-    code = f"""
-import json, sys, torch
-from pathlib import Path
-from hierviz.measure import engine_bench as eb
-from hierviz.models.config import ModelConfig
-from hierviz.models.synthetic import hf_weights
-torch.manual_seed(0)
-cfg = Path({str(cfg_path)!r})
-weights = hf_weights(ModelConfig.from_file(cfg), "cuda")
-out = [eb.hf_generate(cfg, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, v)[0] for v in ("plain", "static-compiled")]
-print(json.dumps(out), flush=True)
-"""
-    root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=280)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[")]
-    assert lines, (p.returncode, p.stderr[-2000:])
-    plain, compiled = json.loads(lines[-1])
+    torch.manual_seed(0)
+    weights = hf_weights(ModelConfig.from_file(cfg_path), "cuda")
+    plain, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, "plain")
+    compiled, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, "static-compiled")
     assert compiled == plain
 
 

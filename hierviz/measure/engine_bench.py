@@ -99,7 +99,11 @@ HF_VARIANTS = {"plain": "transformers LlamaForCausalLM.generate",
 
 def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
                 dtype: torch.dtype, variant: str = "plain") -> tuple[list[int], float]:
-    """Greedy tokens and seconds of transformers' `generate` on the same weights, in one of HF_VARIANTS."""
+    """Greedy tokens and seconds of transformers' `generate` on the same weights, in one of HF_VARIANTS.
+    The compiled variant runs in a child process (`hf_generate_in_child`): on CUDA its process has
+    been seen to segfault at exit, which must not take the bench with it."""
+    if variant == "static-compiled" and not _IN_CHILD[0]:
+        return hf_generate_in_child(cfg_path, weights, prompt, n, device, dtype, variant)
     from transformers import LlamaConfig, LlamaForCausalLM
     raw = {k: v for k, v in json.loads(cfg_path.read_text()).items() if not k.startswith("_")}
     model = LlamaForCausalLM(LlamaConfig(**raw)).to(device=device, dtype=dtype).eval()
@@ -126,6 +130,39 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
     del model
     # generate's time includes the prefill; one forward of the prompt is small next to n steps
     return toks, dt
+
+
+_IN_CHILD = [False]
+
+
+def hf_generate_in_child(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
+                         dtype: torch.dtype, variant: str) -> tuple[list[int], float]:
+    """hf_generate in a fresh Python process (weights through a temporary safetensors file); its
+    result is read from its last stdout line, whatever its exit code after that."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from safetensors.torch import save_file
+    code = ("import json, sys, torch; from pathlib import Path; from safetensors.torch import load_file; "
+            "from hierviz.measure import engine_bench as eb; eb._IN_CHILD[0] = True; "
+            "a = json.loads(sys.argv[1]); "
+            "toks, dt = eb.hf_generate(Path(a['cfg']), load_file(a['weights']), a['prompt'], a['n'], a['device'], "
+            "getattr(torch, a['dtype']), a['variant']); print(json.dumps([toks, dt]), flush=True)")
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as d:
+        wfile = Path(d) / "weights.safetensors"
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(wfile))
+        args = json.dumps({"cfg": str(cfg_path), "weights": str(wfile), "prompt": list(prompt), "n": n,
+                           "device": device, "dtype": str(dtype).removeprefix("torch."), "variant": variant})
+        p = subprocess.run([sys.executable, "-c", code, args], cwd=root, capture_output=True, text=True, timeout=1800,
+                           env={**os.environ, "PYTHONPATH": str(root)})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[[")]
+    if not lines:
+        raise RuntimeError(f"{HF_VARIANTS[variant]} failed in its process (exit {p.returncode}): {p.stderr.strip()[-500:]}")
+    toks, dt = json.loads(lines[-1])
+    return toks, float(dt)
 
 
 def _agree(a: list[int], b: list[int]) -> int:
