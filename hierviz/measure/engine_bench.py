@@ -138,30 +138,26 @@ _IN_CHILD = [False]
 def hf_generate_in_child(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
                          dtype: torch.dtype, variant: str) -> tuple[list[int], float]:
     """hf_generate in a fresh Python process (weights through a temporary safetensors file); its
-    result is read from its last stdout line, whatever its exit code after that."""
-    import os
-    import subprocess
-    import sys
+    result is read from its last line, whatever its exit code after that."""
     import tempfile
 
     from safetensors.torch import save_file
+
+    from hierviz.measure.child import ChildError, run_json
     code = ("import json, sys, torch; from pathlib import Path; from safetensors.torch import load_file; "
             "from hierviz.measure import engine_bench as eb; eb._IN_CHILD[0] = True; "
             "a = json.loads(sys.argv[1]); "
             "toks, dt = eb.hf_generate(Path(a['cfg']), load_file(a['weights']), a['prompt'], a['n'], a['device'], "
             "getattr(torch, a['dtype']), a['variant']); print(json.dumps([toks, dt]), flush=True)")
-    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as d:
         wfile = Path(d) / "weights.safetensors"
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(wfile))
         args = json.dumps({"cfg": str(cfg_path), "weights": str(wfile), "prompt": list(prompt), "n": n,
                            "device": device, "dtype": str(dtype).removeprefix("torch."), "variant": variant})
-        p = subprocess.run([sys.executable, "-c", code, args], cwd=root, capture_output=True, text=True, timeout=1800,
-                           env={**os.environ, "PYTHONPATH": str(root)})
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[[")]
-    if not lines:
-        raise RuntimeError(f"{HF_VARIANTS[variant]} failed in its process (exit {p.returncode}): {p.stderr.strip()[-500:]}")
-    toks, dt = json.loads(lines[-1])
+        try:
+            toks, dt = run_json(code, args, timeout=1800)
+        except ChildError as e:
+            raise RuntimeError(f"{HF_VARIANTS[variant]} failed in its process: {e}") from None
     return toks, float(dt)
 
 

@@ -17,16 +17,15 @@ build ran.
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
 import torch
+
+from hierviz.measure.child import ChildError, run_json
 
 SOURCES = ("marlin/__init__.py", "marlin/marlin_cuda.cpp", "marlin/marlin_cuda_kernel.cu")
 BUILDS = ("published", "without-l2-hints")
@@ -44,6 +43,22 @@ def missing_sources(src: Optional[str | Path]) -> Optional[str]:
     return None
 
 
+def cannot_build(src: Optional[str | Path]) -> Optional[str]:
+    """Why Marlin cannot be built here from `src` (None when it can): source, GPU, compiler."""
+    why = missing_sources(src)
+    if why:
+        return why
+    if not torch.cuda.is_available():
+        return "Marlin needs a CUDA GPU"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return f"Marlin needs compute capability 8.0 or newer (this GPU: {cap[0]}.{cap[1]})"
+    from torch.utils.cpp_extension import CUDA_HOME
+    if CUDA_HOME is None or shutil.which("nvcc") is None and not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return "no CUDA compiler (nvcc) found: Marlin builds from source"
+    return None
+
+
 def _patched_kernel(text: str, build: str) -> str:
     if build == "published":
         return text
@@ -55,17 +70,11 @@ def _patched_kernel(text: str, build: str) -> str:
 
 def build_marlin(src: Optional[str | Path], build: str, build_dir: Path) -> tuple[Optional[ModuleType], str]:
     """(Marlin's Python package with its extension loaded, "") or (None, why not)."""
-    why = missing_sources(src)
+    why = cannot_build(src)
     if why:
         return None, why
-    if not torch.cuda.is_available():
-        return None, "Marlin needs a CUDA GPU"
+    from torch.utils.cpp_extension import load
     cap = torch.cuda.get_device_capability()
-    if cap < (8, 0):
-        return None, f"Marlin needs compute capability 8.0 or newer (this GPU: {cap[0]}.{cap[1]})"
-    from torch.utils.cpp_extension import CUDA_HOME, load
-    if CUDA_HOME is None or shutil.which("nvcc") is None and not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-        return None, "no CUDA compiler (nvcc) found: Marlin builds from source"
     root = Path(src)
     work = build_dir / build
     work.mkdir(parents=True, exist_ok=True)
@@ -127,17 +136,10 @@ def probe(src: str, build: str, build_dir: str) -> dict:
 def _probe_in_child(src: str, build: str, build_dir: Path) -> dict:
     code = ("import json, sys; from hierviz.measure.marlin_peer import probe; "
             "print(json.dumps(probe(*sys.argv[1:4])))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
     try:
-        p = subprocess.run([sys.executable, "-c", code, str(src), build, str(build_dir)], capture_output=True,
-                           text=True, timeout=900, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out"}
-    lines = p.stdout.strip().splitlines()
-    if p.returncode != 0 or not lines:
-        return {"error": f"the child process failed (exit {p.returncode}): {p.stderr.strip()[-300:]}"}
-    return json.loads(lines[-1])
+        return run_json(code, str(src), build, str(build_dir))
+    except ChildError as e:
+        return {"error": str(e)}
 
 
 def marlin_operands(src: Optional[str], k: int, n: int, g: int, copies: int, build_dir: Path,
@@ -150,9 +152,9 @@ def marlin_operands(src: Optional[str], k: int, n: int, g: int, copies: int, bui
     if k % 128 or n % 256:
         info["marlin_error"] = f"Marlin needs K % 128 == 0 and N % 256 == 0 (K={k}, N={n})"
         return None
-    why = missing_sources(src)
-    if why or not torch.cuda.is_available():
-        info["marlin_error"] = why or "Marlin needs a CUDA GPU"
+    why = cannot_build(src)      # before a child process is started for it
+    if why:
+        info["marlin_error"] = why
         return None
     reasons = []
     for build in BUILDS:

@@ -52,7 +52,7 @@ def enabled(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr, FP8: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       MAGIC: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         x_row = x_ptr + row * stride_x
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -72,9 +72,9 @@ if triton is not None:
                 e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
                 step = (tl.maximum(e - 3, -9) + 127).to(tl.int32)
                 ulp = (step << 23).to(tl.float32, bitcast=True)
-                q = ((((v / ulp) + 12582912.0) - 12582912.0) * ulp).to(tl.float8e4nv)
+                q = ((((v / ulp) + MAGIC) - MAGIC) * ulp).to(tl.float8e4nv)
             else:
-                q = ((v + 12582912.0) - 12582912.0).to(tl.int8)
+                q = ((v + MAGIC) - MAGIC).to(tl.int8)
             tl.store(q_ptr + row * stride_q + offs, q, mask=offs < K)
 
 
@@ -87,5 +87,5 @@ def quantize_rows(x2: torch.Tensor, qmax: float, code_dtype: torch.dtype) -> tup
     s = torch.empty(m, dtype=torch.float32, device=x2.device)
     if m:
         _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax,
-                             FP8=code_dtype != torch.int8, BLOCK=BLOCK)
+                             FP8=code_dtype != torch.int8, MAGIC=ROUND_MAGIC, BLOCK=BLOCK)
     return q, s

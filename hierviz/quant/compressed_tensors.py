@@ -39,14 +39,18 @@ def is_compressed_tensors(config: dict[str, Any]) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
 
 
-def scheme_type(config: dict[str, Any]) -> str:
-    """"int" or "float": the one 8-bit scheme of the checkpoint; CheckpointError for anything else."""
-    qc = config.get("quantization_config") or {}
-    groups = qc.get("config_groups") or {}
+def config_groups(config: dict[str, Any]) -> dict[str, Any]:
+    """The quantization schemes by group name; CheckpointError where there are none."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError("compressed-tensors checkpoint without config_groups")
+    return groups
+
+
+def scheme_type(config: dict[str, Any]) -> str:
+    """"int" or "float": the one 8-bit scheme of the checkpoint; CheckpointError for anything else."""
     types = set()
-    for name, g in groups.items():
+    for name, g in config_groups(config).items():
         w, a = (g or {}).get("weights") or {}, (g or {}).get("input_activations")
         kind = w.get("type")
         if w.get("num_bits") != 8 or kind not in WEIGHT_TYPES:
@@ -124,10 +128,7 @@ def is_weight_only_int8(config: dict[str, Any]) -> bool:
     writes; CheckpointError for any other weight-only compressed-tensors scheme."""
     if not is_compressed_tensors(config):
         return False
-    groups = (config["quantization_config"].get("config_groups") or {})
-    if not isinstance(groups, dict) or not groups:
-        raise CheckpointError("compressed-tensors checkpoint without config_groups")
-    for name, g in groups.items():
+    for name, g in config_groups(config).items():
         w, a = (g or {}).get("weights") or {}, (g or {}).get("input_activations")
         if a:
             return False     # a W8A8 scheme: the target importer's (ct_weights)
