@@ -38,6 +38,21 @@ _SCRIPT = textwrap.dedent("""
         q, s = quantize_rows(x[:, :700].contiguous(), E4M3_MAX, E4M3)
         q0, s0 = quantize_tokens_fp8(x[:, :700])
         out[f"fp8_{k}"] = [torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), torch.equal(s, s0)]
+        # torch on CUDA scales by the fp32 reciprocal (a tensor / python scalar is a * (1 / b)
+        # there): the kernel's CUDA branch, checked here against that arithmetic
+        xf = x.float()
+        s_cuda = (xf.abs().amax(-1) * torch.tensor(1 / QMAX, dtype=torch.float32)).clamp_min(1e-12)
+        q, s = quantize_rows(x, QMAX, torch.int8, cuda_arithmetic=True)
+        out[f"int8_cuda_{k}"] = [torch.equal(q, torch.round(xf / s_cuda[:, None]).clamp(-QMAX, QMAX).to(torch.int8)),
+                                 torch.equal(s, s_cuda)]
+    # rows whose absmax the two arithmetics scale differently: each branch gives its own bits
+    inv = torch.tensor(1 / QMAX, dtype=torch.float32)
+    c = torch.rand(100000) * 10
+    c = c[c * inv != c / QMAX][:8]
+    x = torch.cat([c[:, None], c[:, None] * torch.rand(8, 40)], 1)
+    out["scale_arithmetic"] = [torch.equal(quantize_rows(x, QMAX, torch.int8, cuda_arithmetic=True)[1], c * inv),
+                               torch.equal(quantize_rows(x, QMAX, torch.int8, cuda_arithmetic=False)[1], c / QMAX),
+                               len(c) == 8]
     # a strided view is quantized as its values
     xs = torch.randn(4, 64)[:, ::2]
     out["strided"] = torch.equal(quantize_rows(xs, QMAX, torch.int8)[0], quantize_tokens(xs)[0])
@@ -67,6 +82,14 @@ def results() -> dict:
 def test_codes_and_scales_are_torchs_bits(results, fmt, dtype) -> None:
     assert results[f"{fmt}_{dtype}"] == [True, True]
     assert results["strided"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cuda_branch_scales_by_the_reciprocal_as_torch_does_on_cuda(results, dtype) -> None:
+    """torch on CUDA computes x / 127.0 as x * fp32(1 / 127); on the CPU it divides. The kernel
+    matches the torch of the device it runs on (its CUDA branch checked here, under the interpreter)."""
+    assert results[f"int8_cuda_{dtype}"] == [True, True]
+    assert results["scale_arithmetic"] == [True, True, True]
 
 
 @pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -127,6 +128,11 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
     toks = out[0, len(prompt):].tolist()
+    if _IN_CHILD[0]:
+        # the result goes out before the compiled model is torn down (its process has segfaulted
+        # at exit on the H200) and the child ends here
+        print(json.dumps([toks, dt]), flush=True)
+        os._exit(0)
     del model
     # generate's time includes the prefill; one forward of the prompt is small next to n steps
     return toks, dt
@@ -147,8 +153,8 @@ def hf_generate_in_child(cfg_path: Path, weights: dict[str, torch.Tensor], promp
     code = ("import json, sys, torch; from pathlib import Path; from safetensors.torch import load_file; "
             "from hierviz.measure import engine_bench as eb; eb._IN_CHILD[0] = True; "
             "a = json.loads(sys.argv[1]); "
-            "toks, dt = eb.hf_generate(Path(a['cfg']), load_file(a['weights']), a['prompt'], a['n'], a['device'], "
-            "getattr(torch, a['dtype']), a['variant']); print(json.dumps([toks, dt]), flush=True)")
+            "eb.hf_generate(Path(a['cfg']), load_file(a['weights']), a['prompt'], a['n'], a['device'], "
+            "getattr(torch, a['dtype']), a['variant'])")
     with tempfile.TemporaryDirectory() as d:
         wfile = Path(d) / "weights.safetensors"
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(wfile))

@@ -51,7 +51,7 @@ def enabled(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr, FP8: tl.constexpr,
+    def _quantize_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr, INV_QMAX: tl.constexpr, RECIP: tl.constexpr, FP8: tl.constexpr,
                        MAGIC: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         x_row = x_ptr + row * stride_x
@@ -60,32 +60,41 @@ if triton is not None:
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-12)
+        # torch's arithmetic bit for bit: on CUDA, tensor / python scalar is a * fp32(1 / b); on the
+        # CPU an IEEE division. Triton's own fp32 `/` is the approximate div.full on NVIDIA GPUs
+        if RECIP:
+            s = tl.maximum(tl.max(amax, axis=0) * INV_QMAX, 1e-12)
+        else:
+            s = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-12)
         tl.store(s_ptr + row, s)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
+            v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX)
             if FP8:
                 # round to e4m3's grid in fp32 first (3 mantissa bits, subnormal step 2**-9), so the
                 # cast is exact: the interpreter's own fp8 cast drops the carry into the exponent
                 e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
                 step = (tl.maximum(e - 3, -9) + 127).to(tl.int32)
                 ulp = (step << 23).to(tl.float32, bitcast=True)
-                q = ((((v / ulp) + MAGIC) - MAGIC) * ulp).to(tl.float8e4nv)
+                q = (((tl.math.div_rn(v, ulp) + MAGIC) - MAGIC) * ulp).to(tl.float8e4nv)
             else:
                 q = ((v + MAGIC) - MAGIC).to(tl.int8)
             tl.store(q_ptr + row * stride_q + offs, q, mask=offs < K)
 
 
-def quantize_rows(x2: torch.Tensor, qmax: float, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [M, K] of code_dtype, float32 scales [M]) of a contiguous-row [M, K] activation."""
+def quantize_rows(x2: torch.Tensor, qmax: float, code_dtype: torch.dtype,
+                  cuda_arithmetic: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [M, K] of code_dtype, float32 scales [M]) of a contiguous-row [M, K] activation.
+    cuda_arithmetic: match torch on CUDA (scale = absmax x fp32(1 / qmax)) or on the CPU (an IEEE
+    division); default: x2's device. Tests set it to check CUDA's branch under the interpreter."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
     q = torch.empty(m, k, dtype=code_dtype, device=x2.device)
     s = torch.empty(m, dtype=torch.float32, device=x2.device)
     if m:
-        _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax,
+        _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax, INV_QMAX=1.0 / qmax, 
+                             RECIP=x2.is_cuda if cuda_arithmetic is None else cuda_arithmetic,
                              FP8=code_dtype != torch.int8, MAGIC=ROUND_MAGIC, BLOCK=BLOCK)
     return q, s
