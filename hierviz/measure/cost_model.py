@@ -11,7 +11,8 @@ the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches 
 
     FP16        one cuBLAS GEMM; o and down add the residual in a separate kernel
     W4A16       one Triton kernel (hierviz.quant.triton_w4: its tiles from pick_config; a tile of
-                rows dequantizes all weights again, so T over the tile height reads them twice)
+                rows dequantizes all weights again, so T over the tile height reads them twice; a
+                K split meets in a fixed order through fp32 partials it writes and reads back)
     W8A8-int8   per-token int8 quantization (9 kernels), zero rows up to 17, torch._int_mm,
                 rescaling (4 kernels), the residual add (hierviz.quant.w8a8)
     W8A8-FP8    per-token e4m3 quantization (8), a ones fill, zero rows up to 128 (the GEMM always
@@ -20,21 +21,23 @@ the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches 
 Each kernel costs a launch plus its traffic or its arithmetic:
 
     stream      launch + bytes / (e_bw BW)                                  elementwise, norms, attention
-    gemm        launch + max(bytes / (e_bw BW), flops / (e_c P))            cuBLAS / cuBLASLt products
+    gemm        launch + max(bytes (1 + fill stages / steps) / (e_bw BW),   cuBLAS / cuBLASLt products
+                             flops / (e_c P))
     w4          launch + bytes (1 + fill stages / steps) / (e_bw BW)        the W4A16 Triton product
                        + flops / (e_c P)
 
 BW: the GPU's memory bandwidth; P: its dense tensor rate for the product's arithmetic (FP16 for
-FP16 and W4A16, FP8, int8: see `tensor_tflops`). Four numbers are fitted: launch (us per kernel),
-e_bw and e_c (the fraction of bandwidth and tensor rate a kernel reaches) are shared by every
-format; fill is the W4A16 kernel's own: the K steps of latency a program waits per pipeline stage
-before its loop streams (a program runs `steps` K steps with `stages` in flight, both from the
-kernel's configuration), so short K loops read slower. Its arithmetic does not hide under its
-reads (it dequantizes in the warps that multiply); fill is only known where W4A16 curves are in
-the fit (0 otherwise). A format's fixed part is its counted kernels times the launch cost. The
-model is checked by leaving one model shape out (fit on the other, predict it) and one format out
-(fit on the other formats, predict it), and, where a profile has whole-model curves, by predicting
-them from the layer fit.
+FP16 and W4A16, FP8, int8: see `tensor_tflops`). Four numbers are fitted, all shared by every
+format: launch (us per kernel), e_bw and e_c (the fraction of bandwidth and tensor rate a kernel
+reaches) and fill: the K steps of latency a program of a product waits per pipeline stage before
+its K loop streams (a program runs `steps` K steps with `stages` in flight), so short K loops read
+slower. The W4 kernel's stages and steps come from its configuration; the library GEMMs' from an
+assumption (CUBLAS_STAGES, CUBLAS_K_BYTES: the kernel the H200 profile recorded, K not split). The
+W4 kernel's arithmetic does not hide under its reads (it dequantizes in the warps that multiply).
+A format's fixed part is its counted kernels times the launch cost. The model is checked by
+leaving one model shape out (fit on the other, predict it) and one format out (fit on the other
+formats, predict it: the fill is learnt from the others' GEMMs), and, where a profile has
+whole-model curves, by predicting them from the layer fit.
 
 A method's step on another GPU: the measured stages of `python -m hierviz compat` (same shapes),
 each target / intermediate verification scaled by the model's ratio of that GPU to the measured
@@ -43,7 +46,7 @@ and bookkeeping are kept as measured (launch-bound). Launches keep their microse
 their efficiencies on another GPU.
 
     python -m hierviz cost-model --profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json \\
-        --compat assets/whatif/compat-h200-llama3-70b.json --out DIR
+        --compat assets/whatif/compat-h200-llama3-70b.json,assets/whatif/compat-h200-llama3-8b.json --out DIR
 """
 from __future__ import annotations
 
@@ -88,6 +91,11 @@ CURVES = {"fp16": "dense", "w4a16-triton": "w4", "w8a8-int8": "w8a8-int8", "w8a8
 # a format's product arithmetic -> the tensor rate it runs at (`tensor_tflops`)
 MATH = {"dense": "fp16", "w4": "fp16", "w8a8-int8": "int_mm", "w8a8-fp8": "fp8"}
 MIN_CAPABILITY = {"w8a8-fp8": (8, 9)}
+# An assumption for every cuBLAS / cuBLASLt product: 128 bytes of K a step (64 fp16, 128 int8 / fp8
+# channels), 6 stages, K not split, as in the kernel the H200's op profile recorded for the fp16
+# LM head (nvjet_sm90_hsh_256x8_64x6: 64-deep K tiles, 6 stages; docs/bench/op-profile-h200-70b.json).
+CUBLAS_K_BYTES = 128
+CUBLAS_STAGES = 6.0
 INT_MM_MIN_ROWS = 17        # hierviz.quant.w8a8.CUDA_MIN_ROWS: torch._int_mm wants more than 16 rows
 FP8_ROWS = 128              # hierviz.quant.fp8.CUDA_CHUNK: every FP8 GEMM has this many rows
 ATTN_COLUMNS_PER_PROGRAM = 128   # hierviz.models.fused: ATTN_BLOCK_L * ATTN_SPLIT_BLOCKS
@@ -100,7 +108,7 @@ class Fit:
     launch_us: float     # per kernel launched (CUDA-graph replay)
     e_bw: float          # fraction of the spec bandwidth a streaming kernel reaches
     e_c: float           # fraction of the spec tensor rate a product reaches
-    w4_fill: float = 0.0  # the W4A16 Triton kernel: K steps of latency per pipeline stage, per program
+    fill: float = 0.0    # K steps of latency per pipeline stage a program waits before its loop streams
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class Kernel:
     bytes: float
     flops: float = 0.0
     math: str = ""       # the tensor rate of its arithmetic: fp16, fp8, int_mm
-    stages: float = 0.0  # W4: pipeline stages per K step of a program (the fill it waits for)
+    stages: float = 0.0  # gemm, w4: pipeline stages per K step of a program (the fill it waits for)
 
 
 @dataclass(frozen=True)
@@ -146,28 +154,35 @@ def products(cfg: dict[str, Any]) -> list[tuple[str, int, int, bool]]:
 
 
 @functools.lru_cache(maxsize=None)
-def w4_tiling(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> tuple[int, int, float]:
+def w4_tiling(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> tuple[int, int, float, int]:
     """(row tiles, rows per tile (0: the one-token CUDA-core kernel), pipeline stages per K step of
-    a program) of the W4 Triton product of t rows, as hierviz.quant.triton_w4.pick_config chooses
-    them on a GPU of `sms`."""
+    a program, K split) of the W4 Triton product of t rows, as hierviz.quant.triton_w4.pick_config
+    chooses them on a GPU of `sms`."""
     from hierviz.quant.triton_w4 import pick_config
     c = pick_config(t, n, k, group, sms, gemv=gemv)
     if c.gemv:      # a program's K loop: its share of the 32-channel quads, block_q of them a step
-        return 1, 0, c.num_stages / (-(-(k // 32) // c.split_k) / c.block_q)
+        return 1, 0, c.num_stages / (-(-(k // 32) // c.split_k) / c.block_q), c.split_k
     sub = group if group <= 256 else 128        # triton_w4._sub_block: channels a step
-    return -(-t // c.block_m), c.block_m, c.num_stages / -(-(k // sub) // c.split_k)
+    return -(-t // c.block_m), c.block_m, c.num_stages / -(-(k // sub) // c.split_k), c.split_k
 
 
 def w4_kernels(t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
     # the one-token CUDA-core kernel and TMA loads run from Hopper on (triton_w4._has_tma)
-    tiles, rows, stages = w4_tiling(t, n, k, where.group, gpu.sms, gpu.capability >= (9, 0))
+    tiles, rows, stages, split = w4_tiling(t, n, k, where.group, gpu.sms, gpu.capability >= (9, 0))
     weights = n * k / 2 + 4.0 * n * k / where.group          # codes, fp16 scales and offsets
     acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
-    return [Kernel("w4", tiles * weights + acts, 2.0 * tiles * rows * n * k, "fp16", stages)]
+    # split-K meets in a fixed order (triton_w4._store_product): fp32 partials written, then read back
+    partials = 8.0 * split * t * n if split > 1 else 0.0
+    return [Kernel("w4", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "fp16", stages)]
+
+
+def gemm_stages(k: int, elem: int) -> float:
+    """Pipeline stages per K step of a library GEMM's program (assumed: see CUBLAS_STAGES)."""
+    return CUBLAS_STAGES / max(1.0, k * elem / CUBLAS_K_BYTES)
 
 
 def dense_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
-    out = [Kernel("gemm", 2.0 * n * k + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "fp16")]
+    out = [Kernel("gemm", 2.0 * n * k + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "fp16", gemm_stages(k, 2))]
     return out + ([Kernel("stream", 6.0 * t * n)] if add else [])
 
 
@@ -182,7 +197,7 @@ def quantize_kernels(t: int, k: int, fmt: str) -> list[Kernel]:
 def int8_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
     m = max(t, INT_MM_MIN_ROWS)
     pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
-    mm = Kernel("gemm", float(n * k + m * k + 4 * m * n), 2.0 * m * n * k, "int_mm")
+    mm = Kernel("gemm", float(n * k + m * k + 4 * m * n), 2.0 * m * n * k, "int_mm", gemm_stages(k, 1))
     tn = t * n      # int32 -> float, * token scales, * channel scales, -> fp16
     rescale = [Kernel("stream", float(b)) for b in (8 * tn, 8 * tn + 4 * t, 8 * tn + 4 * n, 6 * tn)]
     return quantize_kernels(t, k, "w8a8-int8") + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
@@ -192,7 +207,7 @@ def fp8_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
     m = FP8_ROWS * -(-t // FP8_ROWS)
     pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
     ones = Kernel("stream", 4.0 * FP8_ROWS)
-    mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "fp8")
+    mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "fp8", gemm_stages(k, 1))
     tn = t * n      # * token scales, -> fp16
     rescale = [Kernel("stream", 8.0 * tn + 4 * t), Kernel("stream", 6.0 * tn)]
     return quantize_kernels(t, k, "w8a8-fp8") + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
@@ -277,6 +292,7 @@ class Terms:
     stream_us: float
     gemm_mem_us: tuple[float, ...]
     gemm_comp_us: tuple[float, ...]
+    gemm_fill_us: tuple[float, ...]
     w4_mem_us: float
     w4_fill_us: float
     w4_comp_us: float
@@ -289,20 +305,21 @@ def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
     return Terms(len(kernels), sum(k.bytes for k in kernels if k.kind == "stream") / per_us,
                  tuple(k.bytes / per_us for k in gemms),
                  tuple(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in gemms),
+                 tuple(k.bytes * k.stages / per_us for k in gemms),
                  sum(k.bytes for k in w4) / per_us, sum(k.bytes * k.stages for k in w4) / per_us,
                  sum(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in w4))
 
 
-def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, w4_fill: float | np.ndarray) -> float | np.ndarray:
+def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: float | np.ndarray) -> float | np.ndarray:
     """Everything but the launches; numpy arrays of parameters give an array (the fit's grid)."""
-    total = (tm.stream_us + tm.w4_mem_us + w4_fill * tm.w4_fill_us) / e_bw + tm.w4_comp_us / e_c
-    for mem, comp in zip(tm.gemm_mem_us, tm.gemm_comp_us):
-        total = total + np.maximum(mem / e_bw, comp / e_c)
+    total = (tm.stream_us + tm.w4_mem_us + fill * tm.w4_fill_us) / e_bw + tm.w4_comp_us / e_c
+    for mem, comp, fl in zip(tm.gemm_mem_us, tm.gemm_comp_us, tm.gemm_fill_us):
+        total = total + np.maximum((mem + fill * fl) / e_bw, comp / e_c)
     return total
 
 
 def predict_us(f: Fit, tm: Terms) -> float:
-    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.w4_fill))
+    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.fill))
 
 
 def layer_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
@@ -319,7 +336,7 @@ def model_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
 
 E_BW = (0.4, 1.0)
 E_C = (0.05, 1.0)
-W4_FILL = (0.0, 8.0)
+FILL = (0.0, 8.0)
 
 
 def _points(curves: list[Curve]) -> list[tuple[Terms, float]]:
@@ -347,14 +364,13 @@ def _zoom(axis: np.ndarray, best: float) -> np.ndarray:
 
 
 def fit(curves: list[Curve]) -> Fit:
-    """(launch, e_bw, e_c, w4_fill) minimising the squared relative error over the curves: a
-    grid, zoomed in three times. Without W4A16 curves w4_fill cannot be told and stays 0."""
+    """(launch, e_bw, e_c, fill) minimising the squared relative error over the curves: a grid,
+    zoomed in three times. Every product with a K loop waits the fill, so any format tells it."""
     pts = _points(curves)
-    has_w4 = any(c.fmt == "w4" for c in curves)
-    axes = [np.linspace(*E_BW, 25), np.geomspace(*E_C, 31), np.linspace(*W4_FILL, 17) if has_w4 else np.array([0.0])]
+    axes = [np.linspace(*E_BW, 25), np.geomspace(*E_C, 31), np.linspace(*FILL, 17)]
     best = _grid_best(pts, axes)[1]
     for _ in range(3):
-        axes = [_zoom(axes[0], best.e_bw), _zoom(axes[1], best.e_c), _zoom(axes[2], best.w4_fill)]
+        axes = [_zoom(axes[0], best.e_bw), _zoom(axes[1], best.e_c), _zoom(axes[2], best.fill)]
         best = _grid_best(pts, axes)[1]
     return best
 
@@ -523,7 +539,7 @@ def markdown(info: dict[str, Any]) -> str:
     shapes = ", ".join(sorted({c["shape"] for c in cal["curves"]}))
     lines = [f"# Cost model, calibrated on {cal['gpu']}", "",
              f"Per kernel launch {f['launch_us']:.2f} us; e_bw {f['e_bw']:.3f} (copy measured: {cal['copy_e_bw']:.3f}); "
-             f"e_c {f['e_c']:.3f}; W4A16 kernel fill {f['w4_fill']:.2f} K steps per stage.", "",
+             f"e_c {f['e_c']:.3f}; fill {f['fill']:.2f} K steps per pipeline stage.", "",
              f"| format | kernels per layer (T = 1 / 128: {shapes}) | each shape left out: mean / max ({shapes}) | "
              "in-sample mean / max | format left out: mean / max |", "|---|---|---|---|---|"]
     for fm, d in cal["formats"].items():
