@@ -33,7 +33,7 @@ def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path, monkeypatch
     def fake(cfg_path, weights, prompt, n, dev, dtype, variant):
         if variant == "static-compiled":
             raise RuntimeError("no C++ compiler")
-        return [3] * n, {"plain": 2.0, "static": 1.0}[variant]
+        return [3] * n, {"plain": 2.0, "static": 1.0, "static-compiled-default": 0.5}[variant]
     monkeypatch.setattr(eb, "hf_generate", fake)
     res = {"identical_prefix": {}}
     rows = {"ours fp16, CUDA graphs": 40.0, "ours W4A16 triton, CUDA graphs": 20.0}
@@ -41,7 +41,8 @@ def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path, monkeypatch
     eb._against_transformers(res, rows, toks, tmp_path, {}, [1], 4, "cpu", torch.float32)
     assert rows[f"{eb.HF_VARIANTS['plain']} fp16"] == 2.0 and rows[f"{eb.HF_VARIANTS['static']} fp16"] == 4.0
     assert "no C++ compiler" in res["hf_error"]["static-compiled"]
-    assert res["ours_fp16_graphs_over_best_transformers"] == 10.0          # against the fastest peer
+    assert rows[f"{eb.HF_VARIANTS['static-compiled-default']} fp16"] == 8.0
+    assert res["ours_fp16_graphs_over_best_transformers"] == 5.0           # against the fastest peer
     assert res["identical_prefix"][f"ours fp16 graphs vs {eb.HF_VARIANTS['static']}"] == 2
 
 

@@ -406,10 +406,11 @@ def test_decoders_reproduce_ar_of_an_8bit_target_through_graphs(method, fmt) -> 
     assert output_tokens(generate(st, method, "the quick brown fox", s)) == ar
 
 
-def test_engine_bench_compiled_transformers_peer_on_the_gpu(tmp_path) -> None:
-    """transformers' static-cache generate with its compiled forward (engine-bench's fastest peer,
-    run in its own process: with torch 2.11 that process segfaults at exit) gives the plain
-    generate's tokens on the same fp32 weights."""
+@pytest.mark.parametrize("variant", ["static-compiled", "static-compiled-default"])
+def test_engine_bench_compiled_transformers_peer_on_the_gpu(tmp_path, variant) -> None:
+    """transformers' static-cache generate with its compiled forward (engine-bench's fastest peers,
+    each run in its own process: with torch 2.11 the reduce-overhead one has segfaulted) gives the
+    plain generate's tokens on the same fp32 weights."""
     import json
 
     from hierviz.measure import engine_bench as eb
@@ -421,7 +422,7 @@ def test_engine_bench_compiled_transformers_peer_on_the_gpu(tmp_path) -> None:
     torch.manual_seed(0)
     weights = hf_weights(ModelConfig.from_file(cfg_path), "cuda")
     plain, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, "plain")
-    compiled, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, "static-compiled")
+    compiled, _ = eb.hf_generate(cfg_path, weights, [1, 5, 9, 11], 8, "cuda", torch.float32, variant)
     assert compiled == plain
 
 
