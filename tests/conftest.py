@@ -14,18 +14,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: long statistical runs, opt-in: pytest -m slow")
 
 
-# the files whose tests take longest (each over a minute on 2 cores), started first: with
-# `-n 2 --dist loadfile` a worker takes files in collection order, and one of these started last
-# ran alone for minutes after the other worker had finished
-LONGEST_FIRST = ("test_hardening.py", "test_fused.py", "test_oracle_acceptance.py", "test_train.py",
-                 "test_triton_w4.py", "test_sampling_power.py", "test_browser.py", "test_whatif.py")
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest files first (a stable sort keeps each file's own order); slow tests run only
-    when the -m expression names them."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """Slow tests run only when the -m expression names them."""
     if "slow" in (config.getoption("-m") or ""):
         return
     import pytest
