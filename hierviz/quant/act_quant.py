@@ -5,11 +5,13 @@ kernels per product on CUDA (cast, abs, amax, divide, clamp, divide, round, clam
 most of what makes a one-token W8A8 layer slower than FP16 on the H200 (docs/formats.md). This
 kernel reads each row twice (its absmax, then its codes) and writes the codes and the row's scale:
 
-    s[t] = max(max_k |x[t, k]| / QMAX, 1e-12)        (fp32, IEEE division)
+    s[t] = max(max_k |x[t, k]| / QMAX, 1e-12)        (fp32; on CUDA as absmax x fp32(1 / QMAX))
     q[t, k] = round_half_even(clamp(x[t, k] / s[t], -QMAX, QMAX))   int8, QMAX = 127
             = e4m3(clamp(x[t, k] / s[t], -448, 448))                FP8, round to nearest even
 
-the same arithmetic as torch's in the same order, so the codes and scales are the same bits. One
+the same arithmetic as torch's in the same order, so the codes and scales are the same bits (torch
+divides a tensor by a Python number as a multiplication by its fp32 reciprocal on CUDA, and
+exactly on the CPU: the kernel does what torch does on the device it runs on). One
 program per row: a row's result never depends on the others (batch invariance by construction).
 
 Not used on CUDA until tests/test_gpu.py has compared it with torch's path on a GPU (`PROVEN`); the
@@ -60,8 +62,8 @@ if triton is not None:
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        # torch's arithmetic bit for bit: on CUDA, tensor / python scalar is a * fp32(1 / b); on the
-        # CPU an IEEE division. Triton's own fp32 `/` is the approximate div.full on NVIDIA GPUs
+        # torch's arithmetic on this device (module docstring); divisions are div_rn because
+        # Triton's own fp32 `/` is the approximate div.full on NVIDIA GPUs
         if RECIP:
             s = tl.maximum(tl.max(amax, axis=0) * INV_QMAX, 1e-12)
         else:
