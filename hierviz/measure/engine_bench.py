@@ -106,8 +106,8 @@ COMPILED = ("static-compiled", "static-compiled-default")
 def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
                 dtype: torch.dtype, variant: str = "plain") -> tuple[list[int], float]:
     """Greedy tokens and seconds of transformers' `generate` on the same weights, in one of HF_VARIANTS.
-    The compiled variant runs in a child process (`hf_generate_in_child`): on CUDA its process has
-    been seen to segfault at exit, which must not take the bench with it."""
+    The compiled variants run in a child process (`hf_generate_in_child`): on the H200 the
+    reduce-overhead one's process segfaults, which must not take the bench with it."""
     if variant in COMPILED and not _IN_CHILD[0]:
         return hf_generate_in_child(cfg_path, weights, prompt, n, device, dtype, variant)
     from transformers import LlamaConfig, LlamaForCausalLM

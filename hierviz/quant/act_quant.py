@@ -96,7 +96,7 @@ def quantize_rows(x2: torch.Tensor, qmax: float, code_dtype: torch.dtype,
     q = torch.empty(m, k, dtype=code_dtype, device=x2.device)
     s = torch.empty(m, dtype=torch.float32, device=x2.device)
     if m:
-        _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax, INV_QMAX=1.0 / qmax, 
+        _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax, INV_QMAX=1.0 / qmax,
                              RECIP=x2.is_cuda if cuda_arithmetic is None else cuda_arithmetic,
                              FP8=code_dtype != torch.int8, MAGIC=ROUND_MAGIC, BLOCK=BLOCK)
     return q, s

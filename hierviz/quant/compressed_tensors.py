@@ -27,7 +27,7 @@ import torch
 from hierviz.quant.errors import CheckpointError
 from hierviz.quant.fp8 import FP8Weight
 from hierviz.quant.gptq import cast_float, checkpoint_tensors, iter_tensors, load_state_dict_folder
-from hierviz.quant.w8a8 import W8Weight
+from hierviz.quant.w8a8 import QMAX, W8Weight
 
 QUANT_METHOD = "compressed-tensors"
 WEIGHT_TYPES = {"int": W8Weight, "float": FP8Weight}
@@ -166,15 +166,15 @@ def load_dense_tensors(folder: str | Path, config: dict[str, Any]) -> dict[str, 
 
 def store_weight_only_int8(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, quantization_config): every 2-D floating `*.weight` as int8 codes with a per-row
-    scale (max |w| / 127, in the tensor's dtype), the rest unchanged; round to nearest."""
+    scale (max |w| / QMAX, in the tensor's dtype), the rest unchanged; round to nearest."""
     out: dict[str, torch.Tensor] = {}
     for k, t in tensors.items():
         if not (k.endswith(".weight") and t.dim() == 2 and t.is_floating_point()):
             out[k] = t
             continue
         w = t.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float16).tiny).to(t.dtype)
-        out[k] = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        scale = (w.abs().amax(dim=1) / QMAX).clamp_min(torch.finfo(torch.float16).tiny).to(t.dtype)
+        out[k] = torch.round(w / scale.float()[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
         out[f"{k[:-len('.weight')]}{SCALE_SUFFIX}"] = scale[:, None].contiguous()
     config = {"quant_method": QUANT_METHOD, "format": "int-quantized", "quantization_status": "compressed",
               "config_groups": {"group_0": WEIGHT_ONLY_INT8}, "ignore": []}
