@@ -319,3 +319,27 @@ def test_stats_check_each_run_against_autoregressive(runs):
     sampled.meta["settings"] = {**(sampled.meta.get("settings") or {}), "temperature": 0.7}
     assert "✓ yes" not in stats_html([sampled, ar]) and "same text as Autoregressive" in stats_html([sampled, ar])
     assert "same text as Autoregressive" not in stats_html([hs, e2])      # no AR run: nothing to check against
+
+
+def _as_plotly_checks_it(fig) -> dict:
+    """The figure rebuilt through plotly's validation (which raises on any unknown or malformed
+    property), as JSON."""
+    import json
+
+    import plotly.graph_objects as go
+    return json.loads(go.Figure(json.loads(fig.to_json())).to_json())
+
+
+@pytest.mark.parametrize("title", ["", "HierSpec · step 3"])
+def test_per_step_figures_pass_plotly_validation(runs, title):
+    """The tree and latency figures are built unchecked (hierviz.viz.unchecked) because they are
+    rebuilt on every streamed step: each must be exactly what plotly's checks accept and keep."""
+    import json
+    main, others = runs[0], runs[1:]
+    several = next(s for s in main.steps if len(s.trees) > 1)
+    figures = [tree_figure([small_tree()], title),
+               tree_figure(several.trees, title), tree_figure([], title),
+               latency_figure(main, 2, others), latency_figure(main, -1, others, projected=True),
+               latency_figure(None), latency_figure(main, 0, [])]
+    for fig in figures:
+        assert json.loads(fig.to_json()) == _as_plotly_checks_it(fig)

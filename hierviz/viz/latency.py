@@ -2,12 +2,15 @@
 number of output tokens (a fair race: each bar is "time to write the first N tokens")."""
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Optional
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from hierviz.trace import STAGES, Step, Trace
+from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
 from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, method_label
 
 METHOD_STAGE_NAMES = {
@@ -58,21 +61,30 @@ def latency_rows(main: Trace, step: int, others: list[Trace]) -> tuple[list[tupl
     return step_rows, cum_rows
 
 
+@functools.lru_cache(maxsize=4)
+def _two_chart_layout(unit: str) -> dict:
+    """The two charts' layout from make_subplots (axis domains, titles), made once per unit: making
+    it took half of a figure's time, and the figure is rebuilt on every streamed step."""
+    return make_subplots(rows=2, cols=1, vertical_spacing=0.3,
+                         subplot_titles=(f"This step ({unit})", f"Time to write the same number of tokens ({unit})")
+                         ).to_plotly_json()["layout"]
+
+
 def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[Trace]] = None,
                    projected: bool = False) -> go.Figure:
     """Stage bars of one step and the time each run took to write the same number of tokens;
     projected: the runs are re-timed at real scale (hierviz.retime), and the titles say so."""
-    unit = "ms, projected at real scale" if projected else "ms"
-    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.3,
-                        subplot_titles=(f"This step ({unit})", f"Time to write the same number of tokens ({unit})"))
+    layout = copy.deepcopy(_two_chart_layout("ms, projected at real scale" if projected else "ms"))
     if main is None or not main.steps:
-        fig.update_layout(template="none", height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
-        fig.add_annotation(text="Latency bars appear once a run has steps.", showarrow=False, x=0.5, y=0.5,
-                           xref="paper", yref="paper", font_size=14)
-        return fig
+        layout.update(template=NO_TEMPLATE, height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
+        layout["annotations"].append(dict(text="Latency bars appear once a run has steps.", showarrow=False, x=0.5,
+                                          y=0.5, xref="paper", yref="paper", font=dict(size=14)))
+        return unchecked_figure([], layout)
     step = step if step >= 0 else len(main.steps) - 1
     step_rows, cum_rows = latency_rows(main, step, others or [])
+    traces = []
     for row_idx, rows in ((1, step_rows), (2, cum_rows)):
+        axes = dict(xaxis="x", yaxis="y") if row_idx == 1 else dict(xaxis="x2", yaxis="y2")
         rows = rows[::-1]                        # plotly draws the first category at the bottom
         labels = [r[0] for r in rows]
         for stage in STAGES:
@@ -80,19 +92,20 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
             if not any(vals):
                 continue
             names = [METHOD_STAGE_NAMES.get(r[2], {}).get(stage, STAGE_LABELS[stage]) for r in rows]
-            fig.add_trace(go.Bar(
-                y=labels, x=vals, orientation="h", name=STAGE_LABELS[stage], legendgroup=stage,
-                showlegend=row_idx == 1, marker_color=STAGE_COLORS[stage],
-                customdata=names, hovertemplate="%{customdata}: %{x:.2f} ms<extra></extra>"), row=row_idx, col=1)
+            traces.append(dict(
+                type="bar", y=labels, x=vals, orientation="h", name=STAGE_LABELS[stage], legendgroup=stage,
+                showlegend=row_idx == 1, marker=dict(color=STAGE_COLORS[stage]),
+                customdata=names, hovertemplate="%{customdata}: %{x:.2f} ms<extra></extra>", **axes))
         totals = [sum(r[1].values()) for r in rows]
-        fig.add_trace(go.Scatter(y=labels, x=totals, mode="text", text=[f"  {t:.1f} ms" for t in totals],
-                                 textposition="middle right", showlegend=False, hoverinfo="skip",
-                                 textfont=dict(size=13)), row=row_idx, col=1)
-        fig.update_xaxes(range=[0, max(totals) * 1.3 if max(totals) > 0 else 1], row=row_idx, col=1,
-                         gridcolor="#eee")
-    fig.update_yaxes(automargin=True, ticksuffix=" ")
+        traces.append(dict(type="scatter", y=labels, x=totals, mode="text", text=[f"  {t:.1f} ms" for t in totals],
+                           textposition="middle right", showlegend=False, hoverinfo="skip",
+                           textfont=dict(size=13), **axes))
+        layout[axes["xaxis"].replace("x", "xaxis")].update(
+            range=[0, max(totals) * 1.3 if max(totals) > 0 else 1], gridcolor="#eee")
+    for axis in ("yaxis", "yaxis2"):
+        layout[axis].update(automargin=True, ticksuffix=" ")
     n_rows = len(step_rows) + len(cum_rows)
-    fig.update_layout(template="none", barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
-                      plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
-                      legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), bargap=0.35)
-    return fig
+    layout.update(template=NO_TEMPLATE, barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
+                  plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
+                  legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), bargap=0.35)
+    return unchecked_figure(traces, layout)

@@ -13,8 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from hierviz.trace import DraftTree
+from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
 from hierviz.viz.style import COLORS, ROLE_MARKS, TEXT_ON, plotly_label, visible_token
 
 COL_PX = 120        # pixels per depth column; the figure width is fixed so labels never overlap
@@ -161,18 +163,14 @@ _STATUS_ORDER = ("root", "tree", "rejected", "discarded", "intermediate_bonus", 
 
 
 def _title(title: str) -> dict | None:
-    return dict(text=title, x=0.01, font_size=15) if title else None
+    return dict(text=title, x=0.01, font=dict(size=15)) if title else None
 
 
 def _empty_figure(title: str, empty: str) -> go.Figure:
-    fig = go.Figure()
-    fig.update_layout(height=170, xaxis_visible=False, yaxis_visible=False,
-                      title=_title(title),
-                      annotations=[dict(text=empty,
-                                        showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                                        font_size=15)],
-                      margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white")
-    return fig
+    return unchecked_figure([], dict(
+        height=170, xaxis=dict(visible=False), yaxis=dict(visible=False), title=_title(title),
+        annotations=[dict(text=empty, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font=dict(size=15))],
+        margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white", template=pio.templates["plotly"]))
 
 
 def _place_trees(trees: list[DraftTree]) -> tuple[list[tuple[int, PlacedNode]], list[tuple[PlacedNode, PlacedNode]]]:
@@ -212,8 +210,8 @@ def _elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
     return [xs, xm, xm, b.x, None], [a.y, a.y, b.y, b.y, None]
 
 
-def _add_edges(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]], pos: dict[tuple[int, int], PlacedNode],
-               connectors: list[tuple[PlacedNode, PlacedNode]]) -> None:
+def _edge_traces(all_nodes: list[tuple[int, PlacedNode]], pos: dict[tuple[int, int], PlacedNode],
+                 connectors: list[tuple[PlacedNode, PlacedNode]]) -> list[dict]:
     """Parent-child edges, one trace per kind (other, accepted, bonus), then the tree-to-tree connectors."""
     edge_groups: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
     for ti, p in all_nodes:
@@ -226,14 +224,11 @@ def _add_edges(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]], pos: dic
         ex, ey = _elbow(parent, p)
         edge_groups[kind][0].extend(ex)
         edge_groups[kind][1].extend(ey)
-    for kind in ("other", "tree", "bonus"):
-        if kind in edge_groups:
-            ex, ey = edge_groups[kind]
-            fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=_EDGE_STYLES[kind], hoverinfo="skip",
-                                     showlegend=False))
-    for a, b in connectors:
-        fig.add_trace(go.Scatter(x=[a.x + _node_px(a) * _UNIT, b.x], y=[a.y, b.y], mode="lines",
-                                 line=dict(color="#555", width=2, dash="dash"), hoverinfo="skip", showlegend=False))
+    traces = [dict(type="scatter", x=edge_groups[kind][0], y=edge_groups[kind][1], mode="lines", line=_EDGE_STYLES[kind],
+                   hoverinfo="skip", showlegend=False) for kind in ("other", "tree", "bonus") if kind in edge_groups]
+    return traces + [dict(type="scatter", x=[a.x + _node_px(a) * _UNIT, b.x], y=[a.y, b.y], mode="lines",
+                          line=dict(color="#555", width=2, dash="dash"), hoverinfo="skip", showlegend=False)
+                     for a, b in connectors]
 
 
 def _chip(p: PlacedNode) -> dict:
@@ -249,23 +244,23 @@ def _chip(p: PlacedNode) -> dict:
         bordercolor="#222" if p.id == BONUS else COLORS[p.status], borderwidth=1.5 if p.id == BONUS else 0)
 
 
-def _add_nodes(fig: go.Figure, all_nodes: list[tuple[int, PlacedNode]]) -> list[dict]:
-    """Per status: an invisible marker trace carrying the hover texts and a legend entry; returns
-    the node chips. Chips are annotations because annotations size to their text."""
-    annotations = []
+def _node_traces(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[list[dict], list[dict]]:
+    """Per status: an invisible marker trace carrying the hover texts and a legend entry; and the
+    node chips. Chips are annotations because annotations size to their text."""
+    traces, annotations = [], []
     for status in _STATUS_ORDER:
         group = [(ti, p) for ti, p in all_nodes if p.status == status]
         if not group:
             continue
-        fig.add_trace(go.Scatter(
-            x=[round(p.x + _node_px(p) * _UNIT / 2, 3) for _, p in group], y=[p.y for _, p in group], mode="markers",
-            marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
+        traces.append(dict(
+            type="scatter", x=[round(p.x + _node_px(p) * _UNIT / 2, 3) for _, p in group], y=[p.y for _, p in group],
+            mode="markers", marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
             hovertext=[_hover(p, ti) for ti, p in group], hoverinfo="text", name=STATUS_NAMES[status],
             showlegend=False))
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=legend_name(status),
-                                 marker=dict(size=13, color=COLORS[status], symbol="square")))
+        traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=legend_name(status),
+                           marker=dict(size=13, color=COLORS[status], symbol="square")))
         annotations += [_chip(p) for _, p in group]
-    return annotations
+    return traces, annotations
 
 
 def _tree_labels(trees: list[DraftTree], pos: dict[tuple[int, int], PlacedNode]) -> list[dict]:
@@ -284,17 +279,16 @@ def tree_figure(trees: list[DraftTree], title: str = "",
     all_nodes, connectors = _place_trees(trees)
     n_rows, width, height, x_end = _figure_size(all_nodes)
     pos = {(ti, p.id): p for ti, p in all_nodes}
-    fig = go.Figure()
-    _add_edges(fig, all_nodes, pos, connectors)
-    annotations = _add_nodes(fig, all_nodes) + _tree_labels(trees, pos)
-    fig.update_layout(
+    node_traces, chips = _node_traces(all_nodes)
+    layout = dict(
         title=_title(title),
         width=width, height=height, autosize=False,
         margin=dict(l=10, r=10, t=60 if title else 36, b=10),
-        template="none", plot_bgcolor="white", paper_bgcolor="white", annotations=annotations,
+        template=NO_TEMPLATE, plot_bgcolor="white", paper_bgcolor="white",
+        annotations=chips + _tree_labels(trees, pos),
         xaxis=dict(visible=False, range=[-0.1, x_end], fixedrange=True),
         yaxis=dict(visible=False, range=[n_rows - 0.4, -1.3], fixedrange=True),
-        legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font_size=12),
-        hoverlabel=dict(font_size=13),
+        legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=12)),
+        hoverlabel=dict(font=dict(size=13)),
     )
-    return fig
+    return unchecked_figure(_edge_traces(all_nodes, pos, connectors) + node_traces, layout)
