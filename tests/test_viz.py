@@ -332,14 +332,16 @@ def _as_plotly_checks_it(fig) -> dict:
 
 @pytest.mark.parametrize("title", ["", "HierSpec · step 3"])
 def test_per_step_figures_pass_plotly_validation(runs, title):
-    """The tree and latency figures are built unchecked (hierviz.viz.unchecked) because they are
+    """The tree, latency and crossover figures are built unchecked (hierviz.viz.unchecked) because they are
     rebuilt on every streamed step: each must be exactly what plotly's checks accept and keep."""
     import json
+
+    from hierviz.viz.crossover import crossover_figure
     main, others = runs[0], runs[1:]
     several = next(s for s in main.steps if len(s.trees) > 1)
     figures = [tree_figure([small_tree()], title),
                tree_figure(several.trees, title), tree_figure([], title),
                latency_figure(main, 2, others), latency_figure(main, -1, others, projected=True),
-               latency_figure(None), latency_figure(main, 0, [])]
+               latency_figure(None), latency_figure(main, 0, []), crossover_figure(runs), crossover_figure([])]
     for fig in figures:
         assert json.loads(fig.to_json()) == _as_plotly_checks_it(fig)

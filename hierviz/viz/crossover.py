@@ -9,6 +9,7 @@ its own tokens re-timed at real scale). Everything on it is projected.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import plotly.graph_objects as go
 from hierviz.retime import RETIMED, WHATIF_SWEEP, acceptance_scale, at_time_scale, equal_token_ratios
 from hierviz.trace import Trace, TraceError, comparison_from_json
 from hierviz.viz.style import COLORS
+from hierviz.viz.unchecked import unchecked_figure
 from hierviz.viz.whatif_fig import METHOD_COLORS, sweep_base_rates
 
 PAPER_SCALE = 1.0
@@ -64,14 +66,15 @@ def run_point(traces: list[Trace], sweep: dict[str, Any]) -> Optional[tuple[floa
     return (scale, ratio) if scale is not None and ratio is not None else None
 
 
-def marker(x: float, y: float, name: str, symbol: str, color: str, hover: str) -> go.Scatter:
-    return go.Scatter(x=[x], y=[y], mode="markers", name=name, hovertemplate=hover + "<extra></extra>",
-                      marker=dict(symbol=symbol, size=14, color=color, line=dict(color="#222", width=1)))
+def marker(x: float, y: float, name: str, symbol: str, color: str, hover: str) -> dict:
+    return dict(type="scatter", x=[x], y=[y], mode="markers", name=name, hovertemplate=hover + "<extra></extra>",
+                marker=dict(symbol=symbol, size=14, color=color, line=dict(color="#222", width=1)))
 
 
-def crossover_figure(traces: list[Trace]) -> go.Figure:
-    """The sweep's curve with the crossover, the paper's operating point and this run marked
-    (this run only when it has both HierSpec and EAGLE-2 and drafts to measure acceptance on)."""
+@functools.lru_cache(maxsize=1)
+def sweep_figure_json() -> dict:
+    """The crossover figure without a run (the sweep's curve, the crossover, the paper's point), as
+    JSON: it depends on the shipped sweep alone, and building it was most of the figure's time."""
     fig = go.Figure()
     sweep = shipped_sweep()
     points = sweep_ratios(sweep) if sweep else []
@@ -89,18 +92,26 @@ def crossover_figure(traces: list[Trace]) -> go.Figure:
         fig.add_trace(marker(PAPER_SCALE, paper, "paper's operating point (scale 1)", "diamond", COLORS["intermediate_bonus"],
                              f"scale 1: the default rates the What-if headline assumes (with the paper's trees); "
                              f"the sweep's best configurations: {paper:.2f}× (projected)"))
-    here = run_point(traces, sweep) if sweep else None
-    if here is not None:
-        fig.add_trace(marker(here[0], here[1], f"this run (scale {here[0]:.2f})", "star", COLORS["target_bonus"],
-                             f"this run: acceptance scale {here[0]:.2f}, HierSpec {here[1]:.2f}× EAGLE-2 "
-                             "re-timed at real scale (projected)"))
     fig.add_hline(y=1.0, line=dict(color="#8C8C8C", width=1.5, dash="dash"),
                   annotation_text="EAGLE-2 (1.0×)", annotation_position="bottom right")
     fig.update_xaxes(title_text="acceptance scale (× the what-if default per-depth rates)")
     fig.update_yaxes(title_text="HierSpec / EAGLE-2 (projected)", rangemode="tozero")
     fig.update_layout(title=dict(text=TITLE, font=dict(size=14)), height=420, template="plotly_white",
                       margin=dict(t=70, l=60, r=20, b=50), legend=dict(orientation="h", y=-0.2))
-    return fig
+    return fig.to_plotly_json()
+
+
+def crossover_figure(traces: list[Trace]) -> go.Figure:
+    """The sweep's curve with the crossover, the paper's operating point and this run marked
+    (this run only when it has both HierSpec and EAGLE-2 and drafts to measure acceptance on)."""
+    fig = copy.deepcopy(sweep_figure_json())
+    sweep = shipped_sweep()
+    here = run_point(traces, sweep) if sweep else None
+    if here is not None:
+        fig["data"].append(marker(here[0], here[1], f"this run (scale {here[0]:.2f})", "star", COLORS["target_bonus"],
+                                  f"this run: acceptance scale {here[0]:.2f}, HierSpec {here[1]:.2f}× EAGLE-2 "
+                                  "re-timed at real scale (projected)"))
+    return unchecked_figure(fig["data"], fig["layout"])
 
 
 # The trace the Visualizer opens on (the first recorded trace, by name); quoted by the What-if tab.
