@@ -759,9 +759,8 @@ def test_eight_visitors_at_once_each_get_their_own_run_and_see_the_line(app_url)
         assert last[3] == final[7]                          # the same output panel as its own final
 
 
-# visitors whose scrub or load is in flight at once: the server renders the panels of each in about
-# 0.1 s of CPU, so at 30 at once the last one would wait for the 29 before it (~4 s); 5 at once is
-# a busy classroom, and still leaves the running run its share of the core
+# visitors whose scrub or load is in flight at once: 5 at once is a busy classroom, and still leaves
+# the running run its share of the core (30 at once would queue each behind the 29 before it)
 AT_ONCE = 5
 
 
