@@ -793,18 +793,19 @@ def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path
 
     f = tmp_path / "small.json"
     f.write_text(json.dumps(hi.plumbing()))
-    # the machine's own pace: the same scrubs and loads (loads by fresh visitors, so that every
+    # the visitors who will fill the line; with the 30 they are 51 of the STATE_CAPACITY (64)
+    # sessions whose state the server keeps, so that no visitor's run is dropped for room
+    size = options().queue_size
+    fillers = [new_client(app_url) for _ in range(size + 1)]
+    assert len(fillers) >= 2 * AT_ONCE
+    # the machine's own pace: the same scrubs and loads (loads by the fillers, so that every
     # visitor keeps their run) with the line empty, AT_ONCE at a time
-    fresh = [new_client(app_url) for _ in range(2 * AT_ONCE)]
-
     def idle_visit(i: int) -> tuple[float, float]:
-        return timed(lambda: visitors[i].predict(1, api_name="/scrub"))[1], timed(lambda: upload(fresh[i], f))[1]
+        return timed(lambda: visitors[i].predict(1, api_name="/scrub"))[1], timed(lambda: upload(fillers[i], f))[1]
     with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
         idle = list(pool.map(idle_visit, range(2 * AT_ONCE)))
     limit = max(2.0, 3 * max(max(t) for t in idle))     # the other test worker's load varies between the two
 
-    size = options().queue_size
-    fillers = [new_client(app_url) for _ in range(size + 1)]
     jobs = [fillers[0].submit(*hi.run_args(prompt="the running one", max_new=256, with_ar=True), api_name="/run")]
     assert wait_for(lambda: is_streaming_steps(jobs[0]))
     jobs += [c.submit(*hi.run_args(prompt="waiting", max_new=256, with_ar=True), api_name="/run") for c in fillers[1:]]
