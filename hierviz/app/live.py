@@ -201,9 +201,13 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
                     settings: DecodeSettings, pacer: Pacer, stopped: Callable[[], bool]) -> Iterator[tuple]:
     """Load and warm the stack, run each method into `new`, then the final state with the download."""
     plan = RunPlan(stack_name, methods, settings.max_new_tokens)
-    # clear the panels of the previous run or trace, so nothing stale is on screen
-    yield run_update(status=status_html(plan.stage_text("Loading the model stack", TIMINGS.load_s.get(stack_name), 0)),
-                     session=new, **panel_updates(new), **nav_updates(new))
+    # the status first, alone: with the panels in the same update the page redraws the previous
+    # run's plots before the visitor sees the run begin
+    loading = status_html(plan.stage_text("Loading the model stack", TIMINGS.load_s.get(stack_name), 0))
+    yield run_update(status=loading)
+    # then clear the panels of the previous run or trace, so nothing stale is on screen (the status
+    # again: every update of a run carries one, for API clients that read each)
+    yield run_update(status=loading, session=new, **panel_updates(new), **nav_updates(new))
     stack = yield from timed_stage(plan, "Loading the model stack", TIMINGS.load_s, lambda: get_stack(stack_name))
     if not is_warm(stack, methods, settings):
         # else the first method pays every first-call cost and the comparison is skewed
