@@ -83,10 +83,23 @@ def _int(name: str, default: int, lo: int, hi: int) -> int:
     return v
 
 
+_ENV_READ = (*ENV_NAMES.values(), *_DEFAULTS_FROM)
+# os.environ's own dict (bytes keys on POSIX), which setenv and `os.environ[k] = v` update: reading
+# it skips the per-name encoding of os.environ.get, which made the snapshot 42 us of every call
+_RAW_ENV = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_READ_RAW = tuple(os.fsencode(n) for n in _ENV_READ)
+
+
+def _env_snapshot() -> tuple:
+    if _RAW_ENV is not None:
+        return tuple(map(_RAW_ENV.get, _ENV_READ_RAW))
+    return tuple(os.environ.get(n) for n in _ENV_READ)
+
+
 def options() -> Options:
     """The options in effect: the environment, then any `overrides` around the caller. Cached
     against a snapshot of the variables, since kernels consult it on every launch."""
-    key = (tuple(os.environ.get(n) for n in (*ENV_NAMES.values(), *_DEFAULTS_FROM)), tuple(sorted(_global_overrides.items())))
+    key = (_env_snapshot(), tuple(sorted(_global_overrides.items())) if _global_overrides else ())
     if _cached[0] == key:
         return _cached[1]
     opts = _read()
