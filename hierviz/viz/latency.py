@@ -10,8 +10,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from hierviz.trace import STAGES, Step, Trace
-from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
 from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, method_label
+from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
 
 METHOD_STAGE_NAMES = {
     "hierspec": {"draft": "E_M draft", "intermediate_verify": "M verifies trees", "target_verify": "T verifies sequence"},

@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from hierviz.trace import DraftTree
-from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
 from hierviz.viz.style import COLORS, ROLE_MARKS, TEXT_ON, plotly_label, visible_token
+from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
 
 COL_PX = 120        # pixels per depth column; the figure width is fixed so labels never overlap
 ROW_PX = 24         # pixels per leaf row
