@@ -100,9 +100,14 @@ HF_VARIANTS = {"plain": "transformers LlamaForCausalLM.generate",
                "static-compiled": "transformers generate, static cache + torch.compile",
                "static": "transformers generate, static cache"}
 # transformers' documented recipe compiles with mode="reduce-overhead" (CUDA graphs); its process has
-# segfaulted on the H200, so the default mode (no CUDA graphs) is measured beside it. On the CPU the
-# two are the same (no CUDA graphs there)
+# segfaulted on the H200, so the default mode (no CUDA graphs) is measured beside it
 COMPILED = ("static-compiled", "static-compiled-default")
+
+
+def hf_variants(device: str) -> tuple[str, ...]:
+    """The HF_VARIANTS a run on `device` measures: on the CPU the two compiled ones are the same
+    (reduce-overhead differs by its CUDA graphs alone), so only the documented one runs."""
+    return tuple(v for v in HF_VARIANTS if device == "cuda" or v != "static-compiled-default")
 
 
 def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[int], n: int, device: str,
@@ -331,8 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "w4 graphs vs w4 eager": _agree(toks["ours W4A16 triton, CUDA graphs"], toks["ours W4A16 triton, eager"]),
     }
     if not a.skip_hf:
-        variants = tuple(v for v in HF_VARIANTS if dev == "cuda" or v != "static-compiled-default")
-        _against_transformers(res, rows, toks, cfg_path, dense, prompt, n, dev, dtype, variants)
+        _against_transformers(res, rows, toks, cfg_path, dense, prompt, n, dev, dtype, hf_variants(dev))
     print("[engine] identical prefix lengths:", res["identical_prefix"], flush=True)
     save()
     res["rounds_random_heads"] = _speculative_rounds(t_w4, dense, cfg_path, prompt, s, dev, dtype)

@@ -11,7 +11,7 @@ from plotly.subplots import make_subplots
 
 from hierviz.trace import STAGES, Step, Trace
 from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, method_label
-from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
+from hierviz.viz.unchecked import unchecked_figure
 
 METHOD_STAGE_NAMES = {
     "hierspec": {"draft": "E_M draft", "intermediate_verify": "M verifies trees", "target_verify": "T verifies sequence"},
@@ -76,15 +76,15 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
     projected: the runs are re-timed at real scale (hierviz.retime), and the titles say so."""
     layout = copy.deepcopy(_two_chart_layout("ms, projected at real scale" if projected else "ms"))
     if main is None or not main.steps:
-        layout.update(template=NO_TEMPLATE, height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
+        layout.update(template="none", height=330, margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white")
         layout["annotations"].append(dict(text="Latency bars appear once a run has steps.", showarrow=False, x=0.5,
                                           y=0.5, xref="paper", yref="paper", font=dict(size=14)))
         return unchecked_figure([], layout)
     step = step if step >= 0 else len(main.steps) - 1
     step_rows, cum_rows = latency_rows(main, step, others or [])
     traces = []
-    for row_idx, rows in ((1, step_rows), (2, cum_rows)):
-        axes = dict(xaxis="x", yaxis="y") if row_idx == 1 else dict(xaxis="x2", yaxis="y2")
+    for row_idx, rows, sfx in ((1, step_rows, ""), (2, cum_rows, "2")):     # sfx: the row's axes, x / x2
+        axes = dict(xaxis=f"x{sfx}", yaxis=f"y{sfx}")
         rows = rows[::-1]                        # plotly draws the first category at the bottom
         labels = [r[0] for r in rows]
         for stage in STAGES:
@@ -100,12 +100,12 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
         traces.append(dict(type="scatter", y=labels, x=totals, mode="text", text=[f"  {t:.1f} ms" for t in totals],
                            textposition="middle right", showlegend=False, hoverinfo="skip",
                            textfont=dict(size=13), **axes))
-        layout[axes["xaxis"].replace("x", "xaxis")].update(
+        layout[f"xaxis{sfx}"].update(
             range=[0, max(totals) * 1.3 if max(totals) > 0 else 1], gridcolor="#eee")
     for axis in ("yaxis", "yaxis2"):
         layout[axis].update(automargin=True, ticksuffix=" ")
     n_rows = len(step_rows) + len(cum_rows)
-    layout.update(template=NO_TEMPLATE, barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
+    layout.update(template="none", barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
                   plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
                   legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), bargap=0.35)
     return unchecked_figure(traces, layout)

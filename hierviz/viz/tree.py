@@ -13,11 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
-import plotly.io as pio
 
 from hierviz.trace import DraftTree
 from hierviz.viz.style import COLORS, ROLE_MARKS, TEXT_ON, plotly_label, visible_token
-from hierviz.viz.unchecked import NO_TEMPLATE, unchecked_figure
+from hierviz.viz.unchecked import unchecked_figure
 
 COL_PX = 120        # pixels per depth column; the figure width is fixed so labels never overlap
 ROW_PX = 24         # pixels per leaf row
@@ -170,7 +169,7 @@ def _empty_figure(title: str, empty: str) -> go.Figure:
     return unchecked_figure([], dict(
         height=170, xaxis=dict(visible=False), yaxis=dict(visible=False), title=_title(title),
         annotations=[dict(text=empty, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font=dict(size=15))],
-        margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white", template=pio.templates["plotly"]))
+        margin=dict(l=10, r=10, t=10, b=10), plot_bgcolor="white"))
 
 
 def _place_trees(trees: list[DraftTree]) -> tuple[list[tuple[int, PlacedNode]], list[tuple[PlacedNode, PlacedNode]]]:
@@ -284,7 +283,7 @@ def tree_figure(trees: list[DraftTree], title: str = "",
         title=_title(title),
         width=width, height=height, autosize=False,
         margin=dict(l=10, r=10, t=60 if title else 36, b=10),
-        template=NO_TEMPLATE, plot_bgcolor="white", paper_bgcolor="white",
+        template="none", plot_bgcolor="white", paper_bgcolor="white",
         annotations=chips + _tree_labels(trees, pos),
         xaxis=dict(visible=False, range=[-0.1, x_end], fixedrange=True),
         yaxis=dict(visible=False, range=[n_rows - 0.4, -1.3], fixedrange=True),

@@ -9,12 +9,14 @@ from typing import Optional
 import plotly.graph_objects as go
 import plotly.io as pio
 
-# template="none" as validation resolves it: an unchecked figure would keep the name as a string,
-# which plotly.js does not know
-NO_TEMPLATE = pio.templates["none"]
-
 
 def unchecked_figure(data: Optional[list[dict]] = None, layout: Optional[dict] = None) -> go.Figure:
     """A figure that stores what it is given as given: traces and layout as plain dicts, with no
-    magic-underscore names (`font=dict(size=12)`, not `font_size=12`: nothing expands them)."""
-    return go.Figure({"data": data or [], "layout": layout or {}}, _validate=False)
+    magic-underscore names (`font=dict(size=12)`, not `font_size=12`: nothing expands them). The
+    one thing resolved is the template, as plotly's checks resolve it: a name (or, without one,
+    plotly's default) becomes the template itself, since plotly.js knows no template names."""
+    layout = dict(layout or {})
+    template = layout.get("template", pio.templates.default)
+    if isinstance(template, str):
+        layout["template"] = pio.templates[template]
+    return go.Figure({"data": data or [], "layout": layout}, _validate=False)
