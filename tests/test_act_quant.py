@@ -1,6 +1,7 @@
 """The fused per-token activation quantizer of the 8-bit formats (hierviz.quant.act_quant) under
 TRITON_INTERPRET=1, in a subprocess: its int8 and e4m3 codes and its scales are torch's definition
-bit for bit (fp32, fp16, bf16 rows; a zero row, an outlier, ties, K beyond one block), so the int8
+bit for bit (fp32, fp16, bf16 rows; a zero row, an outlier, ties, values rounding to a signed
+zero, K beyond one block), so the int8
 and FP8 products come out the same with it. It stays off on CUDA until tests/test_gpu.py has run it
 on a GPU (`PROVEN`)."""
 from __future__ import annotations
@@ -30,6 +31,7 @@ _SCRIPT = textwrap.dedent("""
         x = torch.randn(6, 1500, dtype=dt) * 3
         x[2] = 0                                      # a zero row: the 1e-12 floor
         x[3, 7] = 100                                 # an outlier
+        x[3, 8:12] = torch.tensor([-1e-5, 1e-5, -0.0, -3e-4])   # round to zero: -0 keeps its sign (0x80)
         x[4] = (torch.arange(1500) % 255 - 127).to(dt) / 127 * 0.5 * x[4].abs().max()   # halves: ties
         x[5] = torch.randn(1500, dtype=dt) * 1e-3
         q, s = quantize_rows(x, QMAX, torch.int8)

@@ -1,6 +1,6 @@
 """Engine speed and exactness on a GPU, side by side in one run.
 
-    python -m hierviz engine-bench --out DIR [--tokens 128]
+    python -m hierviz engine-bench --out DIR [--tokens 128] [--hf plain,static-compiled]
 
 1. Exactness: on tiny random models (fp32), every decoder through the static/CUDA-graph path
    must emit the tokens of AR through the dynamic path (the CPU test suite checks the static
@@ -130,8 +130,10 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
         mode = "reduce-overhead" if device == "cuda" and variant == "static-compiled" else None
         model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
     with torch.no_grad():
+        # warm-up at the measured length: a static cache is sized prompt + max_new_tokens, and a new
+        # size recompiles the compiled forward (inside the timed run, if the warm-up were shorter)
         for _ in range(2 if variant in COMPILED else 1):   # compile (prefill and step shapes), warm up
-            model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -311,7 +313,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf", default=None, metavar="VARIANT[,VARIANT]",
+                    help=f"the transformers variants to run (default: all of {', '.join(HF_VARIANTS)})")
     a = ap.parse_args(argv)
+    variants = hf_variants(a.device)
+    if a.hf:
+        variants = tuple(v.strip() for v in a.hf.split(",") if v.strip())
+        unknown = [v for v in variants if v not in HF_VARIANTS]
+        if unknown:
+            ap.error(f"unknown --hf variant(s) {', '.join(unknown)}; choose from {', '.join(HF_VARIANTS)}")
     dev, n = a.device, a.tokens
     res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "tokens": n}
 
@@ -336,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "w4 graphs vs w4 eager": _agree(toks["ours W4A16 triton, CUDA graphs"], toks["ours W4A16 triton, eager"]),
     }
     if not a.skip_hf:
-        _against_transformers(res, rows, toks, cfg_path, dense, prompt, n, dev, dtype, hf_variants(dev))
+        _against_transformers(res, rows, toks, cfg_path, dense, prompt, n, dev, dtype, variants)
     print("[engine] identical prefix lengths:", res["identical_prefix"], flush=True)
     save()
     res["rounds_random_heads"] = _speculative_rounds(t_w4, dense, cfg_path, prompt, s, dev, dtype)

@@ -76,10 +76,14 @@ if triton is not None:
             if FP8:
                 # round to e4m3's grid in fp32 first (3 mantissa bits, subnormal step 2**-9), so the
                 # cast is exact: the interpreter's own fp8 cast drops the carry into the exponent
-                e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                # the magnitude is rounded and the sign put back by its bit, so a value that rounds
+                # to zero keeps its sign (torch's cast gives -0, code 0x80, for those below zero)
+                vb = v.to(tl.int32, bitcast=True)
+                e = ((vb >> 23) & 0xFF) - 127
                 step = (tl.maximum(e - 3, -9) + 127).to(tl.int32)
                 ulp = (step << 23).to(tl.float32, bitcast=True)
-                q = (((tl.math.div_rn(v, ulp) + MAGIC) - MAGIC) * ulp).to(tl.float8e4nv)
+                r = ((tl.math.div_rn(tl.abs(v), ulp) + MAGIC) - MAGIC) * ulp
+                q = tl.where(vb < 0, -r, r).to(tl.float8e4nv)
             else:
                 q = ((v + MAGIC) - MAGIC).to(tl.int8)
             tl.store(q_ptr + row * stride_q + offs, q, mask=offs < K)
