@@ -247,9 +247,13 @@ def test_exact_mode_matches_ar_with_real_acceptance(tmp_path, monkeypatch, stati
             tokens = tokens[:-1] + [(tokens[-1] + 1) % models.target.cfg.vocab_size]
         return tokens, steps
     monkeypatch.setattr(whatif_exact, "decode", off_by_one)
-    assert whatif.main(args[:-1] + [str(tmp_path / "bad")]) == 1
+    # the same command with the methods the broken decoder touches (AR is the reference)
+    bad_args = args[:-1] + [str(tmp_path / "bad")]
+    bad_args[bad_args.index("--methods") + 1] = "ar,hierspec"
+    assert whatif.main(bad_args) == 1
     bad = _json.loads((tmp_path / "bad" / "whatif_exact.json").read_text())
     assert [r["first_difference"] for r in bad["runs"] if not r["identical"]] == [39, 39, 39]
+    assert {r["method"] for r in bad["runs"] if not r["identical"]} == {"hierspec"}
 
 
 def test_exact_mode_fails_on_a_steering_miss(tmp_path, monkeypatch) -> None:
