@@ -2,8 +2,8 @@
 TRITON_INTERPRET=1, in a subprocess: its int8 and e4m3 codes and its scales are torch's definition
 bit for bit (fp32, fp16, bf16 rows; a zero row, an outlier, ties, values rounding to a signed
 zero, K beyond one block), so the int8
-and FP8 products come out the same with it. It stays off on CUDA until tests/test_gpu.py has run it
-on a GPU (`PROVEN`)."""
+and FP8 products come out the same with it. On CUDA it runs only on the (GPU generation, Triton)
+pairs where tests/test_gpu.py compared it with torch on a GPU (`PROVEN_PLATFORMS`)."""
 from __future__ import annotations
 
 import json
@@ -108,3 +108,15 @@ def test_off_by_default_until_proven_on_a_gpu() -> None:
         assert act_quant.enabled(x)
     finally:
         act_quant.force(None)
+
+
+@pytest.mark.parametrize("capability,triton,proven", [((9, 0), "3.6", True), ((8, 0), "3.6", False),
+                                                       ((9, 0), "3.9", False), ((10, 0), "3.6", False)])
+def test_on_cuda_only_where_the_gpu_test_passed(monkeypatch, capability, triton, proven) -> None:
+    """A GPU generation or Triton the bit-for-bit GPU test never ran on keeps torch's path."""
+    from hierviz.quant import act_quant, kernel_guard
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(kernel_guard, "triton_version", lambda: triton)
+    monkeypatch.setattr(act_quant, "_proven_on", {})
+    assert act_quant.platform_proven(torch.device("cuda", 0)) is proven
+    assert act_quant.platform_proven(torch.device("cpu")) is False

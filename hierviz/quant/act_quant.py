@@ -14,8 +14,9 @@ divides a tensor by a Python number as a multiplication by its fp32 reciprocal o
 exactly on the CPU: the kernel does what torch does on the device it runs on). One
 program per row: a row's result never depends on the others (batch invariance by construction).
 
-Not used on CUDA until tests/test_gpu.py has compared it with torch's path on a GPU (`PROVEN`); the
-CPU tests run it under TRITON_INTERPRET=1.
+Used on CUDA only on a (GPU generation, Triton) pair where tests/test_gpu.py compared it with
+torch's path bit for bit (`PROVEN_PLATFORMS`); elsewhere torch's path runs. The CPU tests run it
+under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from typing import Optional
 
 import torch
 
-# flipped once tests/test_gpu.py::test_fused_activation_quantizer_matches_torch passes on a GPU
-PROVEN = False
+# (compute capability major, Triton "major.minor") where
+# tests/test_gpu.py::test_fused_activation_quantizer_matches_torch passed (docs/formats.md records it)
+PROVEN_PLATFORMS: frozenset[tuple[int, str]] = frozenset({(9, "3.6")})
+_proven_on: dict[int, bool] = {}      # device index -> on PROVEN_PLATFORMS (asked on every product)
 _forced: list[Optional[bool]] = [None]
 ROUND_MAGIC = 12582912.0        # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to nearest even in fp32
 BLOCK = 1024
@@ -37,18 +40,29 @@ except ImportError:   # pragma: no cover - triton is a requirement; the torch pa
 
 
 def force(on: Optional[bool]) -> None:
-    """Tests: use the kernel (True) or torch's path (False) whatever PROVEN says; None = default."""
+    """Tests: use the kernel (True) or torch's path (False) whatever the platform; None = default."""
     _forced[0] = on
 
 
+def platform_proven(device: torch.device) -> bool:
+    """Whether device is a GPU whose (generation, Triton) pair is in PROVEN_PLATFORMS."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _proven_on:
+        from hierviz.quant.kernel_guard import triton_version
+        _proven_on[index] = (torch.cuda.get_device_capability(index)[0], triton_version()) in PROVEN_PLATFORMS
+    return _proven_on[index]
+
+
 def enabled(x: torch.Tensor) -> bool:
-    """Whether x's rows are quantized by the kernel: on CUDA once proven (or forced, also on the CPU
-    under the interpreter)."""
+    """Whether x's rows are quantized by the kernel: on a proven GPU platform (or forced, also on
+    the CPU under the interpreter)."""
     if triton is None:
         return False
     if _forced[0] is not None:
         return _forced[0]
-    return PROVEN and x.is_cuda
+    return x.is_cuda and platform_proven(x.device)
 
 
 if triton is not None:
@@ -76,14 +90,15 @@ if triton is not None:
             if FP8:
                 # round to e4m3's grid in fp32 first (3 mantissa bits, subnormal step 2**-9), so the
                 # cast is exact: the interpreter's own fp8 cast drops the carry into the exponent
-                # the magnitude is rounded and the sign put back by its bit, so a value that rounds
-                # to zero keeps its sign (torch's cast gives -0, code 0x80, for those below zero)
+                # the magnitude is cast and the sign set on the code's bit, so a value that rounds
+                # to zero keeps its sign as torch's cast does (-0, 0x80): a negated float zero does
+                # not survive the GPU compiler's no-signed-zeros folding
                 vb = v.to(tl.int32, bitcast=True)
                 e = ((vb >> 23) & 0xFF) - 127
                 step = (tl.maximum(e - 3, -9) + 127).to(tl.int32)
                 ulp = (step << 23).to(tl.float32, bitcast=True)
                 r = ((tl.math.div_rn(tl.abs(v), ulp) + MAGIC) - MAGIC) * ulp
-                q = tl.where(vb < 0, -r, r).to(tl.float8e4nv)
+                q = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | tl.where(vb < 0, 0x80, 0).to(tl.uint8)
             else:
                 q = ((v + MAGIC) - MAGIC).to(tl.int8)
             tl.store(q_ptr + row * stride_q + offs, q, mask=offs < K)
@@ -100,7 +115,8 @@ def quantize_rows(x2: torch.Tensor, qmax: float, code_dtype: torch.dtype,
     q = torch.empty(m, k, dtype=code_dtype, device=x2.device)
     s = torch.empty(m, dtype=torch.float32, device=x2.device)
     if m:
-        _quantize_rows[(m,)](x2, q, s, k, x2.stride(0), q.stride(0), QMAX=qmax, INV_QMAX=1.0 / qmax,
+        # FP8 codes are written as their bytes (the kernel sets the sign bit itself)
+        _quantize_rows[(m,)](x2, q if code_dtype == torch.int8 else q.view(torch.uint8), s, k, x2.stride(0), q.stride(0), QMAX=qmax, INV_QMAX=1.0 / qmax,
                              RECIP=x2.is_cuda if cuda_arithmetic is None else cuda_arithmetic,
                              FP8=code_dtype != torch.int8, MAGIC=ROUND_MAGIC, BLOCK=BLOCK)
     return q, s
