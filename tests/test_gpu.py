@@ -450,6 +450,24 @@ def test_marlin_peer_builds_and_multiplies_right(tmp_path) -> None:
         assert float((layer(x).float() - want).norm() / want.norm()) < 5e-3, (m, info["marlin_build"])
 
 
+def test_gemlite_peer_multiplies_the_engines_weight() -> None:
+    """kernel-bench's GemLite peer where gemlite is installed: its layers multiply the engine's own
+    W4 weight (8B up-projection shape, g128) right at 1, 16 and 128 rows."""
+    pytest.importorskip("gemlite")
+    from hierviz.measure.gemlite_peer import gemlite_layers
+    from hierviz.models.synthetic import random_w4
+    from hierviz.quant.w4 import dequantize
+    w = random_w4(14336, 4096, 128, torch.float16, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    info: dict = {}
+    layers = gemlite_layers([w], info)
+    assert layers is not None, info.get("gemlite_error")
+    ref = dequantize(w, torch.float32)
+    for m in (1, 16, 128):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        want = x.float() @ ref.t()
+        assert float((layers[0](x).float() - want).norm() / want.norm()) < 5e-3, (m, info)
+
+
 @pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
 def test_fused_activation_quantizer_matches_torch(fmt) -> None:
     """hierviz.quant.act_quant on the GPU: codes and scales are torch's bits at 1-300 rows on

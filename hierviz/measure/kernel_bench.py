@@ -1,4 +1,4 @@
-"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs Marlin vs hierviz's Triton kernel.
+"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs Marlin vs GemLite vs hierviz's Triton kernel.
 
     python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...] [--marlin-src DIR]
     python -m hierviz kernel-bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
@@ -6,7 +6,8 @@
 
 On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
 group 128, synthetic codes), every M in --ms, the kernels side by side in one process (Marlin
-where --marlin-src names its source and a compiler is found: hierviz.measure.marlin_peer),
+where --marlin-src names its source and a compiler is found: hierviz.measure.marlin_peer;
+GemLite where the package is installed: hierviz.measure.gemlite_peer),
 timed as CUDA-graph replays (launch overhead out, as in the engine) with 3 rotating copies of
 every weight so that the 60 MB L2 cannot serve repeated reads. Prints a table and writes
 DIR/kernel_bench.json (+ a chart). Correctness of each kernel against the dequantized
@@ -28,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from hierviz.config import options
+from hierviz.measure.gemlite_peer import gemlite_layers
 from hierviz.measure.marlin_peer import marlin_operands
 from hierviz.models.synthetic import random_w4
 from hierviz.quant.w4 import W4Weight, codes_of, dequantize, quantize_rtn, unpack_codes
@@ -229,8 +231,9 @@ def _triton_timings(row: dict, x16: list, xbf: list, ws: list[W4Weight], cfg, cf
 
 def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tiny: Optional[list],
                best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool,
-               marlin: Optional[tuple[list, torch.Tensor]] = None) -> dict:
-    """cuBLAS fp16, tinygemm, Marlin and the Triton kernel (both split-K modes, fp16 and bf16) at M rows."""
+               marlin: Optional[tuple[list, torch.Tensor]] = None, gemlite: Optional[list] = None) -> dict:
+    """cuBLAS fp16, tinygemm, Marlin, GemLite and the Triton kernel (both split-K modes, fp16 and bf16)
+    at M rows."""
     from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
     n, k, g = ws[0].out_features, ws[0].in_features, ws[0].group_size
     x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
@@ -254,6 +257,12 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
         layers, marlin_w = marlin
         row["marlin_err"] = _rel_err(layers[0](x16[0]), x16[0].float() @ marlin_w.t())
         row["marlin_us"] = timer([lambda x=x, lay=lay: lay(x) for x, lay in zip(x16, layers)], rep_ms)
+    if gemlite is not None:       # the engine's own weights
+        try:
+            row["gemlite_err"] = _rel_err(gemlite[0](x16[0]), want)
+            row["gemlite_us"] = timer([lambda x=x, lay=lay: lay(x) for x, lay in zip(x16, gemlite)], rep_ms)
+        except Exception as e:
+            row["gemlite_error"] = repr(e)[:300]
     try:
         _triton_timings(row, x16, xbf, ws, cfg, cfg_bf16, want, ref_w, timer, rep_ms)
     except Exception as e:
@@ -283,10 +292,12 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
     marlin = None if dry else marlin_operands(marlin_src, k, n, g, ROTATE, build_dir or options().cache_dir / "marlin",
                                               info)
     print("marlin:", info.get("marlin_error", f"ok ({info.get('marlin_build')} build)"), flush=True)
+    gemlite = None if dry else gemlite_layers(ws, info)
+    print("gemlite:", info.get("gemlite_error", f"ok ({info.get('gemlite_version')})"), flush=True)
     tune_rows, best_cfg = _tune(ws, ref_w, dev, tune_ms or ms, family, timer) if tune else ([], {})
     rows = []
     for m in ms:
-        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin)
+        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin, gemlite)
         row["floor_us"] = floor_us
         rows.append(row)
         print("bench", row, flush=True)
@@ -339,8 +350,8 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "triton_us", "triton_atomic_us", "triton_bf16_us",
-                        "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
+    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "triton_us", "triton_atomic_us",
+                        "triton_bf16_us", "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
             if any(c in r for r in rows)]
     lines = ["| M | " + " | ".join(c.replace("_us", " (us)") for c in cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
@@ -352,7 +363,7 @@ def table(res: dict) -> str:
 
 def write_chart(res: dict, out: Path) -> Optional[Path]:
     rows = res["rows"]
-    series = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "triton_us", "floor_us",
+    series = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "triton_us", "floor_us",
                           "int4pack_cpu_us", "fp32_dense_us") if any(c in r for r in rows)]
     xs = [r["M"] for r in rows]
     try:
