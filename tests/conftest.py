@@ -29,6 +29,23 @@ def pytest_configure(config) -> None:
         config.option.loadscopereorder = False
 
 
+def pytest_collection_finish(session) -> None:
+    """Every test module is imported now (torch, transformers, gradio, plotly: ~500k objects that
+    live as long as the process): freeze them out of the cyclic garbage collector, so that each
+    full collection (whatif's before every timed run, pytest's at the end) scans only what the
+    tests made since, ~0.5 s less each. Nothing frozen was garbage: a collection runs first."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config) -> None:
+    """Back to the collector before the interpreter exits (nanobind reports frozen objects of
+    its bindings as leaks otherwise)."""
+    import gc
+    gc.unfreeze()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Longest files first (FILE_SECONDS), the rest in their usual order: with --dist loadfile
     each worker takes whole files as it frees up, so a long file handed out last would run alone
