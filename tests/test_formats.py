@@ -103,6 +103,9 @@ def test_linear_fuses_within_a_format_and_refuses_mixtures():
         Linear([a, quantize_w8(b)], [None, None])
 
 
+_AR_OF_8BIT: dict[tuple[str, str], list[int]] = {}     # (format, prompt) -> AR's tokens, made once per module
+
+
 @pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
 @pytest.mark.parametrize("method", ["spec", "eagle2", "hierspec"])
 def test_every_method_reproduces_ar_of_an_8bit_target(method, fmt):
@@ -113,7 +116,10 @@ def test_every_method_reproduces_ar_of_an_8bit_target(method, fmt):
     assert t.products_rows_invariant_cpu() and get_format(fmt).label in st.meta["target"]
     s = DecodeSettings(max_new_tokens=24)
     for prompt in ("the quick brown fox", "1 2 3 4"):
-        ar = output_tokens(generate(st, "ar", prompt, s))
+        if (fmt, prompt) not in _AR_OF_8BIT:
+            _AR_OF_8BIT[fmt, prompt] = output_tokens(generate(st, "ar", prompt, s))
+        ar = _AR_OF_8BIT[fmt, prompt]
+        assert len(ar) == 24
         trace = generate(st, method, prompt, s)
         assert output_tokens(trace) == ar
 
