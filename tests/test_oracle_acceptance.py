@@ -26,7 +26,7 @@ from tests.oracles import (GreedyPath, OracleError, Policy, Regime, SteerLog, Ta
 
 PROMPTS = ["The quick brown fox", "abc", "hello there", "Explain RoPE", "x", "1 + 1 =", "tree of drafts",
            "Once upon a time"]
-N_CASES = 200
+N_CASES = 140
 DRAFT_METHODS = ("spec", "eagle2", "hierspec")
 REGIMES = ("exact", "upto", "rank", "tie", "periodic", "rate")
 # which steered drafters each method calls
@@ -158,7 +158,7 @@ def test_steered_drafters_all_methods_lossless_with_acceptance(world):
                f"{tally.eos_from_draft} (inside {tally.eos_inside_draft}), drafts cut by the budget "
                f"{tally.budget_cut_draft}")
     print(summary)
-    assert len(CASES) >= 200 and tally.runs == len(CASES) * len(DRAFT_METHODS)
+    assert len(CASES) >= 140 and tally.runs == len(CASES) * len(DRAFT_METHODS)
     assert tally.tree_nodes_accepted >= 1000, summary
     assert tally.full_drafts >= 300 and tally.full_trees >= 100 and tally.full_sequences >= 100, summary
     assert all(tally.tree_reject_depth[d] > 0 for d in range(1, 5)), summary
