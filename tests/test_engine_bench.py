@@ -1,6 +1,7 @@
 """engine-bench's transformers peers on the CPU (the GPU run is `python -m hierviz engine-bench`):
 the static-cache `generate` gives the plain one's tokens on the same weights, and a failing
-variant is reported while the others are kept."""
+variant is reported while the others are kept; every generate call has the measured length, and an
+unknown --hf variant is a clear error."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,29 @@ def test_a_variant_in_its_own_process_gives_the_same_tokens(tmp_path):
     assert there == here and dt > 0
     with pytest.raises(RuntimeError, match="failed in its process"):
         eb.hf_generate_in_child(tmp_path / "missing.json", weights, [1], 2, "cpu", torch.float32, "plain")
+
+
+def test_every_generate_call_has_the_measured_length(tmp_path, monkeypatch):
+    """A static cache is sized prompt + max_new_tokens: a warm-up of another length would make the
+    compiled forward recompile inside the timed run."""
+    from transformers import LlamaForCausalLM
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(TINY))
+    weights = hf_weights(ModelConfig.from_file(cfg_path), "cpu")
+    lengths = []
+    original = LlamaForCausalLM.generate
+
+    def spy(self, *args, **kw):
+        lengths.append(kw["max_new_tokens"])
+        return original(self, *args, **kw)
+    monkeypatch.setattr(LlamaForCausalLM, "generate", spy)
+    eb.hf_generate(cfg_path, weights, [1, 5, 9], 7, "cpu", torch.float32, "static")
+    assert len(lengths) >= 2 and set(lengths) == {7}
+
+
+def test_an_unknown_variant_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        eb.main(["--hf", "plain,compiled-fast"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "compiled-fast" in err and all(v in err for v in eb.HF_VARIANTS)
