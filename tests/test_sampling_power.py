@@ -247,19 +247,19 @@ def tree_counts(n: int, temperature: float, top_p: float, seed: int, sampler: Op
     plain = sampler is None and verify is verify_tree_sampling
     sampler = sampler or Sampler(temperature, top_p, seed)
     ranks = rank.tolist()
-    counts = torch.zeros(DEPTH + 1, V, dtype=torch.long)
+    counts = [[0] * V for _ in range(DEPTH + 1)]     # counted in Python: a tensor element += 1 costs ~10 us
     for c in range(n):
         tree = Tree(0, tokens[c], PARENTS, DEPTHS, scores, scores)
         path, bonus, dists = verify(tree, logits[c], sampler)
         rows = [0] + [i + 1 for i in path]
         emitted = [tokens[c][i] for i in path] + [bonus]
         for level, (row, tok) in enumerate(zip(rows, emitted)):
-            counts[level, ranks[c][row][tok]] += 1
+            counts[level][ranks[c][row][tok]] += 1
         if plain and c < 50:
             # HierSpec's q for T: the verifier's distribution at every emitted token
             want = reference_probs(logits[c, rows], temperature, top_p)
             torch.testing.assert_close(torch.stack(dists).double(), want, atol=1e-5, rtol=0)
-    return counts
+    return torch.tensor(counts, dtype=torch.long)
 
 
 def tree_checks(counts: torch.Tensor, top_p: float) -> list[Check]:
@@ -352,6 +352,7 @@ def sequence_counts(calls: dict[int, int], temperature: float, top_p: float, see
     temperature) while the draft still comes from the right q."""
     g = torch.Generator().manual_seed(seed)
     sampler = Sampler(temperature, top_p, seed)
+    by_position, bonus_counts = [[0] * V for _ in range(7)], [0] * V     # counted in Python, as in tree_counts
     out = SeqCounts({}, torch.zeros(7, V, dtype=torch.long), torch.zeros(V, dtype=torch.long), [])
     for k, n in calls.items():
         logits, rank = permuted_rows(g, n, k + 1, temperature)
@@ -360,17 +361,18 @@ def sequence_counts(calls: dict[int, int], temperature: float, top_p: float, see
         draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, k)
         q_seen = q if q_seen_temperature is None else Sampler(q_seen_temperature, top_p).probs(q_logits)
         out.first.append((reference_probs(logits[:, 0], temperature, top_p), q[:, 0].double(), q_seen[:, 0].double()))
-        counts = torch.zeros(V, dtype=torch.long)
+        counts = [0] * V
         drafts, ranks = draft.tolist(), rank.tolist()
         for c in range(n):
             accepted, bonus = verify_sequence_sampling(drafts[c], list(q_seen[c]), logits[c], sampler)
             for i, tok in enumerate(drafts[c][:accepted] + [bonus]):
                 r = ranks[c][i][tok]
                 counts[r] += 1
-                out.by_position[i, r] += 1
+                by_position[i][r] += 1
             if accepted == k:
-                out.bonus[ranks[c][k][bonus]] += 1
-        out.by_length[k] = counts
+                bonus_counts[ranks[c][k][bonus]] += 1
+        out.by_length[k] = torch.tensor(counts, dtype=torch.long)
+    out.by_position, out.bonus = torch.tensor(by_position, dtype=torch.long), torch.tensor(bonus_counts, dtype=torch.long)
     return out
 
 
@@ -526,16 +528,17 @@ def far_sequence(n: int, k: int, overlap: float, temperature: float, top_p: floa
     draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, k)
     q32 = q.float()
     sampler = sampler or Sampler(temperature, top_p, seed)
-    by_position = torch.zeros(k + 1, V, dtype=torch.long)
+    by_position = [[0] * V for _ in range(k + 1)]     # counted in Python, as in tree_counts
     accepted = []
     drafts, ranks = draft.tolist(), rank.tolist()
     for c in range(n):
         a, bonus = verify_sequence_sampling(drafts[c], list(q32[c]), logits[c], sampler)
         accepted.append(a)
         for i, tok in enumerate(drafts[c][:a] + [bonus]):
-            by_position[i, ranks[c][i][tok]] += 1
+            by_position[i][ranks[c][i][tok]] += 1
     ratio = (p.gather(-1, draft[..., None]) / q.gather(-1, draft[..., None]))[..., 0].clamp(max=1.0)
-    return FarSequence(by_position, torch.tensor(accepted), torch.minimum(p, q).sum(-1), ratio)
+    return FarSequence(torch.tensor(by_position, dtype=torch.long), torch.tensor(accepted), torch.minimum(p, q).sum(-1),
+                       ratio)
 
 
 def rank_checks(named: list[tuple[str, torch.Tensor]], s: torch.Tensor) -> list[Check]:
@@ -625,15 +628,15 @@ def far_trees(n: int, k: int, depth: int, low: int, temperature: float, top_p: f
     scores = [-1e-3 * i for i in range(nodes)]      # siblings are tried in index order
     sampler = sampler or Sampler(temperature, top_p, seed)
     tokens, ranks = tok.tolist(), rank.tolist()
-    by_level = torch.zeros(depth + 1, V, dtype=torch.long)
+    by_level = [[0] * V for _ in range(depth + 1)]     # counted in Python, as in tree_counts
     path_len = []
     for c in range(n):
         path, bonus, _ = verify_tree_sampling(Tree(0, tokens[c], parents, depths, scores, scores), logits[c], sampler)
         rows = [0] + [i + 1 for i in path]
         for level, (row, t) in enumerate(zip(rows, [tokens[c][i] for i in path] + [bonus])):
-            by_level[level, ranks[c][row][t]] += 1
+            by_level[level][ranks[c][row][t]] += 1
         path_len.append(len(path))
-    return FarTrees(by_level, torch.tensor(path_len), len_probs)
+    return FarTrees(torch.tensor(by_level, dtype=torch.long), torch.tensor(path_len), len_probs)
 
 
 def far_tree_checks(ft: FarTrees, top_p: float) -> list[Check]:
