@@ -11,14 +11,14 @@ torch.set_num_threads(1)
 
 
 # Seconds each long test file takes on the 2-core CPU machine under `-n 2 --dist loadfile`
-# (pytest --durations=0, setup included); files not listed take under 15 s. Only their order
+# (pytest --durations=0, setup included); files not listed take under 10 s. Only their order
 # matters: see pytest_collection_modifyitems.
 FILE_SECONDS = {
-    "test_sampling_power.py": 180, "test_hardening.py": 130, "test_browser.py": 130, "test_whatif.py": 110,
-    "test_triton_w4.py": 80, "test_oracle_acceptance.py": 75, "test_train.py": 70, "test_fused.py": 60,
-    "test_train_stack.py": 45, "test_formats.py": 40, "test_decoding.py": 40, "test_gguf.py": 37,
-    "test_ui_whatif.py": 26, "test_bench.py": 26, "test_app.py": 22, "test_greedy_oracle.py": 22,
-    "test_compat.py": 22, "test_engine_bench.py": 21, "test_streaming_load.py": 19,
+    "test_sampling_power.py": 175, "test_hardening.py": 130, "test_browser.py": 130, "test_whatif.py": 115,
+    "test_triton_w4.py": 80, "test_oracle_acceptance.py": 70, "test_train.py": 65, "test_fused.py": 50,
+    "test_train_stack.py": 42, "test_gguf.py": 38, "test_decoding.py": 35, "test_formats.py": 30,
+    "test_app.py": 25, "test_ui_whatif.py": 24, "test_bench.py": 23, "test_compat.py": 20, "test_engine_bench.py": 18,
+    "test_greedy_oracle.py": 15, "test_streaming_load.py": 15, "test_model.py": 14, "test_kernel_guard.py": 13,
 }
 
 
