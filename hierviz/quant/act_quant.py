@@ -27,7 +27,7 @@ import torch
 # (compute capability major, Triton "major.minor") where
 # tests/test_gpu.py::test_fused_activation_quantizer_matches_torch passed (docs/formats.md records it)
 PROVEN_PLATFORMS: frozenset[tuple[int, str]] = frozenset({(9, "3.6")})
-_proven_on: dict[int, bool] = {}      # device index -> on PROVEN_PLATFORMS (asked on every product)
+_proven_on: dict[torch.device, bool] = {}      # device -> on PROVEN_PLATFORMS (asked on every product)
 _forced: list[Optional[bool]] = [None]
 ROUND_MAGIC = 12582912.0        # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 to nearest even in fp32
 BLOCK = 1024
@@ -48,11 +48,10 @@ def platform_proven(device: torch.device) -> bool:
     """Whether device is a GPU whose (generation, Triton) pair is in PROVEN_PLATFORMS."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _proven_on:
-        from hierviz.quant.kernel_guard import triton_version
-        _proven_on[index] = (torch.cuda.get_device_capability(index)[0], triton_version()) in PROVEN_PLATFORMS
-    return _proven_on[index]
+    if device not in _proven_on:
+        from hierviz.quant.kernel_guard import gpu_platform
+        _proven_on[device] = gpu_platform(device) in PROVEN_PLATFORMS
+    return _proven_on[device]
 
 
 def enabled(x: torch.Tensor) -> bool:

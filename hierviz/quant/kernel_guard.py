@@ -65,10 +65,15 @@ def supported_variants(device: torch.device) -> tuple[str, ...]:
     return FAST_VARIANTS if torch.cuda.get_device_capability(_index(device))[0] >= 9 else ()
 
 
+def gpu_platform(device: torch.device) -> tuple[int, Optional[str]]:
+    """(compute capability major, Triton "major.minor") of a CUDA device: the pair the static lists
+    of proven platforms name (this module's PROVEN_PLATFORMS, act_quant's)."""
+    return torch.cuda.get_device_capability(_index(device))[0], triton_version()
+
+
 def on_static_list(device: torch.device) -> bool:
     """Whether this GPU and Triton are a pair the full correctness sweep passed on."""
-    return device.type == "cuda" and (torch.cuda.get_device_capability(_index(device))[0],
-                                      triton_version()) in PROVEN_PLATFORMS
+    return device.type == "cuda" and gpu_platform(device) in PROVEN_PLATFORMS
 
 
 # (device index, activation dtype) -> the fast variants in use: asked on every product, so the
