@@ -353,14 +353,15 @@ def sequence_counts(calls: dict[int, int], temperature: float, top_p: float, see
     g = torch.Generator().manual_seed(seed)
     sampler = Sampler(temperature, top_p, seed)
     by_position, bonus_counts = [[0] * V for _ in range(7)], [0] * V     # counted in Python, as in tree_counts
-    out = SeqCounts({}, torch.zeros(7, V, dtype=torch.long), torch.zeros(V, dtype=torch.long), [])
+    by_length: dict[int, torch.Tensor] = {}
+    first: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for k, n in calls.items():
         logits, rank = permuted_rows(g, n, k + 1, temperature)
         q_logits = logits[:, :k] + 0.5 * temperature * torch.randn(n, k, V, generator=g)
         q = sampler.probs(q_logits)
         draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(n, k)
         q_seen = q if q_seen_temperature is None else Sampler(q_seen_temperature, top_p).probs(q_logits)
-        out.first.append((reference_probs(logits[:, 0], temperature, top_p), q[:, 0].double(), q_seen[:, 0].double()))
+        first.append((reference_probs(logits[:, 0], temperature, top_p), q[:, 0].double(), q_seen[:, 0].double()))
         counts = [0] * V
         drafts, ranks = draft.tolist(), rank.tolist()
         for c in range(n):
@@ -371,9 +372,9 @@ def sequence_counts(calls: dict[int, int], temperature: float, top_p: float, see
                 by_position[i][r] += 1
             if accepted == k:
                 bonus_counts[ranks[c][k][bonus]] += 1
-        out.by_length[k] = torch.tensor(counts, dtype=torch.long)
-    out.by_position, out.bonus = torch.tensor(by_position, dtype=torch.long), torch.tensor(bonus_counts, dtype=torch.long)
-    return out
+        by_length[k] = torch.tensor(counts, dtype=torch.long)
+    return SeqCounts(by_length, torch.tensor(by_position, dtype=torch.long), torch.tensor(bonus_counts, dtype=torch.long),
+                     first)
 
 
 def sequence_checks(sc: SeqCounts, top_p: float) -> list[Check]:
