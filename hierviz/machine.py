@@ -19,7 +19,8 @@ def device_name(device: Union[str, torch.device, None]) -> str:
 
 
 def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
-    """platform, python, torch (and triton where installed) versions, and the GPU's name on CUDA."""
+    """platform, python, torch (and triton where installed) versions; on CUDA the GPU's name and the
+    8-bit formats' activation quantizer ("fused" or "torch")."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "torch": torch.__version__}
     try:
@@ -29,5 +30,8 @@ def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
         pass
     gpu = gpu_name(device)
     if gpu:
+        from hierviz.quant import act_quant
         info["gpu"] = gpu
+        # the 8-bit formats' activation quantizer changes their step time (hierviz.measure.cost_model)
+        info["activation_quantizer"] = act_quant.name_on(torch.device(device))
     return info

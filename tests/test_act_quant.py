@@ -120,3 +120,19 @@ def test_on_cuda_only_where_the_gpu_test_passed(monkeypatch, capability, triton,
     monkeypatch.setattr(act_quant, "_proven_on", {})
     assert act_quant.platform_proven(torch.device("cuda", 0)) is proven
     assert act_quant.platform_proven(torch.device("cpu")) is False
+
+
+def test_measurements_record_which_quantizer_ran(monkeypatch):
+    """machine_info (whatif, compat, bench) names the quantizer the 8-bit products ran, which the
+    cost model prices (hierviz.measure.cost_model.as_measured)."""
+    from hierviz import machine
+    from hierviz.quant import act_quant
+    monkeypatch.setattr(machine, "gpu_name", lambda device: "NVIDIA H200")
+    assert machine.machine_info("cpu")["activation_quantizer"] == "torch"     # not a proven platform
+    act_quant.force(True)
+    try:
+        assert machine.machine_info("cpu")["activation_quantizer"] == "fused"
+    finally:
+        act_quant.force(None)
+    monkeypatch.undo()
+    assert "activation_quantizer" not in machine.machine_info("cpu")          # no GPU, no 8-bit GPU products

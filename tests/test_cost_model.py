@@ -293,3 +293,52 @@ def test_formats_panel_curves_say_where_hierspec_overtakes(tmp_path):
     assert fig is not None and "HierSpec overtakes EAGLE-2" in note and "W4A16 from 0." in note
     fig, note = formats_panel.curves_figure(tmp_path / "missing.json")
     assert fig is None and "not shipped" in note
+
+
+# ---- the fused activation quantizer ------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, torch_kernels", [("w8a8-int8", 9), ("w8a8-fp8", 8)])
+def test_the_fused_quantizer_is_one_kernel_in_place_of_torchs(fmt, torch_kernels):
+    """hierviz.quant.act_quant: one kernel that reads each row twice and writes codes and scales."""
+    fused = dataclasses.replace(H200, fused_act_quant=True)
+    t, k, n = 16, 256, 512
+    assert len(cm.quantize_kernels(t, k, fmt)) == torch_kernels
+    assert [q.bytes for q in cm.quantize_kernels(t, k, fmt, fused=True)] == [5.0 * t * k + 4 * t]
+    plain = cm.product_kernels(fmt, t, k, n, True, cm.Shape({}), H200)
+    one = cm.product_kernels(fmt, t, k, n, True, cm.Shape({}), fused)
+    assert len(plain) - len(one) == torch_kernels - 1
+    assert cm.product_kernels("w4", 1, 8192, 8192, False, cm.Shape({}, group=128), fused) == \
+        cm.product_kernels("w4", 1, 8192, 8192, False, cm.Shape({}, group=128), H200)
+
+
+def test_projection_prices_the_quantizer_each_side_ran(cal):
+    """The same compat projected onto an identical GPU (which gets torch's quantizer), once recorded
+    as measured with torch's quantizer and once with the fused one: in the second the measured
+    8-bit rows were cheaper than the model's torch-quantizer layer, so their projection is slower;
+    the other formats do not move."""
+    compat = json.loads(COMPAT.read_text())
+    same = dataclasses.replace(H200, name="same", memory_GB=400)   # holds every format
+    cm.GPUS["same"] = same
+    try:
+        runs = {}
+        for q in ("torch", "fused"):
+            c = {**compat, "machine": {**compat["machine"], "activation_quantizer": q}}
+            runs[q] = {e["format"]: e for e in cm.project(cal, c, c["configs"], [H200, same])["rows"] if e["gpu"] == "same"}
+    finally:
+        del cm.GPUS["same"]
+    for r in compat["rows"]:
+        plain, fused = runs["torch"][r["format"]], runs["fused"][r["format"]]
+        if r["format"] in cm.QUANTIZED_ACTIVATIONS:
+            assert plain["activation_quantizer"] == fused["activation_quantizer"] == "torch"
+            assert fused["tokens_per_s"]["ar"] < 0.97 * plain["tokens_per_s"]["ar"]
+        else:
+            assert "activation_quantizer" not in fused
+            assert fused["tokens_per_s"] == plain["tokens_per_s"]
+
+
+def test_quantizer_records_are_checked(profiles):
+    with pytest.raises(ValueError, match="unknown activation_quantizer"):
+        cm.as_measured(H200, "fast")
+    mixed = [profiles[0], {**profiles[1], "activation_quantizer": "fused"}]
+    with pytest.raises(ValueError, match="different activation quantizers"):
+        cm.calibrate(mixed, H200)

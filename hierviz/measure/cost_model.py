@@ -18,6 +18,10 @@ the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches 
     W8A8-FP8    per-token e4m3 quantization (8), a ones fill, zero rows up to 128 (the GEMM always
                 has 128 rows), torch._scaled_mm, rescaling (2), the residual add (hierviz.quant.fp8)
 
+The 8-bit quantization is one kernel instead where hierviz.quant.act_quant's fused quantizer runs
+(its proven platforms): a measurement records which ran (`activation_quantizer` in a profile and
+in a compat file's machine), the model counts that, and a GPU it projects onto gets torch's.
+
 Each kernel costs a launch plus its traffic or its arithmetic:
 
     stream      launch + bytes / (e_bw BW)                                  elementwise, norms, attention
@@ -55,7 +59,7 @@ import functools
 import json
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,6 +78,9 @@ class GPU:
     capability: tuple[int, int]
     sms: int                        # multiprocessors: the W4 kernel picks its tiles by them
     note: str = ""
+    # the 8-bit products quantize activations in hierviz's one fused kernel (hierviz.quant.act_quant,
+    # on its proven platforms) rather than torch's nine: set from what a measurement recorded
+    fused_act_quant: bool = False
 
 
 # Spec-sheet figures, dense (no sparsity), FP16 with FP32 accumulation.
@@ -91,6 +98,7 @@ CURVES = {"fp16": "dense", "w4a16-triton": "w4", "w8a8-int8": "w8a8-int8", "w8a8
 # a format's product arithmetic -> the tensor rate it runs at (`tensor_tflops`)
 MATH = {"dense": "fp16", "w4": "fp16", "w8a8-int8": "int_mm", "w8a8-fp8": "fp8"}
 MIN_CAPABILITY = {"w8a8-fp8": (8, 9)}
+QUANTIZED_ACTIVATIONS = ("w8a8-int8", "w8a8-fp8")   # the formats whose products quantize their activations
 # An assumption for every cuBLAS / cuBLASLt product: 128 bytes of K a step (64 fp16, 128 int8 / fp8
 # channels), 6 stages, K not split, as in the kernel the H200's op profile recorded for the fp16
 # LM head (nvjet_sm90_hsh_256x8_64x6: 64-deep K tiles, 6 stages; docs/bench/op-profile-h200-70b.json).
@@ -186,40 +194,43 @@ def dense_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
     return out + ([Kernel("stream", 6.0 * t * n)] if add else [])
 
 
-def quantize_kernels(t: int, k: int, fmt: str) -> list[Kernel]:
+def quantize_kernels(t: int, k: int, fmt: str, fused: bool = False) -> list[Kernel]:
     """Per-token dynamic quantization of [t, k] fp16 activations (w8a8.quantize_tokens,
-    fp8.quantize_tokens_fp8): float, abs, amax, / qmax, clamp_min, divide, (round), clamp, cast."""
+    fp8.quantize_tokens_fp8): float, abs, amax, / qmax, clamp_min, divide, (round), clamp, cast;
+    fused (act_quant): one kernel that reads each row twice and writes its codes and scale."""
     tk = t * k
+    if fused:
+        return [Kernel("stream", 5.0 * tk + 4 * t)]
     ops = [6 * tk, 8 * tk, 4 * tk + 4 * t, 8 * t, 8 * t, 8 * tk + 4 * t] + ([8 * tk] if fmt == "w8a8-int8" else [])
     return [Kernel("stream", float(b)) for b in ops + [8 * tk, 5 * tk]]
 
 
-def int8_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
+def int8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list[Kernel]:
     m = max(t, INT_MM_MIN_ROWS)
     pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
     mm = Kernel("gemm", float(n * k + m * k + 4 * m * n), 2.0 * m * n * k, "int_mm", gemm_stages(k, 1))
     tn = t * n      # int32 -> float, * token scales, * channel scales, -> fp16
     rescale = [Kernel("stream", float(b)) for b in (8 * tn, 8 * tn + 4 * t, 8 * tn + 4 * n, 6 * tn)]
-    return quantize_kernels(t, k, "w8a8-int8") + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+    return quantize_kernels(t, k, "w8a8-int8", fused) + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
 
 
-def fp8_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
+def fp8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list[Kernel]:
     m = FP8_ROWS * -(-t // FP8_ROWS)
     pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
     ones = Kernel("stream", 4.0 * FP8_ROWS)
     mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "fp8", gemm_stages(k, 1))
     tn = t * n      # * token scales, -> fp16
     rescale = [Kernel("stream", 8.0 * tn + 4 * t), Kernel("stream", 6.0 * tn)]
-    return quantize_kernels(t, k, "w8a8-fp8") + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+    return quantize_kernels(t, k, "w8a8-fp8", fused) + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
 
 
 def product_kernels(fmt: str, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
     if fmt == "w4":
         return w4_kernels(t, k, n, add, where, gpu)
     if fmt == "w8a8-int8":
-        return int8_kernels(t, k, n, add)
+        return int8_kernels(t, k, n, add, gpu.fused_act_quant)
     if fmt == "w8a8-fp8":
-        return fp8_kernels(t, k, n, add)
+        return fp8_kernels(t, k, n, add, gpu.fused_act_quant)
     return dense_kernels(t, k, n, add)
 
 
@@ -392,9 +403,18 @@ def with_terms(c: Curve, gpu: GPU) -> Curve:
                  [terms_of(k, gpu) for k in ks])
 
 
+def as_measured(gpu: GPU, quantizer: Optional[str]) -> GPU:
+    """gpu with the activation quantizer a measurement recorded ("fused" / "torch"; files that
+    record none predate the fused one and ran torch's)."""
+    if quantizer not in (None, "fused", "torch"):
+        raise ValueError(f"unknown activation_quantizer {quantizer!r} (fused or torch)")
+    return replace(gpu, fused_act_quant=quantizer == "fused")
+
+
 def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[Curve]:
     """The curves of a profile (hierviz.measure.profile's JSON) that the model knows, measured
     (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
+    gpu = as_measured(gpu, profile.get("activation_quantizer"))
     where = Shape(profile["config"], profile["context"], profile["context"] + max(profile["tokens"]),
                   profile.get("group_size", 128))
     out = []
@@ -420,6 +440,10 @@ def kernel_counts(fmt: str, where: Shape, gpu: GPU, tokens: tuple[int, ...] = (1
 def calibrate(profiles: list[dict[str, Any]], gpu: GPU) -> dict[str, Any]:
     """The fit on every layer curve and its checks: each shape left out, each format left out,
     the whole-model curves predicted from the layer fit."""
+    quantizers = {p.get("activation_quantizer", "torch") for p in profiles}
+    if len(quantizers) != 1:
+        raise ValueError(f"the profiles ran different activation quantizers ({', '.join(sorted(quantizers))})")
+    gpu = as_measured(gpu, quantizers.pop())
     curves = [c for p in profiles for c in curves_of(p, gpu)]
     models = [c for p in profiles for c in curves_of(p, gpu, "model")]
     copy = sum(p["copy_bandwidth_GBps"] for p in profiles) / len(profiles)
@@ -444,7 +468,8 @@ def calibrate(profiles: list[dict[str, Any]], gpu: GPU) -> dict[str, Any]:
                     "kernels": {sh: kernel_counts(fm, w, gpu) for sh, w in where.items()},
                     "fixed_us": {sh: kernel_counts(fm, w, gpu, (1,))["1"] * f.launch_us for sh, w in where.items()}}
                for fm in fmts}
-    return {"gpu": gpu.name, "copy_bandwidth_GBps": copy, "copy_e_bw": copy / gpu.bandwidth_GBps, "e_bw": f.e_bw,
+    return {"gpu": gpu.name, "activation_quantizer": "fused" if gpu.fused_act_quant else "torch",
+            "copy_bandwidth_GBps": copy, "copy_e_bw": copy / gpu.bandwidth_GBps, "e_bw": f.e_bw,
             "fit": asdict(f), "formats": per_fmt,
             "in_sample": {fm: summary(errors(f, [c for c in curves if c.fmt == fm])) for fm in fmts},
             "leave_one_shape_out": shape_out, "leave_one_format_out": format_out,
@@ -471,7 +496,9 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
     """Each compat row's methods on each GPU: measured stages, verification scaled by the model."""
     from hierviz.measure.whatif import model_bytes
     from hierviz.models.config import ModelConfig
-    base = GPUS[calibration["gpu"]]
+    # the compat rows ran with the quantizer they recorded; the other GPUs get torch's (the fused
+    # one is on only on its proven platforms, which a spec sheet does not tell)
+    base = as_measured(GPUS[calibration["gpu"]], compat.get("machine", {}).get("activation_quantizer"))
     f = Fit(**calibration["fit"])
     s = compat["settings"]
     t_shape, m_shape = Shape(configs["target"]), Shape(configs["intermediate"])
@@ -495,6 +522,8 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
                 + model_bytes(ModelConfig(**_cfg_fields(m_shape.cfg)), m_fmt))
         for gpu in gpus:
             entry: dict[str, Any] = {"gpu": gpu.name, "format": fm, "name": r["name"], "projected": gpu.name != base.name}
+            if fm in QUANTIZED_ACTIVATIONS:
+                entry["activation_quantizer"] = "fused" if gpu.name == base.name and base.fused_act_quant else "torch"
             if r.get("layers_measured", 0) < r.get("layers", 0):
                 entry["layers_note"] = f"{r['layers_measured']} of {r['layers']} layers measured, scaled"
             skip = _skip_reason(gpu, fm, need, gpu.name == base.name)   # the calibration GPU's rows were measured

@@ -239,7 +239,9 @@ def _header(cfg: ModelConfig, shape: str, tokens: list[int], device: str, contex
             "copy_bandwidth_GBps": bw / 1e9, "series": [], "notes": []}
     if cuda:
         import triton
+        from hierviz.quant import act_quant
         info["versions"]["triton"] = triton.__version__
+        info["activation_quantizer"] = act_quant.name_on(torch.device(device))
     return info
 
 

@@ -54,14 +54,24 @@ def platform_proven(device: torch.device) -> bool:
     return _proven_on[device]
 
 
-def enabled(x: torch.Tensor) -> bool:
-    """Whether x's rows are quantized by the kernel: on a proven GPU platform (or forced, also on
-    the CPU under the interpreter)."""
+def active(device: torch.device) -> bool:
+    """Whether the 8-bit products on device quantize their activations with the kernel: on a proven
+    GPU platform (or forced, also on the CPU under the interpreter)."""
     if triton is None:
         return False
     if _forced[0] is not None:
         return _forced[0]
-    return x.is_cuda and platform_proven(x.device)
+    return platform_proven(device)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether x's rows are quantized by the kernel (`active` on x's device)."""
+    return active(x.device)
+
+
+def name_on(device: torch.device) -> str:
+    """"fused" or "torch": which quantizer the 8-bit products on device run, as measurements record it."""
+    return "fused" if active(device) else "torch"
 
 
 if triton is not None:
