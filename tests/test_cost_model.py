@@ -257,6 +257,10 @@ def test_formats_panel_tags_measured_and_projected_rows(tmp_path):
     md = formats_panel.table_markdown(d, labels[0])
     assert "| H200<br>measured |" in md and "*projected*" in md and "no FP8 cores" in md and "does not fit" in md
     assert "46 of 80 layers measured, scaled" in md and md.count("**HierSpec") >= 8
+    assert "The 8-bit rows of the H200 ran hierviz's fused activation quantizer" in md
+    for e in d["projections"][0]["rows"]:
+        e.pop("activation_quantizer", None)
+    assert "fused activation quantizer" not in formats_panel.table_markdown(d, labels[0])
     assert "No cost-model file" in formats_panel.table_markdown(None, None)
     bad = tmp_path / "x.json"
     bad.write_text("{not json")

@@ -99,6 +99,10 @@ def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
     lines.append(f"\nSpeedups over AR of the same format and GPU. \"Does not fit\": the target's and M's weights "
                  f"exceed 90 % of the GPU's memory. Cost model calibrated on the {cal['gpu']} (largest error on "
                  f"its own measured curves {worst:.0%}).")
+    fused = sorted({e["gpu"].removeprefix("NVIDIA ") for e in proj["rows"] if e.get("activation_quantizer") == "fused"})
+    if fused:
+        lines.append(f"The 8-bit rows of the {', '.join(fused)} ran hierviz's fused activation quantizer (proven "
+                     "there); the other GPUs are projected with torch's, which launches more kernels per product.")
     return "\n".join(lines)
 
 
