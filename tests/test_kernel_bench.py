@@ -12,3 +12,20 @@ def test_cpu_kernel_bench_through_the_cli(tmp_path, capsys) -> None:
     assert "int4pack_cpu" in capsys.readouterr().out
     res = json.loads((tmp_path / "kernel_bench_cpu.json").read_text())
     assert [r["M"] for r in res["rows"]] == [1] and res["rows"][0]["int4pack_cpu_us"] > 0
+
+
+def test_a_failing_peer_records_why_and_the_row_goes_on() -> None:
+    """kernel-bench's peers (Marlin, GemLite) share one timing step: a peer that raises at some M
+    names the error in its column and the bench keeps the row."""
+    import torch
+    from hierviz.measure.kernel_bench import _time_peer
+    x16 = [torch.randn(2, 8) for _ in range(2)]
+    w = torch.randn(4, 8)
+    row: dict = {}
+    _time_peer(row, "good", [lambda x: x @ w.t()] * 2, x16, x16[0] @ w.t(), lambda fns, rep: len(fns) * 1.0, 1.0)
+    assert row == {"good_err": 0.0, "good_us": 2.0}
+
+    def broken(x):
+        raise RuntimeError("illegal instruction")
+    _time_peer(row, "bad", [broken] * 2, x16, x16[0] @ w.t(), lambda fns, rep: 1.0, 1.0)
+    assert "illegal instruction" in row["bad_error"] and "bad_us" not in row and row["good_us"] == 2.0

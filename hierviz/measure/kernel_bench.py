@@ -229,6 +229,17 @@ def _triton_timings(row: dict, x16: list, xbf: list, ws: list[W4Weight], cfg, cf
     row["triton_bf16_us"] = timer([lambda x=x, w=w: triton_w4_matmul(x, w, cfg_bf16) for x, w in zip(xbf, ws)], rep_ms)
 
 
+def _time_peer(row: dict, name: str, layers: list, x16: list[torch.Tensor], want: torch.Tensor,
+               timer: Callable, rep_ms: float) -> None:
+    """A peer kernel's error against its own weight's product and its time, into row; a peer that
+    fails at this M records why (`<name>_error`) and the other columns still run."""
+    try:
+        row[f"{name}_err"] = _rel_err(layers[0](x16[0]), want)
+        row[f"{name}_us"] = timer([lambda x=x, lay=lay: lay(x) for x, lay in zip(x16, layers)], rep_ms)
+    except Exception as e:
+        row[f"{name}_error"] = repr(e)[:300]
+
+
 def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tiny: Optional[list],
                best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool,
                marlin: Optional[tuple[list, torch.Tensor]] = None, gemlite: Optional[list] = None) -> dict:
@@ -254,15 +265,9 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
         row["tinygemm_us"] = timer([lambda x=x, t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], g, t[1])
                                     for x, t in zip(xbf, tiny)], rep_ms)
     if marlin is not None:        # its own symmetric weights: same shape and bytes
-        layers, marlin_w = marlin
-        row["marlin_err"] = _rel_err(layers[0](x16[0]), x16[0].float() @ marlin_w.t())
-        row["marlin_us"] = timer([lambda x=x, lay=lay: lay(x) for x, lay in zip(x16, layers)], rep_ms)
+        _time_peer(row, "marlin", marlin[0], x16, x16[0].float() @ marlin[1].t(), timer, rep_ms)
     if gemlite is not None:       # the engine's own weights
-        try:
-            row["gemlite_err"] = _rel_err(gemlite[0](x16[0]), want)
-            row["gemlite_us"] = timer([lambda x=x, lay=lay: lay(x) for x, lay in zip(x16, gemlite)], rep_ms)
-        except Exception as e:
-            row["gemlite_error"] = repr(e)[:300]
+        _time_peer(row, "gemlite", gemlite, x16, want, timer, rep_ms)
     try:
         _triton_timings(row, x16, xbf, ws, cfg, cfg_bf16, want, ref_w, timer, rep_ms)
     except Exception as e:
