@@ -10,6 +10,31 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def _share_default_ssl_context() -> None:
+    """One default SSL context per process for httpx. gradio_client opens new httpx clients for
+    nearly every request (config, API info, each predict and its stream), and each built a fresh
+    context, parsing the CA bundle again: ~0.1 s of CPU a time, over 1,000 times in
+    test_hardening.py alone. The tests talk plain HTTP to 127.0.0.1, so the context is never used
+    for a handshake; contexts with other arguments are built as before."""
+    try:
+        import httpx._transports.default as transports
+    except ImportError:
+        return
+    build = transports.create_ssl_context
+    shared: dict = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[trust_env]
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_default_ssl_context()
+
+
 # Seconds each long test file takes on the 2-core CPU machine under `-n 2 --dist loadfile`
 # (pytest --durations=0, setup included); files not listed take under 10 s. Only their order
 # matters: see pytest_collection_modifyitems.
