@@ -1,9 +1,11 @@
 """Shared test set-up: offline, and one CPU thread (the test models are tiny: extra threads only
-add spin-wait overhead, badly so when the 2 cores are shared)."""
+add spin-wait overhead, badly so when the 2 cores are shared), also in the processes the tests
+start (the app, the training commands, the interpreter scripts) through OMP_NUM_THREADS."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
