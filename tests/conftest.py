@@ -1,13 +1,40 @@
 """Shared test set-up: offline, and one CPU thread (the test models are tiny: extra threads only
-add spin-wait overhead, badly so when the 2 cores are shared)."""
+add spin-wait overhead, badly so when the 2 cores are shared), also in the processes the tests
+start (the app, the training commands, the interpreter scripts) through OMP_NUM_THREADS."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def _share_default_ssl_context() -> None:
+    """One default SSL context per process for httpx. gradio_client opens new httpx clients for
+    nearly every request (config, API info, each predict and its stream), and each built a fresh
+    context, parsing the CA bundle again: ~0.1 s of CPU a time, over 1,000 times in
+    test_hardening.py alone. The tests talk plain HTTP to 127.0.0.1, so the context is never used
+    for a handshake; contexts with other arguments are built as before."""
+    try:
+        import httpx._transports.default as transports
+    except ImportError:
+        return
+    build = transports.create_ssl_context
+    shared: dict = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[trust_env]
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_default_ssl_context()
 
 
 # Seconds each long test file takes on the 2-core CPU machine under `-n 2 --dist loadfile`

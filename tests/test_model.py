@@ -147,8 +147,16 @@ def _with_kernel(model: Transformer, kernel: str) -> Transformer:
     return model
 
 
+@pytest.fixture()
+def threads_restored():
+    """The test below runs on two threads: the tests after it get the suite's one back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("kernel", ["int4pack_cpu", "reference"])
-def test_cpu_verification_is_batch_invariant(kernel):
+def test_cpu_verification_is_batch_invariant(kernel, threads_restored):
     """A batch-invariant target on the CPU: a 24-node tree and a 6-token sequence verified in one
     forward give every node the hidden state and logits of decoding it alone after its path, bit for
     bit, with the row-invariant int4 kernel (per-token attention, chunked LM head). Without the mode
