@@ -163,40 +163,30 @@ def test_identical_cell_counts_the_questions_that_differ():
     assert _identical_cell({}) == ""
 
 
-def test_draft_sweep_command_runs(questions):
-    """`python -m hierviz draft-sweep` (the CPU draft-length sweep in docs/benchmarks.md) stays runnable."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "hierviz", "draft-sweep", "--questions", str(questions),
-                           "--stack", "tiny-random", "--max-new-tokens", "4", "--device", "cpu"],
-                          cwd=root, env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if "tok/s" in line]
+def test_draft_sweep_command_runs(questions, capsys):
+    """`python -m hierviz draft-sweep` (the CPU draft-length sweep in docs/benchmarks.md) stays runnable
+    (through the command line's main, in this process)."""
+    from hierviz.cli import main
+    assert main(["draft-sweep", "--questions", str(questions), "--stack", "tiny-random", "--max-new-tokens", "4",
+                 "--device", "cpu"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "tok/s" in line]
     assert len(lines) == 5 and lines[1].startswith("hierspec (defaults)")
 
 
-def test_batch_invariance_command_runs(tmp_path):
+def test_batch_invariance_command_runs(tmp_path, capsys):
     """`python -m hierviz batch-invariance` (the fp16 batch-invariance check in docs/gpu.md) runs on its CPU path:
-    one token against itself is identical, and every layer-0 product and the LM head are reported."""
+    one token against itself is identical, and every layer-0 product and the LM head are reported
+    (through the command line's main, in this process)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+
+    from hierviz.cli import main
     cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, "-m", "hierviz", "batch-invariance", "--shape",
-                           str(tmp_path / "config.json"), "--device", "cpu", "--dtype", "float32", "--kernel",
-                           "reference", "--tokens", "1,3", "--prompt", "5", "--static"],
-                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+    assert main(["batch-invariance", "--shape", str(tmp_path / "config.json"), "--device", "cpu", "--dtype",
+                 "float32", "--kernel", "reference", "--tokens", "1,3", "--prompt", "5", "--static"]) == 0
+    out = capsys.readouterr().out
     assert "K=  1: first differing layer output None, max |logit diff| 0," in out
     assert "K=  3:" in out
     assert sum(line.startswith("layer 0 ") for line in out.splitlines()) == 4    # qkv, o, gate_up, down

@@ -191,15 +191,25 @@ def test_derived_prompts_stage(tmp_path):
     assert all(f"passage number {i}." in p for i, (_, p) in enumerate(ps))
 
 
-def test_pipeline_in_two_calls(tmp_path):
+@pytest.fixture()
+def warm_py(tmp_path):
+    """The pipeline's PYTHON: its six commands run forked from one interpreter that imported torch
+    and transformers once (tests/warm_python.py), not six fresh ones (~5 s of imports each)."""
+    from tests.warm_python import warm_python
+    root = Path(__file__).resolve().parents[1]
+    preload = ["torch", "transformers", "transformers.models.llama.modeling_llama", "safetensors.torch"]
+    with warm_python(preload, root, {**os.environ, "PYTHONPATH": str(root)}) as py:
+        yield py
+
+
+def test_pipeline_in_two_calls(tmp_path, warm_py):
     """The device pipeline split over two invocations (two device calls): the second reuses the
     exported target, the data and M that the first left in WORK_DIR, and trains only the heads."""
     import subprocess
-    import sys
     root = Path(__file__).resolve().parents[1]
     target = _tiny_target(tmp_path / "target")
     qfiles = " ".join(map(str, QUESTIONS))
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(root), "NUM_PROMPTS": "16", "MAX_NEW": "8",
+    env = {**os.environ, "PYTHON": warm_py, "PYTHONPATH": str(root), "NUM_PROMPTS": "16", "MAX_NEW": "8",
            "GEN_BATCH": "8", "DISTILL_STEPS": "2", "EAGLE_STEPS": "2", "BATCH_TOKENS": "256", "LAYERS": "2",
            "GROUP": "32", "DRAFT_VOCAB": "64", "QUESTIONS": qfiles}
     script = root / "hierviz" / "train" / "gpu_pipeline.sh"
