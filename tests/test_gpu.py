@@ -332,6 +332,7 @@ def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_pat
     from hierviz.quant import kernel_guard, triton_w4, w4_proof
     monkeypatch.setenv("HIERVIZ_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset())
+    monkeypatch.setattr(kernel_guard, "PROVEN_CUDA_PLATFORMS", frozenset())
     w4_proof.forget_in_memory()
     dev = torch.device("cuda")
     try:
@@ -351,6 +352,13 @@ def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_pat
         assert w4_proof.prove_models([model], torch.float16, dev).source == "remembered"
         w4_proof.forget_in_memory()
         assert kernel_guard.platform_proven(dev)          # from the disk cache
+        # asking for the CUDA MMA variant: the next load proves it on the same shapes, then uses it
+        monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+        assert kernel_guard.CUDA_VARIANT not in kernel_guard.fast_variants(dev)
+        verdict = w4_proof.prove_models([model], torch.float16, dev, log=print)
+        assert verdict.source == "proved" and verdict.passed() and verdict.products(kernel_guard.CUDA_VARIANT) > 0
+        assert kernel_guard.CUDA_VARIANT in kernel_guard.fast_variants(dev) and kernel_guard.platform_proven(dev)
+        assert triton_w4.chosen_config(torch.zeros(1, 4096, device="cuda", dtype=torch.float16), gate_up).cuda
     finally:
         w4_proof.forget_in_memory()
 
@@ -498,3 +506,80 @@ def test_fused_activation_quantizer_matches_torch(fmt) -> None:
             assert output_tokens(generate(st, method, "the quick brown fox", s)) == want, method
     finally:
         act_quant.force(None)
+
+
+# ---- the CUDA MMA W4 kernel (hierviz.quant.cuda_w4) ---------------------------------------------
+
+CUDA_W4_SHAPES = [(8192, 28672, 128), (28672, 8192, 128), (4096, 6144, 128), (14336, 4096, 128), (576, 576, 32),
+                  (1536, 576, 32), (4096, 4096, 64), (4096, 4096, 4096), (3584, 4608, 128)]
+
+
+@pytest.mark.parametrize("k,n,g", CUDA_W4_SHAPES)
+def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) -> None:
+    """Every row count 1..128 and three prefills: each row within the fp16 tolerance of the fp32
+    reference, and (to 128 rows) bit-identical to the row computed alone, whichever entry (direct
+    one-tile, staged 2-4 tiles, more token chunks) and K split ran; the residual form adds in place."""
+    from hierviz.quant import cuda_w4, kernel_guard
+    from hierviz.quant.w4_proof import reference, synthetic_weight
+    w = synthetic_weight(n, k, g, "cuda", seed=k + n + g, act_order=False, dtype=torch.float16)
+    x = torch.randn(300, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k)).half()
+    ref = reference(x, w)
+    alone = torch.cat([cuda_w4.matmul(x[i:i + 1], w) for i in range(128)])
+    for m in list(range(1, 129)) + [129, 200, 300]:
+        y = cuda_w4.matmul(x[:m], w)
+        assert float(kernel_guard.row_errors(y, ref[:m]).max()) < 5e-3, m
+        if m <= 128:
+            assert torch.equal(y, alone[:m]), m
+    for tiles in (1, 2, 3, 4):
+        assert torch.equal(cuda_w4.matmul(x[:40], w, tiles=tiles), alone[:40]), tiles
+    r = torch.randn(16, n, device="cuda").half()
+    r0 = r.clone()
+    assert cuda_w4.matmul(x[:16], w, add_to=r) is r
+    assert float(kernel_guard.row_errors(r.float() - r0.float(), ref[:16]).max()) < 5e-3
+    assert torch.equal(cuda_w4.source_codes(w), cuda_w4.unpack_layout(cuda_w4.layout(w)[0]))
+
+
+def test_cuda_w4_replays_in_a_graph_and_runs_from_another_thread() -> None:
+    import threading
+    from hierviz.quant import cuda_w4
+    from hierviz.quant.w4_proof import synthetic_weight
+    w = synthetic_weight(8192, 4096, 128, "cuda", seed=1, act_order=False, dtype=torch.float16)
+    x = torch.randn(24, 4096, device="cuda").half()
+    want = cuda_w4.matmul(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = cuda_w4.matmul(x, w)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("y", cuda_w4.matmul(x, w)))
+    t.start()
+    t.join()
+    assert torch.equal(box["y"], want)
+
+
+def test_verification_is_batch_invariant_on_the_static_path_with_the_cuda_w4_kernel(monkeypatch) -> None:
+    """HIERVIZ_W4_CUDA=on: the target's W4 products run the CUDA kernel (CUDA graphs, fused layers);
+    a 24-node tree and a 6-token sequence verified in one forward give every node the hidden state
+    and logits of its token decoded alone, bit for bit (SmolLM2's shape, W4 in groups of 32)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
+    from hierviz.measure.profile import load_shape
+    from hierviz.models.synthetic import synthetic_model
+    from hierviz.quant import triton_w4
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+    _, cfg = load_shape("smollm2")
+    model = synthetic_model(cfg, "w4", torch.float16, "cuda", "triton", seed=0, group=32)
+    model.set_batch_invariant(True)
+    w = model.layers[0].gate_up.w4[0]
+    assert triton_w4.chosen_config(torch.zeros(7, w.in_features, device="cuda", dtype=torch.float16), w).cuda
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, cfg.vocab_size, (70,), generator=gen).tolist()
+    for parents in (TREE_24, CHAIN_6):
+        toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
+        r = tree_vs_paths(model, parents, prompt, toks)
+        assert all(r["hidden"]) and all(r["logits"]), r

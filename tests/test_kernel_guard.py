@@ -22,13 +22,12 @@ _SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from hierviz.measure import w4_sweep
     from hierviz.quant import triton_w4
-    from hierviz.quant.triton_w4 import Config, packed
+    from hierviz.quant.triton_w4 import Config
     from hierviz.quant.w4 import quantize_rtn
     out = {}
     torch.manual_seed(0)
     w = quantize_rtn(torch.randn(192, 256), 64)
     x = torch.randn(5, 256, dtype=torch.float16)
-    p = packed(w, x.dtype)
     ref = x.float() @ triton_w4.dequantize(w, torch.float32).t()
     cfg = Config(64, 16, 2, 4, 2, tma=True)
     real_launch = triton_w4._launch
@@ -37,8 +36,8 @@ _SCRIPT = textwrap.dedent("""
     clean, chained = Kernel(""), Kernel(Path(sys.argv[1]).read_text())
 
     def launch(bad_tma=False, bad_all=False, hazard=False):
-        def fake(x, w, p, c, interp, add_to):
-            y, _ = real_launch(x, w, p, c, True, add_to)
+        def fake(x, w, c, interp, add_to):
+            y, _ = real_launch(x, w, c, True, add_to)
             if bad_all or (bad_tma and c.tma):
                 y = y.clone(); y[:, :8] *= 1.5          # one 8-feature group wrong, as the GPU fault
             return y, (chained if hazard and c.tma else clean)
@@ -50,7 +49,7 @@ _SCRIPT = textwrap.dedent("""
         triton_w4._launch = launch(**kw)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = triton_w4._verified(x, w, p, cfg)
+            got = triton_w4._verified(x, w, cfg)
         out[name] = {"config": None if got is None else dataclasses.asdict(got), "warnings": len(caught)}
     triton_w4._launch = real_launch
     y = triton_w4._reference_product(x, w, None)

@@ -84,12 +84,12 @@ def test_a_stack_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch
 def test_released_codes_are_rebuilt_from_the_kernel_layout() -> None:
     pytest.importorskip("triton")
     from hierviz.quant import triton_w4
-    from hierviz.quant.w4 import codes_of, codes_released, dequantize, quantize_rtn
+    from hierviz.quant.w4 import codes_of, codes_released, dequantize, quantize_rtn, release_codes
     for g in (32, 128, 512):
         w = quantize_rtn(torch.randn(96, 1024), g)
         original, dense = w.codes.clone(), dequantize(w)
         triton_w4.packed(w, torch.float16)
-        triton_w4.release_codes(w)      # what packed() does to a CUDA weight: the order goes, the shape stays
+        release_codes(w, triton_w4.source_codes)      # what packed() does to a CUDA weight: the order goes, the shape stays
         assert codes_released(w) and w.out_features == 96 and w.in_features == 1024
         assert torch.equal(codes_of(w), original) and torch.equal(dequantize(w), dense)
         rows = torch.tensor([0, 5, 95])

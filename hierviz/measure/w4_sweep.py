@@ -177,12 +177,18 @@ def quick(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# the fast variants each path may use: `tma` what Hopper runs in Triton, `cuda` the CUDA MMA kernel
+# (hierviz.quant.cuda_w4), `pointer` none (what an A100 runs without the CUDA kernel)
+PATH_VARIANTS = {"tma": frozenset(kernel_guard.TRITON_VARIANTS), "cuda": frozenset({kernel_guard.CUDA_VARIANT}),
+                 "pointer": frozenset()}
+
+
 def _product(x: torch.Tensor, w: W4Weight, path: str) -> torch.Tensor:
-    """x @ W.T through the product's own configuration choice, with the older-GPU path forced
-    when path == 'pointer' (no check, no fallback: the raw kernel is what is measured)."""
+    """x @ W.T through the product's own configuration choice with only the path's variants
+    allowed (no check, no fallback: the raw kernel is what is measured)."""
     from hierviz.quant import triton_w4
     xp = x.index_select(-1, w.perm) if w.perm is not None else x
-    cfg = triton_w4.chosen_config(xp, w, hopper_paths=path == "tma")
+    cfg = triton_w4.chosen_config(xp, w, variants=PATH_VARIANTS[path])
     return triton_w4.triton_w4_matmul(xp, w, config=cfg)
 
 
@@ -247,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--groups", default="32,64,128,channel", help="group sizes; 'channel' = per-channel (G = K)")
     ap.add_argument("--act-order", default="both", choices=["both", "off", "on"])
     ap.add_argument("--rows", default=None, help="row counts, e.g. 1-128,256 (default 1-128 and prefill chunks to 2048)")
-    ap.add_argument("--paths", default=None, help="tma,pointer (default both on a TMA GPU, else pointer)")
+    ap.add_argument("--paths", default=None, help="tma,cuda,pointer (default: each this GPU supports)")
     ap.add_argument("--modes", default="normal,invariant")
     ap.add_argument("--dtypes", default="float16", help="float16,bfloat16")
     ap.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (compiles run in parallel)")
@@ -270,8 +276,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         shapes = model_shapes(names)
     rows = parse_rows(a.rows) if a.rows else list(range(1, 129)) + PREFILL_ROWS
-    has_tma = device == "cpu" or torch.cuda.get_device_capability()[0] >= 9
-    paths = a.paths.split(",") if a.paths else (["tma", "pointer"] if has_tma else ["pointer"])
+    supported = kernel_guard.supported_variants(torch.device(device))
+    paths = a.paths.split(",") if a.paths else [p for p, vs in PATH_VARIANTS.items() if vs <= set(supported)]
+    unknown = [p for p in paths if p not in PATH_VARIANTS]
+    if unknown:
+        print(f"error: unknown path(s) {unknown}; choose from {', '.join(PATH_VARIANTS)}", file=sys.stderr)
+        return 2
     acts = {"both": [False, True], "off": [False], "on": [True]}[a.act_order]
     jobs = []
     for (k, n), layers in sorted(shapes.items()):

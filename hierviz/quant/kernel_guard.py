@@ -25,11 +25,15 @@ from typing import Callable, Optional
 
 import torch
 
+from hierviz.config import options
 from hierviz.quant.w4 import W4Weight, codes_of, dequantize
 
 # (compute capability major, Triton "major.minor") on which `hierviz w4-sweep` found 0 wrong rows
 # on every path, TMA included. Add a pair only with the sweep's result recorded in docs/kernels.md.
 PROVEN_PLATFORMS: frozenset[tuple[int, str]] = frozenset({(9, "3.6")})
+# (compute capability major, NVRTC "major.minor") on which the sweep's `cuda` path found 0 wrong and
+# 0 batch-dependent rows: the CUDA MMA variant (hierviz.quant.cuda_w4) is compiled by NVRTC.
+PROVEN_CUDA_PLATFORMS: frozenset[tuple[int, str]] = frozenset({(9, "13.0")})
 
 # Per-row relative error (over the checked output features) above which a product is wrong. The
 # kernels' rounding against the fp32 reference is ~3e-4 (fp16) and ~2.3e-3 (bf16) on synthetic
@@ -48,9 +52,12 @@ def triton_version() -> Optional[str]:
     return ".".join(triton.__version__.split(".")[:2])
 
 
-# The variants only a proven platform uses: codes through TMA descriptors (`Config.tma`), and the
-# CUDA-core one-token kernel (`Config.gemv`).
-FAST_VARIANTS: tuple[str, ...] = ("tma", "gemv")
+# The variants only a proven platform uses: codes through TMA descriptors (`Config.tma`), the
+# CUDA-core one-token kernel (`Config.gemv`), and the CUDA MMA kernel (`Config.cuda`,
+# hierviz.quant.cuda_w4: tensor-core MMA from sm_80 on, compiled at run time by NVRTC).
+TRITON_VARIANTS: tuple[str, ...] = ("tma", "gemv")
+CUDA_VARIANT = "cuda_mma"
+FAST_VARIANTS: tuple[str, ...] = (*TRITON_VARIANTS, CUDA_VARIANT)
 
 
 def _index(device: torch.device) -> int:
@@ -58,11 +65,19 @@ def _index(device: torch.device) -> int:
 
 
 def supported_variants(device: torch.device) -> tuple[str, ...]:
-    """The fast variants this device can run: all from Hopper (sm_90) on, and under the
-    interpreter (it emulates TMA); none on older GPUs."""
+    """The fast variants this device can run: the Triton ones from Hopper (sm_90) on; the CUDA MMA
+    one, where it is asked for (HIERVIZ_W4_CUDA=on), from sm_80 on where NVRTC compiles it and the
+    driver loads it; under the interpreter the Triton ones (it emulates TMA; the CUDA kernel needs
+    a GPU)."""
     if device.type != "cuda":
-        return FAST_VARIANTS
-    return FAST_VARIANTS if torch.cuda.get_device_capability(_index(device))[0] >= 9 else ()
+        return TRITON_VARIANTS
+    major = torch.cuda.get_device_capability(_index(device))[0]
+    found = TRITON_VARIANTS if major >= 9 else ()
+    if major >= 8 and options().w4_cuda == "on":
+        from hierviz.quant import cuda_w4      # imported here: it compiles only when asked
+        if cuda_w4.available(device):
+            found = (*found, CUDA_VARIANT)
+    return found
 
 
 def gpu_platform(device: torch.device) -> tuple[int, Optional[str]]:
@@ -71,12 +86,30 @@ def gpu_platform(device: torch.device) -> tuple[int, Optional[str]]:
     return torch.cuda.get_device_capability(_index(device))[0], triton_version()
 
 
+def statically_proven(device: torch.device) -> frozenset[str]:
+    """The variants the full correctness sweep passed for on this kind of platform: the Triton ones
+    by (GPU major, Triton), the CUDA one by (GPU major, NVRTC)."""
+    if device.type != "cuda":
+        return frozenset()
+    major, triton = gpu_platform(device)
+    found = set(TRITON_VARIANTS) if (major, triton) in PROVEN_PLATFORMS else set()
+    if PROVEN_CUDA_PLATFORMS:
+        from hierviz.quant import cuda_w4
+        if (major, cuda_w4.nvrtc_version()) in PROVEN_CUDA_PLATFORMS:
+            found.add(CUDA_VARIANT)
+    return frozenset(found)
+
+
 def on_static_list(device: torch.device) -> bool:
-    """Whether this GPU and Triton are a pair the full correctness sweep passed on."""
-    return device.type == "cuda" and gpu_platform(device) in PROVEN_PLATFORMS
+    """Whether the full correctness sweep passed for every fast variant this GPU supports on this
+    kind of platform (nothing is left to prove here)."""
+    if device.type != "cuda":
+        return False
+    proven = statically_proven(device)
+    return bool(proven) and set(supported_variants(device)) <= proven
 
 
-# (device index, activation dtype) -> the fast variants in use: asked on every product, so the
+# (device index, activation dtype, HIERVIZ_W4_CUDA) -> the fast variants in use: asked on every product, so the
 # answer (device queries, the verdict cache) is kept until a verdict changes
 _PROVEN: dict[tuple[int, torch.dtype], frozenset[str]] = {}
 _ON_CHANGE: list[Callable[[], None]] = []
@@ -85,10 +118,10 @@ _ON_CHANGE: list[Callable[[], None]] = []
 def fast_variants(device: torch.device, dtype: torch.dtype = torch.float16) -> frozenset[str]:
     """The fast variants products of dtype may use on device: on the static list all it supports,
     else those a start-up proof on this platform passed (hierviz.quant.w4_proof.enabled_variants:
-    in memory after a proof, or from the disk cache); under the interpreter all."""
+    in memory after a proof, or from the disk cache); under the interpreter the Triton ones."""
     if device.type != "cuda":
-        return frozenset(FAST_VARIANTS)     # the interpreter: the CPU tests check it
-    key = (_index(device), dtype)
+        return frozenset(TRITON_VARIANTS)   # the interpreter: the CPU tests check it
+    key = (_index(device), dtype, options().w4_cuda)
     if key not in _PROVEN:
         # imported here: w4_proof imports the kernel module, which imports this one
         from hierviz.quant import w4_proof
@@ -97,8 +130,10 @@ def fast_variants(device: torch.device, dtype: torch.dtype = torch.float16) -> f
 
 
 def platform_proven(device: torch.device, dtype: torch.dtype = torch.float16) -> bool:
-    """Whether every fast variant may run here (the static list, or a passing verdict)."""
-    return fast_variants(device, dtype) >= frozenset(FAST_VARIANTS)
+    """Whether every fast variant this device supports may run here (the static list, or a passing
+    verdict; an older GPU with none: False); under the interpreter, always."""
+    supported = frozenset(supported_variants(device))
+    return bool(supported) and fast_variants(device, dtype) >= supported
 
 
 def when_verdicts_change(callback: Callable[[], None]) -> None:

@@ -44,7 +44,7 @@ import torch
 from hierviz.config import options, overrides
 from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_of, codes_released, dequantize, pack_codes,
-                              register_kernel, unpack_codes)
+                              register_kernel, release_codes, unpack_codes)
 
 try:  # import must work on machines without a GPU (and without triton at all)
     import triton
@@ -85,6 +85,8 @@ class Config:
                            # per program (block_m unused), block_q 32-channel quads of K per row
                            # per iteration; num_stages >= 2: the next iteration's loads first
     block_q: int = 8
+    cuda: bool = False     # the CUDA MMA kernel (hierviz.quant.cuda_w4, fp16): block_m = tokens per
+                           # block (8 x its token tiles), split_k = its K slices; other fields unused
 
 
 # Picked by `python -m hierviz kernel-bench --tune` on an H200 (K=8192, N=28672, G=128);
@@ -225,12 +227,11 @@ def packed(w: W4Weight, dtype: torch.dtype) -> Packed:
         sub = _sub_block(w.group_size)
         codes = cache.get("codes")
         if codes is None or codes.device != w.codes.device:
-            codes = cache["codes"] = repack_codes(w.codes, sub)
-            if w.codes.is_cuda:
-                # Hold a GPU model's codes once: the checkpoint's order is released (a zero-stride
-                # view keeps its shape) and rebuilt from this layout where needed (source_codes).
-                # A 70B target is then 35 GB of codes, not 70 (hierviz.memory).
-                release_codes(w)
+            codes = cache["codes"] = repack_codes(codes_of(w), sub)
+            if w.codes.is_cuda and not codes_released(w):
+                # Hold a GPU model's codes once: a 70B target is then 35 GB of codes, not 70
+                # (hierviz.memory); source_codes rebuilds the checkpoint's order where needed.
+                release_codes(w, source_codes)
         hit = cache[key] = Packed(codes, w.scales.t().to(dtype).contiguous(),
                                   w.offsets.t().to(dtype).contiguous(), sub)
     return hit
@@ -241,13 +242,6 @@ def unrepack_codes(codes: torch.Tensor, sub: int) -> torch.Tensor:
     n, half_k = codes.shape
     q = torch.stack([(codes & 0xF).view(n, -1, sub // 2), (codes >> 4).view(n, -1, sub // 2)], dim=2)
     return pack_codes(q.reshape(n, half_k * 2))
-
-
-def release_codes(w: W4Weight) -> None:
-    """Drop w's codes in the checkpoint order (their shape stays, as a zero-stride view) once the
-    kernel layout holds them; `codes_of` rebuilds them from that layout for other readers."""
-    w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
-    w.kernel_state["restore_codes"] = source_codes
 
 
 def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -792,17 +786,16 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
     if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != x.dtype or not add_to.is_contiguous()):
         raise ValueError(f"add_to must be a contiguous {(m, n)} {x.dtype} tensor, got {tuple(add_to.shape)} "
                          f"{add_to.dtype}")
-    p = packed(w, x.dtype)
     x = x.contiguous()
     if config is not None:            # an explicit configuration runs as given (benchmarks, sweeps)
-        return _launch(x, w, p, config, interp, add_to)[0]
+        return _launch(x, w, config, interp, add_to)[0]
     cfg = chosen_config(x, w)
     if interp or x.device.type != "cuda":
-        return _launch(x, w, p, cfg, interp, add_to)[0]
-    safe = _verified(x, w, p, cfg)
+        return _launch(x, w, cfg, interp, add_to)[0]
+    safe = _verified(x, w, cfg)
     if safe is None:
         return _reference_product(x, w, add_to)
-    return _launch(x, w, p, safe, interp, add_to)[0]
+    return _launch(x, w, safe, interp, add_to)[0]
 
 
 def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = None,
@@ -818,6 +811,12 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
     if variants is None:
         variants = (kernel_guard.fast_variants(x.device, x.dtype) if hopper_paths is None
                     else frozenset(kernel_guard.FAST_VARIANTS) if hopper_paths else frozenset())
+    if kernel_guard.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
+        from hierviz.quant import cuda_w4
+        if cuda_w4.serves() and cuda_w4.supports_shape(n, k, w.group_size):
+            return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * cuda_w4.token_tiles(m),
+                          split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS,
+                          num_stages=cuda_w4.PREFETCH, cuda=True)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
     if w.batch_invariant and m <= INVARIANT_MAX_ROWS:
@@ -838,7 +837,7 @@ _HAZARDS: dict[int, list[str]] = {}     # compiled kernel -> its TTGIR hazards
 kernel_guard.when_verdicts_change(_VERIFIED.clear)
 
 
-def _verified(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config) -> Optional[Config]:
+def _verified(x: torch.Tensor, w: W4Weight, cfg: Config) -> Optional[Config]:
     """cfg if its compiled kernel is free of scheduling hazards and its first product agrees with
     the dequantized reference, else the first variant that does (None: none does). Checked once
     per key, eagerly: a product first met inside a CUDA-graph capture runs unchecked (the engine
@@ -849,12 +848,19 @@ def _verified(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config) -> Optional[
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return cfg
     candidates = [cfg]
-    plain = dataclasses.replace(cfg, tma=False, tma_sox=False, tiled=False, gemv=False)
+    if cfg.cuda:      # its fallback: the Triton pointer-load kernel of the same product
+        plain = pick_config(x.shape[0], w.out_features, w.in_features, w.group_size, sm_count(x.device),
+                            gemv=False)
+        if w.batch_invariant and x.shape[0] <= INVARIANT_MAX_ROWS:
+            plain = invariant_config(x.shape[0], w.out_features, w.in_features, w.group_size, sm_count(x.device))
+        plain = dataclasses.replace(plain, tma=False, tma_sox=False, tiled=False)
+    else:
+        plain = dataclasses.replace(cfg, tma=False, tma_sox=False, tiled=False, gemv=False)
     if plain != cfg:
         candidates.append(plain)
     chosen = None
     for cand in candidates:
-        y, kernel = _launch(x, w, p, cand, False, None)
+        y, kernel = _launch(x, w, cand, False, None)
         hazards = _hazards_of(kernel)
         if not hazards and kernel_guard.product_agrees(y, x, w):
             chosen = cand
@@ -884,11 +890,15 @@ def _reference_product(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tens
     return y if add_to is None else add_to.add_(y)
 
 
-def _launch(x: torch.Tensor, w: W4Weight, p: Packed, cfg: Config, interp: bool,
+def _launch(x: torch.Tensor, w: W4Weight, cfg: Config, interp: bool,
             add_to: Optional[torch.Tensor]) -> tuple[torch.Tensor, object]:
-    """One product with cfg: (y, the compiled kernel Triton launched)."""
+    """One product with cfg: (y, the compiled kernel Triton launched; None for the CUDA kernel)."""
     m, k = x.shape
     n = w.out_features
+    if cfg.cuda:
+        from hierviz.quant import cuda_w4
+        return cuda_w4.matmul(x, w, add_to, split=cfg.split_k, tiles=cfg.block_m // 8), None
+    p = packed(w, x.dtype)
     if cfg.gemv and x.dtype == torch.float16:
         return _gemv(x, p, w.group_size, cfg, interp, add_to)
     n_blocks = k // p.sub

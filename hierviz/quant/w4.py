@@ -96,11 +96,18 @@ def codes_released(w: W4Weight) -> bool:
     return c.dim() == 2 and c.numel() > 1 and c.stride() == (0, 0)
 
 
+def release_codes(w: W4Weight, restore: Callable[[W4Weight, Optional[torch.Tensor]], torch.Tensor]) -> None:
+    """Drop w's codes in this format's order once a kernel's layout holds them (their shape stays,
+    as a zero-stride view): a 70B GPU model then holds its codes once. `restore(w, rows)` rebuilds
+    them from that layout for every other reader (codes_of)."""
+    w.codes = torch.empty(1, dtype=torch.uint8, device=w.codes.device).expand(*w.codes.shape)
+    w.kernel_state["restore_codes"] = restore
+
+
 def codes_of(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """w's codes in this format's order (only `rows` of them, when given). A GPU weight's codes
-    live only in a kernel's layout once it has run (hierviz.quant.triton_w4.packed releases them,
-    keeping their shape as a zero-stride view, and leaves `kernel_state["restore_codes"]`); they
-    are rebuilt from it here for every other reader."""
+    live only in a kernel's layout once it has run (release_codes); they are rebuilt from it here
+    for every other reader."""
     if codes_released(w):
         return w.kernel_state["restore_codes"](w, rows)
     return w.codes if rows is None else w.codes.index_select(0, rows.to(w.codes.device))

@@ -40,7 +40,7 @@ from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, codes_of, dequantize_
 # the verdict, so they have nothing to prove (`prove` skips any product a variant does not change).
 PROOF_ROWS: list[int] = list(range(1, INVARIANT_MAX_ROWS + 1))
 MODES = ("normal", "invariant")
-VARIANT_LABELS = {"tma": "TMA variant", "gemv": "CUDA-core one-token variant"}
+VARIANT_LABELS = {"tma": "TMA variant", "gemv": "CUDA-core one-token variant", "cuda_mma": "CUDA MMA variant"}
 CACHE_FORMAT = 1
 
 Shape = tuple[int, int, int]          # (K in_features, N out_features, group size)
@@ -366,12 +366,15 @@ def enabled_variants(device: torch.device, dtype: torch.dtype) -> frozenset[str]
     supported = kernel_guard.supported_variants(device)
     key = platform_key(device)
     verdict = Verdict(key, _dtype_name(dtype), supported, known_records(key, dtype))
-    static = kernel_guard.on_static_list(device)
-    return frozenset(v for v in supported if not verdict.failures(v) and (static or verdict.products(v)))
+    static = kernel_guard.statically_proven(device)
+    return frozenset(v for v in supported if not verdict.failures(v) and (v in static or verdict.products(v)))
 
 
-def _covered(record: Optional[dict[str, Any]], rows: Iterable[int]) -> bool:
-    return record is not None and set(rows) <= set(record["rows"])
+def _covered(record: Optional[dict[str, Any]], rows: Iterable[int], variants: Iterable[str] = ()) -> bool:
+    """Whether a shape's record covers these rows and holds a result for each of these variants
+    (a variant turned on later, HIERVIZ_W4_CUDA=on, is proven then)."""
+    return (record is not None and set(rows) <= set(record["rows"])
+            and all(v in record["variants"] for v in variants))
 
 
 def shapes_verdict(device: torch.device, dtype: torch.dtype, shapes: list[Shape], source: str = "remembered",
@@ -393,7 +396,8 @@ def proven_for(device: Union[str, torch.device], shapes: list[Shape], dtype: tor
     if dev.type != "cuda" or kernel_guard.on_static_list(dev):
         return True
     records = known_records(platform_key(dev), dtype)
-    return (all(_covered(records.get(shape_id(s)), rows or PROOF_ROWS) for s in shapes)
+    supported = kernel_guard.supported_variants(dev)
+    return (all(_covered(records.get(shape_id(s)), rows or PROOF_ROWS, supported) for s in shapes)
             and shapes_verdict(dev, dtype, shapes).passed())
 
 
@@ -504,7 +508,7 @@ def prove_models(models: Iterable[Any], dtype: torch.dtype, device: Union[str, t
         return Verdict(key, name, supported, source="none")
     t0 = time.perf_counter()
     known = known_records(key, dtype)
-    missing = [s for s in shapes if not _covered(known.get(shape_id(s)), want)]
+    missing = [s for s in shapes if not _covered(known.get(shape_id(s)), want, supported)]
     if missing:
         try:
             prove(missing, want, dtype, dev, log=log)

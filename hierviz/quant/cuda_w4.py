@@ -1,0 +1,727 @@
+"""The CUDA MMA variant of the GPU W4 product: y = x @ W.T for fp16 activations, every M.
+
+One small CUDA C kernel (KERNEL_SOURCE), compiled at first use with NVRTC (the runtime compiler
+that ships with torch's CUDA wheels: no nvcc, no build step) and launched through the CUDA driver
+API on torch's current stream, so CUDA graphs capture it like any other kernel.
+
+Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
+few tokens is bound by how many instructions move codes into the tensor-core operand layout
+(docs/kernels.md). Here the codes are stored in the order one thread's `mma.sync.m16n8k16`
+fragment needs, as Marlin does: one 16-byte load gives a thread the A fragments of four MMAs, and
+dequantizing 8 codes is 13 register operations (lop3 puts nibbles in the mantissa of 1024.0, a
+packed subtract or FMA removes the bias exactly, a packed FMA applies scale and offset).
+
+The arithmetic is batch-invariant by construction: a warp multiplies 16 weight rows by 8..32
+tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the K
+slices (SPLIT per shape, chosen from N, K and the GPU, never from M) meet in a fixed-order fp32
+sum done by the last block of each output tile. So a row gets the same bits at every M, and the
+same kernel serves decode, verification and prefill (tokens beyond 32 run as further token
+chunks of the grid).
+
+Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
+the GPU (codes_of rebuilds them):
+  codes  int32 [N/16, K/64, 32 lanes, 4 steps]: row tile r (16 rows), K chunk c (64 channels),
+         lane (g, t) = (lane >> 2, lane & 3), MMA step j. Within chunk c, lane t owns channels
+         c*64 + 16t .. +15 (so its activations are two 16-byte loads) and step j uses four of
+         them, 16t + 4j + e (e = 0..3): the MMA's k slots 2t, 2t+1 take e = 0, 1 and slots
+         2t+8, 2t+9 take e = 2, 3. The word's nibbles (bit 4p, p = 0..7) hold rows g / g+8 as
+         NIBBLE_OF[h][e] (h = 0: row g, 1: row g+8).
+  so     int32 [N/16, K/G, 16]: half2 (scale, offset) of row r*16 + i for each group.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from typing import Optional
+
+import torch
+
+from hierviz.config import options
+from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
+
+_CACHE_KEY = "cuda_w4"
+WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
+ROWS_PER_BLOCK = 16 * WARPS
+PREFETCH = 4               # K chunks of codes each thread of the direct loop keeps in flight
+STAGE = 4                  # K chunks of x per shared-memory stage of the staged loop (its code ring too)
+NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
+MIN_BLOCKS = 3             # blocks per multiprocessor the staged (9+ token) entries are built for
+DIRECT_MIN_BLOCKS = 4      # ... and the direct (up to 8 tokens) entry
+DIRECT_SO_RING = True      # the direct (up to 8 tokens) loop fetches group pairs with the codes, ahead
+CODE_L2_HINT = False       # code loads ask L2 for 256-byte fetches
+MAX_TOKEN_TILES = 4        # 8-token MMA tiles per warp: 32 tokens per block, more as grid chunks
+BLOCKS_PER_SM = 4          # split K until about this many blocks per multiprocessor ...
+MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
+
+# the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
+NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
+
+KERNEL_SOURCE = (f"#define PREFETCH {PREFETCH}\n#define STAGE {STAGE}\n#define NBUF {NBUF}\n#define MIN_BLOCKS {MIN_BLOCKS}\n"
+                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n#define DIRECT_SO_RING {int(DIRECT_SO_RING)}\n"
+                 f"#define CODE_L2_HINT {int(CODE_L2_HINT)}\n") + r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) U4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ U4 load_codes(const U4* p) {   // streamed once: keep it out of L1
+  U4 r;
+#if CODE_L2_HINT
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+#else
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+#endif
+  return r;
+}
+__device__ __forceinline__ U4 load_x(const U4* p) {       // reread by the block's 8 warps: L1
+  U4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 load_u32(const u32* p) {
+  u32 r;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {   // (a & b) | c
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+  u32 d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ float h2f(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One MMA step: the lane's 8 codes of word w (rows g, g+8) dequantized exactly to q, then
+// s * q + o in one packed FMA per pair, times T token tiles.
+template <int T>
+__device__ __forceinline__ void step(float (*acc)[4], u32 w, u32 sg, u32 og, u32 sh, u32 oh,
+                                     const u32* b0, const u32* b1) {
+  const u32 MAGIC = 0x64006400u, LO = 0x000f000fu, HI = 0x00f000f0u;
+  const u32 w8 = w >> 8;
+  u32 a0 = hsub2(lop3_and_or(w, LO, MAGIC), MAGIC);                 // 1024 + q   - 1024
+  u32 a1 = hfma2(lop3_and_or(w, HI, MAGIC), 0x2c002c00u, 0xd400d400u);  // (1024 + 16q) / 16 - 64
+  u32 a2 = hsub2(lop3_and_or(w8, LO, MAGIC), MAGIC);
+  u32 a3 = hfma2(lop3_and_or(w8, HI, MAGIC), 0x2c002c00u, 0xd400d400u);
+  a0 = hfma2(a0, sg, og);
+  a1 = hfma2(a1, sh, oh);
+  a2 = hfma2(a2, sg, og);
+  a3 = hfma2(a3, sh, oh);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) mma(acc[tt], a0, a1, a2, a3, b0[tt], b1[tt]);
+}
+
+__device__ __forceinline__ void copy_async(void* smem, const void* src, int bytes) {   // bytes 0: zeros
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ U4 lds128(const u16* p) {
+  U4 r;
+  const u32 a = (u32)__cvta_generic_to_shared(p);
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+  return r;
+}
+
+// x rows of a stage: STAGE chunks of 64 channels, padded by 8 halves so that the 8 token rows of
+// a 128-bit shared load fall on different banks
+#define STAGE_HALVES (STAGE * 64)
+#define ROW_HALVES (STAGE_HALVES + 8)
+
+// x[tok0 .. tok0 + 8T, chunks c_first .. c_first + STAGE) into buf, tokens past M and chunks past
+// the slice as zeros, with asynchronous copies (256 threads, 16 bytes each per step); no commit.
+template <int T>
+__device__ __forceinline__ void stage_x(u16* buf, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
+  constexpr int PER_ROW = STAGE_HALVES / 8;
+#pragma unroll
+  for (int e = threadIdx.x; e < 8 * T * PER_ROW; e += 256) {
+    const int row = e / PER_ROW, u = e % PER_ROW;
+    const int tok = tok0 + row, c = c_first + u / 8;
+    const bool ok = tok < M && c < c_end;
+    const u16* src = ok ? x + (size_t)tok * ldx + (size_t)c_first * 64 + u * 8 : x;
+    copy_async(buf + row * ROW_HALVES + u * 8, src, ok ? 16 : 0);
+  }
+}
+
+#define PARAMS const U4* __restrict__ codes, const u32* __restrict__ so, const u16* __restrict__ x, \
+    u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
+    int chunks_per_slice, int n_groups, int group_shift, int split
+
+// The four MMA steps of one 64-channel chunk; xa, xb: the lane's 16 channels of each token tile.
+template <int T>
+__device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, u32 so_g, u32 so_h, const U4* xa, const U4* xb) {
+  const u32 sg = prmt(so_g, 0x1010u), og = prmt(so_g, 0x3232u);
+  const u32 sh = prmt(so_h, 0x1010u), oh = prmt(so_h, 0x3232u);
+  u32 b0[T], b1[T];
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xa[tt].x; b1[tt] = xa[tt].y; }
+  step<T>(acc, a.x, sg, og, sh, oh, b0, b1);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xa[tt].z; b1[tt] = xa[tt].w; }
+  step<T>(acc, a.y, sg, og, sh, oh, b0, b1);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xb[tt].x; b1[tt] = xb[tt].y; }
+  step<T>(acc, a.z, sg, og, sh, oh, b0, b1);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xb[tt].z; b1[tt] = xb[tt].w; }
+  step<T>(acc, a.w, sg, og, sh, oh, b0, b1);
+}
+
+// Up to 8 tokens: activations straight from global memory (L1), no barrier in the loop.
+__device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6;
+  const U4* a_ptr = codes + ((size_t)rt * chunks + c_begin) * 32 + lane;
+  const int tok = tok0 + g;
+  const bool x_ok = tok < M;
+  const U4* x_ptr = (const U4*)(x + (size_t)(x_ok ? tok : 0) * ldx + (size_t)c_begin * 64 + 16 * t);
+  const u32* so_row = so + (size_t)rt * n_groups * 16 + g;
+  U4 ring[PREFETCH];
+#if DIRECT_SO_RING
+  u32 ring_g[PREFETCH], ring_h[PREFETCH];
+#endif
+#pragma unroll
+  for (int p = 0; p < PREFETCH; p++) {
+    const int c = c_begin + p;
+    if (c < c_end) {
+      ring[p] = load_codes(a_ptr + p * 32);
+#if DIRECT_SO_RING
+      const int grp = (c * 64 + 16 * t) >> group_shift;
+      ring_g[p] = load_u32(so_row + grp * 16);
+      ring_h[p] = load_u32(so_row + grp * 16 + 8);
+#endif
+    }
+  }
+  for (int c0 = c_begin; c0 < c_end; c0 += PREFETCH) {
+#pragma unroll
+    for (int p = 0; p < PREFETCH; p++) {
+      const int c = c0 + p;
+      if (c < c_end) {
+        const U4 a = ring[p];
+        const int cn = c + PREFETCH;
+#if DIRECT_SO_RING
+        const u32 so_g = ring_g[p], so_h = ring_h[p];
+        if (cn < c_end) {
+          ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
+          const int grp = (cn * 64 + 16 * t) >> group_shift;
+          ring_g[p] = load_u32(so_row + grp * 16);
+          ring_h[p] = load_u32(so_row + grp * 16 + 8);
+        }
+#else
+        if (cn < c_end) ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
+        const int grp = (c * 64 + 16 * t) >> group_shift;
+        const u32 so_g = load_u32(so_row + grp * 16), so_h = load_u32(so_row + grp * 16 + 8);
+#endif
+        U4 xa, xb;
+        if (x_ok) {
+          xa = load_x(x_ptr + (c - c_begin) * 8);
+          xb = load_x(x_ptr + (c - c_begin) * 8 + 1);
+        } else {
+          xa.x = xa.y = xa.z = xa.w = xb.x = xb.y = xb.z = xb.w = 0u;
+        }
+        chunk<1>(acc, a, so_g, so_h, &xa, &xb);
+      }
+    }
+  }
+}
+
+// More tokens: the block's 8 warps share each stage of activations through shared memory
+// (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
+template <int T>
+__device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, bool computes, int tok0,
+                                               int c_begin, int c_end) {
+  __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW_HALVES];
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6;
+  const U4* a_ptr = codes + ((size_t)(computes ? rt : 0) * chunks + c_begin) * 32 + lane;
+  const u32* so_row = so + (size_t)(computes ? rt : 0) * n_groups * 16 + g;
+  U4 ring[STAGE];
+  u32 ring_g[STAGE], ring_h[STAGE];
+#pragma unroll
+  for (int p = 0; p < STAGE; p++) {
+    const int c = c_begin + p;
+    if (computes && c < c_end) {
+      ring[p] = load_codes(a_ptr + p * 32);
+      const int grp = (c * 64 + 16 * t) >> group_shift;
+      ring_g[p] = load_u32(so_row + grp * 16);
+      ring_h[p] = load_u32(so_row + grp * 16 + 8);
+    }
+  }
+  // one commit group per stage, empty ones past the slice, so waiting for all but the newest
+  // NBUF - 1 groups always means "this stage has landed"
+#pragma unroll
+  for (int s = 0; s < NBUF - 1; s++) {
+    if (c_begin + s * STAGE < c_end) stage_x<T>(xs[s], x, M, ldx, tok0, c_begin + s * STAGE, c_end);
+    copy_commit();
+  }
+  int stage = 0;
+  for (int c0 = c_begin; c0 < c_end; c0 += STAGE, stage++) {
+    const int ahead = c0 + (NBUF - 1) * STAGE;
+    if (ahead < c_end) stage_x<T>(xs[(stage + NBUF - 1) % NBUF], x, M, ldx, tok0, ahead, c_end);
+    copy_commit();
+    copy_wait<NBUF - 1>();
+    __syncthreads();
+    const u16* xrow = xs[stage % NBUF] + g * ROW_HALVES + 16 * t;
+#pragma unroll
+    for (int p = 0; p < STAGE; p++) {
+      const int c = c0 + p;
+      if (computes && c < c_end) {
+        const U4 a = ring[p];
+        const u32 so_g = ring_g[p], so_h = ring_h[p];
+        const int cn = c + STAGE;
+        if (cn < c_end) {
+          ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
+          const int grp = (cn * 64 + 16 * t) >> group_shift;
+          ring_g[p] = load_u32(so_row + grp * 16);
+          ring_h[p] = load_u32(so_row + grp * 16 + 8);
+        }
+        U4 xa[T], xb[T];
+#pragma unroll
+        for (int tt = 0; tt < T; tt++) {
+          xa[tt] = lds128(xrow + tt * 8 * ROW_HALVES + p * 64);
+          xb[tt] = lds128(xrow + tt * 8 * ROW_HALVES + p * 64 + 8);
+        }
+        chunk<T>(acc, a, so_g, so_h, xa, xb);
+      }
+    }
+    __syncthreads();     // the buffer just read is one the copies of a later stage overwrite
+  }
+}
+
+// Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
+// which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
+// output tile sums them in slice order.
+template <int T>
+__device__ __forceinline__ void w4_mma(PARAMS) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tok0 = blockIdx.x * (8 * T);
+  const int row_tiles = N >> 4, chunks = K >> 6;
+  const int rt = blockIdx.y * 8 + warp;
+  const int slice = blockIdx.z;
+  const int c_begin = slice * chunks_per_slice;
+  const int c_end = min(chunks, c_begin + chunks_per_slice);
+  const bool computes = rt < row_tiles;
+  float acc[T][4];
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
+  if (T == 1) {
+    if (computes) product_direct(acc, codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy,
+                                 chunks_per_slice, n_groups, group_shift, split, rt, tok0, c_begin, c_end);
+  } else {
+    product_staged<T>(acc, codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy,
+                      chunks_per_slice, n_groups, group_shift, split, rt, computes, tok0, c_begin, c_end);
+  }
+  // acc[tt][i]: row rt*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
+  if (split == 1) {
+    if (!computes) return;
+#pragma unroll
+    for (int tt = 0; tt < T; tt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
+        if (tok < M) {
+          float v = acc[tt][i];
+          if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+          y[(size_t)tok * ldy + n] = f2h(v);
+        }
+      }
+    return;
+  }
+  if (computes) {
+#pragma unroll
+    for (int tt = 0; tt < T; tt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
+        if (tok < M) partials[((size_t)slice * M + tok) * N + n] = acc[tt][i];
+      }
+  }
+  // The last block of this output tile to finish sums the slices in slice order.
+  __shared__ int last;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) last = atomicAdd(counters + tile, 1) == split - 1;
+  __syncthreads();
+  if (!last) return;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  const int rows = min(128, N - (int)blockIdx.y * 128), toks = min(8 * T, M - tok0);
+  for (int e = threadIdx.x; e < rows * toks; e += blockDim.x) {
+    const int tok = tok0 + e / rows, n = blockIdx.y * 128 + e % rows;
+    const float* p = partials + (size_t)tok * N + n;
+    float v = 0.f;
+    for (int s = 0; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
+    if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+    y[(size_t)tok * ldy + n] = f2h(v);
+  }
+  if (threadIdx.x == 0) counters[tile] = 0;
+}
+
+#define ENTRY(T, BLOCKS)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_mma_t##T(PARAMS) {                   \
+    w4_mma<T>(codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice,    \
+              n_groups, group_shift, split);                                                         \
+  }
+ENTRY(1, DIRECT_MIN_BLOCKS)
+ENTRY(2, MIN_BLOCKS)
+ENTRY(3, MIN_BLOCKS)
+ENTRY(4, MIN_BLOCKS)
+"""
+
+
+# ---- which products it serves ----------------------------------------------------------------
+
+def group_shift(k: int, group_size: int) -> Optional[int]:
+    """log2 of the group size (31 for one group over all of K: per-channel), or None when the
+    kernel cannot index the groups (not a power of two >= 32, and not per-channel)."""
+    if group_size == k:
+        return 31
+    if group_size >= 32 and group_size & (group_size - 1) == 0:
+        return group_size.bit_length() - 1
+    return None
+
+
+def supports_shape(n: int, k: int, group_size: int) -> bool:
+    """Shapes the kernel multiplies: N in 16-row tiles, K in 64-channel chunks, power-of-two
+    groups of at least 32 channels or one group per row."""
+    return n % 16 == 0 and k % 64 == 0 and k > 0 and group_shift(k, group_size) is not None
+
+
+def split_for(n: int, k: int, sms: int) -> int:
+    """K slices of an N x K product (a power of two): until about BLOCKS_PER_SM blocks per
+    multiprocessor, keeping MIN_CHUNKS_PER_SLICE chunks per slice. Never depends on M, so a row
+    rounds alike at every M."""
+    blocks = -(-n // ROWS_PER_BLOCK)
+    chunks = k // 64
+    split = 1
+    while blocks * split < BLOCKS_PER_SM * sms and chunks // (2 * split) >= MIN_CHUNKS_PER_SLICE:
+        split *= 2
+    return split
+
+
+def token_tiles(m: int) -> int:
+    """8-token MMA tiles per warp for an m-row product (beyond 32 tokens: grid chunks of 32)."""
+    return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
+
+
+def serves() -> bool:
+    """Whether fp16 products on a platform where the variant is proven run here rather than in the
+    Triton kernel: HIERVIZ_W4_CUDA=on. Off by default: the kernel is faster at up to 8 rows but
+    slower from 16 (docs/kernels.md), and a weight's products must all run one kernel (a verifier's
+    rows keep their bits only within one kernel), so one setting holds for every M."""
+    return options().w4_cuda == "on"
+
+
+# ---- layout ----------------------------------------------------------------------------------
+
+LAYOUT_TILES_AT_ONCE = 256    # row tiles converted per step: bounds the temporaries on a 70B layer
+
+
+def _pack_tiles(q: torch.Tensor) -> torch.Tensor:
+    """codes [16 * tiles, K] (uint8 values 0..15) -> int32 [tiles, K/64, 32, 4]."""
+    n, k = q.shape
+    # [tile, h, g, chunk, t, j, e] -> [tile, chunk, g, t, j, h, e]
+    q = q.view(n // 16, 2, 8, k // 64, 4, 4, 4).permute(0, 3, 2, 4, 5, 1, 6).to(torch.int32)
+    words = torch.zeros(q.shape[:-2], dtype=torch.int32, device=q.device)
+    for h, row in enumerate(NIBBLE_OF):
+        for e, p in enumerate(row):
+            words |= q[..., h, e] << (4 * p)        # bit 31 may be set: int32 keeps the bits
+    return words.reshape(n // 16, k // 64, 32, 4)
+
+
+def pack_layout(codes: torch.Tensor) -> torch.Tensor:
+    """W4Weight codes uint8 [N, K/2] -> the kernel's int32 [N/16, K/64, 32, 4] (module docstring)."""
+    step = 16 * LAYOUT_TILES_AT_ONCE
+    return torch.cat([_pack_tiles(unpack_codes(codes[a:a + step])) for a in range(0, codes.shape[0], step)])
+
+
+def _unpack_tiles(words: torch.Tensor) -> torch.Tensor:
+    """_pack_tiles undone: int32 [tiles, K/64, 32, 4] -> uint8 codes [16 * tiles, K] (0..15)."""
+    tiles, chunks = words.shape[0], words.shape[1]
+    w = words.view(tiles, chunks, 8, 4, 4)
+    q = torch.empty(tiles, chunks, 8, 4, 4, 2, 4, dtype=torch.uint8, device=words.device)
+    for h, row in enumerate(NIBBLE_OF):
+        for e, p in enumerate(row):
+            q[..., h, e] = ((w >> (4 * p)) & 0xF).to(torch.uint8)
+    return q.permute(0, 5, 2, 1, 3, 4, 6).reshape(tiles * 16, chunks * 64)
+
+
+def unpack_layout(words: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """pack_layout undone: the W4Weight codes uint8 [N, K/2] (or `rows` of them)."""
+    if rows is not None:
+        tiles = torch.unique(rows.to(words.device) // 16)
+        q = _unpack_tiles(words.index_select(0, tiles))
+        where = torch.searchsorted(tiles, rows.to(words.device) // 16) * 16 + rows.to(words.device) % 16
+        return pack_codes(q.index_select(0, where))
+    return torch.cat([pack_codes(_unpack_tiles(words[a:a + LAYOUT_TILES_AT_ONCE]))
+                      for a in range(0, words.shape[0], LAYOUT_TILES_AT_ONCE)])
+
+
+def pack_groups(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """scales, offsets [N, K/G] -> int32 [N/16, K/G, 16] of fp16 pairs (scale low, offset high)."""
+    n, groups = scales.shape
+    s = scales.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    o = offsets.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    pair = (s | (o << 16)).view(n // 16, 16, groups).transpose(1, 2)
+    return pair.contiguous()
+
+
+def layout(w: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, so) of w in the kernel's layout, built once; on a GPU the checkpoint-order codes
+    are then released (w4.codes_of rebuilds them from here)."""
+    state = w.kernel_state.setdefault(_CACHE_KEY, {})
+    if "codes" not in state:
+        state["codes"] = pack_layout(codes_of(w))
+        state["so"] = pack_groups(w.scales, w.offsets)
+        if w.codes.is_cuda and not codes_released(w):
+            release_codes(w, source_codes)
+    return state["codes"], state["so"]
+
+
+def source_codes(w: W4Weight, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w's codes in the W4Weight order, rebuilt from this kernel's layout."""
+    return unpack_layout(w.kernel_state[_CACHE_KEY]["codes"], rows)
+
+
+# ---- NVRTC and the driver ----------------------------------------------------------------------
+
+class CompileError(RuntimeError):
+    pass
+
+
+def _nvrtc_library() -> ctypes.CDLL:
+    """libnvrtc from torch's CUDA wheels (or the system), whichever loads first."""
+    names = []
+    try:
+        from torch.cuda import _utils
+        return _utils._get_nvrtc_library()
+    except Exception:
+        pass
+    import site
+    for base in site.getsitepackages() + [site.getusersitepackages()]:
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "**", "libnvrtc.so*"), recursive=True), reverse=True)
+    names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    for name in names:
+        if "builtins" in name or ".alt." in name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise CompileError("NVRTC (libnvrtc) was not found: install torch's CUDA wheels")
+
+
+def nvrtc_version() -> Optional[str]:
+    """NVRTC's "major.minor", or None where it does not load."""
+    try:
+        lib = _nvrtc_library()
+    except CompileError:
+        return None
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        return None
+    return f"{major.value}.{minor.value}"
+
+
+def compile_cubin(arch: str, source: str = KERNEL_SOURCE) -> bytes:
+    """KERNEL_SOURCE compiled by NVRTC for arch ("sm_90"): the CUBIN bytes (CompileError with
+    the compiler's log otherwise). Needs no GPU: the tests compile it on a CPU machine."""
+    lib = _nvrtc_library()
+    prog = ctypes.c_void_p()
+    src = source.encode()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"hierviz_w4.cu", 0, None, None) != 0:
+        raise CompileError("nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    try:
+        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if res != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise CompileError(f"NVRTC failed for {arch}:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) != 0:
+            raise CompileError("nvrtcGetCUBINSize failed")
+        out = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, out) != 0:
+            raise CompileError("nvrtcGetCUBIN failed")
+        return out.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class _Driver:
+    """The few CUDA driver calls the kernel needs, on torch's primary context."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
+            ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    def check(self, res: int, what: str) -> None:
+        if res != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(res, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else res}")
+
+    def ensure_context(self) -> None:
+        """torch's threads have its primary context current; a new thread (a web worker) may not."""
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+_LOCK = threading.Lock()
+_DRIVER: Optional[_Driver] = None
+_FUNCTIONS: dict[int, dict[int, ctypes.c_void_p]] = {}     # device index -> token tiles -> CUfunction
+_UNAVAILABLE: dict[int, str] = {}                          # device index -> why not
+
+
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
+def functions(index: int) -> dict[int, ctypes.c_void_p]:
+    """The compiled entries (token tiles -> CUfunction) on CUDA device `index`, built on first use."""
+    global _DRIVER
+    if index in _FUNCTIONS:
+        return _FUNCTIONS[index]
+    with _LOCK:
+        if index in _FUNCTIONS:
+            return _FUNCTIONS[index]
+        if index in _UNAVAILABLE:
+            raise RuntimeError(_UNAVAILABLE[index])
+        try:
+            torch.cuda.init()
+            with torch.cuda.device(index):
+                torch.zeros(1, device=f"cuda:{index}")      # torch's primary context exists
+                if _DRIVER is None:
+                    _DRIVER = _Driver()
+                _DRIVER.ensure_context()
+                cubin = compile_cubin(_arch(index))
+                module = ctypes.c_void_p()
+                _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+                found = {}
+                for tiles in range(1, MAX_TOKEN_TILES + 1):
+                    fn = ctypes.c_void_p()
+                    _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module,
+                                                                  f"w4_mma_t{tiles}".encode()), "cuModuleGetFunction")
+                    found[tiles] = fn
+        except Exception as e:
+            _UNAVAILABLE[index] = f"the CUDA W4 kernel is not available on cuda:{index}: {type(e).__name__}: {e}"
+            raise RuntimeError(_UNAVAILABLE[index]) from e
+        _FUNCTIONS[index] = found
+        return found
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel compiles and loads on this CUDA device (tensor-core MMA: sm_80 on)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(_index(device))[0] < 8:
+        return False
+    try:
+        functions(_index(device))
+        return True
+    except RuntimeError:
+        return False
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One int32 ticket per output tile, zero between kernels (the last block resets its own)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the CUDA W4 kernel's counters must exist before CUDA-graph capture "
+                               "(run the product once eagerly first)")
+        buf = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 16), device=device, dtype=torch.int32)
+    return buf
+
+
+def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
+           split: Optional[int] = None, tiles: Optional[int] = None) -> torch.Tensor:
+    """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
+    and returned. split: K slices (default split_for on this GPU; the same for every M). tiles:
+    8-token tiles per block (default token_tiles(M)); any choice gives a row the same bits."""
+    m, k = x.shape
+    n = w.out_features
+    if x.dtype != torch.float16 or not x.is_cuda:
+        raise ValueError(f"the CUDA W4 kernel takes fp16 CUDA activations, got {x.dtype} on {x.device}")
+    shift = group_shift(k, w.group_size)
+    if not supports_shape(n, k, w.group_size) or shift is None:
+        raise ValueError(f"the CUDA W4 kernel does not multiply a {n}x{k} g{w.group_size} weight")
+    index = _index(x.device)
+    fns = functions(index)
+    codes, so = layout(w)
+    x = x.contiguous()
+    if split is None:
+        from hierviz.quant.triton_w4 import sm_count
+        split = split_for(n, k, sm_count(x.device))
+    chunks = k // 64
+    per = -(-chunks // split)
+    split = -(-chunks // per)
+    tiles = tiles or token_tiles(m)
+    grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
+    y = add_to if add_to is not None else torch.empty((m, n), device=x.device, dtype=torch.float16)
+    residual = y.data_ptr() if add_to is not None else 0
+    parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
+    counters = _counters(x.device, grid[0] * grid[1]) if split > 1 else y
+    args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(so.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(residual), ctypes.c_void_p(parts.data_ptr()),
+            ctypes.c_void_p(counters.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
+            ctypes.c_int(x.stride(0)), ctypes.c_int(y.stride(0)), ctypes.c_int(per),
+            ctypes.c_int(k // w.group_size), ctypes.c_int(shift), ctypes.c_int(split)]
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _DRIVER.ensure_context()
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[tiles], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, 0,
+                                             stream, ptrs, None), "cuLaunchKernel")
+    return y

@@ -1,0 +1,138 @@
+"""The CUDA MMA W4 kernel's CPU-side checks: its weight layout, an emulation of what each thread
+loads and multiplies (the fragment mapping the kernel relies on), its shape rules and K split,
+and NVRTC compiling the source for sm_80 and sm_90. The kernel itself runs in tests/test_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hierviz.quant import cuda_w4
+from hierviz.quant.w4 import pack_codes, unpack_codes, W4Weight
+
+
+def random_weight(n: int, k: int, g: int, seed: int = 0) -> W4Weight:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // g, generator=gen) * 0.02 + 0.002
+    offsets = -scales * torch.randint(6, 10, (n, k // g), generator=gen)
+    return W4Weight(pack_codes(q), scales.half().float(), offsets.half().float(), g)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (576, 576), (4112, 128)])
+def test_layout_round_trip(n, k) -> None:
+    w = random_weight(n, k, 32, seed=n + k)
+    words = cuda_w4.pack_layout(w.codes)
+    assert words.shape == (n // 16, k // 64, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(cuda_w4.unpack_layout(words), w.codes)
+    rows = torch.tensor([n - 1, 0, 17 % n, 3, n // 2])
+    assert torch.equal(cuda_w4.unpack_layout(words, rows), w.codes[rows])
+
+
+def _half_bits(word: torch.Tensor, high: bool) -> torch.Tensor:
+    bits = (word >> 16) & 0xFFFF if high else word & 0xFFFF
+    return bits.to(torch.int16).view(torch.float16).double()
+
+
+def emulate(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
+    """x @ W.T computed the way the kernel's threads do, from its layout: lane (g, t) of the warp on
+    row tile r decodes word j of chunk c exactly as `step` does (lop3 masks 0x000f000f / 0x00f000f0,
+    the second pair after >> 8) into the m16n8k16 A fragment (reg0: row g, k slots 2t, 2t+1; reg1:
+    row g+8; reg2 / reg3: slots 2t+8, 2t+9), scales it by the group pair `chunk` picks, and takes
+    its B fragment from the two 16-byte activation loads (b0 = word 2(j%2), b1 = the next, of load
+    j // 2); the products are summed over all 16 k slots of every step."""
+    words, so = cuda_w4.pack_layout(w.codes), cuda_w4.pack_groups(w.scales, w.offsets)
+    tiles, chunks = words.shape[:2]
+    m, k = x.shape
+    shift = cuda_w4.group_shift(k, w.group_size)
+    xd = x.half().double()
+    out = torch.zeros(m, tiles * 16, dtype=torch.float64)
+    words = words.to(torch.int64) & 0xFFFFFFFF
+    so = so.to(torch.int64) & 0xFFFFFFFF
+    for r in range(tiles):
+        for c in range(chunks):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                grp = (c * 64 + 16 * t) >> shift
+                pair_g, pair_h = so[r, grp, g], so[r, grp, g + 8]
+                s = {0: _half_bits(pair_g, False), 8: _half_bits(pair_h, False)}
+                o = {0: _half_bits(pair_g, True), 8: _half_bits(pair_h, True)}
+                base = c * 64 + 16 * t               # the lane's two 16-byte loads: channels base..base+15
+                for j in range(4):
+                    word = int(words[r, c, lane, j])
+                    lo, lo8 = word & 0x000F000F, (word >> 8) & 0x000F000F
+                    hi, hi8 = (word & 0x00F000F0) >> 4, ((word >> 8) & 0x00F000F0) >> 4
+                    # (register, row offset, slot offset): the A fragment of mma.m16n8k16
+                    regs = ((lo, 0, 0), (hi, 8, 0), (lo8, 0, 8), (hi8, 8, 8))
+                    load, first_word = divmod(j, 2)
+                    b_channel = {0: base + 8 * load + 2 * (2 * first_word), 8: base + 8 * load + 2 * (2 * first_word + 1)}
+                    for reg, row_off, slot_off in regs:
+                        for half in (0, 1):
+                            q = (reg >> (16 * half)) & 0xF
+                            a = torch.tensor(q * float(s[row_off]) + float(o[row_off])).half().double()
+                            kk = b_channel[slot_off] + half
+                            out[:, r * 16 + g + row_off] += a * xd[:, kk]
+    return out
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_the_threads_fragments_multiply_the_weight(g) -> None:
+    n, k = 32, 256
+    w = random_weight(n, k, g, seed=g)
+    x = torch.randn(3, k).half().float()
+    dense = (unpack_codes(w.codes).double().view(n, k // g, g) * w.scales.double().unsqueeze(-1)
+             + w.offsets.double().unsqueeze(-1)).view(n, k).half().double()
+    want = x.double() @ dense.t()
+    got = emulate(x, w)
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_pack_groups_puts_scale_low_and_offset_high() -> None:
+    s = torch.arange(32 * 2, dtype=torch.float32).view(32, 2) / 64
+    o = -s
+    pairs = cuda_w4.pack_groups(s, o)
+    assert pairs.shape == (2, 2, 16)
+    v = int(pairs[1, 0, 3]) & 0xFFFFFFFF                  # row 16 + 3, group 0
+    assert _half_bits(torch.tensor(v), False) == s[19, 0] and _half_bits(torch.tensor(v), True) == o[19, 0]
+
+
+def test_shape_rules_and_the_k_split() -> None:
+    assert cuda_w4.supports_shape(28672, 8192, 128) and cuda_w4.supports_shape(576, 576, 32)
+    assert cuda_w4.supports_shape(4096, 14336, 14336)                       # per-channel
+    assert not cuda_w4.supports_shape(4104, 4096, 128)                      # N not in 16-row tiles
+    assert not cuda_w4.supports_shape(4096, 4128, 32)                       # K not in 64-channel chunks
+    assert not cuda_w4.supports_shape(4096, 4608, 96)                       # groups not a power of two
+    assert cuda_w4.group_shift(8192, 128) == 7 and cuda_w4.group_shift(8192, 8192) == 31
+    # the split follows the shape and the GPU, never M; slices keep at least 8 chunks
+    assert cuda_w4.split_for(28672, 8192, 132) == 4 and cuda_w4.split_for(8192, 28672, 132) == 16
+    assert cuda_w4.split_for(576, 576, 132) == 1
+    for n, k in ((28672, 8192), (8192, 28672), (4096, 14336), (1536, 576)):
+        s = cuda_w4.split_for(n, k, 132)
+        assert s == 1 or (k // 64) // s >= cuda_w4.MIN_CHUNKS_PER_SLICE
+    assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 128)] == [1, 1, 2, 2, 3, 4, 4, 4]
+
+
+def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from hierviz.quant import kernel_guard, triton_w4
+    w = random_weight(64, 128, 32)
+    x = torch.zeros(4, 128, dtype=torch.float16)
+    every = frozenset(kernel_guard.FAST_VARIANTS)
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+    assert cuda_w4.serves() and not triton_w4.chosen_config(x, w, variants=every).cuda   # CPU tensors
+    assert kernel_guard.CUDA_VARIANT not in kernel_guard.supported_variants(torch.device("cpu"))
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
+    assert not cuda_w4.serves()
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "sometimes")
+    from hierviz.config import ConfigError
+    with pytest.raises(ConfigError, match="HIERVIZ_W4_CUDA"):
+        cuda_w4.serves()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_the_kernel(arch) -> None:
+    if cuda_w4.nvrtc_version() is None:
+        pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
+    cubin = cuda_w4.compile_cubin(arch)
+    assert cubin[:4] == b"\x7fELF"
+    with pytest.raises(cuda_w4.CompileError, match="NVRTC failed"):
+        cuda_w4.compile_cubin(arch, cuda_w4.KERNEL_SOURCE + "\nthis is not C++;\n")
