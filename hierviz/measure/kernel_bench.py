@@ -240,9 +240,25 @@ def _time_peer(row: dict, name: str, layers: list, x16: list[torch.Tensor], want
         row[f"{name}_error"] = repr(e)[:300]
 
 
+def cuda_mma_layers(ws: list[W4Weight], info: dict) -> Optional[list]:
+    """The CUDA MMA variant (hierviz.quant.cuda_w4) as one product per weight copy, or None with
+    the reason in info["cuda_mma_error"] (no NVRTC, a GPU before sm_80, a shape it does not take)."""
+    from hierviz.quant import cuda_w4
+    w = ws[0]
+    if not cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size):
+        info["cuda_mma_error"] = f"the CUDA MMA kernel does not take {w.out_features}x{w.in_features} g{w.group_size}"
+        return None
+    if not cuda_w4.available(torch.device("cuda")):
+        info["cuda_mma_error"] = cuda_w4.unavailable_reason(torch.device("cuda"))
+        return None
+    info["cuda_mma_nvrtc"] = cuda_w4.nvrtc_version()
+    return [lambda x, w=w: cuda_w4.matmul(x, w) for w in ws]
+
+
 def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tiny: Optional[list],
                best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool,
-               marlin: Optional[tuple[list, torch.Tensor]] = None, gemlite: Optional[list] = None) -> dict:
+               marlin: Optional[tuple[list, torch.Tensor]] = None, gemlite: Optional[list] = None,
+               cuda_mma: Optional[list] = None) -> dict:
     """cuBLAS fp16, tinygemm, Marlin, GemLite and the Triton kernel (both split-K modes, fp16 and bf16)
     at M rows."""
     from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
@@ -268,6 +284,8 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
         _time_peer(row, "marlin", marlin[0], x16, x16[0].float() @ marlin[1].t(), timer, rep_ms)
     if gemlite is not None:       # the engine's own weights
         _time_peer(row, "gemlite", gemlite, x16, want, timer, rep_ms)
+    if cuda_mma is not None:      # the engine's CUDA MMA variant on its own weights
+        _time_peer(row, "cuda_mma", cuda_mma, x16, want, timer, rep_ms)
     try:
         _triton_timings(row, x16, xbf, ws, cfg, cfg_bf16, want, ref_w, timer, rep_ms)
     except Exception as e:
@@ -298,11 +316,12 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
                                               info)
     print("marlin:", info.get("marlin_error", f"ok ({info.get('marlin_build')} build)"), flush=True)
     gemlite = None if dry else gemlite_layers(ws, info)
+    cuda_mma = None if dry else cuda_mma_layers(ws, info)
     print("gemlite:", info.get("gemlite_error", f"ok ({info.get('gemlite_version')})"), flush=True)
     tune_rows, best_cfg = _tune(ws, ref_w, dev, tune_ms or ms, family, timer) if tune else ([], {})
     rows = []
     for m in ms:
-        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin, gemlite)
+        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin, gemlite, cuda_mma)
         row["floor_us"] = floor_us
         rows.append(row)
         print("bench", row, flush=True)
@@ -355,7 +374,8 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "triton_us", "triton_atomic_us",
+    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "cuda_mma_us", "triton_us",
+                        "triton_atomic_us",
                         "triton_bf16_us", "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
             if any(c in r for r in rows)]
     lines = ["| M | " + " | ".join(c.replace("_us", " (us)") for c in cols) + " |",

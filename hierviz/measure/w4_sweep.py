@@ -1,4 +1,4 @@
-"""Correctness sweep of the Triton W4A16 product over the shapes users run.
+"""Correctness sweep of the GPU W4A16 product over the shapes users run.
 
     python -m hierviz w4-sweep --out DIR                  # every preset model shape (GPU)
     python -m hierviz w4-sweep --shapes 256x192 --rows 1-24,40 --out DIR   # any shapes (CPU:
@@ -7,8 +7,8 @@
 For every weight shape of the models the presets name (fused q/k/v and gate/up as the engine
 loads them, and the unfused ones), every group size (32, 64, 128, per-channel), without and with
 act-order (a random input permutation, checked against the unpermuted matrix), every path
-(`tma`: what Hopper runs; `pointer`: TMA and the CUDA-core kernel forced off, what an A100 and
-an unproven GPU run) and both modes (`normal`; `invariant`: a verifier's batch-invariant
+(`tma`: what Hopper runs in Triton; `cuda`: the CUDA MMA variant, hierviz.quant.cuda_w4;
+`pointer`: every fast variant off, what an unproven GPU runs) and both modes (`normal`; `invariant`: a verifier's batch-invariant
 weight), every row count of --rows (default 1..128 and prefill chunks up to 2048) is computed
 with the configuration the product picks itself and compared with a dequantized fp32 reference
 row by row (relative error above kernel_guard.TOLERANCE, or a non-finite value, is a wrong row).
@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from hierviz.config import overrides
 from hierviz.machine import gpu_name
 from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.models.config import ModelConfig
@@ -188,8 +189,9 @@ def _product(x: torch.Tensor, w: W4Weight, path: str) -> torch.Tensor:
     allowed (no check, no fallback: the raw kernel is what is measured)."""
     from hierviz.quant import triton_w4
     xp = x.index_select(-1, w.perm) if w.perm is not None else x
-    cfg = triton_w4.chosen_config(xp, w, variants=PATH_VARIANTS[path])
-    return triton_w4.triton_w4_matmul(xp, w, config=cfg)
+    with overrides(w4_cuda="on" if path == "cuda" else "off"):     # the cuda path asks for the variant
+        cfg = triton_w4.chosen_config(xp, w, variants=PATH_VARIANTS[path])
+        return triton_w4.triton_w4_matmul(xp, w, config=cfg)
 
 
 def sweep_weight(k: int, n: int, g: int, act_order: bool, dtype: torch.dtype, rows: list[int], paths: list[str],
@@ -276,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         shapes = model_shapes(names)
     rows = parse_rows(a.rows) if a.rows else list(range(1, 129)) + PREFILL_ROWS
-    supported = kernel_guard.supported_variants(torch.device(device))
+    with overrides(w4_cuda="on"):        # what this GPU could run, the CUDA variant included
+        supported = kernel_guard.supported_variants(torch.device(device))
     paths = a.paths.split(",") if a.paths else [p for p, vs in PATH_VARIANTS.items() if vs <= set(supported)]
     unknown = [p for p in paths if p not in PATH_VARIANTS]
     if unknown:

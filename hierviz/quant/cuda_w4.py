@@ -668,6 +668,16 @@ def available(device: torch.device) -> bool:
         return False
 
 
+def unavailable_reason(device: torch.device) -> str:
+    """Why `available` said no on this device."""
+    if device.type != "cuda":
+        return "the CUDA W4 kernel needs a CUDA device"
+    major, minor = torch.cuda.get_device_capability(_index(device))
+    if major < 8:
+        return f"the CUDA W4 kernel needs tensor-core MMA (sm_80 on), this GPU is sm_{major}{minor}"
+    return _UNAVAILABLE.get(_index(device), "the CUDA W4 kernel has not been loaded")
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
