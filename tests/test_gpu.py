@@ -135,19 +135,28 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
     fused kernels, Triton W4 with the target's batch_invariant flag), a 24-node tree and a 6-token
     sequence verified in one forward give every node the hidden state and logits of the same token
     decoded alone after its path, bit for bit (SmolLM2's shape, random W4 codes in groups of 32)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
+    assert_verification_is_batch_invariant(smollm2_w4_verifier(dtype))
+
+
+def smollm2_w4_verifier(dtype: torch.dtype):
+    """A synthetic SmolLM2-shaped W4 (g32) model on the GPU, batch-invariant as a target."""
     from hierviz.measure.profile import load_shape
     from hierviz.models.synthetic import synthetic_model
     _, cfg = load_shape("smollm2")
     model = synthetic_model(cfg, "w4", dtype, "cuda", "triton", seed=0, group=32)
     model.set_batch_invariant(True)
+    return model
+
+
+def assert_verification_is_batch_invariant(model) -> None:
+    """A 24-node tree and a 6-token sequence verified in one forward give every node the hidden
+    state and logits of its token decoded alone after its path, bit for bit."""
+    from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
     gen = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, cfg.vocab_size, (70,), generator=gen).tolist()
+    vocab = model.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (70,), generator=gen).tolist()
     for parents in (TREE_24, CHAIN_6):
-        toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
+        toks = torch.randint(0, vocab, (len(parents),), generator=gen).tolist()
         r = tree_vs_paths(model, parents, prompt, toks)
         assert all(r["hidden"]) and all(r["logits"]), r
 
@@ -561,25 +570,11 @@ def test_cuda_w4_replays_in_a_graph_and_runs_from_another_thread() -> None:
 
 
 def test_verification_is_batch_invariant_on_the_static_path_with_the_cuda_w4_kernel(monkeypatch) -> None:
-    """HIERVIZ_W4_CUDA=on: the target's W4 products run the CUDA kernel (CUDA graphs, fused layers);
-    a 24-node tree and a 6-token sequence verified in one forward give every node the hidden state
-    and logits of its token decoded alone, bit for bit (SmolLM2's shape, W4 in groups of 32)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
-    from hierviz.measure.profile import load_shape
-    from hierviz.models.synthetic import synthetic_model
+    """HIERVIZ_W4_CUDA=on: the target's W4 products run the CUDA kernel (CUDA graphs, fused layers),
+    and verification keeps every token's bits as in the Triton test above."""
     from hierviz.quant import triton_w4
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
-    _, cfg = load_shape("smollm2")
-    model = synthetic_model(cfg, "w4", torch.float16, "cuda", "triton", seed=0, group=32)
-    model.set_batch_invariant(True)
+    model = smollm2_w4_verifier(torch.float16)
     w = model.layers[0].gate_up.w4[0]
     assert triton_w4.chosen_config(torch.zeros(7, w.in_features, device="cuda", dtype=torch.float16), w).cuda
-    gen = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, cfg.vocab_size, (70,), generator=gen).tolist()
-    for parents in (TREE_24, CHAIN_6):
-        toks = torch.randint(0, cfg.vocab_size, (len(parents),), generator=gen).tolist()
-        r = tree_vs_paths(model, parents, prompt, toks)
-        assert all(r["hidden"]) and all(r["logits"]), r
+    assert_verification_is_batch_invariant(model)

@@ -2,7 +2,10 @@
 
 One small CUDA C kernel (KERNEL_SOURCE), compiled at first use with NVRTC (the runtime compiler
 that ships with torch's CUDA wheels: no nvcc, no build step) and launched through the CUDA driver
-API on torch's current stream, so CUDA graphs capture it like any other kernel.
+API on torch's current stream, so CUDA graphs capture it like any other kernel. The Triton kernel
+hands a product here (triton_w4.chosen_config) only with HIERVIZ_W4_CUDA=on and where the variant
+`cuda_mma` is proven (kernel_guard); measured faster up to 8 rows and slower from 16
+(docs/kernels.md), so it is off by default.
 
 Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
 few tokens is bound by how many instructions move codes into the tensor-core operand layout
@@ -13,10 +16,11 @@ packed subtract or FMA removes the bias exactly, a packed FMA applies scale and 
 
 The arithmetic is batch-invariant by construction: a warp multiplies 16 weight rows by 8..32
 tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the K
-slices (SPLIT per shape, chosen from N, K and the GPU, never from M) meet in a fixed-order fp32
+slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32
 sum done by the last block of each output tile. So a row gets the same bits at every M, and the
 same kernel serves decode, verification and prefill (tokens beyond 32 run as further token
-chunks of the grid).
+chunks of the grid). Up to 8 tokens the activations come straight from L1 (`product_direct`); from
+9 the block's warps share them through shared memory (`product_staged`); both run the same MMAs.
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
