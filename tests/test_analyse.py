@@ -194,9 +194,10 @@ def test_a_recorded_trace_as_b_is_overlaid_with_a_column_per_run(download_root, 
             for name in ("h200-smollm2-python-tips.json", "tiny-random-plumbing.json"))
     status, tau, depth, table, *_ = analyse_tab.analyse(a, None, None, 1, b)
     assert "A = h200-smollm2-python-tips.json, B = tiny-random-plumbing.json" in status
-    labels = [f"{w}: {m}" for w in "AB" for m in ("HierSpec", "EAGLE-2", "Autoregressive")]
+    labels = [f"A: {m}" for m in ("HierSpec", "EAGLE-2", "EAGLE-3", "Autoregressive")] + \
+        [f"B: {m}" for m in ("HierSpec", "EAGLE-2", "Autoregressive")]
     assert [t.name for t in tau.data] == labels
-    assert {t.name.split(" · ")[0] for t in depth.data} == set(labels[:2] + labels[3:5])    # AR drafts nothing
+    assert {t.name.split(" · ")[0] for t in depth.data} == set(labels[:3] + labels[4:6])    # AR drafts nothing
     assert re.findall(r"<th>(.*?)</th>", table) == ["", *labels]
     # an upload as B wins over the recorded choice, as for A
     up = tmp_path / "b.json"
