@@ -252,8 +252,9 @@ class Verdict:
         first_failure = "; ".join(_failure_text(v, self.failures(v)[0]) for v in failed)
         if self.passed():
             if self.used() != frozenset(self.supported):
-                only = ", ".join(VARIANT_LABELS[v] for v in self.supported if v in self.used())
-                return f"W4 fast path: proven here for the {only}, the one these shapes use ({scope})"
+                used = [VARIANT_LABELS[v] for v in self.supported if v in self.used()]
+                which = "the one these shapes use" if len(used) == 1 else "the ones these shapes use"
+                return f"W4 fast path: proven here for the {' and '.join(used)}, {which} ({scope})"
             return f"W4 fast path: proven here ({scope})"
         if not enabled:
             why = first_failure or "no product of these shapes used a fast variant"
