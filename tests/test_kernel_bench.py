@@ -29,3 +29,14 @@ def test_a_failing_peer_records_why_and_the_row_goes_on() -> None:
         raise RuntimeError("illegal instruction")
     _time_peer(row, "bad", [broken] * 2, x16, x16[0] @ w.t(), lambda fns, rep: 1.0, 1.0)
     assert "illegal instruction" in row["bad_error"] and "bad_us" not in row and row["good_us"] == 2.0
+
+
+def test_the_cuda_mma_column_says_why_a_shape_is_left_out() -> None:
+    """kernel-bench's CUDA MMA column: a weight shape the kernel does not take is skipped with the
+    reason (checked before any GPU query, so it runs here)."""
+    from hierviz.measure.kernel_bench import cuda_mma_layers
+    from hierviz.quant.w4 import quantize_rtn
+    import torch
+    info: dict = {}
+    assert cuda_mma_layers([quantize_rtn(torch.randn(24, 192), 96)], info) is None
+    assert info["cuda_mma_error"] == "the CUDA MMA kernel does not take 24x192 g96"

@@ -308,3 +308,15 @@ def test_quick_sweep_exit_codes_and_verdict_line(interpreted) -> None:
     assert "float16: W4 fast path: proven here for the TMA variant, the one these shapes use (cpu " in out
     assert "float16: W4 fast path: off (TMA variant wrong at 256x192 g64, 17 rows) — using the pointer-load kernels" in out
     assert "w4-sweep --quick: 1 shape x 2 row counts in " in out
+
+
+def test_asking_for_the_cuda_variant_where_it_cannot_load_warns_and_keeps_triton(fake_hopper, monkeypatch) -> None:
+    """HIERVIZ_W4_CUDA=on on a GPU where the CUDA MMA kernel does not load (here: no CUDA driver at
+    all behind the faked device queries): a warning says why, and the Triton variants stay."""
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+    kernel_guard._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="HIERVIZ_W4_CUDA=on, but the CUDA W4 kernel is not available"):
+        assert kernel_guard.supported_variants(GPU) == kernel_guard.TRITON_VARIANTS
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (7, 5))
+    with pytest.warns(RuntimeWarning, match="needs tensor-core MMA"):
+        assert kernel_guard.supported_variants(GPU) == ()

@@ -21,6 +21,7 @@ dequantize-and-matmul reference (slow, always right), with a warning.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -73,11 +74,22 @@ def supported_variants(device: torch.device) -> tuple[str, ...]:
         return TRITON_VARIANTS
     major = torch.cuda.get_device_capability(_index(device))[0]
     found = TRITON_VARIANTS if major >= 9 else ()
-    if major >= 8 and options().w4_cuda == "on":
+    if options().w4_cuda == "on":
         from hierviz.quant import cuda_w4      # imported here: it compiles only when asked
-        if cuda_w4.available(device):
+        if major >= 8 and cuda_w4.available(device):
             found = (*found, CUDA_VARIANT)
+        else:
+            _warn_once(f"HIERVIZ_W4_CUDA=on, but {cuda_w4.unavailable_reason(device)}: the Triton W4 kernel runs")
     return found
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def gpu_platform(device: torch.device) -> tuple[int, Optional[str]]:
