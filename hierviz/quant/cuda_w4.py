@@ -712,6 +712,8 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     shift = group_shift(k, w.group_size)
     if not supports_shape(n, k, w.group_size) or shift is None:
         raise ValueError(f"the CUDA W4 kernel does not multiply a {n}x{k} g{w.group_size} weight")
+    if m == 0:
+        return add_to if add_to is not None else x.new_empty((0, n))
     index = _index(x.device)
     fns = functions(index)
     codes, so = layout(w)
