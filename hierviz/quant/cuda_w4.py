@@ -4,7 +4,7 @@ One small CUDA C kernel (KERNEL_SOURCE), compiled at first use with NVRTC (the r
 that ships with torch's CUDA wheels: no nvcc, no build step) and launched through the CUDA driver
 API on torch's current stream, so CUDA graphs capture it like any other kernel. The Triton kernel
 hands a product here (triton_w4.chosen_config) only with HIERVIZ_W4_CUDA=on and where the variant
-`cuda_mma` is proven (kernel_guard); measured faster up to 8 rows and slower from 16
+`cuda_mma` is proven (kernel_guard); measured faster up to 8 rows and slower at 32-64
 (docs/kernels.md), so it is off by default.
 
 Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
@@ -447,7 +447,7 @@ def token_tiles(m: int) -> int:
 def serves() -> bool:
     """Whether fp16 products on a platform where the variant is proven run here rather than in the
     Triton kernel: HIERVIZ_W4_CUDA=on. Off by default: the kernel is faster at up to 8 rows but
-    slower from 16 (docs/kernels.md), and a weight's products must all run one kernel (a verifier's
+    slower at 32-64 (docs/kernels.md), and a weight's products must all run one kernel (a verifier's
     rows keep their bits only within one kernel), so one setting holds for every M."""
     return options().w4_cuda == "on"
 
