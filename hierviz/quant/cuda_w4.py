@@ -35,6 +35,7 @@ the GPU (codes_of rebuilds them):
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 import threading
@@ -551,6 +552,7 @@ def _nvrtc_library() -> ctypes.CDLL:
     raise CompileError("NVRTC (libnvrtc) was not found: install torch's CUDA wheels")
 
 
+@functools.lru_cache(maxsize=1)
 def nvrtc_version() -> Optional[str]:
     """NVRTC's "major.minor", or None where it does not load."""
     try:

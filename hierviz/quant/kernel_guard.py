@@ -105,7 +105,7 @@ def statically_proven(device: torch.device) -> frozenset[str]:
         return frozenset()
     major, triton = gpu_platform(device)
     found = set(TRITON_VARIANTS) if (major, triton) in PROVEN_PLATFORMS else set()
-    if PROVEN_CUDA_PLATFORMS:
+    if PROVEN_CUDA_PLATFORMS and options().w4_cuda == "on":
         from hierviz.quant import cuda_w4
         if (major, cuda_w4.nvrtc_version()) in PROVEN_CUDA_PLATFORMS:
             found.add(CUDA_VARIANT)
