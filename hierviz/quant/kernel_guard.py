@@ -76,7 +76,7 @@ def supported_variants(device: torch.device) -> tuple[str, ...]:
     found = TRITON_VARIANTS if major >= 9 else ()
     if options().w4_cuda == "on":
         from hierviz.quant import cuda_w4      # imported here: it compiles only when asked
-        if major >= 8 and cuda_w4.available(device):
+        if cuda_w4.available(device):
             found = (*found, CUDA_VARIANT)
         else:
             _warn_once(f"HIERVIZ_W4_CUDA=on, but {cuda_w4.unavailable_reason(device)}: the Triton W4 kernel runs")
@@ -121,9 +121,9 @@ def on_static_list(device: torch.device) -> bool:
     return bool(proven) and set(supported_variants(device)) <= proven
 
 
-# (device index, activation dtype, HIERVIZ_W4_CUDA) -> the fast variants in use: asked on every product, so the
-# answer (device queries, the verdict cache) is kept until a verdict changes
-_PROVEN: dict[tuple[int, torch.dtype], frozenset[str]] = {}
+# (device index, activation dtype, HIERVIZ_W4_CUDA) -> the fast variants in use: asked on every
+# product, so the answer (device queries, the verdict cache) is kept until a verdict changes
+_PROVEN: dict[tuple[int, torch.dtype, str], frozenset[str]] = {}
 _ON_CHANGE: list[Callable[[], None]] = []
 
 

@@ -851,11 +851,7 @@ def _verified(x: torch.Tensor, w: W4Weight, cfg: Config) -> Optional[Config]:
         return cfg
     candidates = [cfg]
     if cfg.cuda:      # its fallback: the Triton pointer-load kernel of the same product
-        plain = pick_config(x.shape[0], w.out_features, w.in_features, w.group_size, sm_count(x.device),
-                            gemv=False)
-        if w.batch_invariant and x.shape[0] <= INVARIANT_MAX_ROWS:
-            plain = invariant_config(x.shape[0], w.out_features, w.in_features, w.group_size, sm_count(x.device))
-        plain = dataclasses.replace(plain, tma=False, tma_sox=False, tiled=False)
+        plain = chosen_config(x, w, variants=frozenset())
     else:
         plain = dataclasses.replace(cfg, tma=False, tma_sox=False, tiled=False, gemv=False)
     if plain != cfg:
