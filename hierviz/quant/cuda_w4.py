@@ -54,8 +54,6 @@ STAGE = 4                  # K chunks of x per shared-memory stage of the staged
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
 MIN_BLOCKS = 3             # blocks per multiprocessor the staged (9+ token) entries are built for
 DIRECT_MIN_BLOCKS = 4      # ... and the direct (up to 8 tokens) entry
-DIRECT_SO_RING = True      # the direct (up to 8 tokens) loop fetches group pairs with the codes, ahead
-CODE_L2_HINT = False       # code loads ask L2 for 256-byte fetches
 MAX_TOKEN_TILES = 4        # 8-token MMA tiles per warp: 32 tokens per block, more as grid chunks
 BLOCKS_PER_SM = 4          # split K until about this many blocks per multiprocessor ...
 MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
@@ -64,21 +62,15 @@ MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks p
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 
 KERNEL_SOURCE = (f"#define PREFETCH {PREFETCH}\n#define STAGE {STAGE}\n#define NBUF {NBUF}\n#define MIN_BLOCKS {MIN_BLOCKS}\n"
-                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n#define DIRECT_SO_RING {int(DIRECT_SO_RING)}\n"
-                 f"#define CODE_L2_HINT {int(CODE_L2_HINT)}\n") + r"""
+                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n") + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) U4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ U4 load_codes(const U4* p) {   // streamed once: keep it out of L1
   U4 r;
-#if CODE_L2_HINT
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-#else
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-#endif
   return r;
 }
 __device__ __forceinline__ U4 load_x(const U4* p) {       // reread by the block's 8 warps: L1
@@ -216,20 +208,16 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
   const bool x_ok = tok < M;
   const U4* x_ptr = (const U4*)(x + (size_t)(x_ok ? tok : 0) * ldx + (size_t)c_begin * 64 + 16 * t);
   const u32* so_row = so + (size_t)rt * n_groups * 16 + g;
-  U4 ring[PREFETCH];
-#if DIRECT_SO_RING
+  U4 ring[PREFETCH];                       // codes and group pairs PREFETCH chunks ahead
   u32 ring_g[PREFETCH], ring_h[PREFETCH];
-#endif
 #pragma unroll
   for (int p = 0; p < PREFETCH; p++) {
     const int c = c_begin + p;
     if (c < c_end) {
       ring[p] = load_codes(a_ptr + p * 32);
-#if DIRECT_SO_RING
       const int grp = (c * 64 + 16 * t) >> group_shift;
       ring_g[p] = load_u32(so_row + grp * 16);
       ring_h[p] = load_u32(so_row + grp * 16 + 8);
-#endif
     }
   }
   for (int c0 = c_begin; c0 < c_end; c0 += PREFETCH) {
@@ -239,7 +227,6 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
       if (c < c_end) {
         const U4 a = ring[p];
         const int cn = c + PREFETCH;
-#if DIRECT_SO_RING
         const u32 so_g = ring_g[p], so_h = ring_h[p];
         if (cn < c_end) {
           ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
@@ -247,11 +234,6 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
           ring_g[p] = load_u32(so_row + grp * 16);
           ring_h[p] = load_u32(so_row + grp * 16 + 8);
         }
-#else
-        if (cn < c_end) ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
-        const int grp = (c * 64 + 16 * t) >> group_shift;
-        const u32 so_g = load_u32(so_row + grp * 16), so_h = load_u32(so_row + grp * 16 + 8);
-#endif
         U4 xa, xb;
         if (x_ok) {
           xa = load_x(x_ptr + (c - c_begin) * 8);
