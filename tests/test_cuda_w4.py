@@ -7,15 +7,13 @@ import pytest
 import torch
 
 from hierviz.quant import cuda_w4
-from hierviz.quant.w4 import pack_codes, unpack_codes, W4Weight
+from hierviz.quant.w4 import W4Weight, unpack_codes
+from hierviz.quant.w4_proof import synthetic_weight
 
 
 def random_weight(n: int, k: int, g: int, seed: int = 0) -> W4Weight:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=gen)
-    scales = torch.rand(n, k // g, generator=gen) * 0.02 + 0.002
-    offsets = -scales * torch.randint(6, 10, (n, k // g), generator=gen)
-    return W4Weight(pack_codes(q), scales.half().float(), offsets.half().float(), g)
+    """GPTQ-like random codes, fp16 scales and offsets (the start-up proof's synthetic weight)."""
+    return synthetic_weight(n, k, g, "cpu", seed, act_order=False, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (576, 576), (4112, 128)])
