@@ -19,8 +19,9 @@ def device_name(device: Union[str, torch.device, None]) -> str:
 
 
 def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
-    """platform, python, torch (and triton where installed) versions; on CUDA the GPU's name and the
-    8-bit formats' activation quantizer ("fused" or "torch")."""
+    """platform, python, torch (and triton where installed) versions; on CUDA the GPU's name, the
+    8-bit formats' activation quantizer ("fused" or "torch") and the kernel of fp16 W4 products
+    ("cuda_mma" where HIERVIZ_W4_CUDA=on and the variant is proven here, else "triton")."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "torch": torch.__version__}
     try:
@@ -34,4 +35,12 @@ def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
         info["gpu"] = gpu
         # the 8-bit formats' activation quantizer changes their step time (hierviz.measure.cost_model)
         info["activation_quantizer"] = act_quant.name_on(torch.device(device))
+        info["w4_fp16_kernel"] = w4_fp16_kernel(torch.device(device))
     return info
+
+
+def w4_fp16_kernel(device: torch.device) -> str:
+    """Which kernel runs fp16 W4 products on `device`: "cuda_mma" or "triton"."""
+    from hierviz.quant import cuda_w4, kernel_guard
+    on = cuda_w4.serves() and kernel_guard.CUDA_VARIANT in kernel_guard.fast_variants(device, torch.float16)
+    return "cuda_mma" if on else "triton"

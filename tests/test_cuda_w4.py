@@ -16,11 +16,14 @@ def random_weight(n: int, k: int, g: int, seed: int = 0) -> W4Weight:
     return synthetic_weight(n, k, g, "cpu", seed, act_order=False, dtype=torch.float16)
 
 
+@pytest.mark.parametrize("chunk_major", [True, False])
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (576, 576), (4112, 128)])
-def test_layout_round_trip(n, k) -> None:
+def test_layout_round_trip(n, k, chunk_major) -> None:
     w = random_weight(n, k, 32, seed=n + k)
-    words = cuda_w4.pack_layout(w.codes)
+    words = cuda_w4.pack_layout(w.codes, chunk_major)
     assert words.shape == (n // 16, k // 64, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(words, cuda_w4.pack_layout(w.codes, not chunk_major))     # the same words
+    assert words.stride()[:2] == ((128, (n // 16) * 128) if chunk_major else ((k // 64) * 128, 128))
     assert torch.equal(cuda_w4.unpack_layout(words), w.codes)
     rows = torch.tensor([n - 1, 0, 17 % n, 3, n // 2])
     assert torch.equal(cuda_w4.unpack_layout(words, rows), w.codes[rows])
@@ -51,7 +54,7 @@ def emulate(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 grp = (c * 64 + 16 * t) >> shift
-                pair_g, pair_h = so[r, grp, g], so[r, grp, g + 8]
+                pair_g, pair_h = so[r, grp, g, 0], so[r, grp, g, 1]
                 s = {0: _half_bits(pair_g, False), 8: _half_bits(pair_h, False)}
                 o = {0: _half_bits(pair_g, True), 8: _half_bits(pair_h, True)}
                 base = c * 64 + 16 * t               # the lane's two 16-byte loads: channels base..base+15
@@ -88,9 +91,10 @@ def test_pack_groups_puts_scale_low_and_offset_high() -> None:
     s = torch.arange(32 * 2, dtype=torch.float32).view(32, 2) / 64
     o = -s
     pairs = cuda_w4.pack_groups(s, o)
-    assert pairs.shape == (2, 2, 16)
-    v = int(pairs[1, 0, 3]) & 0xFFFFFFFF                  # row 16 + 3, group 0
-    assert _half_bits(torch.tensor(v), False) == s[19, 0] and _half_bits(torch.tensor(v), True) == o[19, 0]
+    assert pairs.shape == (2, 2, 8, 2)
+    for h, row in ((0, 19), (1, 27)):                     # tile 1, group 0, lane group 3: rows 16 + 3, 16 + 11
+        v = int(pairs[1, 0, 3, h]) & 0xFFFFFFFF
+        assert _half_bits(torch.tensor(v), False) == s[row, 0] and _half_bits(torch.tensor(v), True) == o[row, 0]
 
 
 def test_shape_rules_and_the_k_split() -> None:
@@ -106,7 +110,10 @@ def test_shape_rules_and_the_k_split() -> None:
     for n, k in ((28672, 8192), (8192, 28672), (4096, 14336), (1536, 576)):
         s = cuda_w4.split_for(n, k, 132)
         assert s == 1 or (k // 64) // s >= cuda_w4.MIN_CHUNKS_PER_SLICE
-    assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 128)] == [1, 1, 2, 2, 3, 4, 4, 4]
+    assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 3, 4, 5, 8, 8, 8]
+    assert cuda_w4.entry_for(1) == "w4_direct_t1" and cuda_w4.entry_for(8) == "w4_staged_t8"
+    assert cuda_w4.entry_for(2) == "w4_staged_t2" and len(set(cuda_w4.entry_names())) == cuda_w4.MAX_TOKEN_TILES
+    assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
 
 
 def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
@@ -124,6 +131,21 @@ def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
     from hierviz.config import ConfigError
     with pytest.raises(ConfigError, match="HIERVIZ_W4_CUDA"):
         cuda_w4.serves()
+
+
+def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
+    """machine_info (whatif, bench) names the fp16 W4 kernel: the CUDA variant only with the option
+    on and the variant allowed on the device."""
+    pytest.importorskip("triton")
+    from hierviz import machine
+    from hierviz.quant import kernel_guard
+    monkeypatch.setattr(machine, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"          # not allowed on a CPU
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({kernel_guard.CUDA_VARIANT}))
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

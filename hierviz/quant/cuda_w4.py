@@ -14,13 +14,14 @@ fragment needs, as Marlin does: one 16-byte load gives a thread the A fragments 
 dequantizing 8 codes is 13 register operations (lop3 puts nibbles in the mantissa of 1024.0, a
 packed subtract or FMA removes the bias exactly, a packed FMA applies scale and offset).
 
-The arithmetic is batch-invariant by construction: a warp multiplies 16 weight rows by 8..32
+The arithmetic is batch-invariant by construction: a warp multiplies 16 weight rows by 8..64
 tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the K
 slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32
 sum done by the last block of each output tile. So a row gets the same bits at every M, and the
 same kernel serves decode, verification and prefill (tokens beyond 32 run as further token
 chunks of the grid). Up to 8 tokens the activations come straight from L1 (`product_direct`); from
-9 the block's warps share them through shared memory (`product_staged`); both run the same MMAs.
+9 the block's warps share them through shared memory (`product_staged`, 8 chunks' worth of codes
+read once for up to 64 tokens); both run the same MMAs.
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
@@ -29,8 +30,10 @@ the GPU (codes_of rebuilds them):
          c*64 + 16t .. +15 (so its activations are two 16-byte loads) and step j uses four of
          them, 16t + 4j + e (e = 0..3): the MMA's k slots 2t, 2t+1 take e = 0, 1 and slots
          2t+8, 2t+9 take e = 2, 3. The word's nibbles (bit 4p, p = 0..7) hold rows g / g+8 as
-         NIBBLE_OF[h][e] (h = 0: row g, 1: row g+8).
-  so     int32 [N/16, K/G, 16]: half2 (scale, offset) of row r*16 + i for each group.
+         NIBBLE_OF[h][e] (h = 0: row g, 1: row g+8). Stored chunk-major ([K/64, N/16, ...],
+         indexed through its strides as a transposed view): the 8 warps of a block read 4 KB in
+         one run at every chunk, and concurrent blocks read neighbouring runs.
+  so     int32 [N/16, K/G, 8, 2]: half2 (scale, offset) of rows r*16 + g and r*16 + g + 8.
 """
 from __future__ import annotations
 
@@ -49,23 +52,29 @@ from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, rel
 _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
-PREFETCH = 4               # K chunks of codes each thread of the direct loop keeps in flight
+DIRECT_RING = 6            # K chunks of codes (and group pairs) the direct loop keeps in flight, in shared memory
 STAGE = 4                  # K chunks of x per shared-memory stage of the staged loop (its code ring too)
+WIDE_STAGE = 2             # ... for 5-8 token tiles (shared memory: 8T token rows a stage)
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-MIN_BLOCKS = 3             # blocks per multiprocessor the staged (9+ token) entries are built for
-DIRECT_MIN_BLOCKS = 4      # ... and the direct (up to 8 tokens) entry
-MAX_TOKEN_TILES = 4        # 8-token MMA tiles per warp: 32 tokens per block, more as grid chunks
+MIN_BLOCKS = 3             # blocks per multiprocessor the staged entries of 2-4 token tiles are built for
+WIDE_MIN_BLOCKS = 2        # ... of 5-8 token tiles
+DIRECT_MIN_BLOCKS = 2      # ... and the direct (one-tile) entry
+STEP_X_TILES = 2           # token tiles whose staged loop reads x per MMA step (8-byte loads), not per chunk
+MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
+CHUNK_MAJOR = True         # codes stored chunk by chunk: a block's 8 warps read one 4 KB run per chunk
 BLOCKS_PER_SM = 4          # split K until about this many blocks per multiprocessor ...
 MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
 
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 
-KERNEL_SOURCE = (f"#define PREFETCH {PREFETCH}\n#define STAGE {STAGE}\n#define NBUF {NBUF}\n#define MIN_BLOCKS {MIN_BLOCKS}\n"
-                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n") + r"""
+KERNEL_SOURCE = (f"#define DIRECT_RING {DIRECT_RING}\n#define STAGE {STAGE}\n#define WIDE_STAGE {WIDE_STAGE}\n"
+                 f"#define NBUF {NBUF}\n#define MIN_BLOCKS {MIN_BLOCKS}\n#define WIDE_MIN_BLOCKS {WIDE_MIN_BLOCKS}\n"
+                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n#define STEP_X_TILES {STEP_X_TILES}\n") + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) U4 { u32 x, y, z, w; };
+struct __align__(8) U2 { u32 x, y; };
 
 __device__ __forceinline__ U4 load_codes(const U4* p) {   // streamed once: keep it out of L1
   U4 r;
@@ -79,9 +88,9 @@ __device__ __forceinline__ U4 load_x(const U4* p) {       // reread by the block
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
-__device__ __forceinline__ u32 load_u32(const u32* p) {
-  u32 r;
-  asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+__device__ __forceinline__ U2 load_pair(const U2* p) {    // the (scale, offset) pairs of rows g, g + 8
+  U2 r;
+  asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
   return r;
 }
 __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {   // (a & b) | c
@@ -148,42 +157,64 @@ __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_gr
 template <int N> __device__ __forceinline__ void copy_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
+__device__ __forceinline__ void copy_async8(void* smem, const void* src) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ U4 lds128(const u16* p) {
   U4 r;
   const u32 a = (u32)__cvta_generic_to_shared(p);
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
   return r;
 }
-
-// x rows of a stage: STAGE chunks of 64 channels, padded by 8 halves so that the 8 token rows of
-// a 128-bit shared load fall on different banks
-#define STAGE_HALVES (STAGE * 64)
-#define ROW_HALVES (STAGE_HALVES + 8)
-
-// x[tok0 .. tok0 + 8T, chunks c_first .. c_first + STAGE) into buf, tokens past M and chunks past
-// the slice as zeros, with asynchronous copies (256 threads, 16 bytes each per step); no commit.
-template <int T>
-__device__ __forceinline__ void stage_x(u16* buf, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
-  constexpr int PER_ROW = STAGE_HALVES / 8;
-#pragma unroll
-  for (int e = threadIdx.x; e < 8 * T * PER_ROW; e += 256) {
-    const int row = e / PER_ROW, u = e % PER_ROW;
-    const int tok = tok0 + row, c = c_first + u / 8;
-    const bool ok = tok < M && c < c_end;
-    const u16* src = ok ? x + (size_t)tok * ldx + (size_t)c_first * 64 + u * 8 : x;
-    copy_async(buf + row * ROW_HALVES + u * 8, src, ok ? 16 : 0);
-  }
+__device__ __forceinline__ U2 lds64(const u16* p) {
+  U2 r;
+  const u32 a = (u32)__cvta_generic_to_shared(p);
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(a));
+  return r;
 }
 
-#define PARAMS const U4* __restrict__ codes, const u32* __restrict__ so, const u16* __restrict__ x, \
+#define PARAMS const U4* __restrict__ codes, const U2* __restrict__ so, const u16* __restrict__ x, \
     u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
-    int chunks_per_slice, int n_groups, int group_shift, int split
+    int chunks_per_slice, int n_groups, int group_shift, int split, long long tile_stride, long long chunk_stride
+#define ARGS codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice, n_groups, \
+    group_shift, split, tile_stride, chunk_stride
+
+// The lane's codes of chunk c (c_begin + i) and its group pair for rows g, g + 8.
+struct Fetch {
+  const U4* a;        // the lane's word of chunk c_begin
+  const U2* so_row;   // the pair of rows (g, g + 8) of group 0
+  long long chunk_stride;
+  int c_begin, t, group_shift;
+  __device__ __forceinline__ void get(int c, U4& a_out, U2& so_out) const {
+    a_out = load_codes(a + (c - c_begin) * chunk_stride);
+    so_out = load_pair(so_row + ((c * 64 + 16 * t) >> group_shift) * 8);
+  }
+  __device__ __forceinline__ void copy(int c, U4* a_out, U2* so_out) const;   // the same, asynchronously
+};
+
+__device__ __forceinline__ void Fetch::copy(int c, U4* a_out, U2* so_out) const {
+  copy_async(a_out, a + (c - c_begin) * chunk_stride, 16);
+  copy_async8(so_out, so_row + ((c * 64 + 16 * t) >> group_shift) * 8);
+}
+
+__device__ __forceinline__ Fetch fetch_for(PARAMS, int rt, int c_begin) {
+  const int lane = threadIdx.x & 31;
+  Fetch f;
+  f.a = codes + rt * tile_stride + c_begin * chunk_stride + lane;
+  f.so_row = so + (size_t)rt * n_groups * 8 + (lane >> 2);
+  f.chunk_stride = chunk_stride;
+  f.c_begin = c_begin;
+  f.t = lane & 3;
+  f.group_shift = group_shift;
+  return f;
+}
 
 // The four MMA steps of one 64-channel chunk; xa, xb: the lane's 16 channels of each token tile.
 template <int T>
-__device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, u32 so_g, u32 so_h, const U4* xa, const U4* xb) {
-  const u32 sg = prmt(so_g, 0x1010u), og = prmt(so_g, 0x3232u);
-  const u32 sh = prmt(so_h, 0x1010u), oh = prmt(so_h, 0x3232u);
+__device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, U2 pair, const U4* xa, const U4* xb) {
+  const u32 sg = prmt(pair.x, 0x1010u), og = prmt(pair.x, 0x3232u);
+  const u32 sh = prmt(pair.y, 0x1010u), oh = prmt(pair.y, 0x3232u);
   u32 b0[T], b1[T];
 #pragma unroll
   for (int tt = 0; tt < T; tt++) { b0[tt] = xa[tt].x; b1[tt] = xa[tt].y; }
@@ -199,111 +230,127 @@ __device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, u32 so_g, u3
   step<T>(acc, a.w, sg, og, sh, oh, b0, b1);
 }
 
-// Up to 8 tokens: activations straight from global memory (L1), no barrier in the loop.
-__device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6;
-  const U4* a_ptr = codes + ((size_t)rt * chunks + c_begin) * 32 + lane;
-  const int tok = tok0 + g;
-  const bool x_ok = tok < M;
-  const U4* x_ptr = (const U4*)(x + (size_t)(x_ok ? tok : 0) * ldx + (size_t)c_begin * 64 + 16 * t);
-  const u32* so_row = so + (size_t)rt * n_groups * 16 + g;
-  U4 ring[PREFETCH];                       // codes and group pairs PREFETCH chunks ahead
-  u32 ring_g[PREFETCH], ring_h[PREFETCH];
+// The same four steps with the activations in shared memory: xrow points at the lane's 16 channels
+// of token tile 0, `row` halves per token; step j reads 4 channels of each tile (one 8-byte load).
+template <int T, int ROW>
+__device__ __forceinline__ void chunk_shared(float (*acc)[4], const U4& a, U2 pair, const u16* xrow) {
+  const u32 sg = prmt(pair.x, 0x1010u), og = prmt(pair.x, 0x3232u);
+  const u32 sh = prmt(pair.y, 0x1010u), oh = prmt(pair.y, 0x3232u);
+  const u32 words[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-  for (int p = 0; p < PREFETCH; p++) {
-    const int c = c_begin + p;
-    if (c < c_end) {
-      ring[p] = load_codes(a_ptr + p * 32);
-      const int grp = (c * 64 + 16 * t) >> group_shift;
-      ring_g[p] = load_u32(so_row + grp * 16);
-      ring_h[p] = load_u32(so_row + grp * 16 + 8);
-    }
-  }
-  for (int c0 = c_begin; c0 < c_end; c0 += PREFETCH) {
+  for (int j = 0; j < 4; j++) {
+    u32 b0[T], b1[T];
 #pragma unroll
-    for (int p = 0; p < PREFETCH; p++) {
-      const int c = c0 + p;
-      if (c < c_end) {
-        const U4 a = ring[p];
-        const int cn = c + PREFETCH;
-        const u32 so_g = ring_g[p], so_h = ring_h[p];
-        if (cn < c_end) {
-          ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
-          const int grp = (cn * 64 + 16 * t) >> group_shift;
-          ring_g[p] = load_u32(so_row + grp * 16);
-          ring_h[p] = load_u32(so_row + grp * 16 + 8);
-        }
-        U4 xa, xb;
-        if (x_ok) {
-          xa = load_x(x_ptr + (c - c_begin) * 8);
-          xb = load_x(x_ptr + (c - c_begin) * 8 + 1);
-        } else {
-          xa.x = xa.y = xa.z = xa.w = xb.x = xb.y = xb.z = xb.w = 0u;
-        }
-        chunk<1>(acc, a, so_g, so_h, &xa, &xb);
-      }
+    for (int tt = 0; tt < T; tt++) {
+      const U2 v = lds64(xrow + tt * 8 * ROW + 4 * j);
+      b0[tt] = v.x;
+      b1[tt] = v.y;
     }
+    step<T>(acc, words[j], sg, og, sh, oh, b0, b1);
   }
 }
 
-// More tokens: the block's 8 warps share each stage of activations through shared memory
-// (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
-template <int T>
+// One token tile: activations straight from global memory (L1), no barrier in the loop; codes and
+// group pairs DIRECT_RING chunks ahead through a warp-private shared-memory ring of asynchronous
+// copies (each lane reads back only what it copied, so waiting on its own copies is enough).
+__device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+  __shared__ __align__(16) U4 ring_a[8][DIRECT_RING][32];
+  __shared__ __align__(8) U2 ring_p[8][DIRECT_RING][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const Fetch f = fetch_for(ARGS, rt, c_begin);
+  const int tok = tok0 + g;
+  const bool x_ok = tok < M;
+  const U4* x_ptr = (const U4*)(x + (size_t)(x_ok ? tok : 0) * ldx + (size_t)c_begin * 64 + 16 * t);
+  int slot_in = 0, slot_out = 0;
+#pragma unroll
+  for (int p = 0; p < DIRECT_RING - 1; p++) {
+    if (c_begin + p < c_end) f.copy(c_begin + p, &ring_a[warp][slot_in][lane], &ring_p[warp][slot_in][lane]);
+    copy_commit();
+    slot_in++;
+  }
+  for (int c = c_begin; c < c_end; c++) {
+    const int cn = c + DIRECT_RING - 1;
+    if (cn < c_end) f.copy(cn, &ring_a[warp][slot_in][lane], &ring_p[warp][slot_in][lane]);
+    copy_commit();                 // empty past the slice: the wait below always means chunk c
+    slot_in = slot_in + 1 == DIRECT_RING ? 0 : slot_in + 1;
+    copy_wait<DIRECT_RING - 1>();
+    const U4 a = ring_a[warp][slot_out][lane];
+    const U2 pair = ring_p[warp][slot_out][lane];
+    slot_out = slot_out + 1 == DIRECT_RING ? 0 : slot_out + 1;
+    U4 xa, xb;
+    if (x_ok) {
+      xa = load_x(x_ptr + (c - c_begin) * 8);
+      xb = load_x(x_ptr + (c - c_begin) * 8 + 1);
+    } else {
+      xa.x = xa.y = xa.z = xa.w = xb.x = xb.y = xb.z = xb.w = 0u;
+    }
+    chunk<1>(acc, a, pair, &xa, &xb);
+  }
+}
+
+// x[tok0 .. tok0 + 8T, chunks c_first .. c_first + S) into buf (rows of S * 64 + 8 halves: the pad
+// puts the 8 token rows of a load on different banks), tokens past M and chunks past the slice as
+// zeros, with asynchronous copies (256 threads, 16 bytes each per step); no commit.
+template <int T, int S>
+__device__ __forceinline__ void stage_x(u16* buf, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
+  constexpr int PER_ROW = S * 8, ROW = S * 64 + 8;
+#pragma unroll
+  for (int e = threadIdx.x; e < 8 * T * PER_ROW; e += 256) {
+    const int row = e / PER_ROW, u = e % PER_ROW;
+    const int tok = tok0 + row, c = c_first + u / 8;
+    const bool ok = tok < M && c < c_end;
+    const u16* src = ok ? x + (size_t)tok * ldx + (size_t)c_first * 64 + u * 8 : x;
+    copy_async(buf + row * ROW + u * 8, src, ok ? 16 : 0);
+  }
+}
+
+// More tokens: the block's 8 warps share each stage of S chunks of activations through shared
+// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
+template <int T, int S>
 __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, bool computes, int tok0,
                                                int c_begin, int c_end) {
-  __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW_HALVES];
+  constexpr int ROW = S * 64 + 8;
+  __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6;
-  const U4* a_ptr = codes + ((size_t)(computes ? rt : 0) * chunks + c_begin) * 32 + lane;
-  const u32* so_row = so + (size_t)(computes ? rt : 0) * n_groups * 16 + g;
-  U4 ring[STAGE];
-  u32 ring_g[STAGE], ring_h[STAGE];
+  const Fetch f = fetch_for(ARGS, computes ? rt : 0, c_begin);
+  U4 ring[S];
+  U2 ring_so[S];
 #pragma unroll
-  for (int p = 0; p < STAGE; p++) {
-    const int c = c_begin + p;
-    if (computes && c < c_end) {
-      ring[p] = load_codes(a_ptr + p * 32);
-      const int grp = (c * 64 + 16 * t) >> group_shift;
-      ring_g[p] = load_u32(so_row + grp * 16);
-      ring_h[p] = load_u32(so_row + grp * 16 + 8);
-    }
-  }
+  for (int p = 0; p < S; p++)
+    if (computes && c_begin + p < c_end) f.get(c_begin + p, ring[p], ring_so[p]);
   // one commit group per stage, empty ones past the slice, so waiting for all but the newest
   // NBUF - 1 groups always means "this stage has landed"
 #pragma unroll
   for (int s = 0; s < NBUF - 1; s++) {
-    if (c_begin + s * STAGE < c_end) stage_x<T>(xs[s], x, M, ldx, tok0, c_begin + s * STAGE, c_end);
+    if (c_begin + s * S < c_end) stage_x<T, S>(xs[s], x, M, ldx, tok0, c_begin + s * S, c_end);
     copy_commit();
   }
   int stage = 0;
-  for (int c0 = c_begin; c0 < c_end; c0 += STAGE, stage++) {
-    const int ahead = c0 + (NBUF - 1) * STAGE;
-    if (ahead < c_end) stage_x<T>(xs[(stage + NBUF - 1) % NBUF], x, M, ldx, tok0, ahead, c_end);
+  for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
+    const int ahead = c0 + (NBUF - 1) * S;
+    if (ahead < c_end) stage_x<T, S>(xs[(stage + NBUF - 1) % NBUF], x, M, ldx, tok0, ahead, c_end);
     copy_commit();
     copy_wait<NBUF - 1>();
     __syncthreads();
-    const u16* xrow = xs[stage % NBUF] + g * ROW_HALVES + 16 * t;
+    const u16* xrow = xs[stage % NBUF] + g * ROW + 16 * t;
 #pragma unroll
-    for (int p = 0; p < STAGE; p++) {
+    for (int p = 0; p < S; p++) {
       const int c = c0 + p;
       if (computes && c < c_end) {
         const U4 a = ring[p];
-        const u32 so_g = ring_g[p], so_h = ring_h[p];
-        const int cn = c + STAGE;
-        if (cn < c_end) {
-          ring[p] = load_codes(a_ptr + (cn - c_begin) * 32);
-          const int grp = (cn * 64 + 16 * t) >> group_shift;
-          ring_g[p] = load_u32(so_row + grp * 16);
-          ring_h[p] = load_u32(so_row + grp * 16 + 8);
-        }
-        U4 xa[T], xb[T];
+        const U2 pair = ring_so[p];
+        if (c + S < c_end) f.get(c + S, ring[p], ring_so[p]);
+        if (T != STEP_X_TILES) {
+          U4 xa[T], xb[T];
 #pragma unroll
-        for (int tt = 0; tt < T; tt++) {
-          xa[tt] = lds128(xrow + tt * 8 * ROW_HALVES + p * 64);
-          xb[tt] = lds128(xrow + tt * 8 * ROW_HALVES + p * 64 + 8);
+          for (int tt = 0; tt < T; tt++) {
+            xa[tt] = lds128(xrow + tt * 8 * ROW + p * 64);
+            xb[tt] = lds128(xrow + tt * 8 * ROW + p * 64 + 8);
+          }
+          chunk<T>(acc, a, pair, xa, xb);
+        } else {
+          chunk_shared<T, ROW>(acc, a, pair, xrow + p * 64);
         }
-        chunk<T>(acc, a, so_g, so_h, xa, xb);
       }
     }
     __syncthreads();     // the buffer just read is one the copies of a later stage overwrite
@@ -313,7 +360,7 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
 // Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T>
+template <int T, bool DIRECT, int S>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -327,12 +374,10 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   float acc[T][4];
 #pragma unroll
   for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
-  if (T == 1) {
-    if (computes) product_direct(acc, codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy,
-                                 chunks_per_slice, n_groups, group_shift, split, rt, tok0, c_begin, c_end);
+  if (DIRECT) {
+    if (computes) product_direct(acc, ARGS, rt, tok0, c_begin, c_end);
   } else {
-    product_staged<T>(acc, codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy,
-                      chunks_per_slice, n_groups, group_shift, split, rt, computes, tok0, c_begin, c_end);
+    product_staged<T, S>(acc, ARGS, rt, computes, tok0, c_begin, c_end);
   }
   // acc[tt][i]: row rt*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
   if (split == 1) {
@@ -380,15 +425,20 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   if (threadIdx.x == 0) counters[tile] = 0;
 }
 
-#define ENTRY(T, BLOCKS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_mma_t##T(PARAMS) {                   \
-    w4_mma<T>(codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice,    \
-              n_groups, group_shift, split);                                                         \
+extern "C" __global__ void __launch_bounds__(256, DIRECT_MIN_BLOCKS) w4_direct_t1(PARAMS) {
+  w4_mma<1, true, 1>(ARGS);
+}
+#define STAGED_ENTRY(T, S, BLOCKS)                                                               \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
+    w4_mma<T, false, S>(ARGS);                                                                   \
   }
-ENTRY(1, DIRECT_MIN_BLOCKS)
-ENTRY(2, MIN_BLOCKS)
-ENTRY(3, MIN_BLOCKS)
-ENTRY(4, MIN_BLOCKS)
+STAGED_ENTRY(2, STAGE, MIN_BLOCKS)
+STAGED_ENTRY(3, STAGE, MIN_BLOCKS)
+STAGED_ENTRY(4, STAGE, MIN_BLOCKS)
+STAGED_ENTRY(5, WIDE_STAGE, WIDE_MIN_BLOCKS)
+STAGED_ENTRY(6, WIDE_STAGE, WIDE_MIN_BLOCKS)
+STAGED_ENTRY(7, WIDE_STAGE, WIDE_MIN_BLOCKS)
+STAGED_ENTRY(8, WIDE_STAGE, WIDE_MIN_BLOCKS)
 """
 
 
@@ -423,7 +473,7 @@ def split_for(n: int, k: int, sms: int) -> int:
 
 
 def token_tiles(m: int) -> int:
-    """8-token MMA tiles per warp for an m-row product (beyond 32 tokens: grid chunks of 32)."""
+    """8-token MMA tiles per warp for an m-row product (beyond 64 tokens: grid chunks of 64)."""
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
 
 
@@ -452,16 +502,24 @@ def _pack_tiles(q: torch.Tensor) -> torch.Tensor:
     return words.reshape(n // 16, k // 64, 32, 4)
 
 
-def pack_layout(codes: torch.Tensor) -> torch.Tensor:
-    """W4Weight codes uint8 [N, K/2] -> the kernel's int32 [N/16, K/64, 32, 4] (module docstring)."""
+def pack_layout(codes: torch.Tensor, chunk_major: Optional[bool] = None) -> torch.Tensor:
+    """W4Weight codes uint8 [N, K/2] -> the kernel's int32 [N/16, K/64, 32, 4] (module docstring),
+    stored chunk by chunk (a transposed view) when chunk_major (default CHUNK_MAJOR)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    major = CHUNK_MAJOR if chunk_major is None else chunk_major
+    out = torch.empty((k // 64, n // 16, 32, 4) if major else (n // 16, k // 64, 32, 4),
+                      dtype=torch.int32, device=codes.device)
+    words = out.transpose(0, 1) if major else out
     step = 16 * LAYOUT_TILES_AT_ONCE
-    return torch.cat([_pack_tiles(unpack_codes(codes[a:a + step])) for a in range(0, codes.shape[0], step)])
+    for a in range(0, n, step):
+        words[a // 16:(a + step) // 16] = _pack_tiles(unpack_codes(codes[a:a + step]))
+    return words
 
 
 def _unpack_tiles(words: torch.Tensor) -> torch.Tensor:
     """_pack_tiles undone: int32 [tiles, K/64, 32, 4] -> uint8 codes [16 * tiles, K] (0..15)."""
     tiles, chunks = words.shape[0], words.shape[1]
-    w = words.view(tiles, chunks, 8, 4, 4)
+    w = words.reshape(tiles, chunks, 8, 4, 4)
     q = torch.empty(tiles, chunks, 8, 4, 4, 2, 4, dtype=torch.uint8, device=words.device)
     for h, row in enumerate(NIBBLE_OF):
         for e, p in enumerate(row):
@@ -481,11 +539,12 @@ def unpack_layout(words: torch.Tensor, rows: Optional[torch.Tensor] = None) -> t
 
 
 def pack_groups(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """scales, offsets [N, K/G] -> int32 [N/16, K/G, 16] of fp16 pairs (scale low, offset high)."""
+    """scales, offsets [N, K/G] -> int32 [N/16, K/G, 8, 2] of fp16 pairs (scale low, offset high):
+    rows g and g + 8 of a tile side by side, one 8-byte load for lane group g."""
     n, groups = scales.shape
     s = scales.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     o = offsets.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    pair = (s | (o << 16)).view(n // 16, 16, groups).transpose(1, 2)
+    pair = (s | (o << 16)).view(n // 16, 2, 8, groups).permute(0, 3, 2, 1)
     return pair.contiguous()
 
 
@@ -603,7 +662,7 @@ class _Driver:
 
 _LOCK = threading.Lock()
 _DRIVER: Optional[_Driver] = None
-_FUNCTIONS: dict[int, dict[int, ctypes.c_void_p]] = {}     # device index -> token tiles -> CUfunction
+_FUNCTIONS: dict[int, dict[str, ctypes.c_void_p]] = {}     # device index -> entry name -> CUfunction
 _UNAVAILABLE: dict[int, str] = {}                          # device index -> why not
 
 
@@ -612,8 +671,17 @@ def _arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
-def functions(index: int) -> dict[int, ctypes.c_void_p]:
-    """The compiled entries (token tiles -> CUfunction) on CUDA device `index`, built on first use."""
+def entry_for(tiles: int) -> str:
+    """The entry that multiplies `tiles` token tiles per block: the direct loop for one, else staged."""
+    return "w4_direct_t1" if tiles == 1 else f"w4_staged_t{tiles}"
+
+
+def entry_names() -> list[str]:
+    return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)]
+
+
+def functions(index: int) -> dict[str, ctypes.c_void_p]:
+    """The compiled entries (name -> CUfunction) on CUDA device `index`, built on first use."""
     global _DRIVER
     if index in _FUNCTIONS:
         return _FUNCTIONS[index]
@@ -629,15 +697,15 @@ def functions(index: int) -> dict[int, ctypes.c_void_p]:
                 if _DRIVER is None:
                     _DRIVER = _Driver()
                 _DRIVER.ensure_context()
-                cubin = compile_cubin(_arch(index))
+                cubin = compile_cubin(_arch(index), KERNEL_SOURCE)
                 module = ctypes.c_void_p()
                 _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
                 found = {}
-                for tiles in range(1, MAX_TOKEN_TILES + 1):
+                for name in entry_names():
                     fn = ctypes.c_void_p()
-                    _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module,
-                                                                  f"w4_mma_t{tiles}".encode()), "cuModuleGetFunction")
-                    found[tiles] = fn
+                    _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()),
+                                  "cuModuleGetFunction")
+                    found[name] = fn
         except Exception as e:
             _UNAVAILABLE[index] = f"the CUDA W4 kernel is not available on cuda:{index}: {type(e).__name__}: {e}"
             raise RuntimeError(_UNAVAILABLE[index]) from e
@@ -688,7 +756,8 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
            split: Optional[int] = None, tiles: Optional[int] = None) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default split_for on this GPU; the same for every M). tiles:
-    8-token tiles per block (default token_tiles(M)); any choice gives a row the same bits."""
+    8-token tiles per block (default token_tiles(M)); any choice of either gives a row the same
+    bits."""
     m, k = x.shape
     n = w.out_features
     if x.dtype != torch.float16 or not x.is_cuda:
@@ -709,6 +778,8 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     per = -(-chunks // split)
     split = -(-chunks // per)
     tiles = tiles or token_tiles(m)
+    if not 1 <= tiles <= MAX_TOKEN_TILES:
+        raise ValueError(f"no entry multiplies {tiles} token tiles")
     grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
     y = add_to if add_to is not None else torch.empty((m, n), device=x.device, dtype=torch.float16)
     residual = y.data_ptr() if add_to is not None else 0
@@ -718,10 +789,11 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
             ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(residual), ctypes.c_void_p(parts.data_ptr()),
             ctypes.c_void_p(counters.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
             ctypes.c_int(x.stride(0)), ctypes.c_int(y.stride(0)), ctypes.c_int(per),
-            ctypes.c_int(k // w.group_size), ctypes.c_int(shift), ctypes.c_int(split)]
+            ctypes.c_int(k // w.group_size), ctypes.c_int(shift), ctypes.c_int(split),
+            ctypes.c_longlong(codes.stride(0) // 4), ctypes.c_longlong(codes.stride(1) // 4)]
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
-    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[tiles], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, 0,
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry_for(tiles)], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, 0,
                                              stream, ptrs, None), "cuLaunchKernel")
     return y
