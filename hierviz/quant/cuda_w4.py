@@ -53,12 +53,12 @@ _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
 DIRECT_RING = 6            # K chunks of codes (and group pairs) the direct loop keeps in flight, in shared memory
-STAGE = 4                  # K chunks of x per shared-memory stage of the staged loop (its code ring too)
-WIDE_STAGE = 2             # ... for 5-8 token tiles (shared memory: 8T token rows a stage)
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-MIN_BLOCKS = 3             # blocks per multiprocessor the staged entries of 2-4 token tiles are built for
-WIDE_MIN_BLOCKS = 2        # ... of 5-8 token tiles
-DIRECT_MIN_BLOCKS = 2      # ... and the direct (one-tile) entry
+DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) entry is built for
+# The staged entries, by token tiles: (K chunks per x stage, which is also the code ring's depth;
+# blocks per multiprocessor it is built for; 16-row weight tiles per warp). Measured best per entry
+# on the H200 (docs/kernels.md); every choice gives a row the same bits.
+STAGED_BUILD = {2: (2, 2, 2), 3: (4, 3, 1), 4: (4, 3, 1), 5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1)}
 STEP_X_TILES = 2           # token tiles whose staged loop reads x per MMA step (8-byte loads), not per chunk
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 CHUNK_MAJOR = True         # codes stored chunk by chunk: a block's 8 warps read one 4 KB run per chunk
@@ -68,9 +68,8 @@ MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks p
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 
-KERNEL_SOURCE = (f"#define DIRECT_RING {DIRECT_RING}\n#define STAGE {STAGE}\n#define WIDE_STAGE {WIDE_STAGE}\n"
-                 f"#define NBUF {NBUF}\n#define MIN_BLOCKS {MIN_BLOCKS}\n#define WIDE_MIN_BLOCKS {WIDE_MIN_BLOCKS}\n"
-                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n#define STEP_X_TILES {STEP_X_TILES}\n") + r"""
+KERNEL_SOURCE = (f"#define DIRECT_RING {DIRECT_RING}\n#define NBUF {NBUF}\n#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n"
+                 f"#define STEP_X_TILES {STEP_X_TILES}\n") + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -230,13 +229,18 @@ __device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, U2 pair, con
   step<T>(acc, a.w, sg, og, sh, oh, b0, b1);
 }
 
-// The same four steps with the activations in shared memory: xrow points at the lane's 16 channels
-// of token tile 0, `row` halves per token; step j reads 4 channels of each tile (one 8-byte load).
-template <int T, int ROW>
-__device__ __forceinline__ void chunk_shared(float (*acc)[4], const U4& a, U2 pair, const u16* xrow) {
-  const u32 sg = prmt(pair.x, 0x1010u), og = prmt(pair.x, 0x3232u);
-  const u32 sh = prmt(pair.y, 0x1010u), oh = prmt(pair.y, 0x3232u);
-  const u32 words[4] = {a.x, a.y, a.z, a.w};
+// The same four steps with the activations in shared memory, for the R row tiles of a warp: xrow
+// points at the lane's 16 channels of token tile 0, ROW halves per token; step j reads 4 channels
+// of each tile (one 8-byte load), used by every row tile.
+template <int T, int ROW, int R>
+__device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, const U2* pair, const u16* xrow) {
+  u32 sg[R], og[R], sh[R], oh[R], words[R][4];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    sg[r] = prmt(pair[r].x, 0x1010u); og[r] = prmt(pair[r].x, 0x3232u);
+    sh[r] = prmt(pair[r].y, 0x1010u); oh[r] = prmt(pair[r].y, 0x3232u);
+    words[r][0] = a[r].x; words[r][1] = a[r].y; words[r][2] = a[r].z; words[r][3] = a[r].w;
+  }
 #pragma unroll
   for (int j = 0; j < 4; j++) {
     u32 b0[T], b1[T];
@@ -246,7 +250,8 @@ __device__ __forceinline__ void chunk_shared(float (*acc)[4], const U4& a, U2 pa
       b0[tt] = v.x;
       b1[tt] = v.y;
     }
-    step<T>(acc, words[j], sg, og, sh, oh, b0, b1);
+#pragma unroll
+    for (int r = 0; r < R; r++) step<T>(acc[r], words[r][j], sg[r], og[r], sh[r], oh[r], b0, b1);
   }
 }
 
@@ -305,19 +310,24 @@ __device__ __forceinline__ void stage_x(u16* buf, const u16* x, int M, int ldx, 
 }
 
 // More tokens: the block's 8 warps share each stage of S chunks of activations through shared
-// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
-template <int T, int S>
-__device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, bool computes, int tok0,
-                                               int c_begin, int c_end) {
+// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead. A
+// warp multiplies R row tiles (rt0 ..), so each activation load serves R tiles; a tile past N
+// repeats the last one and is not stored.
+template <int T, int S, int R>
+__device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int rt0, int tok0, int c_begin, int c_end) {
   constexpr int ROW = S * 64 + 8;
   __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const Fetch f = fetch_for(ARGS, computes ? rt : 0, c_begin);
-  U4 ring[S];
-  U2 ring_so[S];
+  Fetch f[R];
+  U4 ring[R][S];
+  U2 ring_so[R][S];
 #pragma unroll
-  for (int p = 0; p < S; p++)
-    if (computes && c_begin + p < c_end) f.get(c_begin + p, ring[p], ring_so[p]);
+  for (int r = 0; r < R; r++) {
+    f[r] = fetch_for(ARGS, min(rt0 + r, (N >> 4) - 1), c_begin);
+#pragma unroll
+    for (int p = 0; p < S; p++)
+      if (c_begin + p < c_end) f[r].get(c_begin + p, ring[r][p], ring_so[r][p]);
+  }
   // one commit group per stage, empty ones past the slice, so waiting for all but the newest
   // NBUF - 1 groups always means "this stage has landed"
 #pragma unroll
@@ -336,20 +346,25 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
 #pragma unroll
     for (int p = 0; p < S; p++) {
       const int c = c0 + p;
-      if (computes && c < c_end) {
-        const U4 a = ring[p];
-        const U2 pair = ring_so[p];
-        if (c + S < c_end) f.get(c + S, ring[p], ring_so[p]);
-        if (T != STEP_X_TILES) {
+      if (c < c_end) {
+        U4 a[R];
+        U2 pair[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          a[r] = ring[r][p];
+          pair[r] = ring_so[r][p];
+          if (c + S < c_end) f[r].get(c + S, ring[r][p], ring_so[r][p]);
+        }
+        if (R == 1 && T != STEP_X_TILES) {
           U4 xa[T], xb[T];
 #pragma unroll
           for (int tt = 0; tt < T; tt++) {
             xa[tt] = lds128(xrow + tt * 8 * ROW + p * 64);
             xb[tt] = lds128(xrow + tt * 8 * ROW + p * 64 + 8);
           }
-          chunk<T>(acc, a, pair, xa, xb);
+          chunk<T>(acc[0], a[0], pair[0], xa, xb);
         } else {
-          chunk_shared<T, ROW>(acc, a, pair, xrow + p * 64);
+          chunk_shared<T, ROW, R>(acc, a, pair, xrow + p * 64);
         }
       }
     }
@@ -360,50 +375,52 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
 // Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S>
+template <int T, bool DIRECT, int S, int R>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tok0 = blockIdx.x * (8 * T);
   const int row_tiles = N >> 4, chunks = K >> 6;
-  const int rt = blockIdx.y * 8 + warp;
+  const int rt0 = (blockIdx.y * 8 + warp) * R;
   const int slice = blockIdx.z;
   const int c_begin = slice * chunks_per_slice;
   const int c_end = min(chunks, c_begin + chunks_per_slice);
-  const bool computes = rt < row_tiles;
-  float acc[T][4];
+  float acc[R][T][4];
 #pragma unroll
-  for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int tt = 0; tt < T; tt++) acc[r][tt][0] = acc[r][tt][1] = acc[r][tt][2] = acc[r][tt][3] = 0.f;
   if (DIRECT) {
-    if (computes) product_direct(acc, ARGS, rt, tok0, c_begin, c_end);
+    if (rt0 < row_tiles) product_direct(acc[0], ARGS, rt0, tok0, c_begin, c_end);
   } else {
-    product_staged<T, S>(acc, ARGS, rt, computes, tok0, c_begin, c_end);
+    product_staged<T, S, R>(acc, ARGS, rt0, tok0, c_begin, c_end);
   }
-  // acc[tt][i]: row rt*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
+  // acc[r][tt][i]: row (rt0 + r)*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
   if (split == 1) {
-    if (!computes) return;
 #pragma unroll
-    for (int tt = 0; tt < T; tt++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
-        if (tok < M) {
-          float v = acc[tt][i];
-          if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
-          y[(size_t)tok * ldy + n] = f2h(v);
+      for (int tt = 0; tt < T; tt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt0 + r) * 16 + g + 8 * (i >> 1);
+          if (tok < M && rt0 + r < row_tiles) {
+            float v = acc[r][tt][i];
+            if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+            y[(size_t)tok * ldy + n] = f2h(v);
+          }
         }
-      }
     return;
   }
-  if (computes) {
+#pragma unroll
+  for (int r = 0; r < R; r++)
 #pragma unroll
     for (int tt = 0; tt < T; tt++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
-        if (tok < M) partials[((size_t)slice * M + tok) * N + n] = acc[tt][i];
+        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt0 + r) * 16 + g + 8 * (i >> 1);
+        if (tok < M && rt0 + r < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[r][tt][i];
       }
-  }
   // The last block of this output tile to finish sums the slices in slice order.
   __shared__ int last;
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -413,9 +430,10 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   __syncthreads();
   if (!last) return;
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  const int rows = min(128, N - (int)blockIdx.y * 128), toks = min(8 * T, M - tok0);
+  const int block_rows = 128 * R;
+  const int rows = min(block_rows, N - (int)blockIdx.y * block_rows), toks = min(8 * T, M - tok0);
   for (int e = threadIdx.x; e < rows * toks; e += blockDim.x) {
-    const int tok = tok0 + e / rows, n = blockIdx.y * 128 + e % rows;
+    const int tok = tok0 + e / rows, n = blockIdx.y * block_rows + e % rows;
     const float* p = partials + (size_t)tok * N + n;
     float v = 0.f;
     for (int s = 0; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
@@ -426,20 +444,13 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, DIRECT_MIN_BLOCKS) w4_direct_t1(PARAMS) {
-  w4_mma<1, true, 1>(ARGS);
+  w4_mma<1, true, 1, 1>(ARGS);
 }
-#define STAGED_ENTRY(T, S, BLOCKS)                                                               \
+#define STAGED_ENTRY(T, S, BLOCKS, R)                                                            \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
-    w4_mma<T, false, S>(ARGS);                                                                   \
+    w4_mma<T, false, S, R>(ARGS);                                                                \
   }
-STAGED_ENTRY(2, STAGE, MIN_BLOCKS)
-STAGED_ENTRY(3, STAGE, MIN_BLOCKS)
-STAGED_ENTRY(4, STAGE, MIN_BLOCKS)
-STAGED_ENTRY(5, WIDE_STAGE, WIDE_MIN_BLOCKS)
-STAGED_ENTRY(6, WIDE_STAGE, WIDE_MIN_BLOCKS)
-STAGED_ENTRY(7, WIDE_STAGE, WIDE_MIN_BLOCKS)
-STAGED_ENTRY(8, WIDE_STAGE, WIDE_MIN_BLOCKS)
-"""
+""" + "".join(f"STAGED_ENTRY({t}, {s}, {b}, {r})\n" for t, (s, b, r) in STAGED_BUILD.items())
 
 
 # ---- which products it serves ----------------------------------------------------------------
@@ -671,6 +682,11 @@ def _arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+def warp_row_tiles(tiles: int) -> int:
+    """16-row weight tiles per warp in the entry of `tiles` token tiles (a block: 8 warps)."""
+    return STAGED_BUILD[tiles][2] if tiles > 1 else 1
+
+
 def entry_for(tiles: int) -> str:
     """The entry that multiplies `tiles` token tiles per block: the direct loop for one, else staged."""
     return "w4_direct_t1" if tiles == 1 else f"w4_staged_t{tiles}"
@@ -780,7 +796,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     tiles = tiles or token_tiles(m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
-    grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
+    grid = (-(-m // (8 * tiles)), -(-n // (ROWS_PER_BLOCK * warp_row_tiles(tiles))), split)
     y = add_to if add_to is not None else torch.empty((m, n), device=x.device, dtype=torch.float16)
     residual = y.data_ptr() if add_to is not None else 0
     parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
