@@ -4,8 +4,8 @@ One small CUDA C kernel (KERNEL_SOURCE), compiled at first use with NVRTC (the r
 that ships with torch's CUDA wheels: no nvcc, no build step) and launched through the CUDA driver
 API on torch's current stream, so CUDA graphs capture it like any other kernel. The Triton kernel
 hands a product here (triton_w4.chosen_config) only with HIERVIZ_W4_CUDA=on and where the variant
-`cuda_mma` is proven (kernel_guard); measured faster up to 8 rows and slower at 32-64
-(docs/kernels.md), so it is off by default.
+`cuda_mma` is proven (kernel_guard); measured faster at one or two rows and slower on tree
+verifications (docs/kernels.md), so it is off by default.
 
 Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
 few tokens is bound by how many instructions move codes into the tensor-core operand layout
@@ -14,14 +14,14 @@ fragment needs, as Marlin does: one 16-byte load gives a thread the A fragments 
 dequantizing 8 codes is 13 register operations (lop3 puts nibbles in the mantissa of 1024.0, a
 packed subtract or FMA removes the bias exactly, a packed FMA applies scale and offset).
 
-The arithmetic is batch-invariant by construction: a warp multiplies 16 weight rows by 8..64
-tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the K
-slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32
-sum done by the last block of each output tile. So a row gets the same bits at every M, and the
-same kernel serves decode, verification and prefill (tokens beyond 32 run as further token
-chunks of the grid). Up to 8 tokens the activations come straight from L1 (`product_direct`); from
-9 the block's warps share them through shared memory (`product_staged`, 8 chunks' worth of codes
-read once for up to 64 tokens); both run the same MMAs.
+The arithmetic is batch-invariant by construction: a warp multiplies 16 (or 32) weight rows by
+8..64 tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the
+K slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32 sum done by
+the last block of each output tile. So a row gets the same bits at every M, and the same kernel
+serves decode, verification and prefill (tokens beyond 64 run as further token chunks of the
+grid). Up to 8 tokens the activations come straight from L1 and the codes through a warp-private
+shared-memory ring (`product_direct`); from 9 the block's warps share the activations through
+shared memory (`product_staged`, the codes read once for up to 64 tokens); both run the same MMAs.
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
@@ -490,9 +490,9 @@ def token_tiles(m: int) -> int:
 
 def serves() -> bool:
     """Whether fp16 products on a platform where the variant is proven run here rather than in the
-    Triton kernel: HIERVIZ_W4_CUDA=on. Off by default: the kernel is faster at up to 8 rows but
-    slower at 32-64 (docs/kernels.md), and a weight's products must all run one kernel (a verifier's
-    rows keep their bits only within one kernel), so one setting holds for every M."""
+    Triton kernel: HIERVIZ_W4_CUDA=on. Off by default: the kernel is faster at one or two rows but
+    slower on tree verifications (docs/kernels.md), and a weight's products must all run one kernel
+    (a verifier's rows keep their bits only within one kernel), so one setting holds for every M."""
     return options().w4_cuda == "on"
 
 
