@@ -485,6 +485,28 @@ def test_gemlite_peer_multiplies_the_engines_weight() -> None:
         assert float((layers[0](x).float() - want).norm() / want.norm()) < 5e-3, (m, info)
 
 
+def test_fbgemm_peer_multiplies_the_engines_weight() -> None:
+    """kernel-bench's FBGEMM peer where a package registers bf16i4bf16_rowwise for this torch: its
+    products multiply the engine's own W4 weight (8B up-projection shape, g128) right at 1, 16 and
+    128 rows (bf16 activations, bf16 scales and zero points)."""
+    from hierviz.measure import fbgemm_peer
+    try:
+        fbgemm_peer._operator()
+    except ImportError as e:
+        pytest.skip(f"no FBGEMM int4 GEMM here: {e}")
+    from hierviz.models.synthetic import random_w4
+    from hierviz.quant.w4 import dequantize
+    w = random_w4(14336, 4096, 128, torch.float16, "cuda", torch.Generator(device="cuda").manual_seed(0))
+    info: dict = {}
+    layers = fbgemm_peer.fbgemm_layers([w], info)
+    assert layers is not None, info.get("fbgemm_error")
+    ref = dequantize(w, torch.float32)
+    for m in (1, 16, 128):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ ref.t()
+        assert float((layers[0](x).float() - want).norm() / want.norm()) < 1e-2, (m, info)
+
+
 @pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])
 def test_fused_activation_quantizer_matches_torch(fmt) -> None:
     """hierviz.quant.act_quant on the GPU: codes and scales are torch's bits at 1-300 rows on

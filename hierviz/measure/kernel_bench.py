@@ -1,4 +1,4 @@
-"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs Marlin vs GemLite vs hierviz's Triton kernel.
+"""W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs Marlin vs GemLite vs FBGEMM vs hierviz's kernels.
 
     python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...] [--marlin-src DIR]
     python -m hierviz kernel-bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
@@ -7,7 +7,8 @@
 On a CUDA device: one weight matrix (default Llama-3-70B up-projection K=8192, N=28672,
 group 128, synthetic codes), every M in --ms, the kernels side by side in one process (Marlin
 where --marlin-src names its source and a compiler is found: hierviz.measure.marlin_peer;
-GemLite where the package is installed: hierviz.measure.gemlite_peer),
+GemLite where the package is installed: hierviz.measure.gemlite_peer; FBGEMM's mixed-input GEMM
+where its wheel matches the torch: hierviz.measure.fbgemm_peer),
 timed as CUDA-graph replays (launch overhead out, as in the engine) with 3 rotating copies of
 every weight so that the 60 MB L2 cannot serve repeated reads. Prints a table and writes
 DIR/kernel_bench.json (+ a chart). Correctness of each kernel against the dequantized
@@ -29,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from hierviz.config import options
+from hierviz.measure.fbgemm_peer import fbgemm_layers
 from hierviz.measure.gemlite_peer import gemlite_layers
 from hierviz.measure.marlin_peer import marlin_operands
 from hierviz.models.synthetic import random_w4
@@ -258,9 +260,9 @@ def cuda_mma_layers(ws: list[W4Weight], info: dict) -> Optional[list]:
 def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tiny: Optional[list],
                best_cfg: dict, dev: str, timer: Callable, rep_ms: float, dry: bool,
                marlin: Optional[tuple[list, torch.Tensor]] = None, gemlite: Optional[list] = None,
-               cuda_mma: Optional[list] = None) -> dict:
-    """cuBLAS fp16, tinygemm, Marlin, GemLite and the Triton kernel (both split-K modes, fp16 and bf16)
-    at M rows."""
+               cuda_mma: Optional[list] = None, fbgemm: Optional[list] = None) -> dict:
+    """cuBLAS fp16, tinygemm, Marlin, GemLite, FBGEMM, the CUDA MMA variant and the Triton kernel
+    (both split-K modes, fp16 and bf16) at M rows."""
     from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
     n, k, g = ws[0].out_features, ws[0].in_features, ws[0].group_size
     x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
@@ -284,6 +286,8 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
         _time_peer(row, "marlin", marlin[0], x16, x16[0].float() @ marlin[1].t(), timer, rep_ms)
     if gemlite is not None:       # the engine's own weights
         _time_peer(row, "gemlite", gemlite, x16, want, timer, rep_ms)
+    if fbgemm is not None:        # the engine's own weights, bf16 activations (its only form)
+        _time_peer(row, "fbgemm", fbgemm, xbf, xbf[0].float() @ ref_w.t(), timer, rep_ms)
     if cuda_mma is not None:      # the engine's CUDA MMA variant on its own weights
         _time_peer(row, "cuda_mma", cuda_mma, x16, want, timer, rep_ms)
     try:
@@ -317,11 +321,14 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
     print("marlin:", info.get("marlin_error", f"ok ({info.get('marlin_build')} build)"), flush=True)
     gemlite = None if dry else gemlite_layers(ws, info)
     cuda_mma = None if dry else cuda_mma_layers(ws, info)
+    fbgemm = None if dry else fbgemm_layers(ws, info)
     print("gemlite:", info.get("gemlite_error", f"ok ({info.get('gemlite_version')})"), flush=True)
+    print("fbgemm:", info.get("fbgemm_error", f"ok ({info.get('fbgemm_version')})"), flush=True)
     tune_rows, best_cfg = _tune(ws, ref_w, dev, tune_ms or ms, family, timer) if tune else ([], {})
     rows = []
     for m in ms:
-        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin, gemlite, cuda_mma)
+        row = _bench_row(m, ws, dense, ref_w, tiny, best_cfg, dev, timer, rep_ms, dry, marlin, gemlite, cuda_mma,
+                         fbgemm)
         row["floor_us"] = floor_us
         rows.append(row)
         print("bench", row, flush=True)
@@ -372,12 +379,15 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
 
 # ---- output ---------------------------------------------------------------------------------
 
+# every timed column, in the table's order; the chart leaves out the variants of one kernel
+COLUMNS = ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "fbgemm_us", "cuda_mma_us", "triton_us",
+           "triton_atomic_us", "triton_bf16_us", "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
+NOT_CHARTED = ("cuda_mma_us", "triton_atomic_us", "triton_bf16_us", "reference_us")
+
+
 def table(res: dict) -> str:
     rows = res["rows"]
-    cols = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "cuda_mma_us", "triton_us",
-                        "triton_atomic_us",
-                        "triton_bf16_us", "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
-            if any(c in r for r in rows)]
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
     lines = ["| M | " + " | ".join(c.replace("_us", " (us)") for c in cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
     for r in rows:
@@ -388,8 +398,7 @@ def table(res: dict) -> str:
 
 def write_chart(res: dict, out: Path) -> Optional[Path]:
     rows = res["rows"]
-    series = [c for c in ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "triton_us", "floor_us",
-                          "int4pack_cpu_us", "fp32_dense_us") if any(c in r for r in rows)]
+    series = [c for c in COLUMNS if c not in NOT_CHARTED and any(c in r for r in rows)]
     xs = [r["M"] for r in rows]
     try:
         import plotly.graph_objects as go
