@@ -467,44 +467,38 @@ def test_marlin_peer_builds_and_multiplies_right(tmp_path) -> None:
         assert float((layer(x).float() - want).norm() / want.norm()) < 5e-3, (m, info["marlin_build"])
 
 
-def test_gemlite_peer_multiplies_the_engines_weight() -> None:
-    """kernel-bench's GemLite peer where gemlite is installed: its layers multiply the engine's own
-    W4 weight (8B up-projection shape, g128) right at 1, 16 and 128 rows."""
-    pytest.importorskip("gemlite")
-    from hierviz.measure.gemlite_peer import gemlite_layers
+def assert_peer_multiplies_the_engines_weight(make_layers, dtype: torch.dtype, tolerance: float) -> None:
+    """A kernel-bench peer's products of the engine's own W4 weight (8B up-projection shape, g128)
+    are right at 1, 16 and 128 rows."""
     from hierviz.models.synthetic import random_w4
     from hierviz.quant.w4 import dequantize
     w = random_w4(14336, 4096, 128, torch.float16, "cuda", torch.Generator(device="cuda").manual_seed(0))
     info: dict = {}
-    layers = gemlite_layers([w], info)
-    assert layers is not None, info.get("gemlite_error")
+    layers = make_layers([w], info)
+    assert layers is not None, info
     ref = dequantize(w, torch.float32)
     for m in (1, 16, 128):
-        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+        x = torch.randn(m, 4096, device="cuda", dtype=dtype)
         want = x.float() @ ref.t()
-        assert float((layers[0](x).float() - want).norm() / want.norm()) < 5e-3, (m, info)
+        assert float((layers[0](x).float() - want).norm() / want.norm()) < tolerance, (m, info)
+
+
+def test_gemlite_peer_multiplies_the_engines_weight() -> None:
+    """kernel-bench's GemLite peer where gemlite is installed (fp16 activations)."""
+    pytest.importorskip("gemlite")
+    from hierviz.measure.gemlite_peer import gemlite_layers
+    assert_peer_multiplies_the_engines_weight(gemlite_layers, torch.float16, 5e-3)
 
 
 def test_fbgemm_peer_multiplies_the_engines_weight() -> None:
-    """kernel-bench's FBGEMM peer where a package registers bf16i4bf16_rowwise for this torch: its
-    products multiply the engine's own W4 weight (8B up-projection shape, g128) right at 1, 16 and
-    128 rows (bf16 activations, bf16 scales and zero points)."""
+    """kernel-bench's FBGEMM peer where a package registers bf16i4bf16_rowwise for this torch (bf16
+    activations, bf16 scales and zero points)."""
     from hierviz.measure import fbgemm_peer
     try:
-        fbgemm_peer._operator()
+        fbgemm_peer.fbgemm_operator()
     except ImportError as e:
         pytest.skip(f"no FBGEMM int4 GEMM here: {e}")
-    from hierviz.models.synthetic import random_w4
-    from hierviz.quant.w4 import dequantize
-    w = random_w4(14336, 4096, 128, torch.float16, "cuda", torch.Generator(device="cuda").manual_seed(0))
-    info: dict = {}
-    layers = fbgemm_peer.fbgemm_layers([w], info)
-    assert layers is not None, info.get("fbgemm_error")
-    ref = dequantize(w, torch.float32)
-    for m in (1, 16, 128):
-        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        want = x.float() @ ref.t()
-        assert float((layers[0](x).float() - want).norm() / want.norm()) < 1e-2, (m, info)
+    assert_peer_multiplies_the_engines_weight(fbgemm_peer.fbgemm_layers, torch.bfloat16, 1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["w8a8-int8", "w8a8-fp8"])

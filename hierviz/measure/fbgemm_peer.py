@@ -35,7 +35,7 @@ def fbgemm_operands(w: W4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return wq.contiguous(), scales.t().contiguous().to(torch.bfloat16), zeros.t().contiguous().to(torch.bfloat16)
 
 
-def _operator() -> Callable:
+def fbgemm_operator() -> Callable:
     """The registered bf16i4bf16_rowwise operator (ImportError where no package provides it)."""
     import importlib
     errors = []
@@ -62,7 +62,7 @@ def fbgemm_layers(ws: list[W4Weight], info: dict) -> Optional[list]:
         info["fbgemm_error"] = "FBGEMM's mixed-input GEMM needs a CUDA GPU"
         return None
     try:
-        op = _operator()
+        op = fbgemm_operator()
     except ImportError as e:
         info["fbgemm_error"] = f"no FBGEMM int4 GEMM for torch {torch.__version__} ({e}); pip install fbgemm-gpu-genai"
         return None
