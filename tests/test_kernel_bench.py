@@ -14,6 +14,24 @@ def test_cpu_kernel_bench_through_the_cli(tmp_path, capsys) -> None:
     assert [r["M"] for r in res["rows"]] == [1] and res["rows"][0]["int4pack_cpu_us"] > 0
 
 
+def test_several_shapes_in_one_process_write_one_file_each(tmp_path, capsys) -> None:
+    assert main(["kernel-bench", "--cpu", "--out", str(tmp_path), "--ms", "1",
+                 "--shape", "128,256,32", "--shape", "64,128,64"]) == 0
+    out = capsys.readouterr().out
+    assert "K=128 N=256 group 32" in out and "K=64 N=128 group 64" in out
+    for stem, k in (("kernel_bench_cpu_128x256g32", 128), ("kernel_bench_cpu_64x128g64", 64)):
+        res = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert res["rows"][0]["int4pack_cpu_us"] > 0 and str(k) in json.dumps(res)
+
+
+def test_a_bad_shape_is_a_usage_error(tmp_path, capsys) -> None:
+    import pytest
+    for bad in ("128,256", "a,b,c", "128,0,32"):
+        with pytest.raises(SystemExit) as e:
+            main(["kernel-bench", "--cpu", "--out", str(tmp_path), "--shape", bad])
+        assert e.value.code == 2 and "--shape takes K,N,G" in capsys.readouterr().err
+
+
 def test_a_failing_peer_records_why_and_the_row_goes_on() -> None:
     """kernel-bench's peers (Marlin, GemLite) share one timing step: a peer that raises at some M
     names the error in its column and the bench keeps the row."""

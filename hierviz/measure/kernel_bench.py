@@ -1,6 +1,6 @@
 """W4A16 matmul benchmark: fp16 cuBLAS vs torch's tinygemm vs Marlin vs GemLite vs FBGEMM vs hierviz's kernels.
 
-    python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G] [--ms 1,2,4,...] [--marlin-src DIR]
+    python -m hierviz kernel-bench --out DIR [--tune] [--shape K,N,G ...] [--ms 1,2,4,...] [--marlin-src DIR]
     python -m hierviz kernel-bench --cpu --out DIR      # int4pack_cpu vs fp32 dense (SmolLM2 shape)
     (KERNEL_BENCH_THREADS=N sets torch's CPU threads for the --cpu run)
 
@@ -263,7 +263,7 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
                cuda_mma: Optional[list] = None, fbgemm: Optional[list] = None) -> dict:
     """cuBLAS fp16, tinygemm, Marlin, GemLite, FBGEMM, the CUDA MMA variant and the Triton kernel
     (both split-K modes, fp16 and bf16) at M rows."""
-    from hierviz.quant.triton_w4 import pick_config, sm_count, triton_w4_matmul
+    from hierviz.quant.triton_w4 import invariant_config, pick_config, sm_count, triton_w4_matmul
     n, k, g = ws[0].out_features, ws[0].in_features, ws[0].group_size
     x16 = [torch.randn(m, k, device=dev, dtype=torch.float16) for _ in ws]
     xbf = [x.to(torch.bfloat16) for x in x16]
@@ -292,6 +292,11 @@ def _bench_row(m: int, ws: list[W4Weight], dense: list, ref_w: torch.Tensor, tin
         _time_peer(row, "cuda_mma", cuda_mma, x16, want, timer, rep_ms)
     try:
         _triton_timings(row, x16, xbf, ws, cfg, cfg_bf16, want, ref_w, timer, rep_ms)
+        # the batch-invariant mode: what a target's weights run (hierviz.quant.triton_w4.invariant_config)
+        inv = invariant_config(m, n, k, g, sms)
+        row["triton_invariant_config"] = asdict(inv)
+        row["triton_invariant_us"] = timer([lambda x=x, w=w: triton_w4_matmul(x, w, inv) for x, w in zip(x16, ws)],
+                                           rep_ms)
     except Exception as e:
         row["triton_error"] = repr(e)[:300]
     if m == 1 and not dry:  # launch overhead, for the record: plain launches, no graph
@@ -381,8 +386,9 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
 
 # every timed column, in the table's order; the chart leaves out the variants of one kernel
 COLUMNS = ("cublas_fp16_us", "tinygemm_us", "marlin_us", "gemlite_us", "fbgemm_us", "cuda_mma_us", "triton_us",
-           "triton_atomic_us", "triton_bf16_us", "floor_us", "int4pack_cpu_us", "fp32_dense_us", "reference_us")
-NOT_CHARTED = ("cuda_mma_us", "triton_atomic_us", "triton_bf16_us", "reference_us")
+           "triton_invariant_us", "triton_atomic_us", "triton_bf16_us", "floor_us", "int4pack_cpu_us",
+           "fp32_dense_us", "reference_us")
+NOT_CHARTED = ("cuda_mma_us", "triton_invariant_us", "triton_atomic_us", "triton_bf16_us", "reference_us")
 
 
 def table(res: dict) -> str:
@@ -396,7 +402,7 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def write_chart(res: dict, out: Path) -> Optional[Path]:
+def write_chart(res: dict, out: Path, stem: str = "kernel_bench") -> Optional[Path]:
     rows = res["rows"]
     series = [c for c in COLUMNS if c not in NOT_CHARTED and any(c in r for r in rows)]
     xs = [r["M"] for r in rows]
@@ -411,7 +417,7 @@ def write_chart(res: dict, out: Path) -> Optional[Path]:
         fig.update_layout(title=f"W4A16 matmul, {res['info']['device']}, {res['info']['shape']}",
                           xaxis={"title": "M (tokens)", "type": "log"},
                           yaxis={"title": "microseconds", "type": "log"})
-        path = out / "kernel_bench.html"
+        path = out / f"{stem}.html"
         fig.write_html(path, include_plotlyjs="cdn")
         return path
     except ImportError:
@@ -431,7 +437,7 @@ def write_chart(res: dict, out: Path) -> Optional[Path]:
         ax.set_ylabel("microseconds")
         ax.set_title(f"W4A16 matmul, {res['info']['device']}")
         ax.legend()
-        path = out / "kernel_bench.png"
+        path = out / f"{stem}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
         return path
     except ImportError:
@@ -441,7 +447,9 @@ def write_chart(res: dict, out: Path) -> Optional[Path]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz kernel-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--shape", default=None, help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU)")
+    ap.add_argument("--shape", action="append", default=None,
+                    help="K,N,G (default 8192,28672,128 GPU; 576,1536,32 CPU); repeat it for several shapes "
+                         "in one process (one JSON each, named by the shape)")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--tune", action="store_true", help="sweep Triton configs per M first")
     ap.add_argument("--tune-ms", default=None, help="token counts to tune at (default: all of --ms)")
@@ -455,19 +463,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dry", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
     a = ap.parse_args(argv)
     use_gpu = (torch.cuda.is_available() or a.dry) and not a.cpu
-    k, n, g = (int(v) for v in (a.shape or ("8192,28672,128" if use_gpu else "576,1536,32")).split(","))
+    try:
+        shapes = [tuple(int(v) for v in shape.split(","))
+                  for shape in (a.shape or ["8192,28672,128" if use_gpu else "576,1536,32"])]
+        if any(len(shape) != 3 or min(shape) <= 0 for shape in shapes):
+            raise ValueError("three positive numbers")
+    except ValueError:
+        ap.error(f"--shape takes K,N,G (three positive integers), got {a.shape}")
     ms = [int(v) for v in (a.ms or ("1,2,4,8,16,32,64,128" if use_gpu else "1,8,64")).split(",")]
     tune_ms = [int(v) for v in a.tune_ms.split(",")] if a.tune_ms else None
-    res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family, a.marlin_src)
-           if use_gpu
-           else cpu_bench(k, n, g, ms))
-    res["command"] = "python -m hierviz kernel-bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
     a.out.mkdir(parents=True, exist_ok=True)
-    name = "kernel_bench.json" if use_gpu else "kernel_bench_cpu.json"
-    (a.out / name).write_text(json.dumps(res, indent=1, default=str))
-    print(table(res))
-    chart = write_chart(res, a.out)
-    print(f"wrote {a.out / name}" + (f" and {chart}" if chart else ""))
+    for k, n, g in shapes:
+        res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family, a.marlin_src)
+               if use_gpu
+               else cpu_bench(k, n, g, ms))
+        res["command"] = "python -m hierviz kernel-bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
+        stem = ("kernel_bench" if use_gpu else "kernel_bench_cpu") + (f"_{k}x{n}g{g}" if len(shapes) > 1 else "")
+        (a.out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+        print(f"K={k} N={n} group {g}")
+        print(table(res))
+        chart = write_chart(res, a.out, stem if len(shapes) > 1 else "kernel_bench")
+        print(f"wrote {a.out / f'{stem}.json'}" + (f" and {chart}" if chart else ""))
     return 0
 
 
