@@ -113,6 +113,8 @@ def test_shape_rules_and_the_k_split() -> None:
     assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 3, 4, 5, 8, 8, 8]
     assert cuda_w4.entry_for(1) == "w4_direct_t1" and cuda_w4.entry_for(8) == "w4_staged_t8"
     assert cuda_w4.entry_for(2) == "w4_staged_t2" and len(set(cuda_w4.entry_names())) == cuda_w4.MAX_TOKEN_TILES
+    assert set(cuda_w4.STAGED_BUILD) == set(range(2, cuda_w4.MAX_TOKEN_TILES + 1))     # an entry per tile count
+    assert all(f"STAGED_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.STAGED_BUILD)
     assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
 
 
