@@ -102,6 +102,10 @@ def test_verdict_lines_for_the_other_outcomes() -> None:
     ampere = w4_proof.Verdict({**key, "gpu": "NVIDIA A100", "capability": "8.0"}, "float16", ())
     assert ampere.summary().startswith("W4 fast path: not available on this GPU (NVIDIA A100, Triton ")
     assert w4_proof.Verdict(key, "float16", ("tma", "gemv"), source="static").enabled() == {"tma", "gemv"}
+    static = w4_proof.Verdict(key, "float16", ("tma", "gemv"), source="static")
+    assert "CUDA MMA" not in static.summary()
+    with_cuda = w4_proof.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
+    assert with_cuda.summary().endswith(" — fp16 products in the CUDA MMA variant")   # HIERVIZ_W4_CUDA=on
 
 
 def test_proof_rows_cover_every_row_count_a_fast_variant_changes() -> None:

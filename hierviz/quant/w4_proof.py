@@ -235,8 +235,10 @@ class Verdict:
         fallback = " — using the pointer-load kernels"
         if self.source == "cpu":
             return "W4 fast path: not used on the CPU (the Triton kernels run on CUDA GPUs)"
+        # HIERVIZ_W4_CUDA=on moves fp16 products to another kernel: say so where it is enabled
+        cuda = " — fp16 products in the CUDA MMA variant" if "cuda_mma" in self.enabled() else ""
         if self.source == "static":
-            return f"W4 fast path: on ({where}: a platform the full correctness sweep passed on)"
+            return f"W4 fast path: on ({where}: a platform the full correctness sweep passed on){cuda}"
         if not self.supported:
             return (f"W4 fast path: not available on this GPU ({where}, compute capability "
                     f"{self.platform.get('capability', '?')}: no TMA){fallback}")
@@ -254,8 +256,8 @@ class Verdict:
             if self.used() != frozenset(self.supported):
                 used = [VARIANT_LABELS[v] for v in self.supported if v in self.used()]
                 which = "the one these shapes use" if len(used) == 1 else "the ones these shapes use"
-                return f"W4 fast path: proven here for the {' and '.join(used)}, {which} ({scope})"
-            return f"W4 fast path: proven here ({scope})"
+                return f"W4 fast path: proven here for the {' and '.join(used)}, {which} ({scope}){cuda}"
+            return f"W4 fast path: proven here ({scope}){cuda}"
         if not enabled:
             why = first_failure or "no product of these shapes used a fast variant"
             return f"W4 fast path: off ({why}){fallback}"
