@@ -321,6 +321,9 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
     ref_w = dequantize(ws[0], torch.float32)
     tiny = _tinygemm_operands(ws, ref_w, g, dev, info)
     print("tinygemm:", info.get("tinygemm_error", "ok"), flush=True)
+    if dry:      # a CPU rehearsal of this code: the peers need a GPU
+        for peer in ("marlin", "gemlite", "fbgemm", "cuda_mma"):
+            info[f"{peer}_error"] = "not run in a dry run"
     marlin = None if dry else marlin_operands(marlin_src, k, n, g, ROTATE, build_dir or options().cache_dir / "marlin",
                                               info)
     print("marlin:", info.get("marlin_error", f"ok ({info.get('marlin_build')} build)"), flush=True)
