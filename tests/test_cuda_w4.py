@@ -118,6 +118,16 @@ def test_shape_rules_and_the_k_split() -> None:
     assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
 
 
+def test_bad_operands_are_refused_before_any_launch() -> None:
+    w = random_weight(64, 128, 32)
+    with pytest.raises(ValueError, match="input features"):
+        cuda_w4.matmul(torch.zeros(2, 64, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match="add_to must be"):
+        cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w, add_to=torch.zeros(3, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp16 CUDA activations"):
+        cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w)
+
+
 def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
     pytest.importorskip("triton")
     from hierviz.quant import kernel_guard, triton_w4

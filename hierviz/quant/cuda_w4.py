@@ -776,6 +776,11 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     bits."""
     m, k = x.shape
     n = w.out_features
+    if k != w.in_features:
+        raise ValueError(f"x has {k} input features, the weight {w.in_features}")
+    if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != torch.float16
+                               or not add_to.is_contiguous()):
+        raise ValueError(f"add_to must be a contiguous fp16 {(m, n)} tensor, got {tuple(add_to.shape)} {add_to.dtype}")
     if x.dtype != torch.float16 or not x.is_cuda:
         raise ValueError(f"the CUDA W4 kernel takes fp16 CUDA activations, got {x.dtype} on {x.device}")
     shift = group_shift(k, w.group_size)
