@@ -59,7 +59,6 @@ DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) ent
 # blocks per multiprocessor it is built for; 16-row weight tiles per warp). Measured best per entry
 # on the H200 (docs/kernels.md); every choice gives a row the same bits.
 STAGED_BUILD = {2: (2, 2, 2), 3: (4, 3, 1), 4: (4, 3, 1), 5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1)}
-STEP_X_TILES = 2           # token tiles whose staged loop reads x per MMA step (8-byte loads), not per chunk
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 CHUNK_MAJOR = True         # codes stored chunk by chunk: a block's 8 warps read one 4 KB run per chunk
 BLOCKS_PER_SM = 4          # split K until about this many blocks per multiprocessor ...
@@ -68,8 +67,8 @@ MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks p
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 
-KERNEL_SOURCE = (f"#define DIRECT_RING {DIRECT_RING}\n#define NBUF {NBUF}\n#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n"
-                 f"#define STEP_X_TILES {STEP_X_TILES}\n") + r"""
+KERNEL_SOURCE = (f"#define DIRECT_RING {DIRECT_RING}\n#define NBUF {NBUF}\n"
+                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n") + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -185,17 +184,17 @@ struct Fetch {
   const U2* so_row;   // the pair of rows (g, g + 8) of group 0
   long long chunk_stride;
   int c_begin, t, group_shift;
+  __device__ __forceinline__ const U4* codes_at(int c) const { return a + (c - c_begin) * chunk_stride; }
+  __device__ __forceinline__ const U2* pair_at(int c) const { return so_row + ((c * 64 + 16 * t) >> group_shift) * 8; }
   __device__ __forceinline__ void get(int c, U4& a_out, U2& so_out) const {
-    a_out = load_codes(a + (c - c_begin) * chunk_stride);
-    so_out = load_pair(so_row + ((c * 64 + 16 * t) >> group_shift) * 8);
+    a_out = load_codes(codes_at(c));
+    so_out = load_pair(pair_at(c));
   }
-  __device__ __forceinline__ void copy(int c, U4* a_out, U2* so_out) const;   // the same, asynchronously
+  __device__ __forceinline__ void copy(int c, U4* a_out, U2* so_out) const {   // the same, asynchronously
+    copy_async(a_out, codes_at(c), 16);
+    copy_async8(so_out, pair_at(c));
+  }
 };
-
-__device__ __forceinline__ void Fetch::copy(int c, U4* a_out, U2* so_out) const {
-  copy_async(a_out, a + (c - c_begin) * chunk_stride, 16);
-  copy_async8(so_out, so_row + ((c * 64 + 16 * t) >> group_shift) * 8);
-}
 
 __device__ __forceinline__ Fetch fetch_for(PARAMS, int rt, int c_begin) {
   const int lane = threadIdx.x & 31;
@@ -355,7 +354,7 @@ __device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int r
           pair[r] = ring_so[r][p];
           if (c + S < c_end) f[r].get(c + S, ring[r][p], ring_so[r][p]);
         }
-        if (R == 1 && T != STEP_X_TILES) {
+        if (R == 1) {          // one row tile: a chunk's activations in 16-byte loads
           U4 xa[T], xb[T];
 #pragma unroll
           for (int tt = 0; tt < T; tt++) {
@@ -363,7 +362,7 @@ __device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int r
             xb[tt] = lds128(xrow + tt * 8 * ROW + p * 64 + 8);
           }
           chunk<T>(acc[0], a[0], pair[0], xa, xb);
-        } else {
+        } else {               // several: per MMA step, each load serving every row tile
           chunk_shared<T, ROW, R>(acc, a, pair, xrow + p * 64);
         }
       }
