@@ -52,7 +52,7 @@ from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, rel
 _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
-DIRECT_RING = 6            # K chunks of codes (and group pairs) the direct loop keeps in flight, in shared memory
+DIRECT_RING = 4            # K chunks of codes (and group pairs) the direct loop keeps in flight, in shared memory
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
 DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) entry is built for
 # The staged entries, by token tiles: (K chunks per x stage, which is also the code ring's depth;
@@ -147,30 +147,33 @@ __device__ __forceinline__ void step(float (*acc)[4], u32 w, u32 sg, u32 og, u32
   for (int tt = 0; tt < T; tt++) mma(acc[tt], a0, a1, a2, a3, b0[tt], b1[tt]);
 }
 
+__device__ __forceinline__ u32 smem_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void copy_async(void* smem, const void* src, int bytes) {   // bytes 0: zeros
-  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  const u32 dst = smem_address(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void copy_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
-__device__ __forceinline__ void copy_async8(void* smem, const void* src) {
-  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+__device__ __forceinline__ void copy_async_to(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copy_async8_to(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ U4 lds128(const u16* p) {
+__device__ __forceinline__ U4 lds128_at(u32 a) {
   U4 r;
-  const u32 a = (u32)__cvta_generic_to_shared(p);
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
   return r;
 }
-__device__ __forceinline__ U2 lds64(const u16* p) {
+__device__ __forceinline__ U2 lds64_at(u32 a) {
   U2 r;
-  const u32 a = (u32)__cvta_generic_to_shared(p);
   asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(a));
   return r;
 }
+__device__ __forceinline__ U4 lds128(const u16* p) { return lds128_at(smem_address(p)); }
+__device__ __forceinline__ U2 lds64(const u16* p) { return lds64_at(smem_address(p)); }
 
 #define PARAMS const U4* __restrict__ codes, const U2* __restrict__ so, const u16* __restrict__ x, \
     u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
@@ -189,10 +192,6 @@ struct Fetch {
   __device__ __forceinline__ void get(int c, U4& a_out, U2& so_out) const {
     a_out = load_codes(codes_at(c));
     so_out = load_pair(pair_at(c));
-  }
-  __device__ __forceinline__ void copy(int c, U4* a_out, U2* so_out) const {   // the same, asynchronously
-    copy_async(a_out, codes_at(c), 16);
-    copy_async8(so_out, pair_at(c));
   }
 };
 
@@ -256,39 +255,48 @@ __device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, co
 
 // One token tile: activations straight from global memory (L1), no barrier in the loop; codes and
 // group pairs DIRECT_RING chunks ahead through a warp-private shared-memory ring of asynchronous
-// copies (each lane reads back only what it copied, so waiting on its own copies is enough).
+// copies (each lane reads back only what it copied, so waiting on its own copies is enough). The
+// loop is unrolled by the ring's depth so every slot address is a constant: at one token the loop is
+// bound by instruction issue, and slot and address arithmetic was half of it (docs/kernels.md).
 __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
   __shared__ __align__(16) U4 ring_a[8][DIRECT_RING][32];
   __shared__ __align__(8) U2 ring_p[8][DIRECT_RING][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const Fetch f = fetch_for(ARGS, rt, c_begin);
-  const int tok = tok0 + g;
-  const bool x_ok = tok < M;
-  const U4* x_ptr = (const U4*)(x + (size_t)(x_ok ? tok : 0) * ldx + (size_t)c_begin * 64 + 16 * t);
-  int slot_in = 0, slot_out = 0;
+  const u32 slot_a = smem_address(&ring_a[warp][0][lane]), slot_p = smem_address(&ring_p[warp][0][lane]);
+  const char* next_a = (const char*)(codes + rt * tile_stride + c_begin * chunk_stride + lane);
+  const long long a_step = chunk_stride * (long long)sizeof(U4);
+  const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
+  int k_next = c_begin * 64 + 16 * t, c_next = c_begin;
+  // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
+  // only, and those columns are never stored
+  const U4* xp = (const U4*)(x + (size_t)min(tok0 + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
 #pragma unroll
-  for (int p = 0; p < DIRECT_RING - 1; p++) {
-    if (c_begin + p < c_end) f.copy(c_begin + p, &ring_a[warp][slot_in][lane], &ring_p[warp][slot_in][lane]);
-    copy_commit();
-    slot_in++;
-  }
-  for (int c = c_begin; c < c_end; c++) {
-    const int cn = c + DIRECT_RING - 1;
-    if (cn < c_end) f.copy(cn, &ring_a[warp][slot_in][lane], &ring_p[warp][slot_in][lane]);
-    copy_commit();                 // empty past the slice: the wait below always means chunk c
-    slot_in = slot_in + 1 == DIRECT_RING ? 0 : slot_in + 1;
-    copy_wait<DIRECT_RING - 1>();
-    const U4 a = ring_a[warp][slot_out][lane];
-    const U2 pair = ring_p[warp][slot_out][lane];
-    slot_out = slot_out + 1 == DIRECT_RING ? 0 : slot_out + 1;
-    U4 xa, xb;
-    if (x_ok) {
-      xa = load_x(x_ptr + (c - c_begin) * 8);
-      xb = load_x(x_ptr + (c - c_begin) * 8 + 1);
-    } else {
-      xa.x = xa.y = xa.z = xa.w = xb.x = xb.y = xb.z = xb.w = 0u;
+  for (int s = 0; s < DIRECT_RING - 1; s++) {
+    if (c_next < c_end) {
+      copy_async_to(slot_a + s * 32 * sizeof(U4), next_a);
+      copy_async8_to(slot_p + s * 32 * sizeof(U2), pairs + ((u32)k_next >> group_shift) * 8u);
     }
-    chunk<1>(acc, a, pair, &xa, &xb);
+    copy_commit();
+    next_a += a_step; k_next += 64; c_next++;
+  }
+  for (int c0 = c_begin; c0 < c_end; c0 += DIRECT_RING, xp += DIRECT_RING * 8) {
+#pragma unroll
+    for (int s = 0; s < DIRECT_RING; s++) {
+      if (c0 + s < c_end) {
+        const int slot_in = (s + DIRECT_RING - 1) % DIRECT_RING;
+        if (c_next < c_end) {
+          copy_async_to(slot_a + slot_in * 32 * sizeof(U4), next_a);
+          copy_async8_to(slot_p + slot_in * 32 * sizeof(U2), pairs + ((u32)k_next >> group_shift) * 8u);
+        }
+        copy_commit();             // empty past the slice: the wait below always means chunk c0 + s
+        next_a += a_step; k_next += 64; c_next++;
+        copy_wait<DIRECT_RING - 1>();
+        const U4 a = lds128_at(slot_a + s * 32 * sizeof(U4));
+        const U2 pair = lds64_at(slot_p + s * 32 * sizeof(U2));
+        const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
+        chunk<1>(acc, a, pair, &xa, &xb);
+      }
+    }
   }
 }
 
