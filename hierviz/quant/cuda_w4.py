@@ -263,9 +263,9 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
   __shared__ __align__(8) U2 ring_p[8][DIRECT_RING][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 slot_a = smem_address(&ring_a[warp][0][lane]), slot_p = smem_address(&ring_p[warp][0][lane]);
-  const char* next_a = (const char*)(codes + rt * tile_stride + c_begin * chunk_stride + lane);
-  const long long a_step = chunk_stride * (long long)sizeof(U4);
-  const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
+  const Fetch f = fetch_for(ARGS, rt, c_begin);   // chunk c_begin's addresses, then advanced per chunk
+  const char* next_a = (const char*)f.a;
+  const long long a_step = f.chunk_stride * (long long)sizeof(U4);
   int k_next = c_begin * 64 + 16 * t, c_next = c_begin;
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
@@ -274,7 +274,7 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
   for (int s = 0; s < DIRECT_RING - 1; s++) {
     if (c_next < c_end) {
       copy_async_to(slot_a + s * 32 * sizeof(U4), next_a);
-      copy_async8_to(slot_p + s * 32 * sizeof(U2), pairs + ((u32)k_next >> group_shift) * 8u);
+      copy_async8_to(slot_p + s * 32 * sizeof(U2), f.so_row + ((u32)k_next >> group_shift) * 8u);
     }
     copy_commit();
     next_a += a_step; k_next += 64; c_next++;
@@ -286,7 +286,7 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
         const int slot_in = (s + DIRECT_RING - 1) % DIRECT_RING;
         if (c_next < c_end) {
           copy_async_to(slot_a + slot_in * 32 * sizeof(U4), next_a);
-          copy_async8_to(slot_p + slot_in * 32 * sizeof(U2), pairs + ((u32)k_next >> group_shift) * 8u);
+          copy_async8_to(slot_p + slot_in * 32 * sizeof(U2), f.so_row + ((u32)k_next >> group_shift) * 8u);
         }
         copy_commit();             // empty past the slice: the wait below always means chunk c0 + s
         next_a += a_step; k_next += 64; c_next++;
