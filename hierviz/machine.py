@@ -43,4 +43,4 @@ def w4_fp16_kernel(device: torch.device) -> str:
     """Which kernel runs fp16 W4 products on `device`: "cuda_mma" or "triton"."""
     from hierviz.quant import cuda_w4, kernel_guard
     on = cuda_w4.serves() and kernel_guard.CUDA_VARIANT in kernel_guard.fast_variants(device, torch.float16)
-    return "cuda_mma" if on else "triton"
+    return kernel_guard.CUDA_VARIANT if on else "triton"
