@@ -148,8 +148,7 @@ __device__ __forceinline__ void step(float (*acc)[4], u32 w, u32 sg, u32 og, u32
 }
 
 __device__ __forceinline__ u32 smem_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void copy_async(void* smem, const void* src, int bytes) {   // bytes 0: zeros
-  const u32 dst = smem_address(smem);
+__device__ __forceinline__ void copy_async_zfill_to(u32 dst, const void* src, int bytes) {   // bytes 0: zeros
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -172,8 +171,6 @@ __device__ __forceinline__ U2 lds64_at(u32 a) {
   asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(a));
   return r;
 }
-__device__ __forceinline__ U4 lds128(const u16* p) { return lds128_at(smem_address(p)); }
-__device__ __forceinline__ U2 lds64(const u16* p) { return lds64_at(smem_address(p)); }
 
 #define PARAMS const U4* __restrict__ codes, const U2* __restrict__ so, const u16* __restrict__ x, \
     u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
@@ -181,28 +178,34 @@ __device__ __forceinline__ U2 lds64(const u16* p) { return lds64_at(smem_address
 #define ARGS codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice, n_groups, \
     group_shift, split, tile_stride, chunk_stride
 
-// The lane's codes of chunk c (c_begin + i) and its group pair for rows g, g + 8.
-struct Fetch {
-  const U4* a;        // the lane's word of chunk c_begin
-  const U2* so_row;   // the pair of rows (g, g + 8) of group 0
-  long long chunk_stride;
-  int c_begin, t, group_shift;
-  __device__ __forceinline__ const U4* codes_at(int c) const { return a + (c - c_begin) * chunk_stride; }
-  __device__ __forceinline__ const U2* pair_at(int c) const { return so_row + ((c * 64 + 16 * t) >> group_shift) * 8; }
-  __device__ __forceinline__ void get(int c, U4& a_out, U2& so_out) const {
-    a_out = load_codes(codes_at(c));
-    so_out = load_pair(pair_at(c));
+// The lane's codes and group pair (rows g, g + 8) of one row tile, chunk after chunk from the
+// slice's first: the addresses advance rather than being recomputed per chunk (the loops are
+// bound by instruction issue at few tokens).
+struct Chunks {
+  const char* a;       // the lane's 16 bytes of the next chunk
+  long long a_step;    // bytes from one chunk's codes to the next's
+  const U2* pairs;     // the pair of rows (g, g + 8) of group 0
+  int k, group_shift;  // the next chunk's first channel of the lane's 16
+  __device__ __forceinline__ const U2* pair() const { return pairs + ((u32)k >> group_shift) * 8u; }
+  __device__ __forceinline__ void advance() { a += a_step; k += 64; }
+  __device__ __forceinline__ void get(U4& a_out, U2& so_out) {
+    a_out = load_codes((const U4*)a);
+    so_out = load_pair(pair());
+    advance();
+  }
+  __device__ __forceinline__ void copy(u32 a_slot, u32 so_slot) {   // the same, asynchronously
+    copy_async_to(a_slot, a);
+    copy_async8_to(so_slot, pair());
   }
 };
 
-__device__ __forceinline__ Fetch fetch_for(PARAMS, int rt, int c_begin) {
+__device__ __forceinline__ Chunks chunks_of(PARAMS, int rt, int c_begin) {
   const int lane = threadIdx.x & 31;
-  Fetch f;
-  f.a = codes + rt * tile_stride + c_begin * chunk_stride + lane;
-  f.so_row = so + (size_t)rt * n_groups * 8 + (lane >> 2);
-  f.chunk_stride = chunk_stride;
-  f.c_begin = c_begin;
-  f.t = lane & 3;
+  Chunks f;
+  f.a = (const char*)(codes + rt * tile_stride + c_begin * chunk_stride + lane);
+  f.a_step = chunk_stride * (long long)sizeof(U4);
+  f.pairs = so + (size_t)rt * n_groups * 8 + (lane >> 2);
+  f.k = c_begin * 64 + 16 * (lane & 3);
   f.group_shift = group_shift;
   return f;
 }
@@ -231,7 +234,7 @@ __device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, U2 pair, con
 // points at the lane's 16 channels of token tile 0, ROW halves per token; step j reads 4 channels
 // of each tile (one 8-byte load), used by every row tile.
 template <int T, int ROW, int R>
-__device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, const U2* pair, const u16* xrow) {
+__device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, const U2* pair, u32 xrow) {
   u32 sg[R], og[R], sh[R], oh[R], words[R][4];
 #pragma unroll
   for (int r = 0; r < R; r++) {
@@ -244,7 +247,7 @@ __device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, co
     u32 b0[T], b1[T];
 #pragma unroll
     for (int tt = 0; tt < T; tt++) {
-      const U2 v = lds64(xrow + tt * 8 * ROW + 4 * j);
+      const U2 v = lds64_at(xrow + 2 * (tt * 8 * ROW + 4 * j));
       b0[tt] = v.x;
       b1[tt] = v.y;
     }
@@ -263,33 +266,25 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
   __shared__ __align__(8) U2 ring_p[8][DIRECT_RING][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const u32 slot_a = smem_address(&ring_a[warp][0][lane]), slot_p = smem_address(&ring_p[warp][0][lane]);
-  const Fetch f = fetch_for(ARGS, rt, c_begin);   // chunk c_begin's addresses, then advanced per chunk
-  const char* next_a = (const char*)f.a;
-  const long long a_step = f.chunk_stride * (long long)sizeof(U4);
-  int k_next = c_begin * 64 + 16 * t, c_next = c_begin;
+  Chunks next = chunks_of(ARGS, rt, c_begin);
+  int c_next = c_begin;
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
   const U4* xp = (const U4*)(x + (size_t)min(tok0 + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
 #pragma unroll
   for (int s = 0; s < DIRECT_RING - 1; s++) {
-    if (c_next < c_end) {
-      copy_async_to(slot_a + s * 32 * sizeof(U4), next_a);
-      copy_async8_to(slot_p + s * 32 * sizeof(U2), f.so_row + ((u32)k_next >> group_shift) * 8u);
-    }
+    if (c_next < c_end) next.copy(slot_a + s * 32 * sizeof(U4), slot_p + s * 32 * sizeof(U2));
     copy_commit();
-    next_a += a_step; k_next += 64; c_next++;
+    next.advance(); c_next++;
   }
   for (int c0 = c_begin; c0 < c_end; c0 += DIRECT_RING, xp += DIRECT_RING * 8) {
 #pragma unroll
     for (int s = 0; s < DIRECT_RING; s++) {
       if (c0 + s < c_end) {
         const int slot_in = (s + DIRECT_RING - 1) % DIRECT_RING;
-        if (c_next < c_end) {
-          copy_async_to(slot_a + slot_in * 32 * sizeof(U4), next_a);
-          copy_async8_to(slot_p + slot_in * 32 * sizeof(U2), f.so_row + ((u32)k_next >> group_shift) * 8u);
-        }
+        if (c_next < c_end) next.copy(slot_a + slot_in * 32 * sizeof(U4), slot_p + slot_in * 32 * sizeof(U2));
         copy_commit();             // empty past the slice: the wait below always means chunk c0 + s
-        next_a += a_step; k_next += 64; c_next++;
+        next.advance(); c_next++;
         copy_wait<DIRECT_RING - 1>();
         const U4 a = lds128_at(slot_a + s * 32 * sizeof(U4));
         const U2 pair = lds64_at(slot_p + s * 32 * sizeof(U2));
@@ -304,15 +299,20 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
 // puts the 8 token rows of a load on different banks), tokens past M and chunks past the slice as
 // zeros, with asynchronous copies (256 threads, 16 bytes each per step); no commit.
 template <int T, int S>
-__device__ __forceinline__ void stage_x(u16* buf, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
-  constexpr int PER_ROW = S * 8, ROW = S * 64 + 8;
+__device__ __forceinline__ void stage_x(u32 buf, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
+  constexpr int PER_ROW = S * 8, ROW = S * 64 + 8, TOTAL = 8 * T * PER_ROW, ROWS_PER_PASS = 256 / PER_ROW;
+  // a thread copies the same 16 bytes of every ROWS_PER_PASS-th token row: its column and the
+  // column's bounds once, a compile-time count of copies (no division or loop per copy)
+  const int u = (int)(threadIdx.x % PER_ROW), row0 = (int)(threadIdx.x / PER_ROW);
+  const bool c_ok = c_first + u / 8 < c_end;
+  const u16* col = x + (size_t)c_first * 64 + u * 8;
 #pragma unroll
-  for (int e = threadIdx.x; e < 8 * T * PER_ROW; e += 256) {
-    const int row = e / PER_ROW, u = e % PER_ROW;
-    const int tok = tok0 + row, c = c_first + u / 8;
-    const bool ok = tok < M && c < c_end;
-    const u16* src = ok ? x + (size_t)tok * ldx + (size_t)c_first * 64 + u * 8 : x;
-    copy_async(buf + row * ROW + u * 8, src, ok ? 16 : 0);
+  for (int i = 0; i < (TOTAL + 255) / 256; i++) {
+    const int row = row0 + i * ROWS_PER_PASS;
+    if (TOTAL % 256 == 0 || row < 8 * T) {
+      const bool ok = c_ok && tok0 + row < M;
+      copy_async_zfill_to(buf + 2 * (row * ROW + u * 8), ok ? col + (size_t)(tok0 + row) * ldx : x, ok ? 16 : 0);
+    }
   }
 }
 
@@ -323,33 +323,35 @@ __device__ __forceinline__ void stage_x(u16* buf, const u16* x, int M, int ldx, 
 template <int T, int S, int R>
 __device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int rt0, int tok0, int c_begin, int c_end) {
   constexpr int ROW = S * 64 + 8;
+  constexpr int STAGE_BYTES = 8 * T * ROW * 2;
   __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
+  const u32 xs_at = smem_address(&xs[0][0]);   // shared addresses as 32-bit offsets: no conversion per load
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Fetch f[R];
+  Chunks f[R];
   U4 ring[R][S];
   U2 ring_so[R][S];
 #pragma unroll
   for (int r = 0; r < R; r++) {
-    f[r] = fetch_for(ARGS, min(rt0 + r, (N >> 4) - 1), c_begin);
+    f[r] = chunks_of(ARGS, min(rt0 + r, (N >> 4) - 1), c_begin);
 #pragma unroll
     for (int p = 0; p < S; p++)
-      if (c_begin + p < c_end) f[r].get(c_begin + p, ring[r][p], ring_so[r][p]);
+      if (c_begin + p < c_end) f[r].get(ring[r][p], ring_so[r][p]);
   }
   // one commit group per stage, empty ones past the slice, so waiting for all but the newest
   // NBUF - 1 groups always means "this stage has landed"
 #pragma unroll
   for (int s = 0; s < NBUF - 1; s++) {
-    if (c_begin + s * S < c_end) stage_x<T, S>(xs[s], x, M, ldx, tok0, c_begin + s * S, c_end);
+    if (c_begin + s * S < c_end) stage_x<T, S>(xs_at + s * STAGE_BYTES, x, M, ldx, tok0, c_begin + s * S, c_end);
     copy_commit();
   }
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
     const int ahead = c0 + (NBUF - 1) * S;
-    if (ahead < c_end) stage_x<T, S>(xs[(stage + NBUF - 1) % NBUF], x, M, ldx, tok0, ahead, c_end);
+    if (ahead < c_end) stage_x<T, S>(xs_at + ((stage + NBUF - 1) % NBUF) * STAGE_BYTES, x, M, ldx, tok0, ahead, c_end);
     copy_commit();
     copy_wait<NBUF - 1>();
     __syncthreads();
-    const u16* xrow = xs[stage % NBUF] + g * ROW + 16 * t;
+    const u32 xrow = xs_at + (stage % NBUF) * STAGE_BYTES + 2 * (g * ROW + 16 * t);
 #pragma unroll
     for (int p = 0; p < S; p++) {
       const int c = c0 + p;
@@ -360,18 +362,18 @@ __device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int r
         for (int r = 0; r < R; r++) {
           a[r] = ring[r][p];
           pair[r] = ring_so[r][p];
-          if (c + S < c_end) f[r].get(c + S, ring[r][p], ring_so[r][p]);
+          if (c + S < c_end) f[r].get(ring[r][p], ring_so[r][p]);   // chunks in order: c + S
         }
         if (R == 1) {          // one row tile: a chunk's activations in 16-byte loads
           U4 xa[T], xb[T];
 #pragma unroll
           for (int tt = 0; tt < T; tt++) {
-            xa[tt] = lds128(xrow + tt * 8 * ROW + p * 64);
-            xb[tt] = lds128(xrow + tt * 8 * ROW + p * 64 + 8);
+            xa[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64));
+            xb[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64 + 8));
           }
           chunk<T>(acc[0], a[0], pair[0], xa, xb);
         } else {               // several: per MMA step, each load serving every row tile
-          chunk_shared<T, ROW, R>(acc, a, pair, xrow + p * 64);
+          chunk_shared<T, ROW, R>(acc, a, pair, xrow + 2 * p * 64);
         }
       }
     }
