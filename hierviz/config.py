@@ -26,7 +26,7 @@ class Options:
     cuda_graphs: bool           # HIERVIZ_CUDA_GRAPHS: CUDA graphs over the static runners (default on)
     fused: bool                 # HIERVIZ_FUSED: fused Triton layer kernels on CUDA fp16/bf16 (default on)
     w4_deterministic: bool      # HIERVIZ_W4_DETERMINISTIC: ordered split-K reduction (default on)
-    w4_cuda: str                # HIERVIZ_W4_CUDA: off | on, the CUDA MMA W4 kernel for fp16 products
+    w4_cuda: str                # HIERVIZ_W4_CUDA: off | on | target, the CUDA MMA W4 kernel for fp16 products
     cpu_matmul: str             # HIERVIZ_CPU_MATMUL: auto | plain | nt, the CPU dense product's layout
     timing_sync: bool           # HIERVIZ_TIMING_SYNC: per-stage device syncs for exact stage times
     timing_events: bool         # HIERVIZ_TIMING_EVENTS: CUDA events for stage times (default on)
@@ -48,7 +48,7 @@ _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fus
           "timing_events": "HIERVIZ_TIMING_EVENTS"}
 _CHOICES = {"cpu_matmul": ("HIERVIZ_CPU_MATMUL", ("auto", "plain", "nt")),
             "ui_pace": ("HIERVIZ_UI_PACE", ("auto", "on", "off")),
-            "w4_cuda": ("HIERVIZ_W4_CUDA", ("off", "on"))}
+            "w4_cuda": ("HIERVIZ_W4_CUDA", ("off", "on", "target"))}
 _INTS = {"queue_size": ("HIERVIZ_QUEUE_SIZE", 20, 1, 1000), "runs_per_minute": ("HIERVIZ_RUNS_PER_MINUTE", 6, 1, 600),
          "runs_per_address": ("HIERVIZ_RUNS_PER_ADDRESS", 20, 1, 6000),
          "state_mb": ("HIERVIZ_STATE_MB", 16, 1, 4096),

@@ -40,7 +40,10 @@ def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
 
 
 def w4_fp16_kernel(device: torch.device) -> str:
-    """Which kernel runs fp16 W4 products on `device`: "cuda_mma" or "triton"."""
-    from hierviz.quant import cuda_w4, kernel_guard
-    on = cuda_w4.serves() and kernel_guard.CUDA_VARIANT in kernel_guard.fast_variants(device, torch.float16)
-    return kernel_guard.CUDA_VARIANT if on else "triton"
+    """Which kernel runs fp16 W4 products on `device`: "cuda_mma", "triton", or with
+    HIERVIZ_W4_CUDA=target "cuda_mma for the target, triton for the rest"."""
+    from hierviz.quant import kernel_guard
+    mode = kernel_guard.cuda_mode()
+    if mode == "off" or kernel_guard.CUDA_VARIANT not in kernel_guard.fast_variants(device, torch.float16):
+        return "triton"
+    return kernel_guard.CUDA_VARIANT if mode == "on" else f"{kernel_guard.CUDA_VARIANT} for the target, triton for the rest"

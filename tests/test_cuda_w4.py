@@ -105,7 +105,8 @@ def test_shape_rules_and_the_k_split() -> None:
     assert not cuda_w4.supports_shape(4096, 4608, 96)                       # groups not a power of two
     assert cuda_w4.group_shift(8192, 128) == 7 and cuda_w4.group_shift(8192, 8192) == 31
     # the split follows the shape and the GPU, never M; slices keep at least 8 chunks
-    assert cuda_w4.split_for(28672, 8192, 132) == 4 and cuda_w4.split_for(8192, 28672, 132) == 16
+    assert cuda_w4.split_for(28672, 8192, 132) == 4 and cuda_w4.split_for(8192, 28672, 132) == 8
+    assert cuda_w4.split_for(8192, 8192, 132) == 8 and cuda_w4.split_for(57344, 8192, 132) == 2
     assert cuda_w4.split_for(576, 576, 132) == 1
     for n, k in ((28672, 8192), (8192, 28672), (4096, 14336), (1536, 576)):
         s = cuda_w4.split_for(n, k, 132)
@@ -132,17 +133,22 @@ def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
     pytest.importorskip("triton")
     from hierviz.quant import kernel_guard, triton_w4
     w = random_weight(64, 128, 32)
+    verifier = random_weight(64, 128, 32)
+    verifier.batch_invariant = True
     x = torch.zeros(4, 128, dtype=torch.float16)
     every = frozenset(kernel_guard.FAST_VARIANTS)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
-    assert cuda_w4.serves() and not triton_w4.chosen_config(x, w, variants=every).cuda   # CPU tensors
+    assert cuda_w4.serves(w) and cuda_w4.serves(verifier)
+    assert not triton_w4.chosen_config(x, w, variants=every).cuda   # CPU tensors
     assert kernel_guard.CUDA_VARIANT not in kernel_guard.supported_variants(torch.device("cpu"))
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")        # a verifier's (the target's) weights only
+    assert cuda_w4.serves(verifier) and not cuda_w4.serves(w)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
-    assert not cuda_w4.serves()
+    assert not cuda_w4.serves(w) and not cuda_w4.serves(verifier)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "sometimes")
     from hierviz.config import ConfigError
     with pytest.raises(ConfigError, match="HIERVIZ_W4_CUDA"):
-        cuda_w4.serves()
+        cuda_w4.serves(w)
 
 
 def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
@@ -156,6 +162,8 @@ def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"          # not allowed on a CPU
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({kernel_guard.CUDA_VARIANT}))
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma for the target, triton for the rest"
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"
 

@@ -599,3 +599,26 @@ def test_verification_is_batch_invariant_on_the_static_path_with_the_cuda_w4_ker
     w = model.layers[0].gate_up.w4[0]
     assert triton_w4.chosen_config(torch.zeros(7, w.in_features, device="cuda", dtype=torch.float16), w).cuda
     assert_verification_is_batch_invariant(model)
+
+
+def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch, tmp_path) -> None:
+    """HIERVIZ_W4_CUDA=target: a batch-invariant (target) weight's products run the CUDA MMA kernel
+    at every row count, a plain (intermediate, drafter) weight's the Triton kernel; whatif --exact
+    with W4 target and intermediate through CUDA graphs: every method's output equals AR's."""
+    import json
+
+    from hierviz.measure import whatif
+    from hierviz.quant import triton_w4
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
+    model = smollm2_w4_verifier(torch.float16)
+    w = model.layers[0].gate_up.w4[0]
+    for m in (1, 7, 40):
+        x = torch.zeros(m, w.in_features, device="cuda", dtype=torch.float16)
+        assert triton_w4.chosen_config(x, w).cuda
+        model.set_batch_invariant(False)
+        assert not triton_w4.chosen_config(x, w).cuda
+        model.set_batch_invariant(True)
+    assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--intermediate-format", "w4", "--max-new-tokens",
+                        "48", "--methods", "ar,eagle2,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
+    assert runs and all(r["identical"] and not r["steering_miss"] for r in runs)

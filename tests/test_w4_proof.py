@@ -108,6 +108,13 @@ def test_verdict_lines_for_the_other_outcomes() -> None:
     assert with_cuda.summary().endswith(" — fp16 products in the CUDA MMA variant")   # HIERVIZ_W4_CUDA=on
 
 
+def test_the_status_line_says_when_only_the_target_runs_the_cuda_variant(monkeypatch) -> None:
+    key = w4_proof.platform_key(CPU)
+    with_cuda = w4_proof.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
+    assert with_cuda.summary().endswith(" — the target's fp16 products in the CUDA MMA variant")
+
+
 def test_proof_rows_cover_every_row_count_a_fast_variant_changes() -> None:
     """PROOF_ROWS holds every CUDA-graph bucket; past it no variant changes a configuration (a
     long prefill runs the same pointer-load tiles proven or not), at it both modes still do."""

@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from hierviz.config import options
+from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
 
 _CACHE_KEY = "cuda_w4"
@@ -61,7 +61,7 @@ DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) ent
 STAGED_BUILD = {2: (2, 2, 2), 3: (4, 3, 1), 4: (4, 3, 1), 5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1)}
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 CHUNK_MAJOR = True         # codes stored chunk by chunk: a block's 8 warps read one 4 KB run per chunk
-BLOCKS_PER_SM = 4          # split K until about this many blocks per multiprocessor ...
+BLOCKS_PER_SM = 3.5        # split K while fewer blocks than this per multiprocessor ...
 MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
 
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
@@ -497,12 +497,15 @@ def token_tiles(m: int) -> int:
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
 
 
-def serves() -> bool:
-    """Whether fp16 products on a platform where the variant is proven run here rather than in the
-    Triton kernel: HIERVIZ_W4_CUDA=on. Off by default: the kernel is faster at one or two rows but
-    slower on tree verifications (docs/kernels.md), and a weight's products must all run one kernel
-    (a verifier's rows keep their bits only within one kernel), so one setting holds for every M."""
-    return options().w4_cuda == "on"
+def serves(w: W4Weight) -> bool:
+    """Whether w's fp16 products, on a platform where the variant is proven, run here rather than
+    in the Triton kernel: every W4 weight with HIERVIZ_W4_CUDA=on, only a verifier's
+    (batch-invariant: the target's) with `target`. Off by default: the kernel is faster up to 8
+    rows but slower than the Triton kernel on some tree verifications (docs/kernels.md), and a
+    weight's products must all run one kernel (a verifier's rows keep their bits only within one
+    kernel), so the choice is per weight, never per M."""
+    mode = kernel_guard.cuda_mode()
+    return mode == "on" or (mode == "target" and w.batch_invariant)
 
 
 # ---- layout ----------------------------------------------------------------------------------

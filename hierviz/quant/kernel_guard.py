@@ -61,25 +61,31 @@ CUDA_VARIANT = "cuda_mma"
 FAST_VARIANTS: tuple[str, ...] = (*TRITON_VARIANTS, CUDA_VARIANT)
 
 
+def cuda_mode() -> str:
+    """HIERVIZ_W4_CUDA: "off", "on" (every fp16 W4 product of the shapes it takes runs the CUDA MMA
+    variant) or "target" (only a verifier's: hierviz.quant.cuda_w4.serves)."""
+    return options().w4_cuda
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def supported_variants(device: torch.device) -> tuple[str, ...]:
     """The fast variants this device can run: the Triton ones from Hopper (sm_90) on; the CUDA MMA
-    one, where it is asked for (HIERVIZ_W4_CUDA=on), from sm_80 on where NVRTC compiles it and the
+    one, where it is asked for (HIERVIZ_W4_CUDA on or target), from sm_80 on where NVRTC compiles it and the
     driver loads it; under the interpreter the Triton ones (it emulates TMA; the CUDA kernel needs
     a GPU)."""
     if device.type != "cuda":
         return TRITON_VARIANTS
     major = torch.cuda.get_device_capability(_index(device))[0]
     found = TRITON_VARIANTS if major >= 9 else ()
-    if options().w4_cuda == "on":
+    if cuda_mode() != "off":
         from hierviz.quant import cuda_w4      # imported here: it compiles only when asked
         if cuda_w4.available(device):
             found = (*found, CUDA_VARIANT)
         else:
-            _warn_once(f"HIERVIZ_W4_CUDA=on, but {cuda_w4.unavailable_reason(device)}: the Triton W4 kernel runs")
+            _warn_once(f"HIERVIZ_W4_CUDA={cuda_mode()}, but {cuda_w4.unavailable_reason(device)}: the Triton W4 kernel runs")
     return found
 
 
@@ -105,7 +111,7 @@ def statically_proven(device: torch.device) -> frozenset[str]:
         return frozenset()
     major, triton = gpu_platform(device)
     found = set(TRITON_VARIANTS) if (major, triton) in PROVEN_PLATFORMS else set()
-    if PROVEN_CUDA_PLATFORMS and options().w4_cuda == "on":
+    if PROVEN_CUDA_PLATFORMS and cuda_mode() != "off":
         from hierviz.quant import cuda_w4
         if (major, cuda_w4.nvrtc_version()) in PROVEN_CUDA_PLATFORMS:
             found.add(CUDA_VARIANT)
@@ -133,7 +139,7 @@ def fast_variants(device: torch.device, dtype: torch.dtype = torch.float16) -> f
     in memory after a proof, or from the disk cache); under the interpreter the Triton ones."""
     if device.type != "cuda":
         return frozenset(TRITON_VARIANTS)   # the interpreter: the CPU tests check it
-    key = (_index(device), dtype, options().w4_cuda)
+    key = (_index(device), dtype, cuda_mode())
     if key not in _PROVEN:
         # imported here: w4_proof imports the kernel module, which imports this one
         from hierviz.quant import w4_proof

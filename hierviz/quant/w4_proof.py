@@ -235,9 +235,10 @@ class Verdict:
         fallback = " — using the pointer-load kernels"
         if self.source == "cpu":
             return "W4 fast path: not used on the CPU (the Triton kernels run on CUDA GPUs)"
-        # HIERVIZ_W4_CUDA=on moves fp16 products to another kernel: say so where it is enabled
+        # HIERVIZ_W4_CUDA moves fp16 products to another kernel: say so where it is enabled
         cuda_variant = kernel_guard.CUDA_VARIANT
-        cuda = f" — fp16 products in the {VARIANT_LABELS[cuda_variant]}" if cuda_variant in self.enabled() else ""
+        whose = "the target's fp16 products" if kernel_guard.cuda_mode() == "target" else "fp16 products"
+        cuda = f" — {whose} in the {VARIANT_LABELS[cuda_variant]}" if cuda_variant in self.enabled() else ""
         if self.source == "static":
             return f"W4 fast path: on ({where}: a platform the full correctness sweep passed on){cuda}"
         if not self.supported:
