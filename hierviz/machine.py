@@ -21,7 +21,7 @@ def device_name(device: Union[str, torch.device, None]) -> str:
 def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
     """platform, python, torch (and triton where installed) versions; on CUDA the GPU's name, the
     8-bit formats' activation quantizer ("fused" or "torch") and the kernel of fp16 W4 products
-    ("cuda_mma" where HIERVIZ_W4_CUDA=on and the variant is proven here, else "triton")."""
+    (hierviz.machine.w4_fp16_kernel: which of the two kernels HIERVIZ_W4_CUDA gives which weights)."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                             "torch": torch.__version__}
     try:

@@ -28,8 +28,8 @@ Kernel-specific layout, built once per W4Weight and activation dtype, cached on 
   scales, offsets  [K/G, N] in the activation dtype (transposed: one contiguous row of N per
          group, so a program's per-group loads are coalesced).
 Measured figures, what limits them, and the variants that measured slower: docs/kernels.md.
-With HIERVIZ_W4_CUDA=on, chosen_config hands fp16 products of the shapes it takes to the CUDA MMA
-variant (hierviz.quant.cuda_w4, Config.cuda) where that variant is proven.
+With HIERVIZ_W4_CUDA=on (or target, for a verifier's weights), chosen_config hands fp16 products of
+the shapes it takes to the CUDA MMA variant (hierviz.quant.cuda_w4, Config.cuda) where it is proven.
 """
 from __future__ import annotations
 

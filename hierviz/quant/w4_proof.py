@@ -377,7 +377,7 @@ def enabled_variants(device: torch.device, dtype: torch.dtype) -> frozenset[str]
 
 def _covered(record: Optional[dict[str, Any]], rows: Iterable[int], variants: Iterable[str] = ()) -> bool:
     """Whether a shape's record covers these rows and holds a result for each of these variants
-    (a variant turned on later, HIERVIZ_W4_CUDA=on, is proven then)."""
+    (a variant turned on later, as HIERVIZ_W4_CUDA does, is proven then)."""
     return (record is not None and set(rows) <= set(record["rows"])
             and all(v in record["variants"] for v in variants))
 
