@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 
 class ConfigError(ValueError):
@@ -56,6 +58,10 @@ _INTS = {"queue_size": ("HIERVIZ_QUEUE_SIZE", 20, 1, 1000), "runs_per_minute": (
 ENV_NAMES = {**_FLAGS, **{k: v[0] for k, v in _CHOICES.items()}, **{k: v[0] for k, v in _INTS.items()},
              "stack": "HIERVIZ_STACK", "cache_dir": "HIERVIZ_CACHE", "train_bf16": "HIERVIZ_TRAIN_BF16",
              "allow_custom_stacks": "HIERVIZ_ALLOW_CUSTOM_STACKS", "proxy_hops": "HIERVIZ_PROXY_HOPS"}
+# options that change what a measurement runs (kernels, graphs, timing): a recorded command names
+# the ones set in its environment, so that running it again runs the same thing
+MEASURED_OPTIONS = ("static", "cuda_graphs", "fused", "w4_deterministic", "w4_cuda", "cpu_matmul",
+                    "timing_sync", "timing_events")
 # variables that are not options but change a default
 _DEFAULTS_FROM = ("SPACE_ID",)
 
@@ -139,3 +145,17 @@ def overrides(**kw: Any) -> Iterator[None]:
     finally:
         _global_overrides.clear()
         _global_overrides.update(saved)
+
+
+def measured_settings() -> list[str]:
+    """`NAME=value` for each of MEASURED_OPTIONS set in the environment, in that order."""
+    names = [ENV_NAMES[o] for o in MEASURED_OPTIONS]
+    return [f"{n}={shlex.quote(os.environ[n].strip())}" for n in names if os.environ.get(n, "").strip()]
+
+
+def recorded_command(command: str, argv: Optional[Sequence[str]] = None) -> str:
+    """The command line a measurement records: the settings in the environment that change what it
+    ran (MEASURED_OPTIONS, e.g. `HIERVIZ_W4_CUDA=target`), then `python -m hierviz <command>` and
+    its arguments (sys.argv's when argv is None), quoted for a shell."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join([*measured_settings(), "python -m hierviz", command, shlex.join(args)]).rstrip()

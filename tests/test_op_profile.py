@@ -18,6 +18,7 @@ def test_op_profile_on_cpu(tmp_path, capsys) -> None:
         torch.set_num_threads(n)
     info = json.loads((tmp_path / "op_profile.json").read_text())
     assert info["layers"] == 1 and info["step_ms_eager"] > 0 and "step_ms_graphs" not in info
+    assert info["command"].startswith("python -m hierviz op-profile --shape smollm2 --layers 1")
     ops = {r["op"] for r in info["ops"]}
     assert "aten::mm" in ops or "aten::matmul" in ops or "aten::addmm" in ops
     assert abs(sum(r["share"] for r in info["ops"]) - 1.0) < 0.05

@@ -189,13 +189,18 @@ def test_non_finite_synthetic_model_is_refused(tmp_path: Path, capsys, monkeypat
     assert "non-finite" in capsys.readouterr().err
 
 
-def test_command_is_recorded(tmp_path: Path) -> None:
+def test_command_is_recorded(tmp_path: Path, monkeypatch) -> None:
+    """The JSON records the command line, led by the settings in the environment that change what
+    ran (here the W4 kernel choice), so running it again runs the same thing."""
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
+    monkeypatch.setenv("HIERVIZ_QUEUE_SIZE", "5")           # an app setting: not part of a measurement
     args = FAST + ["--max-new-tokens", "8", "--sweep", "--sweep-scales", "1.0", "--sweep-min-draft", "4",
                    "--sweep-tree-sizes", "8", "--out", str(tmp_path)]
     assert main(args) == 0
     for name in ("whatif.json", "sweep.json"):
         cmd = json.loads((tmp_path / name).read_text())["command"]
-        assert cmd.startswith("python -m hierviz whatif --tiny") and "--sweep" in cmd
+        assert cmd.startswith("HIERVIZ_W4_CUDA=target python -m hierviz whatif --tiny") and "--sweep" in cmd
+        assert "QUEUE" not in cmd
 
 
 def test_repeat_reports_the_median_run(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from hierviz.config import recorded_command
 from hierviz.decoding.settings import SettingsError
 from hierviz.measure.profile import ROOT, SHAPES, load_shape
 from hierviz.measure.whatif import (HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, check_request, model_bytes,
@@ -203,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = run_reporting_errors(work, (WhatIfError, SettingsError, ValueError))
     if info is None:
         return 2
-    info["command"] = "python -m hierviz compat " + shlex.join(sys.argv[1:] if argv is None else argv)
+    info["command"] = recorded_command("compat", argv)
     write_report(Path(a.out), "compat", info, markdown(info))
     return 0
 

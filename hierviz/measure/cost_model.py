@@ -57,13 +57,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import shlex
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+
+from hierviz.config import recorded_command
 
 SCHEMA = "hierviz.cost_model/1"
 LABEL = "projected by the roofline cost model"
@@ -625,7 +626,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for c in compats:
         configs = {"target": c["configs"]["target"], "intermediate": c["configs"]["intermediate"]}
         info["projections"].append(project(cal, c, configs, gpus))
-    info["command"] = "python -m hierviz cost-model " + shlex.join(sys.argv[1:] if argv is None else argv)
+    info["command"] = recorded_command("cost-model", argv)
     write_report(Path(a.out), "cost_model", info, markdown(info))
     return 0
 

@@ -29,6 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from hierviz.config import recorded_command
+
 SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "assets" / "traces" / "tiny-random-plumbing.json"
 # What a visitor's session costs the server beside their runs: Gradio's per-session copy of the
 # page's config and last outputs, and the allocator's slack (measured 1.6-2.1 MB on the 2-core CPU)
@@ -155,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             held = holders_report(url, a.holders, a.every)
     finally:
         demo.close()
-    summary: dict[str, Any] = {"command": "python -m hierviz endurance " + " ".join(argv if argv is not None else sys.argv[1:]),
+    summary: dict[str, Any] = {"command": recorded_command("endurance", argv),
                                "samples": samples, "errors": errors}
     if len(samples) >= 2:
         first, last = samples[0], samples[-1]

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hierviz.config import options
+from hierviz.config import options, recorded_command
 from hierviz.measure.fbgemm_peer import fbgemm_layers
 from hierviz.measure.gemlite_peer import gemlite_layers
 from hierviz.measure.marlin_peer import marlin_operands
@@ -480,7 +480,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family, a.marlin_src)
                if use_gpu
                else cpu_bench(k, n, g, ms))
-        res["command"] = "python -m hierviz kernel-bench " + " ".join(argv if argv is not None else os.sys.argv[1:])
+        res["command"] = recorded_command("kernel-bench", argv)
         stem = ("kernel_bench" if use_gpu else "kernel_bench_cpu") + (f"_{k}x{n}g{g}" if len(shapes) > 1 else "")
         (a.out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
         print(f"K={k} N={n} group {g}")

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from hierviz.config import recorded_command
 from hierviz.machine import gpu_name
 
 SCHEMA = "hierviz.op_profile/1"
@@ -161,6 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    info["command"] = recorded_command("op-profile", argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "op_profile.json").write_text(json.dumps(info, indent=1))

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hierviz.config import recorded_command
 from hierviz.machine import device_name
 from hierviz.models.config import ModelConfig, rope_frequencies
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm
@@ -363,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         d % g == 0 for d in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))), 32)
     with torch.no_grad():
         info = profile(cfg, shape, tokens, a.device, a.context, g, not a.layer_only, formats, a.rep_ms)
-    info["command"] = "python -m hierviz profile " + " ".join(argv if argv is not None else sys.argv[1:])
+    info["command"] = recorded_command("profile", argv)
     j, html = write_outputs(info, Path(a.out))
     print(f"wrote {j}" + (f" and {html}" if html else ""))
     return 0

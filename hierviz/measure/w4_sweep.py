@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from hierviz.config import overrides
+from hierviz.config import overrides, recorded_command
 from hierviz.machine import gpu_name
 from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.models.config import ModelConfig
@@ -315,8 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         env = {"torch": torch.__version__, "python": platform.python_version(),
-               "triton": kernel_guard.triton_version(), "device": gpu_name(device) or "cpu (TRITON_INTERPRET=1)", "command": "python -m hierviz w4-sweep " + " ".join(
-                   argv if argv is not None else sys.argv[1:])}
+               "triton": kernel_guard.triton_version(), "device": gpu_name(device) or "cpu (TRITON_INTERPRET=1)", "command": recorded_command("w4-sweep", argv)}
         (a.out / "w4_sweep.json").write_text(json.dumps({"env": env, "summary": summary, "results": results}, indent=1))
     return 1 if wrong or variant else 0
 

@@ -21,7 +21,6 @@ import dataclasses
 import gc
 import json
 import random
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from hierviz.config import recorded_command
 from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
@@ -876,7 +876,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = run_reporting_errors(lambda: run_whatif(a))
     if info is None:
         return 2
-    info["command"] = "python -m hierviz whatif " + shlex.join(sys.argv[1:] if argv is None else argv)
+    info["command"] = recorded_command("whatif", argv)
     if info.get("exact"):
         from hierviz.measure import whatif_exact
         whatif_exact.write(info, Path(a.out))

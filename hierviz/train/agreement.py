@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from hierviz.config import recorded_command
+
 
 @torch.no_grad()
 def argmax_along(model, ids: list[int], start: int) -> torch.Tensor:
@@ -113,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (BenchError, EngineError, StackError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report["command"] = " ".join(["python -m hierviz train agreement", *(argv if argv is not None else sys.argv[1:])])
+    report["command"] = recorded_command("train agreement", argv)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
     print(f"{'category':16s} {'positions':>9s} {'top-1':>7s} {'tau_bound':>9s}")

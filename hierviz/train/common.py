@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,16 +290,6 @@ def write_json(path: Optional[str | Path], obj: Any) -> None:
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=False))
-
-
-def command_line(module: str, argv: Optional[list[str]]) -> str:
-    args = sys.argv[1:] if argv is None else argv
-    return "python -m " + module + " " + " ".join(_quote(a) for a in args)
-
-
-def _quote(a: str) -> str:
-    import shlex
-    return shlex.quote(a)
 
 
 def env_info(device: torch.device) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-from hierviz.train.common import (base_dtype, TokenData, build_hf, command_line, env_info, load_base, load_tokenizer, log,
+from hierviz.config import recorded_command
+from hierviz.train.common import (base_dtype, TokenData, build_hf, env_info, load_base, load_tokenizer, log,
                                   pick_device, seed_all, write_json)
 from hierviz.train import fastgen
 from hierviz.train.prompts import (build_prompts, derived_prompts, instruct_prompts, overlap_report,
@@ -315,7 +316,7 @@ def _derived_stage(gen: _Answers, a: argparse.Namespace) -> dict:
 
 def _meta(a: argparse.Namespace, argv: Optional[list[str]], check: Optional[dict], gen: _Answers, gen_s: float,
           derived_info: Optional[dict], instruct_info: Optional[dict], device: torch.device) -> dict:
-    return {"command": command_line("hierviz train data", argv), "target": str(a.target), "seed": a.seed,
+    return {"command": recorded_command("train data", argv), "target": str(a.target), "seed": a.seed,
             "prompt_source": "hierviz/train/prompts.py templates x topic lists (written for this project)",
             "overlap_check": check, "modes": a.modes, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
             "samples": len(gen.mlist), "prompt_tokens": int(sum(gen.plens)), "response_tokens": gen.n_resp,

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, copy_into,
+from hierviz.config import recorded_command
+from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, copy_into,
                                   env_info, hf_config_dict, load_base, log, pick_device, response_pred_mask, seed_all,
                                   valid_mask, with_shared_embeddings, write_json)
 
@@ -264,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tq = time.time()
     packed = gptq_student(student, data, calib_idx, device, a.group_size, a.max_len, a.batch_tokens)
     gptq_s = round(time.time() - tq, 1)
-    report = {"command": command_line("hierviz train distill", argv), "target": str(a.target), "data": str(a.data),
+    report = {"command": recorded_command("train distill", argv), "target": str(a.target), "data": str(a.data),
               "data_meta": {k: data.meta.get(k) for k in ("samples", "response_tokens", "prompt_tokens")},
               "student_layers_from_target": layer_ids, "init": a.init, "lr": a.lr, "batch_tokens": a.batch_tokens,
               "loss": "KL(T||M)" + (f" + {a.top1_weight:g} x CE(M, argmax T)" if a.top1_weight else ""),

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hierviz.config import recorded_command
 from hierviz.models.llama import RMSNorm
-from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, command_line, copy_into,
+from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, copy_into,
                                   env_info, hf_config_dict, load_base, log, pick_device, seed_all, valid_mask,
                                   with_shared_embeddings, write_json)
 
@@ -406,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     heads, opts = _make_heads(bases, a, device, trainer)
     log(f"training {trainer.head_type} heads {list(heads)} on {device} ({time.time() - t0:.1f}s)")
     prog, logs, last = _train(heads, opts, bases, data, a, device, trainer)
-    report = {"command": command_line("hierviz train eagle", argv), "target": str(a.target),
+    report = {"command": recorded_command("train eagle", argv), "target": str(a.target),
               "intermediate": a.intermediate, "data": str(a.data), "steps": prog.step,
               "seconds_training": round(time.time() - prog.t0, 1), "lr": a.lr, "batch_tokens": a.batch_tokens,
               "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "head_type": a.head_type,
