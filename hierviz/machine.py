@@ -47,4 +47,3 @@ def w4_fp16_kernel(device: torch.device) -> str:
     if mode == "off" or kernel_guard.CUDA_VARIANT not in kernel_guard.fast_variants(device, torch.float16):
         return "triton"
     return kernel_guard.CUDA_VARIANT if mode == "on" else f"{kernel_guard.CUDA_VARIANT} for the target, triton for the rest"
-
