@@ -19,8 +19,8 @@ The arithmetic is batch-invariant by construction: a warp multiplies 16 (or 32) 
 K slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32 sum done by
 the last block of each output tile. So a row gets the same bits at every M, and the same kernel
 serves decode, verification and prefill (tokens beyond 64 run as further token chunks of the
-grid). Up to 8 tokens the activations come straight from L1 and the codes through a warp-private
-shared-memory ring (`product_direct`); from 9 the block's warps share the activations through
+grid). Up to 8 tokens the activations come straight from L1 and the codes and group pairs are held
+in registers several chunks ahead (`product_direct`); from 9 the block's warps share the activations through
 shared memory (`product_staged`, the codes read once for up to 64 tokens); both run the same MMAs.
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
@@ -30,9 +30,9 @@ the GPU (codes_of rebuilds them):
          c*64 + 16t .. +15 (so its activations are two 16-byte loads) and step j uses four of
          them, 16t + 4j + e (e = 0..3): the MMA's k slots 2t, 2t+1 take e = 0, 1 and slots
          2t+8, 2t+9 take e = 2, 3. The word's nibbles (bit 4p, p = 0..7) hold rows g / g+8 as
-         NIBBLE_OF[h][e] (h = 0: row g, 1: row g+8). Stored chunk-major ([K/64, N/16, ...],
-         indexed through its strides as a transposed view): the 8 warps of a block read 4 KB in
-         one run at every chunk, and concurrent blocks read neighbouring runs.
+         NIBBLE_OF[h][e] (h = 0: row g, 1: row g+8). Stored tile by tile: a tile's chunks
+         are 512 bytes apart, so the one-token loop's code addresses are constant offsets from one
+         pointer (a plain read in the kernel's grid and order runs at the copy bandwidth).
   so     int32 [N/16, K/G, 8, 2]: half2 (scale, offset) of rows r*16 + g and r*16 + g + 8.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, rel
 _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
-DIRECT_RING = 4            # K chunks of codes (and group pairs) the direct loop keeps in flight, in shared memory
+DIRECT_AHEAD = 8           # K chunks of codes (and group pairs) the direct loop holds in registers ahead
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
 DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) entry is built for
 # The staged entries, by token tiles: (K chunks per x stage, which is also the code ring's depth;
@@ -60,14 +60,13 @@ DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) ent
 # on the H200 (docs/kernels.md); every choice gives a row the same bits.
 STAGED_BUILD = {2: (2, 2, 2), 3: (4, 3, 1), 4: (4, 3, 1), 5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1)}
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
-CHUNK_MAJOR = True         # codes stored chunk by chunk: a block's 8 warps read one 4 KB run per chunk
 BLOCKS_PER_SM = 3.5        # split K while fewer blocks than this per multiprocessor ...
 MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
 
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 
-KERNEL_SOURCE = (f"#define DIRECT_RING {DIRECT_RING}\n#define NBUF {NBUF}\n"
+KERNEL_SOURCE = (f"#define DIRECT_AHEAD {DIRECT_AHEAD}\n#define NBUF {NBUF}\n"
                  f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n") + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -155,12 +154,6 @@ __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_gr
 template <int N> __device__ __forceinline__ void copy_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
-__device__ __forceinline__ void copy_async_to(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void copy_async8_to(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
-}
 __device__ __forceinline__ U4 lds128_at(u32 a) {
   U4 r;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
@@ -192,10 +185,6 @@ struct Chunks {
     a_out = load_codes((const U4*)a);
     so_out = load_pair(pair());
     advance();
-  }
-  __device__ __forceinline__ void copy(u32 a_slot, u32 so_slot) {   // the same, asynchronously
-    copy_async_to(a_slot, a);
-    copy_async8_to(so_slot, pair());
   }
 };
 
@@ -256,43 +245,66 @@ __device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, co
   }
 }
 
-// One token tile: activations straight from global memory (L1), no barrier in the loop; codes and
-// group pairs DIRECT_RING chunks ahead through a warp-private shared-memory ring of asynchronous
-// copies (each lane reads back only what it copied, so waiting on its own copies is enough). The
-// loop is unrolled by the ring's depth so every slot address is a constant: at one token the loop is
-// bound by instruction issue, and slot and address arithmetic was half of it (docs/kernels.md).
+// One token tile: activations straight from global memory (L1); codes and group pairs DIRECT_AHEAD
+// chunks ahead in registers: no shared memory, no barrier. At one token the loop is bound by
+// instruction issue (docs/kernels.md), so it is unrolled by that depth (every register named at
+// compile time), the tile-major codes make every code address a constant offset from one pointer,
+// and while every refill lies inside the slice the loads carry no predicate (a predicated load
+// makes the compiler copy the register it may not overwrite).
 __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
-  __shared__ __align__(16) U4 ring_a[8][DIRECT_RING][32];
-  __shared__ __align__(8) U2 ring_p[8][DIRECT_RING][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const u32 slot_a = smem_address(&ring_a[warp][0][lane]), slot_p = smem_address(&ring_p[warp][0][lane]);
-  Chunks next = chunks_of(ARGS, rt, c_begin);
-  int c_next = c_begin;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const U4* ap = codes + rt * tile_stride + c_begin * 32 + lane;      // chunk c0's word (32 words a chunk)
+  const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
+  int k0 = c_begin * 64 + 16 * t;                                     // chunk c0's first channel of the lane's 16
+#define PAIR_AT(k) (pairs + ((u32)(k) >> group_shift) * 8u)
+  U4 ring[DIRECT_AHEAD];
+  U2 ring_p[DIRECT_AHEAD];
+#pragma unroll
+  for (int s = 0; s < DIRECT_AHEAD; s++)
+    if (c_begin + s < c_end) {
+      ring[s] = load_codes(ap + s * 32);
+      ring_p[s] = load_pair(PAIR_AT(k0 + s * 64));
+    }
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
   const U4* xp = (const U4*)(x + (size_t)min(tok0 + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
+  int c0 = c_begin;
+  for (; c0 + 2 * DIRECT_AHEAD <= c_end; c0 += DIRECT_AHEAD, ap += DIRECT_AHEAD * 32, k0 += DIRECT_AHEAD * 64,
+                                         xp += DIRECT_AHEAD * 8) {
 #pragma unroll
-  for (int s = 0; s < DIRECT_RING - 1; s++) {
-    if (c_next < c_end) next.copy(slot_a + s * 32 * sizeof(U4), slot_p + s * 32 * sizeof(U2));
-    copy_commit();
-    next.advance(); c_next++;
+    for (int s = 0; s < DIRECT_AHEAD; s++) {
+      const U4 a = ring[s];
+      const U2 pair = ring_p[s];
+      ring[s] = load_codes(ap + (s + DIRECT_AHEAD) * 32);              // chunk c0 + s + DIRECT_AHEAD
+      ring_p[s] = load_pair(PAIR_AT(k0 + (s + DIRECT_AHEAD) * 64));
+      const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
+      chunk<1>(acc, a, pair, &xa, &xb);
+    }
   }
-  for (int c0 = c_begin; c0 < c_end; c0 += DIRECT_RING, xp += DIRECT_RING * 8) {
+  if (c0 + DIRECT_AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
 #pragma unroll
-    for (int s = 0; s < DIRECT_RING; s++) {
+    for (int s = 0; s < DIRECT_AHEAD; s++) {
+      const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
+      chunk<1>(acc, ring[s], ring_p[s], &xa, &xb);
+    }
+    return;
+  }
+  for (; c0 < c_end; c0 += DIRECT_AHEAD, ap += DIRECT_AHEAD * 32, k0 += DIRECT_AHEAD * 64, xp += DIRECT_AHEAD * 8) {
+#pragma unroll
+    for (int s = 0; s < DIRECT_AHEAD; s++) {
       if (c0 + s < c_end) {
-        const int slot_in = (s + DIRECT_RING - 1) % DIRECT_RING;
-        if (c_next < c_end) next.copy(slot_a + slot_in * 32 * sizeof(U4), slot_p + slot_in * 32 * sizeof(U2));
-        copy_commit();             // empty past the slice: the wait below always means chunk c0 + s
-        next.advance(); c_next++;
-        copy_wait<DIRECT_RING - 1>();
-        const U4 a = lds128_at(slot_a + s * 32 * sizeof(U4));
-        const U2 pair = lds64_at(slot_p + s * 32 * sizeof(U2));
+        const U4 a = ring[s];
+        const U2 pair = ring_p[s];
+        if (c0 + s + DIRECT_AHEAD < c_end) {
+          ring[s] = load_codes(ap + (s + DIRECT_AHEAD) * 32);
+          ring_p[s] = load_pair(PAIR_AT(k0 + (s + DIRECT_AHEAD) * 64));
+        }
         const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
         chunk<1>(acc, a, pair, &xa, &xb);
       }
     }
   }
+#undef PAIR_AT
 }
 
 // x[tok0 .. tok0 + 8T, chunks c_first .. c_first + S) into buf (rows of S * 64 + 8 halves: the pad
@@ -525,14 +537,10 @@ def _pack_tiles(q: torch.Tensor) -> torch.Tensor:
     return words.reshape(n // 16, k // 64, 32, 4)
 
 
-def pack_layout(codes: torch.Tensor, chunk_major: Optional[bool] = None) -> torch.Tensor:
-    """W4Weight codes uint8 [N, K/2] -> the kernel's int32 [N/16, K/64, 32, 4] (module docstring),
-    stored chunk by chunk (a transposed view) when chunk_major (default CHUNK_MAJOR)."""
+def pack_layout(codes: torch.Tensor) -> torch.Tensor:
+    """W4Weight codes uint8 [N, K/2] -> the kernel's int32 [N/16, K/64, 32, 4] (module docstring)."""
     n, k = codes.shape[0], codes.shape[1] * 2
-    major = CHUNK_MAJOR if chunk_major is None else chunk_major
-    out = torch.empty((k // 64, n // 16, 32, 4) if major else (n // 16, k // 64, 32, 4),
-                      dtype=torch.int32, device=codes.device)
-    words = out.transpose(0, 1) if major else out
+    words = torch.empty((n // 16, k // 64, 32, 4), dtype=torch.int32, device=codes.device)
     step = 16 * LAYOUT_TILES_AT_ONCE
     for a in range(0, n, step):
         words[a // 16:(a + step) // 16] = _pack_tiles(unpack_codes(codes[a:a + step]))
@@ -803,6 +811,8 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     index = _index(x.device)
     fns = functions(index)
     codes, so = layout(w)
+    if codes.stride()[1:] != (128, 4, 1):
+        raise ValueError("the CUDA W4 kernel reads its codes tile by tile (cuda_w4.pack_layout)")
     x = x.contiguous()
     if split is None:
         from hierviz.quant.triton_w4 import sm_count

@@ -819,7 +819,7 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
             tiles = cuda_w4.token_tiles(m)
             return Config(block_n=cuda_w4.ROWS_PER_BLOCK * cuda_w4.warp_row_tiles(tiles), block_m=8 * tiles,
                           split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS,
-                          num_stages=cuda_w4.DIRECT_RING, cuda=True)
+                          num_stages=cuda_w4.DIRECT_AHEAD, cuda=True)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
     if w.batch_invariant and m <= INVARIANT_MAX_ROWS:
