@@ -111,9 +111,13 @@ def test_shape_rules_and_the_k_split() -> None:
         assert s == 1 or (k // 64) // s >= cuda_w4.MIN_CHUNKS_PER_SLICE
     assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 3, 4, 5, 8, 8, 8]
     assert cuda_w4.entry_for(1) == "w4_direct_t1" and cuda_w4.entry_for(8) == "w4_staged_t8"
-    assert cuda_w4.entry_for(2) == "w4_staged_t2" and len(set(cuda_w4.entry_names())) == cuda_w4.MAX_TOKEN_TILES
-    assert set(cuda_w4.STAGED_BUILD) == set(range(2, cuda_w4.MAX_TOKEN_TILES + 1))     # an entry per tile count
+    assert cuda_w4.entry_for(3) == "w4_direct_t3" and cuda_w4.entry_for(4) == "w4_staged_t4"
+    assert len(set(cuda_w4.entry_names())) == cuda_w4.MAX_TOKEN_TILES
+    # one entry per tile count, direct or staged, each built into the source
+    assert sorted([*cuda_w4.DIRECT_BUILD, *cuda_w4.STAGED_BUILD]) == list(range(1, cuda_w4.MAX_TOKEN_TILES + 1))
+    assert all(f"DIRECT_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.DIRECT_BUILD)
     assert all(f"STAGED_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.STAGED_BUILD)
+    assert cuda_w4.ahead_chunks(1) == cuda_w4.DIRECT_BUILD[1][0] and cuda_w4.ahead_chunks(8) == cuda_w4.STAGED_BUILD[8][0]
     assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
 
 

@@ -543,7 +543,7 @@ CUDA_W4_SHAPES = [(8192, 28672, 128), (28672, 8192, 128), (4096, 6144, 128), (14
 def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) -> None:
     """Every row count 1..128 and three prefills: each row within the fp16 tolerance of the fp32
     reference, and (to 128 rows) bit-identical to the row computed alone, whichever entry (direct
-    one tile, staged 2-8 tiles, more token chunks) and K split ran; the residual form adds in
+    1-3 tiles, staged 4-8 tiles, more token chunks) and K split ran; the residual form adds in
     place."""
     from hierviz.quant import cuda_w4, kernel_guard
     from hierviz.quant.w4_proof import reference, synthetic_weight

@@ -14,14 +14,15 @@ fragment needs, as Marlin does: one 16-byte load gives a thread the A fragments 
 dequantizing 8 codes is 13 register operations (lop3 puts nibbles in the mantissa of 1024.0, a
 packed subtract or FMA removes the bias exactly, a packed FMA applies scale and offset).
 
-The arithmetic is batch-invariant by construction: a warp multiplies 16 (or 32) weight rows by
-8..64 tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the
+The arithmetic is batch-invariant by construction: a warp multiplies 16 weight rows by 8..64
+tokens; each output element is one chain of MMAs over its K slice in a fixed order, and the
 K slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32 sum done by
 the last block of each output tile. So a row gets the same bits at every M, and the same kernel
 serves decode, verification and prefill (tokens beyond 64 run as further token chunks of the
-grid). Up to 8 tokens the activations come straight from L1 and the codes and group pairs are held
-in registers several chunks ahead (`product_direct`); from 9 the block's warps share the activations through
-shared memory (`product_staged`, the codes read once for up to 64 tokens); both run the same MMAs.
+grid). Up to 24 tokens the activations come straight from L1 and the codes and group pairs are
+held in registers several chunks ahead (`product_direct`); from 25 the block's warps share the
+activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
+run the same MMAs.
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
@@ -52,13 +53,16 @@ from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, rel
 _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
-DIRECT_AHEAD = 8           # K chunks of codes (and group pairs) the direct loop holds in registers ahead
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-DIRECT_MIN_BLOCKS = 2      # blocks per multiprocessor the direct (one-tile) entry is built for
 # The staged entries, by token tiles: (K chunks per x stage, which is also the code ring's depth;
 # blocks per multiprocessor it is built for; 16-row weight tiles per warp). Measured best per entry
 # on the H200 (docs/kernels.md); every choice gives a row the same bits.
-STAGED_BUILD = {2: (2, 2, 2), 3: (4, 3, 1), 4: (4, 3, 1), 5: (2, 2, 1), 6: (2, 2, 1), 7: (2, 2, 1), 8: (2, 2, 1)}
+# The entries, by token tiles per block, measured best per entry on the H200 (docs/kernels.md;
+# every choice gives a row the same bits). Direct (up to 24 tokens): (K chunks of codes and group
+# pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
+# x stage, which is also the code ring's depth; blocks per multiprocessor).
+DIRECT_BUILD = {1: (8, 2), 2: (4, 2), 3: (4, 2)}
+STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 BLOCKS_PER_SM = 3.5        # split K while fewer blocks than this per multiprocessor ...
 MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
@@ -66,8 +70,7 @@ MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks p
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 
-KERNEL_SOURCE = (f"#define DIRECT_AHEAD {DIRECT_AHEAD}\n#define NBUF {NBUF}\n"
-                 f"#define DIRECT_MIN_BLOCKS {DIRECT_MIN_BLOCKS}\n") + r"""
+KERNEL_TEXT = f"#define NBUF {NBUF}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n" + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) U4 { u32 x, y, z, w; };
@@ -219,88 +222,82 @@ __device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, U2 pair, con
   step<T>(acc, a.w, sg, og, sh, oh, b0, b1);
 }
 
-// The same four steps with the activations in shared memory, for the R row tiles of a warp: xrow
-// points at the lane's 16 channels of token tile 0, ROW halves per token; step j reads 4 channels
-// of each tile (one 8-byte load), used by every row tile.
-template <int T, int ROW, int R>
-__device__ __forceinline__ void chunk_shared(float (*acc)[T][4], const U4* a, const U2* pair, u32 xrow) {
-  u32 sg[R], og[R], sh[R], oh[R], words[R][4];
+// The lane's 16 channels of chunk c0 + s for each token tile (xp: chunk c0's, per tile).
+template <int T>
+__device__ __forceinline__ void load_tiles(U4* xa, U4* xb, const U4* const* xp, int s) {
 #pragma unroll
-  for (int r = 0; r < R; r++) {
-    sg[r] = prmt(pair[r].x, 0x1010u); og[r] = prmt(pair[r].x, 0x3232u);
-    sh[r] = prmt(pair[r].y, 0x1010u); oh[r] = prmt(pair[r].y, 0x3232u);
-    words[r][0] = a[r].x; words[r][1] = a[r].y; words[r][2] = a[r].z; words[r][3] = a[r].w;
-  }
+  for (int tt = 0; tt < T; tt++) { xa[tt] = load_x(xp[tt] + s * 8); xb[tt] = load_x(xp[tt] + s * 8 + 1); }
+}
+template <int T, int AHEAD>
+__device__ __forceinline__ int advance_tiles(const U4** xp) {
 #pragma unroll
-  for (int j = 0; j < 4; j++) {
-    u32 b0[T], b1[T];
-#pragma unroll
-    for (int tt = 0; tt < T; tt++) {
-      const U2 v = lds64_at(xrow + 2 * (tt * 8 * ROW + 4 * j));
-      b0[tt] = v.x;
-      b1[tt] = v.y;
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++) step<T>(acc[r], words[r][j], sg[r], og[r], sh[r], oh[r], b0, b1);
-  }
+  for (int tt = 0; tt < T; tt++) xp[tt] += AHEAD * 8;
+  return 0;
 }
 
-// One token tile: activations straight from global memory (L1); codes and group pairs DIRECT_AHEAD
+// Few token tiles: activations straight from global memory (L1); codes and group pairs AHEAD
 // chunks ahead in registers: no shared memory, no barrier. At one token the loop is bound by
 // instruction issue (docs/kernels.md), so it is unrolled by that depth (every register named at
 // compile time), the tile-major codes make every code address a constant offset from one pointer,
 // and while every refill lies inside the slice the loads carry no predicate (a predicated load
 // makes the compiler copy the register it may not overwrite).
+template <int T, int AHEAD>
 __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const U4* ap = codes + rt * tile_stride + c_begin * 32 + lane;      // chunk c0's word (32 words a chunk)
   const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
   int k0 = c_begin * 64 + 16 * t;                                     // chunk c0's first channel of the lane's 16
 #define PAIR_AT(k) (pairs + ((u32)(k) >> group_shift) * 8u)
-  U4 ring[DIRECT_AHEAD];
-  U2 ring_p[DIRECT_AHEAD];
+  U4 ring[AHEAD];
+  U2 ring_p[AHEAD];
 #pragma unroll
-  for (int s = 0; s < DIRECT_AHEAD; s++)
+  for (int s = 0; s < AHEAD; s++)
     if (c_begin + s < c_end) {
       ring[s] = load_codes(ap + s * 32);
       ring_p[s] = load_pair(PAIR_AT(k0 + s * 64));
     }
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
-  const U4* xp = (const U4*)(x + (size_t)min(tok0 + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
-  int c0 = c_begin;
-  for (; c0 + 2 * DIRECT_AHEAD <= c_end; c0 += DIRECT_AHEAD, ap += DIRECT_AHEAD * 32, k0 += DIRECT_AHEAD * 64,
-                                         xp += DIRECT_AHEAD * 8) {
+  const U4* xp[T];
 #pragma unroll
-    for (int s = 0; s < DIRECT_AHEAD; s++) {
+  for (int tt = 0; tt < T; tt++)
+    xp[tt] = (const U4*)(x + (size_t)min(tok0 + 8 * tt + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
+  int c0 = c_begin;
+  for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64,
+                                         advance_tiles<T, AHEAD>(xp)) {
+#pragma unroll
+    for (int s = 0; s < AHEAD; s++) {
       const U4 a = ring[s];
       const U2 pair = ring_p[s];
-      ring[s] = load_codes(ap + (s + DIRECT_AHEAD) * 32);              // chunk c0 + s + DIRECT_AHEAD
-      ring_p[s] = load_pair(PAIR_AT(k0 + (s + DIRECT_AHEAD) * 64));
-      const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
-      chunk<1>(acc, a, pair, &xa, &xb);
+      ring[s] = load_codes(ap + (s + AHEAD) * 32);              // chunk c0 + s + AHEAD
+      ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64));
+      U4 xa[T], xb[T];
+      load_tiles<T>(xa, xb, xp, s);
+      chunk<T>(acc, a, pair, xa, xb);
     }
   }
-  if (c0 + DIRECT_AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
+  if (c0 + AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
 #pragma unroll
-    for (int s = 0; s < DIRECT_AHEAD; s++) {
-      const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
-      chunk<1>(acc, ring[s], ring_p[s], &xa, &xb);
+    for (int s = 0; s < AHEAD; s++) {
+      U4 xa[T], xb[T];
+      load_tiles<T>(xa, xb, xp, s);
+      chunk<T>(acc, ring[s], ring_p[s], xa, xb);
     }
     return;
   }
-  for (; c0 < c_end; c0 += DIRECT_AHEAD, ap += DIRECT_AHEAD * 32, k0 += DIRECT_AHEAD * 64, xp += DIRECT_AHEAD * 8) {
+  for (; c0 < c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64, advance_tiles<T, AHEAD>(xp)) {
 #pragma unroll
-    for (int s = 0; s < DIRECT_AHEAD; s++) {
+    for (int s = 0; s < AHEAD; s++) {
       if (c0 + s < c_end) {
         const U4 a = ring[s];
         const U2 pair = ring_p[s];
-        if (c0 + s + DIRECT_AHEAD < c_end) {
-          ring[s] = load_codes(ap + (s + DIRECT_AHEAD) * 32);
-          ring_p[s] = load_pair(PAIR_AT(k0 + (s + DIRECT_AHEAD) * 64));
+        if (c0 + s + AHEAD < c_end) {
+          ring[s] = load_codes(ap + (s + AHEAD) * 32);
+          ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64));
         }
-        const U4 xa = load_x(xp + s * 8), xb = load_x(xp + s * 8 + 1);
-        chunk<1>(acc, a, pair, &xa, &xb);
+        U4 xa[T], xb[T];
+        load_tiles<T>(xa, xb, xp, s);
+        chunk<T>(acc, a, pair, xa, xb);
       }
     }
   }
@@ -329,26 +326,20 @@ __device__ __forceinline__ void stage_x(u32 buf, const u16* x, int M, int ldx, i
 }
 
 // More tokens: the block's 8 warps share each stage of S chunks of activations through shared
-// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead. A
-// warp multiplies R row tiles (rt0 ..), so each activation load serves R tiles; a tile past N
-// repeats the last one and is not stored.
-template <int T, int S, int R>
-__device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int rt0, int tok0, int c_begin, int c_end) {
+// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
+template <int T, int S>
+__device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
   constexpr int ROW = S * 64 + 8;
   constexpr int STAGE_BYTES = 8 * T * ROW * 2;
   __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
   const u32 xs_at = smem_address(&xs[0][0]);   // shared addresses as 32-bit offsets: no conversion per load
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Chunks f[R];
-  U4 ring[R][S];
-  U2 ring_so[R][S];
+  Chunks f = chunks_of(ARGS, rt, c_begin);
+  U4 ring[S];
+  U2 ring_so[S];
 #pragma unroll
-  for (int r = 0; r < R; r++) {
-    f[r] = chunks_of(ARGS, min(rt0 + r, (N >> 4) - 1), c_begin);
-#pragma unroll
-    for (int p = 0; p < S; p++)
-      if (c_begin + p < c_end) f[r].get(ring[r][p], ring_so[r][p]);
-  }
+  for (int p = 0; p < S; p++)
+    if (c_begin + p < c_end) f.get(ring[p], ring_so[p]);
   // one commit group per stage, empty ones past the slice, so waiting for all but the newest
   // NBUF - 1 groups always means "this stage has landed"
 #pragma unroll
@@ -368,25 +359,16 @@ __device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int r
     for (int p = 0; p < S; p++) {
       const int c = c0 + p;
       if (c < c_end) {
-        U4 a[R];
-        U2 pair[R];
+        const U4 a = ring[p];
+        const U2 pair = ring_so[p];
+        if (c + S < c_end) f.get(ring[p], ring_so[p]);   // chunks in order: c + S
+        U4 xa[T], xb[T];
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-          a[r] = ring[r][p];
-          pair[r] = ring_so[r][p];
-          if (c + S < c_end) f[r].get(ring[r][p], ring_so[r][p]);   // chunks in order: c + S
+        for (int tt = 0; tt < T; tt++) {
+          xa[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64));
+          xb[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64 + 8));
         }
-        if (R == 1) {          // one row tile: a chunk's activations in 16-byte loads
-          U4 xa[T], xb[T];
-#pragma unroll
-          for (int tt = 0; tt < T; tt++) {
-            xa[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64));
-            xb[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64 + 8));
-          }
-          chunk<T>(acc[0], a[0], pair[0], xa, xb);
-        } else {               // several: per MMA step, each load serving every row tile
-          chunk_shared<T, ROW, R>(acc, a, pair, xrow + 2 * p * 64);
-        }
+        chunk<T>(acc, a, pair, xa, xb);
       }
     }
     __syncthreads();     // the buffer just read is one the copies of a later stage overwrite
@@ -396,52 +378,47 @@ __device__ __forceinline__ void product_staged(float (*acc)[T][4], PARAMS, int r
 // Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int R>
+template <int T, bool DIRECT, int S>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tok0 = blockIdx.x * (8 * T);
   const int row_tiles = N >> 4, chunks = K >> 6;
-  const int rt0 = (blockIdx.y * 8 + warp) * R;
+  const int rt = blockIdx.y * 8 + warp;
   const int slice = blockIdx.z;
   const int c_begin = slice * chunks_per_slice;
   const int c_end = min(chunks, c_begin + chunks_per_slice);
-  float acc[R][T][4];
+  float acc[T][4];
 #pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int tt = 0; tt < T; tt++) acc[r][tt][0] = acc[r][tt][1] = acc[r][tt][2] = acc[r][tt][3] = 0.f;
+  for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
+  // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
-    if (rt0 < row_tiles) product_direct(acc[0], ARGS, rt0, tok0, c_begin, c_end);
+    if (rt < row_tiles) product_direct<T, S>(acc, ARGS, rt, tok0, c_begin, c_end);
   } else {
-    product_staged<T, S, R>(acc, ARGS, rt0, tok0, c_begin, c_end);
+    product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
   }
-  // acc[r][tt][i]: row (rt0 + r)*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
+  // acc[tt][i]: row rt*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
   if (split == 1) {
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-      for (int tt = 0; tt < T; tt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt0 + r) * 16 + g + 8 * (i >> 1);
-          if (tok < M && rt0 + r < row_tiles) {
-            float v = acc[r][tt][i];
-            if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
-            y[(size_t)tok * ldy + n] = f2h(v);
-          }
-        }
-    return;
-  }
-#pragma unroll
-  for (int r = 0; r < R; r++)
 #pragma unroll
     for (int tt = 0; tt < T; tt++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt0 + r) * 16 + g + 8 * (i >> 1);
-        if (tok < M && rt0 + r < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[r][tt][i];
+        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
+        if (tok < M && rt < row_tiles) {
+          float v = acc[tt][i];
+          if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+          y[(size_t)tok * ldy + n] = f2h(v);
+        }
       }
+    return;
+  }
+#pragma unroll
+  for (int tt = 0; tt < T; tt++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
+      if (tok < M && rt < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[tt][i];
+    }
   // The last block of this output tile to finish sums the slices in slice order.
   __shared__ int last;
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -451,10 +428,9 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   __syncthreads();
   if (!last) return;
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  const int block_rows = 128 * R;
-  const int rows = min(block_rows, N - (int)blockIdx.y * block_rows), toks = min(8 * T, M - tok0);
+  const int rows = min(ROWS_PER_BLOCK, N - (int)blockIdx.y * ROWS_PER_BLOCK), toks = min(8 * T, M - tok0);
   for (int e = threadIdx.x; e < rows * toks; e += blockDim.x) {
-    const int tok = tok0 + e / rows, n = blockIdx.y * block_rows + e % rows;
+    const int tok = tok0 + e / rows, n = blockIdx.y * ROWS_PER_BLOCK + e % rows;
     const float* p = partials + (size_t)tok * N + n;
     float v = 0.f;
     for (int s = 0; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
@@ -464,14 +440,24 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   if (threadIdx.x == 0) counters[tile] = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(256, DIRECT_MIN_BLOCKS) w4_direct_t1(PARAMS) {
-  w4_mma<1, true, 1, 1>(ARGS);
-}
-#define STAGED_ENTRY(T, S, BLOCKS, R)                                                            \
-  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
-    w4_mma<T, false, S, R>(ARGS);                                                                \
+#define DIRECT_ENTRY(T, AHEAD, BLOCKS)                                                           \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T(PARAMS) {               \
+    w4_mma<T, true, AHEAD>(ARGS);                                                                \
   }
-""" + "".join(f"STAGED_ENTRY({t}, {s}, {b}, {r})\n" for t, (s, b, r) in STAGED_BUILD.items())
+#define STAGED_ENTRY(T, S, BLOCKS)                                                               \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
+    w4_mma<T, false, S>(ARGS);                                                                   \
+  }
+"""
+
+
+def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD) -> str:
+    """The CUDA source with one entry per build (the defaults: the shipped entries)."""
+    return (KERNEL_TEXT + "".join(f"DIRECT_ENTRY({t}, {a}, {b})\n" for t, (a, b) in direct_build.items())
+            + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items()))
+
+
+KERNEL_SOURCE = kernel_source()
 
 
 # ---- which products it serves ----------------------------------------------------------------
@@ -702,14 +688,14 @@ def _arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
-def warp_row_tiles(tiles: int) -> int:
-    """16-row weight tiles per warp in the entry of `tiles` token tiles (a block: 8 warps)."""
-    return STAGED_BUILD[tiles][2] if tiles > 1 else 1
+def ahead_chunks(tiles: int) -> int:
+    """K chunks of codes the entry of `tiles` token tiles fetches ahead of the one it multiplies."""
+    return DIRECT_BUILD[tiles][0] if tiles in DIRECT_BUILD else STAGED_BUILD[tiles][0]
 
 
 def entry_for(tiles: int) -> str:
-    """The entry that multiplies `tiles` token tiles per block: the direct loop for one, else staged."""
-    return "w4_direct_t1" if tiles == 1 else f"w4_staged_t{tiles}"
+    """The entry that multiplies `tiles` token tiles per block: the direct loop for few, else staged."""
+    return f"w4_direct_t{tiles}" if tiles in DIRECT_BUILD else f"w4_staged_t{tiles}"
 
 
 def entry_names() -> list[str]:
@@ -823,7 +809,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     tiles = tiles or token_tiles(m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
-    grid = (-(-m // (8 * tiles)), -(-n // (ROWS_PER_BLOCK * warp_row_tiles(tiles))), split)
+    grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
     y = add_to if add_to is not None else torch.empty((m, n), device=x.device, dtype=torch.float16)
     residual = y.data_ptr() if add_to is not None else 0
     parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
