@@ -597,6 +597,23 @@ def test_verification_is_batch_invariant_on_the_static_path_with_the_cuda_w4_ker
     assert_verification_is_batch_invariant(model)
 
 
+def test_op_profile_on_the_gpu_names_the_cuda_w4_kernel(monkeypatch, tmp_path) -> None:
+    """op-profile on CUDA: the graph-replayed step beside the profiled one, and with
+    HIERVIZ_W4_CUDA=on the fp16 kernel that ran named in the record and the table, its products
+    in the operator list."""
+    import json
+
+    from hierviz.measure import op_profile
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+    assert op_profile.main(["--shape", "smollm2", "--layers", "2", "--device", "cuda", "--steps", "2",
+                            "--top", "60", "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "op_profile.json").read_text())
+    assert info["w4_fp16_kernel"] == "cuda_mma" and info["step_ms_graphs"] > 0
+    assert any(r["op"].startswith("w4_direct_t1") for r in info["ops"])
+    assert "W4A16 (cuda_mma)" in op_profile.table(info)
+    assert info["command"].startswith("HIERVIZ_W4_CUDA=on python -m hierviz op-profile")
+
+
 def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch, tmp_path) -> None:
     """HIERVIZ_W4_CUDA=target: a batch-invariant (target) weight's products run the CUDA MMA kernel
     at every row count, a plain (intermediate, drafter) weight's the Triton kernel; whatif --exact

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from hierviz.measure.op_profile import main
+from hierviz.measure.op_profile import main, table
 
 
 def test_op_profile_on_cpu(tmp_path, capsys) -> None:
@@ -23,6 +23,8 @@ def test_op_profile_on_cpu(tmp_path, capsys) -> None:
     assert "aten::mm" in ops or "aten::matmul" in ops or "aten::addmm" in ops
     assert abs(sum(r["share"] for r in info["ops"]) - 1.0) < 0.05
     assert "| op | calls / step |" in capsys.readouterr().out
+    assert "w4_fp16_kernel" not in info      # a CUDA record's: the fp16 kernel that ran
+    assert "W4A16 (cuda_mma)" in table(dict(info, w4_fp16_kernel="cuda_mma"))
 
 
 def test_op_profile_sequence_forwards(tmp_path) -> None:

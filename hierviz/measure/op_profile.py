@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from hierviz.config import recorded_command
-from hierviz.machine import gpu_name
+from hierviz.machine import gpu_name, w4_fp16_kernel
 
 SCHEMA = "hierviz.op_profile/1"
 
@@ -90,6 +90,8 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
                            "prompt_tokens": prompt_len, "tokens_per_forward": tokens,
                            "gpu": gpu_name(device), "torch": torch.__version__}
     if cuda:   # reference: the same step replayed from CUDA graphs, as the engine runs it
+        # w4_kernel names the engine's kernel family, "triton" also when fp16 products run the CUDA variant
+        out["w4_fp16_kernel"] = w4_fp16_kernel(torch.device(device))
         st = fresh_state()
         _step_ms(st, 3, cuda, tokens)
         out["step_ms_graphs"] = _step_ms(st, steps, cuda, tokens)
@@ -118,7 +120,8 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
 
 
 def table(info: dict[str, Any]) -> str:
-    lines = [f"# {info['shape']} x {info['layers']} layers, W4A16 ({info['w4_kernel']}), {info['dtype']} on "
+    kernel = info.get("w4_fp16_kernel", info["w4_kernel"])
+    lines = [f"# {info['shape']} x {info['layers']} layers, W4A16 ({kernel}), {info['dtype']} on "
              f"{info.get('gpu') or info['device']}, {info.get('tokens_per_forward', 1)} token(s) per forward: "
              f"{info['timing']}",
              "",
