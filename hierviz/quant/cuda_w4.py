@@ -55,9 +55,6 @@ _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-# The staged entries, by token tiles: (K chunks per x stage, which is also the code ring's depth;
-# blocks per multiprocessor it is built for; 16-row weight tiles per warp). Measured best per entry
-# on the H200 (docs/kernels.md); every choice gives a row the same bits.
 # The entries, by token tiles per block, measured best per entry on the H200 (docs/kernels.md;
 # every choice gives a row the same bits). Direct (up to 24 tokens): (K chunks of codes and group
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
@@ -175,9 +172,8 @@ __device__ __forceinline__ U2 lds64_at(u32 a) {
 #define ARGS codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice, n_groups, \
     group_shift, split, tile_stride, chunk_stride
 
-// The lane's codes and group pair (rows g, g + 8) of one row tile, chunk after chunk from the
-// slice's first: the addresses advance rather than being recomputed per chunk (the loops are
-// bound by instruction issue at few tokens).
+// The staged loop's codes and group pair (rows g, g + 8) of the lane's row tile, chunk after
+// chunk from the slice's first: the addresses advance rather than being recomputed per chunk.
 struct Chunks {
   const char* a;       // the lane's 16 bytes of the next chunk
   long long a_step;    // bytes from one chunk's codes to the next's
