@@ -774,9 +774,9 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
            split: Optional[int] = None, tiles: Optional[int] = None) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
-    and returned. split: K slices (default split_for on this GPU; the same for every M). tiles:
-    8-token tiles per block (default token_tiles(M)); any choice of either gives a row the same
-    bits."""
+    and returned. split: K slices (default split_for on this GPU; the same for every M; another
+    split sums in another order, so other bits). tiles: 8-token tiles per block (default
+    token_tiles(M)); any choice gives a row the same bits."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
