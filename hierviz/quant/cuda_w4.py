@@ -160,11 +160,6 @@ __device__ __forceinline__ U4 lds128_at(u32 a) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
   return r;
 }
-__device__ __forceinline__ U2 lds64_at(u32 a) {
-  U2 r;
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(a));
-  return r;
-}
 
 #define PARAMS const U4* __restrict__ codes, const U2* __restrict__ so, const u16* __restrict__ x, \
     u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
