@@ -112,13 +112,32 @@ def test_shape_rules_and_the_k_split() -> None:
     assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 3, 4, 5, 8, 8, 8]
     assert cuda_w4.entry_for(1) == "w4_direct_t1" and cuda_w4.entry_for(8) == "w4_staged_t8"
     assert cuda_w4.entry_for(3) == "w4_direct_t3" and cuda_w4.entry_for(4) == "w4_staged_t4"
-    assert len(set(cuda_w4.entry_names())) == cuda_w4.MAX_TOKEN_TILES
+    assert len({cuda_w4.entry_for(t) for t in range(1, cuda_w4.MAX_TOKEN_TILES + 1)}) == cuda_w4.MAX_TOKEN_TILES
+    assert len(set(cuda_w4.entry_names())) == len(cuda_w4.entry_names())
     # one entry per tile count, direct or staged, each built into the source
     assert sorted([*cuda_w4.DIRECT_BUILD, *cuda_w4.STAGED_BUILD]) == list(range(1, cuda_w4.MAX_TOKEN_TILES + 1))
     assert all(f"DIRECT_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.DIRECT_BUILD)
     assert all(f"STAGED_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.STAGED_BUILD)
     assert cuda_w4.ahead_chunks(1) == cuda_w4.DIRECT_BUILD[1][0] and cuda_w4.ahead_chunks(8) == cuda_w4.STAGED_BUILD[8][0]
     assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
+
+
+def test_group_pairs_by_offset_only_where_every_slice_starts_on_a_group() -> None:
+    """The direct entries specialized to 64- and 128-channel groups take a product only when each
+    K slice starts on a group and the look-ahead is whole groups; anything else runs the generic
+    entry (the same arithmetic, so the same bits)."""
+    assert cuda_w4.pair_group(1, 128, 32) == 128 and cuda_w4.pair_group(2, 64, 7) == 64
+    assert cuda_w4.pair_group(1, 128, 19) == 0            # odd slices: a slice starts mid-group
+    assert cuda_w4.pair_group(1, 32, 32) == 0             # two groups per chunk: generic
+    assert cuda_w4.pair_group(1, 8192, 128) == 0          # per-channel: generic
+    assert cuda_w4.pair_group(cuda_w4.MAX_TOKEN_TILES, 128, 32) == 0    # the staged loop
+    names = set(cuda_w4.entry_names())
+    for tiles in range(1, cuda_w4.MAX_TOKEN_TILES + 1):
+        for g in (32, 64, 128, 256, 8192):
+            for per in (1, 2, 7, 8, 19, 32, 56):
+                assert cuda_w4.entry_for(tiles, cuda_w4.pair_group(tiles, g, per)) in names
+    assert all(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, 128)" in cuda_w4.KERNEL_SOURCE
+               for t, (a, b) in cuda_w4.DIRECT_BUILD.items())
 
 
 def test_bad_operands_are_refused_before_any_launch() -> None:

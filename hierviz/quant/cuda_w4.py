@@ -60,6 +60,7 @@ NBUF = 2                   # x stages the staged loop keeps in shared memory (NB
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
 # x stage, which is also the code ring's depth; blocks per multiprocessor).
 DIRECT_BUILD = {1: (8, 2), 2: (4, 2), 3: (4, 2)}
+PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 BLOCKS_PER_SM = 3.5        # split K while fewer blocks than this per multiprocessor ...
@@ -233,20 +234,27 @@ __device__ __forceinline__ int advance_tiles(const U4** xp) {
 // compile time), the tile-major codes make every code address a constant offset from one pointer,
 // and while every refill lies inside the slice the loads carry no predicate (a predicated load
 // makes the compiler copy the register it may not overwrite).
-template <int T, int AHEAD>
+//
+// GC > 0: groups of GC chunks (64 * GC channels), the slice starting on a group and AHEAD a
+// multiple of GC, so every group-pair address is a constant offset from one pointer as well
+// (GC = 0: any group size, the pair address computed per chunk from the channel index).
+template <int T, int AHEAD, int GC>
 __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+  static_assert(GC == 0 || AHEAD % GC == 0, "a look-ahead of whole groups");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const U4* ap = codes + rt * tile_stride + c_begin * 32 + lane;      // chunk c0's word (32 words a chunk)
   const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
   int k0 = c_begin * 64 + 16 * t;                                     // chunk c0's first channel of the lane's 16
-#define PAIR_AT(k) (pairs + ((u32)(k) >> group_shift) * 8u)
+  const U2* pp = pairs + (GC ? c_begin / GC : 0) * 8;                 // chunk c0's group pair (GC > 0)
+  // the pair of chunk c0 + j (k: its first channel of the lane's 16)
+#define PAIR_AT(k, j) (GC ? pp + ((j) / (GC ? GC : 1)) * 8 : pairs + ((u32)(k) >> group_shift) * 8u)
   U4 ring[AHEAD];
   U2 ring_p[AHEAD];
 #pragma unroll
   for (int s = 0; s < AHEAD; s++)
     if (c_begin + s < c_end) {
       ring[s] = load_codes(ap + s * 32);
-      ring_p[s] = load_pair(PAIR_AT(k0 + s * 64));
+      ring_p[s] = load_pair(PAIR_AT(k0 + s * 64, s));
     }
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
@@ -256,13 +264,13 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
     xp[tt] = (const U4*)(x + (size_t)min(tok0 + 8 * tt + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
   int c0 = c_begin;
   for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64,
-                                         advance_tiles<T, AHEAD>(xp)) {
+                                         pp += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8, advance_tiles<T, AHEAD>(xp)) {
 #pragma unroll
     for (int s = 0; s < AHEAD; s++) {
       const U4 a = ring[s];
       const U2 pair = ring_p[s];
       ring[s] = load_codes(ap + (s + AHEAD) * 32);              // chunk c0 + s + AHEAD
-      ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64));
+      ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64, s + AHEAD));
       U4 xa[T], xb[T];
       load_tiles<T>(xa, xb, xp, s);
       chunk<T>(acc, a, pair, xa, xb);
@@ -277,7 +285,8 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
     }
     return;
   }
-  for (; c0 < c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64, advance_tiles<T, AHEAD>(xp)) {
+  for (; c0 < c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64, pp += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8,
+                    advance_tiles<T, AHEAD>(xp)) {
 #pragma unroll
     for (int s = 0; s < AHEAD; s++) {
       if (c0 + s < c_end) {
@@ -285,7 +294,7 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
         const U2 pair = ring_p[s];
         if (c0 + s + AHEAD < c_end) {
           ring[s] = load_codes(ap + (s + AHEAD) * 32);
-          ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64));
+          ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64, s + AHEAD));
         }
         U4 xa[T], xb[T];
         load_tiles<T>(xa, xb, xp, s);
@@ -370,7 +379,7 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
 // Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S>
+template <int T, bool DIRECT, int S, int GC = 0>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -385,7 +394,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
   // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
-    if (rt < row_tiles) product_direct<T, S>(acc, ARGS, rt, tok0, c_begin, c_end);
+    if (rt < row_tiles) product_direct<T, S, GC>(acc, ARGS, rt, tok0, c_begin, c_end);
   } else {
     product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
   }
@@ -436,6 +445,10 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T(PARAMS) {               \
     w4_mma<T, true, AHEAD>(ARGS);                                                                \
   }
+#define DIRECT_GROUP_ENTRY(T, AHEAD, BLOCKS, G)                                                  \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T##_g##G(PARAMS) {        \
+    w4_mma<T, true, AHEAD, G / 64>(ARGS);                                                        \
+  }
 #define STAGED_ENTRY(T, S, BLOCKS)                                                               \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
     w4_mma<T, false, S>(ARGS);                                                                   \
@@ -446,6 +459,8 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries)."""
     return (KERNEL_TEXT + "".join(f"DIRECT_ENTRY({t}, {a}, {b})\n" for t, (a, b) in direct_build.items())
+            + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
+                      for g in PAIR_GROUPS if a % (g // 64) == 0)
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items()))
 
 
@@ -685,13 +700,26 @@ def ahead_chunks(tiles: int) -> int:
     return DIRECT_BUILD[tiles][0] if tiles in DIRECT_BUILD else STAGED_BUILD[tiles][0]
 
 
-def entry_for(tiles: int) -> str:
-    """The entry that multiplies `tiles` token tiles per block: the direct loop for few, else staged."""
-    return f"w4_direct_t{tiles}" if tiles in DIRECT_BUILD else f"w4_staged_t{tiles}"
+def pair_group(tiles: int, group_size: int, chunks_per_slice: int) -> int:
+    """The group size whose direct entry addresses the group pairs by constant offsets (every
+    slice starting on a group, the look-ahead whole groups), else 0: the generic entry."""
+    if tiles not in DIRECT_BUILD or group_size not in PAIR_GROUPS:
+        return 0
+    gc = group_size // 64
+    return group_size if chunks_per_slice % gc == 0 and DIRECT_BUILD[tiles][0] % gc == 0 else 0
+
+
+def entry_for(tiles: int, group: int = 0) -> str:
+    """The entry that multiplies `tiles` token tiles per block: the direct loop for few (group:
+    its pair_group entry), else staged."""
+    if tiles not in DIRECT_BUILD:
+        return f"w4_staged_t{tiles}"
+    return f"w4_direct_t{tiles}_g{group}" if group else f"w4_direct_t{tiles}"
 
 
 def entry_names() -> list[str]:
-    return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)]
+    return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
+        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if a % (g // 64) == 0]
 
 
 def functions(index: int) -> dict[str, ctypes.c_void_p]:
@@ -815,6 +843,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
-    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry_for(tiles)], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, 0,
+    entry = entry_for(tiles, pair_group(tiles, w.group_size, per))
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, 0,
                                              stream, ptrs, None), "cuLaunchKernel")
     return y
