@@ -102,13 +102,22 @@ def test_shape_rules_and_the_k_split() -> None:
     assert not cuda_w4.supports_shape(4096, 4128, 32)                       # K not in 64-channel chunks
     assert not cuda_w4.supports_shape(4096, 4608, 96)                       # groups not a power of two
     assert cuda_w4.group_shift(8192, 128) == 7 and cuda_w4.group_shift(8192, 8192) == 31
-    # the split follows the shape and the GPU, never M; slices keep at least 8 chunks
-    assert cuda_w4.split_for(28672, 8192, 132) == 4 and cuda_w4.split_for(8192, 28672, 132) == 8
-    assert cuda_w4.split_for(8192, 8192, 132) == 8 and cuda_w4.split_for(57344, 8192, 132) == 2
-    assert cuda_w4.split_for(576, 576, 132) == 1
-    for n, k in ((28672, 8192), (8192, 28672), (4096, 14336), (1536, 576)):
+    # the split follows the shape and the GPU, never M: one wave of 2 blocks per multiprocessor
+    # (132 on an H200: 264 blocks of 128 rows), slices of at least 8 chunks
+    assert cuda_w4.split_for(28672, 8192, 132) == 1 and cuda_w4.split_for(8192, 28672, 132) == 4
+    assert cuda_w4.split_for(8192, 8192, 132) == 4 and cuda_w4.split_for(57344, 8192, 132) == 1
+    assert cuda_w4.split_for(10240, 8192, 132) == 3 and cuda_w4.split_for(576, 576, 132) == 1
+    assert cuda_w4.split_for(4096, 4096, 132) == 8 and cuda_w4.split_for(4096, 4096, 66) == 4
+    for n, k in ((28672, 8192), (8192, 28672), (4096, 14336), (1536, 576), (6144, 4096), (1024, 1088)):
         s = cuda_w4.split_for(n, k, 132)
         assert s == 1 or (k // 64) // s >= cuda_w4.MIN_CHUNKS_PER_SLICE
+        assert -(-n // cuda_w4.ROWS_PER_BLOCK) * s <= 2 * 132 or s == 1
+        # slices in whole look-ahead rounds, covering K, none empty
+        slices, per = cuda_w4.slice_plan(k, s)
+        assert per % cuda_w4.SLICE_ROUND == 0 or per == k // 64
+        assert (slices - 1) * per < k // 64 <= slices * per
+    assert cuda_w4.slice_plan(8192, 3) == (3, 44) and cuda_w4.slice_plan(4096, 5) == (4, 16)
+    assert cuda_w4.slice_plan(576, 4) == (3, 4) and cuda_w4.slice_plan(8192, 1) == (1, 128)
     assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 3, 4, 5, 8, 8, 8]
     assert cuda_w4.entry_for(1) == "w4_direct_t1" and cuda_w4.entry_for(8) == "w4_staged_t8"
     assert cuda_w4.entry_for(3) == "w4_direct_t3" and cuda_w4.entry_for(4) == "w4_staged_t4"

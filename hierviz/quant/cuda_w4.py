@@ -59,12 +59,13 @@ NBUF = 2                   # x stages the staged loop keeps in shared memory (NB
 # every choice gives a row the same bits). Direct (up to 24 tokens): (K chunks of codes and group
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
 # x stage, which is also the code ring's depth; blocks per multiprocessor).
-DIRECT_BUILD = {1: (8, 2), 2: (4, 2), 3: (4, 2)}
+DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2)}
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
-BLOCKS_PER_SM = 3.5        # split K while fewer blocks than this per multiprocessor ...
-MIN_CHUNKS_PER_SLICE = 8   # ... but keep at least this many 64-channel chunks per slice
+WAVE_BLOCKS_PER_SM = 2     # the direct entries' occupancy: K is split to fill one wave of them ...
+MIN_CHUNKS_PER_SLICE = 8   # ... but keeps at least this many 64-channel chunks per slice,
+SLICE_ROUND = 4            # in whole rounds of the direct entries' look-ahead (and whole 128-groups)
 
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
 NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
@@ -164,21 +165,20 @@ __device__ __forceinline__ U4 lds128_at(u32 a) {
 
 #define PARAMS const U4* __restrict__ codes, const U2* __restrict__ so, const u16* __restrict__ x, \
     u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
-    int chunks_per_slice, int n_groups, int group_shift, int split, long long tile_stride, long long chunk_stride
+    int chunks_per_slice, int n_groups, int group_shift, int split, long long tile_stride
 #define ARGS codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice, n_groups, \
-    group_shift, split, tile_stride, chunk_stride
+    group_shift, split, tile_stride
 
 // The staged loop's codes and group pair (rows g, g + 8) of the lane's row tile, chunk after
 // chunk from the slice's first: the addresses advance rather than being recomputed per chunk.
 struct Chunks {
-  const char* a;       // the lane's 16 bytes of the next chunk
-  long long a_step;    // bytes from one chunk's codes to the next's
+  const U4* a;         // the lane's 16 bytes of the next chunk (a chunk: 32 words of a tile)
   const U2* pairs;     // the pair of rows (g, g + 8) of group 0
   int k, group_shift;  // the next chunk's first channel of the lane's 16
   __device__ __forceinline__ const U2* pair() const { return pairs + ((u32)k >> group_shift) * 8u; }
-  __device__ __forceinline__ void advance() { a += a_step; k += 64; }
+  __device__ __forceinline__ void advance() { a += 32; k += 64; }
   __device__ __forceinline__ void get(U4& a_out, U2& so_out) {
-    a_out = load_codes((const U4*)a);
+    a_out = load_codes(a);
     so_out = load_pair(pair());
     advance();
   }
@@ -187,8 +187,7 @@ struct Chunks {
 __device__ __forceinline__ Chunks chunks_of(PARAMS, int rt, int c_begin) {
   const int lane = threadIdx.x & 31;
   Chunks f;
-  f.a = (const char*)(codes + rt * tile_stride + c_begin * chunk_stride + lane);
-  f.a_step = chunk_stride * (long long)sizeof(U4);
+  f.a = codes + rt * tile_stride + c_begin * 32 + lane;
   f.pairs = so + (size_t)rt * n_groups * 8 + (lane >> 2);
   f.k = c_begin * 64 + 16 * (lane & 3);
   f.group_shift = group_shift;
@@ -486,15 +485,21 @@ def supports_shape(n: int, k: int, group_size: int) -> bool:
 
 
 def split_for(n: int, k: int, sms: int) -> int:
-    """K slices of an N x K product (a power of two): until about BLOCKS_PER_SM blocks per
-    multiprocessor, keeping MIN_CHUNKS_PER_SLICE chunks per slice. Never depends on M, so a row
-    rounds alike at every M."""
+    """K slices wanted for an N x K product: as many as fill one wave of blocks at the direct
+    entries' occupancy (WAVE_BLOCKS_PER_SM), at least one, keeping MIN_CHUNKS_PER_SLICE chunks a
+    slice. A wave and a fraction more costs a whole second pass over the bandwidth-starved tail.
+    Never depends on M, so a row rounds alike at every M."""
     blocks = -(-n // ROWS_PER_BLOCK)
+    return max(1, min(WAVE_BLOCKS_PER_SM * sms // blocks, (k // 64) // MIN_CHUNKS_PER_SLICE))
+
+
+def slice_plan(k: int, split: int) -> tuple[int, int]:
+    """(slices, 64-channel chunks per slice) for `split` wanted slices of K: equal slices rounded
+    up to SLICE_ROUND chunks, so the look-ahead runs whole rounds and every slice starts on a
+    group (the pair-group entries); the last slice takes the rest."""
     chunks = k // 64
-    split = 1
-    while blocks * split < BLOCKS_PER_SM * sms and chunks // (2 * split) >= MIN_CHUNKS_PER_SLICE:
-        split *= 2
-    return split
+    per = min(chunks, -(-(-(-chunks // max(1, split))) // SLICE_ROUND) * SLICE_ROUND)
+    return -(-chunks // per), per
 
 
 def token_tiles(m: int) -> int:
@@ -823,9 +828,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     if split is None:
         from hierviz.quant.triton_w4 import sm_count
         split = split_for(n, k, sm_count(x.device))
-    chunks = k // 64
-    per = -(-chunks // split)
-    split = -(-chunks // per)
+    split, per = slice_plan(k, split)
     tiles = tiles or token_tiles(m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
@@ -839,7 +842,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
             ctypes.c_void_p(counters.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
             ctypes.c_int(x.stride(0)), ctypes.c_int(y.stride(0)), ctypes.c_int(per),
             ctypes.c_int(k // w.group_size), ctypes.c_int(shift), ctypes.c_int(split),
-            ctypes.c_longlong(codes.stride(0) // 4), ctypes.c_longlong(codes.stride(1) // 4)]
+            ctypes.c_longlong(codes.stride(0) // 4)]
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()

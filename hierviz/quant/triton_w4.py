@@ -818,7 +818,7 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
         if cuda_w4.serves(w) and cuda_w4.supports_shape(n, k, w.group_size):
             tiles = cuda_w4.token_tiles(m)
             return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles,
-                          split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS,
+                          split_k=cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, sm_count(x.device)))[0], num_warps=cuda_w4.WARPS,
                           num_stages=cuda_w4.ahead_chunks(tiles), cuda=True)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
