@@ -134,11 +134,10 @@ def _fused_kernels():
                                 "v_ptr": h, "stride_qkv": "i32", "HQ": "i32", "HKV": "i32", "L": "i32"},
          {"HD": 128, "HALF": 64, "BH": 64, "BHEADS": 16}),
         (f._attention_kernel, {"q_ptr": h, "k_ptr": h, "v_ptr": h, "cols_ptr": "*i32", "count_ptr": "*i32",
-                               "o_ptr": h, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "L": "i32",
+                               "o_ptr": h, "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                               "ticket_ptr": "*i32", "L": "i32",
                                "HQ": "i32", "stride_cols": "i32", "scale": "fp32", "blocks_per_split": "i32"},
          {"G": 8, "HD": 128, "BD": 128, "BR": 16, "BL": 64, "SPLIT": True, "IEEE": False}),
-        (f._attention_combine_kernel, {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": h,
-                                       "rows": "i32", "S": "i32"}, {"HD": 128, "BD": 128, "BROWS": 16}),
         (f._silu_mul_kernel, {"gu_ptr": h, "out_ptr": h, "I": "i32"}, {"BLOCK": 1024}),
     ]
 
@@ -188,3 +187,15 @@ def test_fused_attention_leaves_no_register_wgmma_in_flight(arch: int) -> None:
     from hierviz.quant.kernel_guard import async_register_hazards
     fn, args, consts = next(k for k in _fused_kernels() if k[0].__name__ == "_attention_kernel")
     assert async_register_hazards(_compiled(fn, args, consts, arch)["ttgir"]) == []
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_fused_attention_publishes_its_slices_before_the_ticket(arch: int) -> None:
+    """The program that combines a token's slices reads what the others wrote: each writes its
+    partial results to L2, waits at a block barrier, then takes its ticket with release / acquire
+    order at GPU scope, and the combiner reads the partials from L2."""
+    fn, args, consts = next(k for k in _fused_kernels() if k[0].__name__ == "_attention_kernel")
+    ptx = _ptx_of(fn, args, consts, arch)
+    ticket = ptx.index("atom.global.gpu.acq_rel.add")
+    assert "st.global.cg" in ptx[:ticket] and "bar.sync" in ptx[ptx.rindex("st.global.cg", 0, ticket):ticket]
+    assert "ld.global.cg" in ptx[ticket:]

@@ -6,7 +6,7 @@ on is labelled projected.
 A layer verifying T tokens (a profile curve, hierviz.measure.profile: the fused static path of
 hierviz.models.llama replayed from a CUDA graph) is the list of kernels it launches
 (`layer_kernels`): the ones every format shares (two RMSNorms, RoPE with the cache write, the
-mask's visible columns, the attention over the cache and its combine, SiLU * up) and what each of
+mask's visible columns, the attention over the cache, SiLU * up) and what each of
 the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches in its format:
 
     FP16        one cuBLAS GEMM; o and down add the residual in a separate kernel
@@ -236,17 +236,16 @@ def product_kernels(fmt: str, t: int, k: int, n: int, add: bool, where: Shape, g
 
 
 def attention_kernels(t: int, where: Shape) -> list[Kernel]:
-    """The fused attention (hierviz.models.fused.masked_attention): each token's program reads the
-    keys and values it sees (the context and the new tokens up to itself); a combine when the
-    cache needs more than one program per token."""
+    """The fused attention (hierviz.models.fused.masked_attention), one launch: each token's
+    programs read the keys and values it sees (the context and the new tokens up to itself); when
+    its columns span more than one program, their partial results are written and read back by
+    the last one."""
     cfg = where.cfg
     q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
     seen = t * where.context + t * (t + 1) / 2
-    out = [Kernel("stream", 4.0 * seen * kv + 4.0 * t * q)]
-    splits = -(-where.cache // ATTN_COLUMNS_PER_PROGRAM)
-    if splits > 1:
-        out.append(Kernel("stream", 4.0 * splits * t * (q + 2 * cfg["num_heads"]) + 2.0 * t * q))
-    return out
+    used = -(-(where.context + t) // ATTN_COLUMNS_PER_PROGRAM)
+    partials = 2 * 4.0 * used * t * (q + 2 * cfg["num_heads"]) if used > 1 else 0.0
+    return [Kernel("stream", 4.0 * seen * kv + 4.0 * t * q + partials)]
 
 
 def visible_columns_kernels(t: int, where: Shape) -> list[Kernel]:

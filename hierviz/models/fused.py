@@ -15,7 +15,8 @@ These kernels do that work in five launches per layer:
                             boolean mask [T, L], turned once per forward into each token's list
                             of visible columns (`visible_columns`); GQA without copies (one
                             program serves a token's group of query heads); only visible columns
-                            are read; split along them for parallelism, then one combine launch;
+                            are read; split along them for parallelism, the last slice of a token
+                            combining them in the same launch;
                             batch-invariant (see masked_attention)
   silu_mul                  silu(gate) * up from the fused gate_up output
 
@@ -43,7 +44,7 @@ except Exception:  # pragma: no cover - depends on the install
 
 _force = False
 ATTN_BLOCK_L = 64          # cache columns per attention step
-ATTN_SPLIT_BLOCKS = 2      # attention steps per program (longer contexts: more programs, then a combine)
+ATTN_SPLIT_BLOCKS = 2      # attention steps per program (longer contexts: more programs, combined)
 
 
 def force(on: bool) -> None:
@@ -110,7 +111,7 @@ if HAVE_TRITON:
         tl.store(dst_v + HALF, y2, mask=ok & is_v2)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, cols_ptr, count_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, cols_ptr, count_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, ticket_ptr,
                           L, HQ, stride_cols, scale, blocks_per_split,
                           G: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
                           BL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
@@ -122,64 +123,70 @@ if HAVE_TRITON:
         orow = t * HQ + h * G + g                  # row of the [T * HQ, HD] output
         d = tl.arange(0, BD)
         d_ok = d < HD
-        q = tl.load(q_ptr + orow[:, None] * HD + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i = tl.full([BR], float("-inf"), tl.float32)
-        l_i = tl.zeros([BR], tl.float32)
-        acc = tl.zeros([BR, BD], tl.float32)
-        kv = h * L * HD
+        rd_ok = row_ok[:, None] & d_ok[None, :]
         n = tl.load(count_ptr + t)                 # the token's visible columns, listed first in cols
-        b0 = sp * blocks_per_split
-        b1 = tl.minimum(b0 + blocks_per_split, tl.cdiv(n, BL))
-        for b in range(b0, b1):
-            j = b * BL + tl.arange(0, BL)          # logical key index: the j-th column this token sees
-            j_ok = j < n
-            col = tl.load(cols_ptr + t * stride_cols + j, mask=j_ok, other=0)
-            kv_ok = j_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv + col[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(j_ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)            # m_new is finite: block b holds a visible key
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kv + col[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if SPLIT:
-            part = sp * tl.num_programs(1) * HQ + orow
-            tl.store(m_ptr + part, m_i, mask=row_ok)
-            tl.store(l_ptr + part, l_i, mask=row_ok)
-            tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(o_ptr + orow[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & d_ok[None, :])
-
-    @triton.jit
-    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, rows, S,
-                                  HD: tl.constexpr, BD: tl.constexpr, BROWS: tl.constexpr):
-        r = tl.program_id(0) * BROWS + tl.arange(0, BROWS)
-        r_ok = r < rows
-        d = tl.arange(0, BD)
-        ok = r_ok[:, None] & (d < HD)[None, :]
-        m_max = tl.full([BROWS], float("-inf"), tl.float32)
-        for s in range(0, S):
-            m_max = tl.maximum(m_max, tl.load(m_ptr + s * rows + r, mask=r_ok, other=float("-inf")))
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        den = tl.zeros([BROWS], tl.float32)
-        acc = tl.zeros([BROWS, BD], tl.float32)
-        for s in range(0, S):
-            w = tl.exp(tl.load(m_ptr + s * rows + r, mask=r_ok, other=float("-inf")) - m_safe)
-            den += w * tl.load(l_ptr + s * rows + r, mask=r_ok, other=0.0)
-            acc += w[:, None] * tl.load(acc_ptr + (s * rows + r[:, None]) * HD + d[None, :], mask=ok, other=0.0)
-        out = acc / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(o_ptr + r[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok)
+        # slices holding columns: a function of the token's own count (at least one writes its row)
+        used = tl.maximum(tl.cdiv(tl.cdiv(n, BL), blocks_per_split), 1)
+        if sp < used:
+            q = tl.load(q_ptr + orow[:, None] * HD + d[None, :], mask=rd_ok, other=0.0)
+            m_i = tl.full([BR], float("-inf"), tl.float32)
+            l_i = tl.zeros([BR], tl.float32)
+            acc = tl.zeros([BR, BD], tl.float32)
+            kv = h * L * HD
+            b0 = sp * blocks_per_split
+            b1 = tl.minimum(b0 + blocks_per_split, tl.cdiv(n, BL))
+            for b in range(b0, b1):
+                j = b * BL + tl.arange(0, BL)          # logical key index: the j-th column this token sees
+                j_ok = j < n
+                col = tl.load(cols_ptr + t * stride_cols + j, mask=j_ok, other=0)
+                kv_ok = j_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + kv + col[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(j_ok[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)            # m_new is finite: block b holds a visible key
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + kv + col[:, None] * HD + d[None, :], mask=kv_ok, other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            if used == 1:
+                # what the combine gives one slice (weight exp(0) = 1) without the round trip
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(o_ptr + orow[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=rd_ok)
+            elif SPLIT:
+                rows = tl.num_programs(1) * HQ
+                part = sp * rows + orow
+                tl.store(m_ptr + part, m_i, mask=row_ok, cache_modifier=".cg")
+                tl.store(l_ptr + part, l_i, mask=row_ok, cache_modifier=".cg")
+                tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=rd_ok, cache_modifier=".cg")
+                # the last of the token's used slices to finish combines them in slice order
+                # (every thread's stores precede the barrier, the ticket releases them)
+                tl.debug_barrier()
+                ticket = ticket_ptr + h * tl.num_programs(1) + t
+                if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == used - 1:
+                    tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+                    m_max = tl.full([BR], float("-inf"), tl.float32)
+                    for s2 in range(0, used):
+                        m_max = tl.maximum(m_max, tl.load(m_ptr + s2 * rows + orow, mask=row_ok,
+                                                          other=float("-inf"), cache_modifier=".cg"))
+                    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+                    den = tl.zeros([BR], tl.float32)
+                    out = tl.zeros([BR, BD], tl.float32)
+                    for s2 in range(0, used):
+                        w = tl.exp(tl.load(m_ptr + s2 * rows + orow, mask=row_ok, other=float("-inf"),
+                                           cache_modifier=".cg") - m_safe)
+                        den += w * tl.load(l_ptr + s2 * rows + orow, mask=row_ok, other=0.0, cache_modifier=".cg")
+                        out += w[:, None] * tl.load(acc_ptr + (s2 * rows + orow[:, None]) * HD + d[None, :],
+                                                    mask=rd_ok, other=0.0, cache_modifier=".cg")
+                    out = out / tl.where(den > 0, den, 1.0)[:, None]
+                    tl.store(o_ptr + orow[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty), mask=rd_ok)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
@@ -243,6 +250,20 @@ def attention_splits(length: int) -> int:
     return triton.cdiv(triton.cdiv(length, ATTN_BLOCK_L), ATTN_SPLIT_BLOCKS)
 
 
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """One int32 ticket per (KV head, token), zero between launches (the combining program resets
+    its own); made before CUDA-graph capture, as a capture cannot allocate."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the attention's tickets must exist before CUDA-graph capture (run a forward eagerly first)")
+        buf = _TICKETS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return buf
+
+
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      mask: torch.Tensor | tuple[torch.Tensor, torch.Tensor], num_heads: int,
                      head_dim: int) -> torch.Tensor:
@@ -250,12 +271,16 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mask [T, L] (True = visible) or its `visible_columns`; returns [T, Hq * hd]. Every row must
     see a column.
 
+    One launch: a program per (KV head, token, slice of ATTN_SPLIT_BLOCKS column blocks); a token
+    whose columns fit one slice is finished by that program, else the last of its slices to finish
+    (an atomic ticket) combines the slices' partial results in slice order.
+
     Batch-invariant: a token's output depends only on its own query and the keys it sees, not on
-    how many tokens share the forward or where its keys sit in the cache. One program per (KV head,
-    token, slice); the program walks the token's visible columns in ascending order, so a tree
-    node whose ancestors are scattered among siblings reduces exactly as the same token decoded
-    alone after its path; tiles, slices and the combine order depend on the cache size only. This
-    is what lets fp16 speculative decoding reproduce AR bit for bit (docs/exactness.md)."""
+    how many tokens share the forward or where its keys sit in the cache. The program walks the
+    token's visible columns in ascending order, so a tree node whose ancestors are scattered among
+    siblings reduces exactly as the same token decoded alone after its path; the slices a token
+    uses and the combine order follow its own column count only. This is what lets fp16
+    speculative decoding reproduce AR bit for bit (docs/exactness.md)."""
     t = q.shape[0]
     hkv, length = k_cache.shape[0], k_cache.shape[1]
     group = num_heads // hkv
@@ -266,19 +291,16 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         m = torch.empty(splits, t * num_heads, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty(splits, t * num_heads, head_dim, dtype=torch.float32, device=q.device)
+        tickets = _tickets(q.device, hkv * t)
     else:
         m = l = acc = out
+        tickets = count
     bd = max(16, triton.next_power_of_2(head_dim))
     _attention_kernel[(hkv, t, splits)](
-        q.contiguous(), k_cache, v_cache, cols, count, out, m, l, acc, length, num_heads, cols.stride(0),
+        q.contiguous(), k_cache, v_cache, cols, count, out, m, l, acc, tickets, length, num_heads, cols.stride(0),
         1.0 / math.sqrt(head_dim), ATTN_SPLIT_BLOCKS, G=group, HD=head_dim, BD=bd,
         BR=max(16, triton.next_power_of_2(group)), BL=ATTN_BLOCK_L, SPLIT=splits > 1,
         IEEE=q.dtype == torch.float32, num_warps=4)
-    if splits > 1:
-        rows_all = t * num_heads
-        brows = 16
-        _attention_combine_kernel[(triton.cdiv(rows_all, brows),)](m, l, acc, out, rows_all, splits,
-                                                                   HD=head_dim, BD=bd, BROWS=brows, num_warps=4)
     return out
 
 
