@@ -103,11 +103,13 @@ def test_shape_rules_and_the_k_split() -> None:
     assert not cuda_w4.supports_shape(4096, 4608, 96)                       # groups not a power of two
     assert cuda_w4.group_shift(8192, 128) == 7 and cuda_w4.group_shift(8192, 8192) == 31
     # the split follows the shape and the GPU, never M: one wave of 2 blocks per multiprocessor
-    # (132 on an H200: 264 blocks of 128 rows), slices of at least 8 chunks
+    # (132 on an H200: 264 blocks of 128 rows), slices of at least 12 chunks
     assert cuda_w4.split_for(28672, 8192, 132) == 1 and cuda_w4.split_for(8192, 28672, 132) == 4
     assert cuda_w4.split_for(8192, 8192, 132) == 4 and cuda_w4.split_for(57344, 8192, 132) == 1
     assert cuda_w4.split_for(10240, 8192, 132) == 3 and cuda_w4.split_for(576, 576, 132) == 1
-    assert cuda_w4.split_for(4096, 4096, 132) == 8 and cuda_w4.split_for(4096, 4096, 66) == 4
+    assert cuda_w4.split_for(4096, 14336, 132) == 8 and cuda_w4.split_for(4096, 14336, 66) == 4
+    assert cuda_w4.split_for(576, 1536, 132) == 2                             # SmolLM2's down: 2 x 12 chunks
+    assert cuda_w4.slice_plan(4096, cuda_w4.split_for(4096, 4096, 132)) == (4, 16)
     for n, k in ((28672, 8192), (8192, 28672), (4096, 14336), (1536, 576), (6144, 4096), (1024, 1088)):
         s = cuda_w4.split_for(n, k, 132)
         assert s == 1 or (k // 64) // s >= cuda_w4.MIN_CHUNKS_PER_SLICE

@@ -45,8 +45,10 @@ from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
 from hierviz.quant.w4_proof import PROOF_ROWS, Shape, check_products, prove, reference, synthetic_weight
 
-# hidden, intermediate, key/value width (kv heads x head dim) of the models the presets name
+# hidden, intermediate, key/value width (kv heads x head dim) of the models the presets name, and
+# of the offline default (SmolLM2-135M), whose W4 shapes also run on a GPU
 MODELS: dict[str, tuple[int, int, int]] = {
+    "smollm2-135m": (576, 1536, 192),
     "llama-2-7b": (4096, 11008, 4096), "llama-2-13b": (5120, 13824, 5120), "llama-2-70b": (8192, 28672, 1024),
     "llama-3-8b": (4096, 14336, 1024), "llama-3-70b": (8192, 28672, 1024), "vicuna-13b": (5120, 13824, 5120),
     "mistral-7b": (4096, 14336, 1024), "qwen2.5-7b": (3584, 18944, 512), "qwen2.5-14b": (5120, 13824, 1024),

@@ -64,7 +64,7 @@ PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group 
 STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 WAVE_BLOCKS_PER_SM = 2     # the direct entries' occupancy: K is split to fill one wave of them ...
-MIN_CHUNKS_PER_SLICE = 8   # ... but keeps at least this many 64-channel chunks per slice,
+MIN_CHUNKS_PER_SLICE = 12  # ... but keeps at least this many 64-channel chunks per slice (docs/kernels.md),
 SLICE_ROUND = 4            # in whole rounds of the direct entries' look-ahead (and whole 128-groups)
 
 # the nibble (bit 4p) that holds row g + 8h, channel 16t + 4j + e of a lane's word
