@@ -108,10 +108,14 @@ _SCRIPT = textwrap.dedent("""
     model = synthetic_model(cfg, "w4", torch.float16, "cpu", "triton", seed=0, group=32)
     model.set_batch_invariant(True)
     fused.force(True)
+    norms, rms_norm = [], fused.rms_norm     # which weights the fused RMSNorm normalizes with
+    fused.rms_norm = lambda x, w, eps: (norms.append(w), rms_norm(x, w, eps))[1]
     r = tree_vs_paths(model, [-1, 0, 0, 1, 1, 2, 3, 3, 6], list(range(3, 9)), [40 + i for i in range(9)],
                              nodes=[4, 8])     # a leaf at depth 2 and the deepest node
+    fused.rms_norm = rms_norm
     same = r["hidden"]     # (the logits go through the CPU's dense matmul, not part of this check)
     out["model_tree_invariant"] = same
+    out["final_norm_fused"] = any(w is model.norm.weight for w in norms)
     fused.force(False)
 
     # a tiny model on the static path: fused kernels forced vs the unfused static path
@@ -178,6 +182,8 @@ def test_masked_attention_is_batch_invariant(results) -> None:
     for dt in ("float32", "float16"):
         assert results[f"attention_invariant_{dt}"] == [True] * 12, results[f"attention_invariant_{dt}"]
     assert results["model_tree_invariant"] == [True] * 2
+    # the final norm too: torch's CUDA mean sizes its block by the row count (not batch-invariant)
+    assert results["final_norm_fused"]
 
 
 def test_fused_static_forward_matches_unfused(results) -> None:

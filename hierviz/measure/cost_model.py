@@ -109,7 +109,6 @@ INT_MM_MIN_ROWS = 17        # hierviz.quant.w8a8.CUDA_MIN_ROWS: torch._int_mm wa
 FP8_ROWS = 128              # hierviz.quant.fp8.CUDA_CHUNK: every FP8 GEMM has this many rows
 ATTN_COLUMNS_PER_PROGRAM = 128   # hierviz.models.fused: ATTN_BLOCK_L * ATTN_SPLIT_BLOCKS
 VISIBLE_COLUMNS_KERNELS = 7      # hierviz.models.fused.visible_columns: sum, cumsum, sub, where, long, arange, scatter
-NORM_KERNELS = 8                 # hierviz.models.llama.RMSNorm unfused (the final norm): float, pow, mean, add, rsqrt, mul, to, mul
 
 
 @dataclass(frozen=True)
@@ -280,7 +279,7 @@ def forward_kernels(fmt: str, t: int, where: Shape, gpu: GPU, layers: int = 1, h
     out += layer_kernels(fmt, t, where, gpu, mask_per_layer=not engine) * layers
     if head:
         v = where.cfg["vocab_size"]
-        out += [Kernel("stream", 8.0 * t * h)] * NORM_KERNELS
+        out += [Kernel("stream", 4.0 * t * h)]      # the final norm: fused.rms_norm on the fused path
         out += dense_kernels(t, h, v, False)
     return out
 

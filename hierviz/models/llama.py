@@ -363,9 +363,12 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, i, cache, attn_mask, slots)
         if cache is not None and slots is None:
             cache.length += t
-        if captured:
-            return torch.cat([self.norm(x), *captured], -1)
-        return self.norm(x)
+        # On the fused path the final norm is the fused kernel too: it reduces each row alone, where
+        # torch's CUDA mean sizes its thread block by the row count, so a row's bits would change
+        # with how many tokens share the forward.
+        out = (fused.rms_norm(x, self.norm.weight, self.norm.eps) if isinstance(attn_mask, tuple)
+               else self.norm(x))
+        return torch.cat([out, *captured], -1) if captured else out
 
     # Residual-stream rows a draft head reads (hierviz.models.drafter): the input of each of these
     # layers, appended to forward's output after the final hidden state. Empty: nothing extra.
