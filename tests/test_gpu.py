@@ -161,6 +161,19 @@ def assert_verification_is_batch_invariant(model) -> None:
         assert all(r["hidden"]) and all(r["logits"]), r
 
 
+@pytest.mark.parametrize("hidden", [576, 4096, 8192])
+def test_fused_rms_norm_rows_keep_their_bits_at_every_row_count(hidden) -> None:
+    """Every norm of the fused path (the final one included) is the fused kernel because a row's
+    bits must not follow the batch: each row of an m-row norm equals the row normed alone."""
+    from hierviz.models import fused
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(64, hidden, device="cuda", generator=gen).half()
+    w = torch.randn(hidden, device="cuda", generator=gen).half()
+    alone = torch.cat([fused.rms_norm(x[i:i + 1], w, 1e-5) for i in range(64)])
+    for m in (2, 7, 16, 24, 32, 64):
+        assert torch.equal(fused.rms_norm(x[:m], w, 1e-5), alone[:m]), m
+
+
 def test_long_prefill_products_of_the_shipped_intermediate() -> None:
     """Large-M 128-row tiles once gave whole row blocks of garbage / NaN, run to run,
     for the shipped M's gate_up (GPTQ g64) at 800 rows (M's prefill of a long prompt). Every product of
