@@ -32,6 +32,7 @@ import math
 import torch
 
 from hierviz.config import options
+from hierviz.machine import ticket_buffer
 
 try:  # must import on machines without triton
     import triton
@@ -254,14 +255,8 @@ _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """One int32 ticket per (KV head, token), zero between launches (the combining program resets
-    its own); made before CUDA-graph capture, as a capture cannot allocate."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the attention's tickets must exist before CUDA-graph capture (run a forward eagerly first)")
-        buf = _TICKETS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
+    """One int32 ticket per (KV head, token) (the combining program resets its own)."""
+    return ticket_buffer(_TICKETS, device, n, "the attention's tickets")
 
 
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

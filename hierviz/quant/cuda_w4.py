@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from hierviz.machine import ticket_buffer
 from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
 
@@ -455,11 +456,17 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 """
 
 
+def has_group_entry(ahead: int, group: int) -> bool:
+    """Whether a direct build `ahead` chunks deep has an entry for `group`-channel groups: one of
+    PAIR_GROUPS, its look-ahead whole groups."""
+    return group in PAIR_GROUPS and ahead % (group // 64) == 0
+
+
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries)."""
     return (KERNEL_TEXT + "".join(f"DIRECT_ENTRY({t}, {a}, {b})\n" for t, (a, b) in direct_build.items())
             + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
-                      for g in PAIR_GROUPS if a % (g // 64) == 0)
+                      for g in PAIR_GROUPS if has_group_entry(a, g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items()))
 
 
@@ -485,12 +492,13 @@ def supports_shape(n: int, k: int, group_size: int) -> bool:
 
 
 def split_for(n: int, k: int, sms: int) -> int:
-    """K slices wanted for an N x K product: as many as fill one wave of blocks at the direct
-    entries' occupancy (WAVE_BLOCKS_PER_SM), at least one, keeping MIN_CHUNKS_PER_SLICE chunks a
-    slice. A wave and a fraction more costs a whole second pass over the bandwidth-starved tail.
-    Never depends on M, so a row rounds alike at every M."""
+    """K slices of an N x K product: as many as fill one wave of blocks at the direct entries'
+    occupancy (WAVE_BLOCKS_PER_SM), at least one, keeping MIN_CHUNKS_PER_SLICE chunks a slice, as
+    slice_plan lays them out. A wave and a fraction more costs a whole second pass over the
+    bandwidth-starved tail. Never depends on M, so a row rounds alike at every M."""
     blocks = -(-n // ROWS_PER_BLOCK)
-    return max(1, min(WAVE_BLOCKS_PER_SM * sms // blocks, (k // 64) // MIN_CHUNKS_PER_SLICE))
+    wanted = max(1, min(WAVE_BLOCKS_PER_SM * sms // blocks, (k // 64) // MIN_CHUNKS_PER_SLICE))
+    return slice_plan(k, wanted)[0]
 
 
 def slice_plan(k: int, split: int) -> tuple[int, int]:
@@ -708,10 +716,9 @@ def ahead_chunks(tiles: int) -> int:
 def pair_group(tiles: int, group_size: int, chunks_per_slice: int) -> int:
     """The group size whose direct entry addresses the group pairs by constant offsets (every
     slice starting on a group, the look-ahead whole groups), else 0: the generic entry."""
-    if tiles not in DIRECT_BUILD or group_size not in PAIR_GROUPS:
+    if tiles not in DIRECT_BUILD or not has_group_entry(DIRECT_BUILD[tiles][0], group_size):
         return 0
-    gc = group_size // 64
-    return group_size if chunks_per_slice % gc == 0 and DIRECT_BUILD[tiles][0] % gc == 0 else 0
+    return group_size if chunks_per_slice % (group_size // 64) == 0 else 0
 
 
 def entry_for(tiles: int, group: int = 0) -> str:
@@ -724,7 +731,7 @@ def entry_for(tiles: int, group: int = 0) -> str:
 
 def entry_names() -> list[str]:
     return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
-        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if a % (g // 64) == 0]
+        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)]
 
 
 def functions(index: int) -> dict[str, ctypes.c_void_p]:
@@ -789,14 +796,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """One int32 ticket per output tile, zero between kernels (the last block resets its own)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the CUDA W4 kernel's counters must exist before CUDA-graph capture "
-                               "(run the product once eagerly first)")
-        buf = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 16), device=device, dtype=torch.int32)
-    return buf
+    """One int32 ticket per output tile (the last block resets its own)."""
+    return ticket_buffer(_COUNTERS, device, tiles, "the CUDA W4 kernel's counters")
 
 
 def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,

@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from hierviz.config import options, overrides
+from hierviz.machine import ticket_buffer
 from hierviz.quant import kernel_guard
 from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_of, codes_released, dequantize, pack_codes,
                               register_kernel, release_codes, unpack_codes)
@@ -725,16 +726,9 @@ def split_k_mode(ordered: bool):
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """One int32 ticket counter per output tile, zero between kernels (the last program of a tile
-    resets its own): kept per device, so graph captures and replays share it. Kernels on one
-    stream run one after another; two streams running ORDERED products at once would share it."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the W4 split-K counters must exist before CUDA-graph capture (run the "
-                               "product once eagerly first)")
-        buf = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 16), device=device, dtype=torch.int32)
-    return buf
+    """One int32 ticket counter per output tile (the last program of a tile resets its own). Kernels
+    on one stream run one after another; two streams running ORDERED products at once would share it."""
+    return ticket_buffer(_COUNTERS, device, tiles, "the W4 split-K counters")
 
 
 def _split_k_buffers(m: int, n: int, x: torch.Tensor, split: int, add_to: Optional[torch.Tensor],
@@ -818,7 +812,7 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
         if cuda_w4.serves(w) and cuda_w4.supports_shape(n, k, w.group_size):
             tiles = cuda_w4.token_tiles(m)
             return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles,
-                          split_k=cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, sm_count(x.device)))[0], num_warps=cuda_w4.WARPS,
+                          split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS,
                           num_stages=cuda_w4.ahead_chunks(tiles), cuda=True)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
