@@ -311,6 +311,7 @@ class SteeredModel:
 
     def __init__(self, model: Transformer, path: GreedyPath, policy: Policy, log: SteerLog) -> None:
         self.inner, self.path, self.policy, self.log = model, path, policy, log
+        self.calls = 0                   # forwards run, for check_forwards
         self.book = _Book()
         self.static_runners: list = []   # its own pool: a runner calls the model it was made for
 
@@ -324,6 +325,7 @@ class SteeredModel:
                  attn_mask: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(cache, TrackedCache):
             raise OracleError("the steered intermediate runs only with its own cache")
+        self.calls += 1
         start, tree = (cache.length, attn_mask is not None) if slots is None else cache.static_forward(positions, slots)
         cache.write(tokens, positions, tree, slots)
         hidden = self.inner(tokens, positions, cache, attn_mask, slots)
@@ -355,6 +357,7 @@ class SteeredHead:
         if head.draft_vocab is not None:
             raise OracleError("steering a reduced draft vocabulary is not supported")
         self.inner, self.path, self.policy, self.log, self.name = head, path, policy, log, name
+        self.calls = 0                   # forwards run, for check_forwards
         self.book = _Book()
         self.static_runners: list = []
 
@@ -369,6 +372,7 @@ class SteeredHead:
                  slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(cache, TrackedCache):
             raise OracleError("the steered head runs only with its own cache")
+        self.calls += 1
         # HeadState's causal forwards feed accepted pairs; its masked ones are draft-tree frontiers
         start, tree = (cache.length, attn_mask is not None) if slots is None else cache.static_forward(positions, slots)
         cache.write(tokens, positions, tree, slots)
@@ -519,6 +523,7 @@ def check_run(trace: Trace, method: str, path: GreedyPath, regime: Optional[Regi
         for k, tree in enumerate(st.trees):
             offset = sum(1 for x in st.sequence if x.tree is not None and x.tree < k)
             _check_tree(tree, method, path, regime, s, base - 1 + offset, tally)
+        _check_round_record(st, method, s)
         if last:
             n_acc = st.target_accepted
             if trace.finish_reason == "eos" and st.new_sources[-1] != "target_bonus":
@@ -527,6 +532,44 @@ def check_run(trace: Trace, method: str, path: GreedyPath, regime: Optional[Regi
                     tally.eos_inside_draft += 1
             if trace.finish_reason == "length" and n_acc + 1 > len(st.new_tokens) and n_acc > 0:
                 tally.budget_cut_draft += 1
+
+
+def _check_round_record(st, method: str, s: DecodeSettings) -> None:
+    """A round's record says what the round did: its new tokens and their sources are the accepted
+    draft tokens then T's bonus (cut short only where the run ended inside the round); a HierSpec
+    sequence is its trees' accepted paths and M's bonuses in order, and M drafted trees only until
+    the sequence held min_draft_len tokens."""
+    where = f"{method} round {st.index}"
+    n = st.target_accepted
+    if method in ("eagle2", "eagle3"):
+        (tree,) = st.trees
+        node = {x.id: x for x in tree.nodes}
+        drafted = [(node[a].token, "tree") for a in tree.accepted]
+    else:
+        drafted = [(x.token, x.source) for x in st.sequence]
+    if method == "hierspec":
+        seq, lens = [], []
+        for k, tree in enumerate(st.trees):
+            node = {x.id: x for x in tree.nodes}
+            seq += [(node[a].token, "tree", k) for a in tree.accepted] + [(tree.bonus_token, "intermediate_bonus", k)]
+            lens.append(len(seq))
+        assert [(x.token, x.source, x.tree) for x in st.sequence] == seq, f"{where}: the sequence is not its trees' paths and bonuses"
+        assert lens[-1] >= s.min_draft_len and (len(lens) == 1 or lens[-2] < s.min_draft_len), (
+            f"{where}: sequence lengths {lens} after each tree, min_draft_len {s.min_draft_len}")
+    if method == "spec":
+        assert len(st.sequence) == s.spec_k and all(x.source == "draft" for x in st.sequence), where
+    assert n <= len(drafted), where
+    want = drafted[:n] + [(st.target_bonus, "target_bonus")]
+    got = list(zip(st.new_tokens, st.new_sources))
+    assert got == want[:len(got)] and got, f"{where}: new tokens and sources {got}, the round's record says {want}"
+
+
+def check_forwards(trace: Trace, calls: dict[str, int]) -> None:
+    """The trace's forward counts per model, summed over the run, are the forwards the models ran
+    (calls: model name -> forwards counted on the model itself)."""
+    for name, n in calls.items():
+        recorded = sum(st.forwards.get(name, 0) for st in trace.steps)
+        assert recorded == n, f"the trace records {recorded} {name} forwards, the model ran {n}"
 
 
 def _first_diff(a: list[int], b: list[int]) -> str:

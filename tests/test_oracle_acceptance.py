@@ -12,7 +12,7 @@ rejections at every depth, EOS inside accepted drafts and drafts cut by the toke
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ from hierviz.decoding.settings import DecodeSettings
 from hierviz.engine import generate
 from hierviz.stack import Stack, tiny_random_stack
 from hierviz.tokenizer import ByteTokenizer
-from tests.oracles import (GreedyPath, OracleError, Policy, Regime, SteerLog, Tally, check_run,
+from tests.oracles import (GreedyPath, OracleError, Policy, Regime, SteerLog, Tally, check_forwards, check_run,
                            continuation_needed, greedy_continuation, steered_models)
 
 PROMPTS = ["The quick brown fox", "abc", "hello there", "Explain RoPE", "x", "1 + 1 =", "tree of drafts",
@@ -31,6 +31,8 @@ DRAFT_METHODS = ("spec", "eagle2", "hierspec")
 REGIMES = ("exact", "upto", "rank", "tie", "periodic", "rate")
 # which steered drafters each method calls
 USES = {"spec": ("m",), "eagle2": ("e_t",), "hierspec": ("e_m", "m")}
+# the forward counts each method records besides the target's
+FORWARD_NAMES = {"spec": ("intermediate",), "eagle2": ("e_t",), "hierspec": ("intermediate", "e_m")}
 
 
 @dataclass
@@ -126,10 +128,18 @@ def run_case(stack: Stack, path: GreedyPath, case: Case, tally: Tally, static: b
         log = SteerLog()
         models = steered_models(stack.models, path, case.regime, log)
         st = Stack("oracle", models, _tokenizer(eos), {})
-        trace = generate(st, method, case.prompt, case.settings)
+        target_calls = [0]
+        hook = models.target.register_forward_hook(lambda *_: target_calls.__setitem__(0, target_calls[0] + 1))
+        try:
+            trace = generate(st, method, case.prompt, case.settings)
+        finally:
+            hook.remove()
         where = f"case {case.index} ({case.regime}, {case.settings}, eos {sorted(eos)})"
         try:
             check_run(trace, method, path, case.regime, case.settings, eos, tally, vocab)
+            check_forwards(trace, {"target": target_calls[0], **{name: getattr(models, part).calls for name, part in
+                                   (("intermediate", "intermediate"), ("e_m", "e_m"), ("e_t", "e_t"))
+                                   if name in FORWARD_NAMES[method]}})
         except AssertionError as e:
             raise AssertionError(f"{where}: {e}") from None
         if len(trace.steps) > 1:         # a drafting round ran: the steered drafters were asked
@@ -234,6 +244,22 @@ def test_negative_controls(world):
     step.new_tokens[1] = (step.new_tokens[1] + 1) % 259   # a wrong token in the output
     with pytest.raises(AssertionError, match="differs from the greedy oracle"):
         check_run(trace, "hierspec", path, None, s, stack.tokenizer.eos_ids, Tally(), 259)
+    step.new_tokens[1] = (step.new_tokens[1] - 1) % 259
+    step.new_sources[0] = "intermediate_bonus"            # a token credited to the wrong source
+    with pytest.raises(AssertionError, match="the round's record says"):
+        check_run(trace, "hierspec", path, None, s, stack.tokenizer.eos_ids, Tally(), 259)
+    step.new_sources[0] = "tree"
+    check_run(trace, "hierspec", path, None, s, stack.tokenizer.eos_ids, Tally(), 259)
+    long = replace(s, min_draft_len=6)                     # two exact 3-deep trees a round
+    two_trees = generate(st, "hierspec", "abc", long)
+    check_run(two_trees, "hierspec", path, None, long, stack.tokenizer.eos_ids, Tally(), 259)
+    assert any(len(x.trees) > 1 for x in two_trees.steps)
+    with pytest.raises(AssertionError, match="min_draft_len"):   # M drafted a tree more than 4 tokens ask
+        check_run(two_trees, "hierspec", path, None, s, stack.tokenizer.eos_ids, Tally(), 259)
+    recorded = sum(x.forwards.get("intermediate", 0) for x in trace.steps)
+    check_forwards(trace, {"intermediate": recorded})
+    with pytest.raises(AssertionError, match="forwards"):    # one forward a round more than recorded
+        check_forwards(trace, {"intermediate": recorded + len(trace.steps)})
 
 
 def test_oracle_refuses_rows_it_did_not_see(world):
