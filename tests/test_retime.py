@@ -90,6 +90,13 @@ def test_draft_head_cost_without_recorded_forwards_is_one_per_tree_depth() -> No
     assert step_cost_ms(bare, COSTS)["draft"] == pytest.approx(1.5)
 
 
+def test_draft_head_cost_follows_the_recorded_forwards() -> None:
+    """A recorded count prices the drafting even where it is not one per depth (HierSpec's head runs
+    one more forward when M is a token short: the provisional root pair)."""
+    recorded = step(1, "eagle2", 2, trees=[tree(7, 3, "target", 1)], forwards={"target": 1, "e_t": 4})
+    assert step_cost_ms(recorded, COSTS)["draft"] == pytest.approx(2.0)
+
+
 def test_draft_head_cost_is_the_what_if_measurement() -> None:
     d = json.loads((ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-trees.json").read_text())
     for method, head in (("hierspec", "e_m"), ("eagle2", "e_t")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,6 +99,25 @@ def test_rates_mode_is_seeded() -> None:
     assert runs[0] != runs[2]
     e = run_one(models, "eagle2", s, RatesOracle([1.0], 1.0, 0), prompt)
     assert all(r["trees"] == [s.t_depth] for r in e["accepted"])   # rate 1: every tree fully accepted
+
+
+def test_rates_oracle_accepts_each_depth_at_its_rate() -> None:
+    """The forced lengths follow the given rates: depth d is accepted, once d - 1 was, at rates[d-1]
+    (the intermediate's trees at m_rates), never deeper than the tree; a sequence token at seq_rate."""
+    oracle = RatesOracle([0.9, 0.5, 0.2], 0.7, seed=5, m_rates=[0.6, 0.3])
+    deep, shallow = SimpleNamespace(depths=[1, 2, 3, 3]), SimpleNamespace(depths=[1, 2])
+    n = 20000
+
+    def conditional(lengths: list[int], depth: int) -> float:
+        return sum(x >= depth for x in lengths) / sum(x >= depth - 1 for x in lengths)
+
+    t = [oracle.tree("target", deep) for _ in range(n)]
+    assert [conditional(t, d) for d in (1, 2, 3)] == pytest.approx([0.9, 0.5, 0.2], abs=0.02)
+    m = [oracle.tree("intermediate", deep) for _ in range(n)]
+    assert [conditional(m, d) for d in (1, 2, 3)] == pytest.approx([0.6, 0.3, 0.3], abs=0.02)   # the last rate repeats
+    assert max(oracle.tree("target", shallow) for _ in range(2000)) == 2
+    q = [oracle.sequence("target", [0] * 4) for _ in range(n)]
+    assert [conditional(q, d) for d in (1, 2, 3, 4)] == pytest.approx([0.7] * 4, abs=0.02) and max(q) == 4
 
 
 def test_sweep_writes_verdicts(tmp_path: Path) -> None:
