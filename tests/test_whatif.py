@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from hierviz.decoding.settings import DecodeSettings
-from hierviz.measure.whatif import RatesOracle, build_models, main, run_one, tiny_config
+from hierviz.decoding.tree import Tree
+from hierviz.decoding.verify import forced_tree_path
+from hierviz.measure.whatif import RatesOracle, ReplayOracle, build_models, main, run_one, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--tiny", "--device", "cpu", "--threads", "1"]
@@ -118,6 +120,20 @@ def test_rates_oracle_accepts_each_depth_at_its_rate() -> None:
     assert max(oracle.tree("target", shallow) for _ in range(2000)) == 2
     q = [oracle.sequence("target", [0] * 4) for _ in range(n)]
     assert [conditional(q, d) for d in (1, 2, 3, 4)] == pytest.approx([0.7] * 4, abs=0.02) and max(q) == 4
+
+
+def test_forced_tree_path_takes_the_most_likely_branch_and_replay_wraps() -> None:
+    """A forced length n accepts the path to the best-scoring node at depth min(n, deepest) (EAGLE-2's
+    most likely branch, not the first drafted), bonus the verifier's argmax after it; a replayed
+    trace shorter than the run starts over."""
+    tree = Tree(0, [5, 6, 7, 8], [-1, -1, 0, 1], [1, 1, 2, 2], [-0.1, -0.2, -0.5, -0.3], [-0.1, -0.2, -0.4, -0.1])
+    best = [10, 11, 12, 13, 14]
+    assert forced_tree_path(tree, best, 0) == ([], 10)
+    assert forced_tree_path(tree, best, 1) == ([0], 11)
+    assert forced_tree_path(tree, best, 2) == ([1, 3], 14) == forced_tree_path(tree, best, 9)
+    replay = ReplayOracle([{"trees": [2], "target": 3}, {"trees": [0, 1], "target": 1}])
+    assert [replay.tree("target", tree) for _ in range(5)] == [2, 0, 1, 2, 0]
+    assert [replay.sequence("target", [0] * 4) for _ in range(3)] == [3, 1, 3]
 
 
 def test_sweep_writes_verdicts(tmp_path: Path) -> None:

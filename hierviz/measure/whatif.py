@@ -174,20 +174,17 @@ def accepted_lengths(steps: list[Step]) -> list[dict[str, Any]]:
 
 class ReplayOracle(AcceptOracle):
     """Replays a trace's accepted lengths in order, per level; wraps around when the what-if
-    asks for more rounds than the trace has (counted in `wrapped`)."""
+    asks for more rounds than the trace has (the report's `replay` gives both round counts)."""
 
     def __init__(self, rows: list[dict[str, Any]]) -> None:
         self.trees = [n for r in rows for n in r["trees"]]
         self.seq = [r["target"] for r in rows if "target" in r]
         self.i_tree = self.i_seq = 0
-        self.wrapped = 0
 
     def _next(self, q: list[int], attr: str) -> int:
         i = getattr(self, attr)
         if not q:
             return 0
-        if i and i % len(q) == 0:
-            self.wrapped += 1
         setattr(self, attr, i + 1)
         return q[i % len(q)]
 
