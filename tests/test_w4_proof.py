@@ -331,3 +331,33 @@ def test_asking_for_the_cuda_variant_where_it_cannot_load_warns_and_keeps_triton
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (7, 5))
     with pytest.warns(RuntimeWarning, match="needs tensor-core MMA"):
         assert kernel_guard.supported_variants(GPU) == ()
+
+
+def test_a_record_at_fewer_rows_does_not_cover_a_load(fake_hopper, monkeypatch) -> None:
+    """A shape proven at a few row counts (`w4-sweep --quick --rows 1,2`) is not proven for a load,
+    whose decoders use every row count: the load proves it again at PROOF_ROWS."""
+    model, _ = tiny_w4_model()
+    shapes = w4_proof.model_shapes([model, None])
+    key = w4_proof.platform_key(GPU)
+    w4_proof.remember(key, torch.float16, {w4_proof.shape_id(s): {**record(s), "rows": [1, 2]} for s in shapes})
+    assert w4_proof.proven_for(GPU, shapes, rows=[1, 2]) and not w4_proof.proven_for(GPU, shapes)
+    proved: list[tuple] = []
+    monkeypatch.setattr(w4_proof, "prove", lambda shapes, rows, dtype, device, log=None: proved.append((shapes, rows)))
+    w4_proof.prove_models([model], torch.float16, GPU)
+    assert proved == [(shapes, sorted(w4_proof.PROOF_ROWS))]
+
+
+def test_the_static_list_covers_a_platform_only_for_every_variant_it_supports(fake_hopper, monkeypatch) -> None:
+    """On a statically proven (GPU, Triton) pair the Triton variants need no proof, but a CUDA MMA
+    variant asked for there, with an NVRTC the list does not name, still does: the platform is not
+    'on the static list' and a load proves it."""
+    monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset({(9, kernel_guard.triton_version())}))
+    assert kernel_guard.on_static_list(GPU)
+    monkeypatch.setattr(kernel_guard, "supported_variants", lambda device: (*kernel_guard.TRITON_VARIANTS, kernel_guard.CUDA_VARIANT))
+    kernel_guard.verdicts_changed()
+    assert kernel_guard.statically_proven(GPU) == frozenset(kernel_guard.TRITON_VARIANTS)
+    assert not kernel_guard.on_static_list(GPU) and not w4_proof.proven_for(GPU, [WIDE])
+    model, _ = tiny_w4_model()
+    proved: list = []
+    monkeypatch.setattr(w4_proof, "prove", lambda shapes, rows, dtype, device, log=None: proved.append(shapes))
+    assert w4_proof.prove_models([model], torch.float16, GPU).source != "static" and proved
