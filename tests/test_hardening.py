@@ -298,6 +298,25 @@ def test_an_uploaded_files_temp_path_is_no_stack(app_url, visitor):
     assert not hi.leaks(str(e.value), echoed=(server_path,)), str(e.value)
 
 
+def test_the_stack_guard_takes_only_an_offered_name(monkeypatch, tmp_path):
+    """The guard behind the stack box (Gradio's list check runs first, so the tests above never reach
+    it): a name off the list, a stack file's path included, is refused unless the operator allows
+    custom stacks."""
+    from hierviz.app.guard import VisitorError, check_stack
+    f = tmp_path / "stack.json"
+    f.write_text('{"target": {"path": "/"}}')
+    offered = ["tiny-random", "smollm2-offline"]
+    monkeypatch.delenv("HIERVIZ_ALLOW_CUSTOM_STACKS", raising=False)
+    assert check_stack("tiny-random", offered) == "tiny-random"
+    for bad in (str(f), "paper-llama3-70b", "", None, 3, ["tiny-random"]):
+        with pytest.raises(VisitorError, match="Unknown model stack"):
+            check_stack(bad, offered)
+    monkeypatch.setenv("HIERVIZ_ALLOW_CUSTOM_STACKS", "1")
+    assert check_stack(str(f), offered) == str(f)
+    with pytest.raises(VisitorError):
+        check_stack("  ", offered)
+
+
 def test_no_stack_at_all_is_a_clear_error(visitor):
     assert_clear_error(call_run(visitor, hi.run_args(stack=None)), ("status", "Unknown model stack"))
 
