@@ -28,6 +28,19 @@ def test_weight_bytes_follow_the_parameter_counts() -> None:
     lin = 80 * (8192 * 8192 * 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
     assert memory.model_bytes(big, "w4", 128) == pytest.approx(lin * 0.5 + lin / 128 * 8 + 2 * 128256 * 8192 * 2)
     assert memory.kv_bytes(big, 4096) == 80 * 2 * 8 * 128 * 4096 * 2
+    # tied embeddings hold the vocabulary matrix once (SmolLM2, Llama-3.2)
+    tied = {**c, "tie_word_embeddings": True}
+    assert memory.model_bytes(c, "dense") - memory.model_bytes(tied, "dense") == 128256 * 4096 * 2
+
+
+def test_an_estimate_counts_each_kv_cache_twice_and_the_heads() -> None:
+    """Every model's cache at the run's context twice (the static runners' and a dynamic path's),
+    one head per role that carries one, and a part list that sums to the total."""
+    t, m = _cfg("llama3-70b.json"), _cfg("llama3-8b.json")
+    parts = memory.estimate({"target": (t, "w4", 128), "intermediate": (m, "w4", 128)}, ["target", "intermediate"], 2048)
+    assert parts["kv caches"] == 2 * (memory.kv_bytes(t, 2048) + memory.kv_bytes(m, 2048))
+    assert parts["heads"] == memory.head_bytes(t) + memory.head_bytes(m)
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
 
 
 @pytest.mark.parametrize("preset,fits,no", [
