@@ -158,6 +158,9 @@ def test_rates_from_lengths():
     # a step that drafted one position does not try position 2
     assert rates_from_lengths([1, 1], [1, 2])[0] == approx([1.0, 0.0])
     assert rates_from_lengths([]) == ([], [])
+    # drafts of different lengths: a position is tried only in steps that drafted that far (step 0
+    # drafted 2 and accepted both: position 3 was never proposed to it)
+    assert rates_from_lengths([2, 1, 3], [2, 3, 4]) == (approx([1.0, 2 / 3, 1.0, 0.0]), approx([1.0, 2 / 3, 1 / 3, 0.0]))
 
 
 # ---- bad inputs ---------------------------------------------------------------------------------
