@@ -45,6 +45,8 @@ AI = ('tests/test_acceptance_import.py',)
 GG = ('tests/test_gguf.py',)
 TV = ('tests/test_trace_validation.py', 'tests/test_hardening.py')
 CM = ('tests/test_cost_model.py',)
+MODEL = ('tests/test_model.py',)
+TRITON = ('tests/test_triton_w4.py',)
 
 BUGS = [
     Bug('S1', 'a draft head fed misaligned base features',
@@ -287,6 +289,22 @@ BUGS = [
         'hierviz/measure/cost_model.py',
         '    per = {"dense": lambda n, k: 2.0 * n * k, "w4": lambda n, k: n * k / 2 + 4.0 * n * k / where.group,',
         '    per = {"dense": lambda n, k: 2.0 * n * k, "w4": lambda n, k: n * k / 2 + 2.0 * n * k / where.group,', CM),
+    Bug('MO1', 'Llama-3 RoPE scaling smooths between the wrong frequencies',
+        'hierviz/models/config.py',
+        '        mid = (1 - smooth) * scaled / factor + smooth * scaled\n',
+        '        mid = (1 - smooth) * scaled + smooth * scaled\n', MODEL),
+    Bug('MO2', 'RoPE rotates the other way',
+        'hierviz/models/llama.py',
+        '    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)\n',
+        '    rotated = torch.cat((x[..., half:], -x[..., :half]), -1)\n', MODEL),
+    Bug('MO3', 'a new token sees the one after it',
+        'hierviz/models/llama.py',
+        '    m[:, prefix:] = torch.ones(t, t, dtype=torch.bool, device=device).tril()\n',
+        '    m[:, prefix:] = torch.ones(t, t, dtype=torch.bool, device=device).tril(1)\n', MODEL),
+    Bug('TW1', "the batch-invariant W4 product splits K as M's own tile shape does",
+        'hierviz/quant/triton_w4.py',
+        '    return dataclasses.replace(cfg, split_k=one.split_k, factored=one.factored)\n',
+        '    return dataclasses.replace(cfg, factored=one.factored)\n', TRITON),
 ]
 
 
