@@ -181,3 +181,22 @@ def test_cpu_verification_is_batch_invariant(kernel, threads_restored):
     if kernel == "int4pack_cpu":
         assert results[(True, 24)] and results[(True, 6)], results
     assert not results[(False, 24)], results
+
+
+@pytest.mark.parametrize("theta, original, factor", [(500000.0, 8192, 8.0), (500000.0, 8192, 32.0), (10000.0, 64, 4.0)])
+def test_llama3_rope_frequencies_equal_transformers(theta, original, factor) -> None:
+    """Llama-3.1's RoPE scaling at head_dim 128, where the low, the high and the smoothed middle
+    bands all hold frequencies (the tiny models above have none in the middle band), equal
+    transformers' own llama3 initialisation bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from hierviz.models.config import rope_frequencies
+    rp = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": original, "rope_theta": theta}
+    hf = LlamaConfig(vocab_size=64, hidden_size=4096, intermediate_size=64, num_hidden_layers=1, num_attention_heads=32,
+                     max_position_embeddings=131072, rope_parameters=rp)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    got = rope_frequencies(ModelConfig.from_dict(hf.to_dict()))
+    wavelen = 2 * torch.pi * theta ** (torch.arange(0, 128, 2).float() / 128)
+    assert ((wavelen > original / 4) & (wavelen < original)).any()       # the middle band is exercised
+    assert torch.equal(got, want.float())
