@@ -47,6 +47,9 @@ TV = ('tests/test_trace_validation.py', 'tests/test_hardening.py')
 CM = ('tests/test_cost_model.py',)
 MODEL = ('tests/test_model.py',)
 TRITON = ('tests/test_triton_w4.py',)
+HEADS = ('tests/test_eagle3.py', 'tests/test_decoding.py')
+W8 = ('tests/test_formats.py', 'tests/test_compressed_tensors.py', 'tests/test_act_quant.py')
+ENGINE = ('tests/test_oracle_acceptance.py', 'tests/test_decoding.py')
 
 BUGS = [
     Bug('S1', 'a draft head fed misaligned base features',
@@ -305,6 +308,26 @@ BUGS = [
         'hierviz/quant/triton_w4.py',
         '    return dataclasses.replace(cfg, split_k=one.split_k, factored=one.factored)\n',
         '    return dataclasses.replace(cfg, factored=one.factored)\n', TRITON),
+    Bug('H1', "EAGLE-3's draft tokens map to the target ids without d2t's offsets",
+        'hierviz/models/eagle3.py',
+        '        ids = torch.arange(vd) + d2t.to(torch.int64).cpu()\n',
+        '        ids = torch.arange(vd) + 0 * d2t.to(torch.int64).cpu()\n', HEADS),
+    Bug('H2', 'EAGLE-3 accepts a d2t that maps two draft tokens to one target token',
+        'hierviz/models/eagle3.py',
+        '        if torch.unique(ids).numel() != vd:\n',
+        '        if torch.unique(ids).numel() > vd:\n', HEADS),
+    Bug('Q8', "W8A8's per-token activation scale from the row sum, not its largest magnitude",
+        'hierviz/quant/w8a8.py',
+        '    s = (xf.abs().amax(-1) / QMAX).clamp_min(1e-12)\n',
+        '    s = (xf.abs().mean(-1) / QMAX).clamp_min(1e-12)\n', W8),
+    Bug('E1', 'an EOS token dropped from the output',
+        'hierviz/engine.py',
+        '                cut = j + 1\n',
+        '                cut = j\n', ENGINE),
+    Bug('E2', 'an EOS past the token budget ends the run as EOS',
+        'hierviz/engine.py',
+        '        for j, t in enumerate(step.new_tokens[:room]):\n',
+        '        for j, t in enumerate(step.new_tokens):\n', ENGINE),
 ]
 
 

@@ -269,3 +269,27 @@ def test_oracle_refuses_rows_it_did_not_see(world):
     m = steered_models(stack.models, path, Regime("exact", exact, exact, exact)).intermediate
     with pytest.raises(OracleError, match="no recorded forward"):
         m.logits(torch.randn(2, stack.models.target.cfg.hidden_size))
+
+
+def test_an_eos_just_past_the_budget_ends_the_run_by_length(world):
+    """A round whose accepted draft runs past max_new_tokens is cut at the budget; an EOS among the
+    cut tokens was never output, so the run ends by length, not EOS."""
+    stack, paths = world
+    p = "The quick brown fox"
+    path = paths[p]
+    exact = Policy("exact")
+    models = steered_models(stack.models, path, Regime("exact", exact, exact, exact))
+    crossed = 0
+    for budget in range(8, 16):
+        s = DecodeSettings(max_new_tokens=budget, m_depth=3, m_topk=2, m_tree_size=6, t_depth=4, t_topk=2,
+                           t_tree_size=8, min_draft_len=5, spec_k=5)
+        eos = {path.tokens[path.prompt_len + budget]}         # the first token past the budget
+        if eos & set(path.tokens[path.prompt_len:path.prompt_len + budget]):
+            continue                                          # it occurs earlier: another case
+        for method in DRAFT_METHODS:
+            trace = generate(Stack("oracle", models, _tokenizer(eos), {}), method, p, s)
+            check_run(trace, method, path, None, s, eos, Tally(), 259)
+            assert trace.finish_reason == "length", (method, budget)
+            last = trace.steps[-1]
+            crossed += last.index > 0 and last.target_accepted + 1 > len(last.new_tokens)
+    assert crossed >= 3          # rounds did cross the budget with the EOS among their cut tokens
