@@ -50,6 +50,7 @@ TRITON = ('tests/test_triton_w4.py',)
 HEADS = ('tests/test_eagle3.py', 'tests/test_decoding.py')
 W8 = ('tests/test_formats.py', 'tests/test_compressed_tensors.py', 'tests/test_act_quant.py')
 ENGINE = ('tests/test_oracle_acceptance.py', 'tests/test_decoding.py')
+STATIC = ('tests/test_cuda_graphs.py', 'tests/test_tree.py')
 
 BUGS = [
     Bug('S1', 'a draft head fed misaligned base features',
@@ -328,6 +329,10 @@ BUGS = [
         'hierviz/engine.py',
         '        for j, t in enumerate(step.new_tokens[:room]):\n',
         '        for j, t in enumerate(step.new_tokens):\n', ENGINE),
+    Bug('CG1', "the static path places a tree's nodes one position late",
+        'hierviz/decoding/state.py',
+        '                                      extra_depths.to(self.model.device) + (start + p - 1),\n',
+        '                                      extra_depths.to(self.model.device) + (start + p),\n', STATIC),
 ]
 
 
