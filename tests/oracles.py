@@ -449,10 +449,6 @@ class Tally:
                 setattr(self, f.name, mine + getattr(other, f.name))
 
 
-def max_depth(t: DraftTree) -> int:
-    return max((n.depth for n in t.nodes), default=0)
-
-
 def greedy_walk(tree: DraftTree, path: GreedyPath, root_index: int) -> list[int]:
     """Node ids of the longest root path whose tokens follow the greedy sequence: what a greedy
     verifier that agrees with the target must accept."""
@@ -543,15 +539,13 @@ def _check_round_record(st, method: str, s: DecodeSettings) -> None:
     n = st.target_accepted
     if method in ("eagle2", "eagle3"):
         (tree,) = st.trees
-        node = {x.id: x for x in tree.nodes}
-        drafted = [(node[a].token, "tree") for a in tree.accepted]
+        drafted = [(tok, "tree") for tok in _accepted_tokens(tree)]
     else:
         drafted = [(x.token, x.source) for x in st.sequence]
     if method == "hierspec":
         seq, lens = [], []
         for k, tree in enumerate(st.trees):
-            node = {x.id: x for x in tree.nodes}
-            seq += [(node[a].token, "tree", k) for a in tree.accepted] + [(tree.bonus_token, "intermediate_bonus", k)]
+            seq += [(tok, "tree", k) for tok in _accepted_tokens(tree)] + [(tree.bonus_token, "intermediate_bonus", k)]
             lens.append(len(seq))
         assert [(x.token, x.source, x.tree) for x in st.sequence] == seq, f"{where}: the sequence is not its trees' paths and bonuses"
         assert lens[-1] >= s.min_draft_len and (len(lens) == 1 or lens[-2] < s.min_draft_len), (
@@ -562,6 +556,11 @@ def _check_round_record(st, method: str, s: DecodeSettings) -> None:
     want = drafted[:n] + [(st.target_bonus, "target_bonus")]
     got = list(zip(st.new_tokens, st.new_sources))
     assert got == want[:len(got)] and got, f"{where}: new tokens and sources {got}, the round's record says {want}"
+
+
+def _accepted_tokens(tree: DraftTree) -> list[int]:
+    node = {x.id: x for x in tree.nodes}
+    return [node[a].token for a in tree.accepted]
 
 
 def check_forwards(trace: Trace, calls: dict[str, int]) -> None:
@@ -605,7 +604,7 @@ def _check_sequence(st, method: str, path: GreedyPath, regime: Optional[Regime],
 def _check_tree(tree: DraftTree, method: str, path: GreedyPath, regime: Optional[Regime], s: DecodeSettings,
                 root_index: int, tally: Tally) -> None:
     acc = len(tree.accepted)
-    d = max_depth(tree)
+    d = tree.depth
     on_root = root_index < len(path) and tree.root_token == path.tokens[root_index]
     if tree.verifier == "target":
         assert on_root, f"{method}: a tree's root is not the last accepted greedy token"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from hierviz.decoding.decoders import METHOD_NEEDS
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.engine import generate
 from hierviz.stack import Stack, tiny_random_stack
@@ -31,8 +32,6 @@ DRAFT_METHODS = ("spec", "eagle2", "hierspec")
 REGIMES = ("exact", "upto", "rank", "tie", "periodic", "rate")
 # which steered drafters each method calls
 USES = {"spec": ("m",), "eagle2": ("e_t",), "hierspec": ("e_m", "m")}
-# the forward counts each method records besides the target's
-FORWARD_NAMES = {"spec": ("intermediate",), "eagle2": ("e_t",), "hierspec": ("intermediate", "e_m")}
 
 
 @dataclass
@@ -137,9 +136,9 @@ def run_case(stack: Stack, path: GreedyPath, case: Case, tally: Tally, static: b
         where = f"case {case.index} ({case.regime}, {case.settings}, eos {sorted(eos)})"
         try:
             check_run(trace, method, path, case.regime, case.settings, eos, tally, vocab)
-            check_forwards(trace, {"target": target_calls[0], **{name: getattr(models, part).calls for name, part in
-                                   (("intermediate", "intermediate"), ("e_m", "e_m"), ("e_t", "e_t"))
-                                   if name in FORWARD_NAMES[method]}})
+            # the trace counts forwards under the names of the parts a method uses (METHOD_NEEDS)
+            check_forwards(trace, {"target": target_calls[0],
+                                   **{part: getattr(models, part).calls for part in METHOD_NEEDS[method]}})
         except AssertionError as e:
             raise AssertionError(f"{where}: {e}") from None
         if len(trace.steps) > 1:         # a drafting round ran: the steered drafters were asked
