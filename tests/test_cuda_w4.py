@@ -1,6 +1,7 @@
 """The CUDA MMA W4 kernel's CPU-side checks: its weight layout, an emulation of what each thread
 loads and multiplies (the fragment mapping the kernel relies on), its shape rules and K split,
-and NVRTC compiling the source for sm_80 and sm_90. The kernel itself runs in tests/test_gpu.py."""
+and NVRTC compiling the source for sm_80, sm_90 and Blackwell (sm_100, sm_120). The kernel itself
+runs in tests/test_gpu.py."""
 from __future__ import annotations
 
 import pytest
@@ -200,7 +201,8 @@ def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+# A100, H100/H200, and the Blackwell parts (B200, RTX PRO 6000) where the start-up proof decides
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
 def test_nvrtc_compiles_the_kernel(arch) -> None:
     if cuda_w4.nvrtc_version() is None:
         pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
