@@ -1,6 +1,6 @@
 """The Triton W4A16 kernel compiles to PTX for the GPUs it serves, without a GPU: Hopper (sm_90,
-pointer and TMA variants; the TMA one must issue bulk tensor copies) and the A100 of the public
-Space (sm_80, pointer variant). The interpreter tests check the arithmetic; this checks that the
+pointer and TMA variants; the TMA one must issue bulk tensor copies), the A100 of the public
+Space (sm_80, pointer variant) and Blackwell (sm_100, sm_120: what an unproven platform runs). The interpreter tests check the arithmetic; this checks that the
 GPU compiler accepts the kernel (inline PTX, constexpr branches, descriptor loads)."""
 from __future__ import annotations
 
@@ -168,6 +168,21 @@ def test_w4_kernel_leaves_no_register_wgmma_in_flight(arch: int, cfg) -> None:
             asm = _w4_asm(arch, tma, False, cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           BN=cfg.block_n, BM=cfg.block_m, IS_BF16=bf16, ORDERED=ordered, ATOMIC=False)
             assert async_register_hazards(asm["ttgir"]) == [], (bf16, ordered)
+
+
+@pytest.mark.parametrize("arch", [100, 120])
+def test_blackwell_compiles_every_kernel_it_runs(arch: int) -> None:
+    """On Blackwell (B200: sm_100; RTX PRO 6000: sm_120), unproven, the W4 product runs the
+    pointer-load kernel in every tuned configuration (both split-K modes in fp16, the ordered one
+    in bf16, the residual-adding form) and the layers run the fused kernels: all compile for it."""
+    for cfg in _tuned_configs():
+        for bf16, ordered in ((False, False), (False, True), (True, True)):
+            ptx = _ptx(arch, False, False, cfg.factored, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                       BN=cfg.block_n, BM=cfg.block_m, IS_BF16=bf16, ORDERED=ordered, ATOMIC=not ordered)
+            assert "prmt.b32" in ptx and "cp.async.bulk.tensor" not in ptx
+    _ptx(arch, False, False, True, ORDERED=True, ATOMIC=False, ACCUM=True)
+    for fn, args, consts in _fused_kernels():
+        _ptx_of(fn, args, consts, arch)
 
 
 def test_hazard_check_flags_the_triton36_chained_dot_loop() -> None:
