@@ -146,6 +146,24 @@ def download_root(tmp_path, monkeypatch):
     return tmp_path
 
 
+def test_the_tab_opens_on_the_preselected_trace_without_writing_files(download_root):
+    """A visitor sees the first recorded trace charted before pressing anything: the figures are
+    drawn once when the tab is built, and no download file is written for it."""
+    first = shipped_traces()[0][1]
+    view = analyse_tab.opening_view(first)
+    assert "Showing " in view["status"] and "hv-status-ok" in view["status"]
+    assert all(isinstance(view[k], go.Figure) for k in ("tau", "depth", "position"))
+    assert "<table" in view["table"] and view["worst"]
+    with gr.Blocks() as demo:
+        analyse_tab.analyse_tab()
+    plots = [c for c in demo.blocks.values() if isinstance(c, gr.Plot)]
+    assert len(plots) == 3 and all(c.value for c in plots)
+    assert not any(download_root.iterdir())
+    for nothing in (None, "", "/etc/passwd"):         # no trace, or a path that is not a recorded one
+        view = analyse_tab.opening_view(nothing)
+        assert "Pick a recorded trace" in view["status"] and view["tau"] is None
+
+
 def test_tab_builds_and_analyses_a_shipped_trace(download_root):
     with gr.Blocks():
         analyse_tab.analyse_tab()

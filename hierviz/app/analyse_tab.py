@@ -175,20 +175,46 @@ def analyse(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Opti
     paths = save_files(session_key(request), download_files(series, export_step(series, step)))
     note = acceptance_note(imported) if imported else ""
     yours = (f"yours ({imported.source_format})", list(imported.rates)) if imported and imported.rates else None
+    view = charts(series, yours)
     return (status_html(f"Analysed {name}: " + ", ".join(s.label for s in series) + "." + note, "ok"),
-            tau_figure(series), depth_figure(series), comparison_html(series), worst_rows(series),
+            view["tau"], view["depth"], view["table"], view["worst"],
             # an update, not a new component: Gradio resolves the path when it sends the event's outputs,
             # and serves it from the download folder (a static path) without copying it
             *(gr.update(value=paths[n], interactive=True)
               for n in DOWNLOADS),
-            position_figure(series, yours))
+            view["position"])
+
+
+def charts(series: list[Series], yours: Optional[tuple[str, list[float]]] = None) -> dict[str, Any]:
+    """The tab's figures and tables for `series` (yours: a deployment's per-position acceptance)."""
+    return {"tau": tau_figure(series), "depth": depth_figure(series), "table": comparison_html(series),
+            "worst": worst_rows(series), "position": position_figure(series, yours)}
 
 
 # ---- the tab -----------------------------------------------------------------------------------
 
+def opening_view(shipped_path: Optional[str]) -> dict[str, Any]:
+    """The charts, table and status the tab opens with: the preselected recorded trace, drawn once
+    when the app is built (no visitor's files; its downloads come with Analyse)."""
+    empty = {"status": status_html("Pick a recorded trace or upload one, then press Analyse."),
+             "tau": None, "depth": None, "position": None, "table": "", "worst": None}
+    if not shipped_path:
+        return empty
+    try:
+        name, series = load_series(shipped_path, None, None)
+    except (TraceError, OSError):
+        return empty
+    if not series or not series[0].trace.steps:
+        return empty
+    return {"status": status_html(f"Showing {name}: " + ", ".join(s.label for s in series)
+                                  + ". Press Analyse for its downloads, or pick or upload another.", "ok"),
+            **charts(series)}
+
+
 def analyse_tab() -> None:
     shipped = shipped_traces()
     first = shipped[0][1] if shipped else None
+    opening = opening_view(first)
     with gr.Row():
         with gr.Column(scale=2):
             gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
@@ -203,18 +229,18 @@ def analyse_tab() -> None:
                                               "Spec-Bench, EAGLE or SpecMQuant file)",
                                         file_types=ACCEPTANCE_TYPES, type="filepath")
             go_btn = gr.Button("Analyse", variant="primary")
-            status = gr.HTML(status_html("Pick a recorded trace or upload one, then press Analyse."))
+            status = gr.HTML(opening["status"])
             steps_btn = gr.DownloadButton("Per-step CSV", value=None, interactive=False)
             summary_btn = gr.DownloadButton("Summary CSV", value=None, interactive=False)
             replay_btn = gr.DownloadButton("HTML replay (first run, works offline)", value=None, interactive=False)
             step_no = NumberField(1, label="step of the first run to export as a picture", precision=0, minimum=1)
             svg_btn = gr.DownloadButton("Step as SVG", value=None, interactive=False)
         with gr.Column(scale=3):
-            tau_plot = gr.Plot(label="τ per step")
-            depth_plot = gr.Plot(label="acceptance by depth")
-            position_plot = gr.Plot(label="acceptance per draft position, this run beside yours")
-            table = gr.HTML()
-            worst = gr.Dataframe(headers=WORST_HEADERS, label="worst rejections", interactive=False, wrap=True,
+            tau_plot = gr.Plot(opening["tau"], label="τ per step")
+            depth_plot = gr.Plot(opening["depth"], label="acceptance by depth")
+            position_plot = gr.Plot(opening["position"], label="acceptance per draft position, this run beside yours")
+            table = gr.HTML(opening["table"])
+            worst = gr.Dataframe(opening["worst"], headers=WORST_HEADERS, label="worst rejections", interactive=False, wrap=True,
                                  column_widths=["14%", "8%", "10%", "68%"])
     outputs = [status, tau_plot, depth_plot, table, worst, steps_btn, summary_btn, replay_btn, svg_btn, position_plot]
     # reading an upload takes a few times its size in memory for a moment: a few at a time
