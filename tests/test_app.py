@@ -142,7 +142,7 @@ def test_run_is_disabled_while_a_run_is_in_flight():
     from hierviz.app import build_app, handlers
     demo = build_app("tiny-random")
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
-    names = [f.name for f in fns]
+    names = [f.name for f in fns if not f.is_cancel_function]     # Run also stops a replay (below)
     run = names.index("run_live")
     assert names[run - 1] == "run_button_busy" and names[run + 1] == "run_button_ready"
     assert handlers.run_button_busy().interactive is False and handlers.run_button_ready().interactive is True
@@ -205,6 +205,40 @@ def test_replay_keeps_its_speed(speed, shown, steps):
         if holds_pace(shown_at):
             return
     raise AssertionError(f"no replay held {speed:.1f} steps/s (lateness per step, s): {tries}; draw {draw:.3f} s")
+
+
+def test_a_stopped_replay_never_moves_the_step():
+    """Pause, a step button, the slider, another run, a new trace or a live run stop a replay: a
+    step it was waiting to show (the cancelled event's generator may still wake up) does not land
+    in the session, and the replay ends there."""
+    from hierviz.app import handlers as h
+    for stop in (lambda s: h.replay_stopped(s), lambda s: h.next_step(s, 2), lambda s: h.scrub(s, 5),
+                 lambda s: h.switch_view(s, "eagle2"), lambda s: s.carried(runs=[])):
+        sess = tiny_session()
+        replay = h.replay(sess, 1000, 0)
+        next(replay)
+        assert sess.step == 0
+        stop(sess)
+        after = (sess.view, sess.step)
+        assert list(replay) == []                  # no further step, no "finished" message
+        assert (sess.view, sess.step) == after
+    sess = tiny_session()                          # an unstopped replay still runs to its end
+    assert len(list(h.replay(sess, 1000, 8))) == 4 and sess.step == 10
+
+
+def test_every_control_that_moves_the_step_cancels_the_replay():
+    """On the page, the replay's event is cancelled by Pause and by every control that changes the
+    step or what is shown, so none of its updates overwrites what the visitor chose."""
+    from hierviz.app import build_app
+    demo = build_app("tiny-random")
+    fns = demo.fns.items() if isinstance(demo.fns, dict) else enumerate(demo.fns)
+    fns = list(fns)
+    play = next(k for k, f in fns if f.name == "replay")
+    cancelling = {(demo.blocks[cid].elem_id, event) for _, f in fns if f.is_cancel_function and play in f.cancels
+                  for cid, event in f.targets}
+    assert cancelling == {("hv-pause", "click"), ("hv-prev", "click"), ("hv-next", "click"), ("hv-step", "input"),
+                          ("hv-view", "input"), ("hv-trace-pick", "input"), ("hv-upload", "upload"),
+                          ("hv-run", "click"), ("hv-prompt", "submit")}
 
 
 def test_step_buttons_and_replay_bounds():

@@ -111,6 +111,7 @@ def scrub(sess: Session, step: Any) -> tuple:
     if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step:
         log_refusal("scrub", f"step must be a number, got {step!r}")
         return pack(SCRUB_OUTPUTS, {})
+    sess.stop_replay()
     return pack(SCRUB_OUTPUTS, panel_updates(sess, inspect_step(sess, main, int(step) - 1)))
 
 
@@ -142,6 +143,7 @@ def switch_view(sess: Session, method: Optional[str]) -> tuple:
     """Show another run of the comparison, at its latest step."""
     if not method or method == sess.view:
         return pack(VIEW_OUTPUTS, {})
+    sess.stop_replay()
     sess.view, sess.step, sess.follow = method, -1, True
     return pack(VIEW_OUTPUTS, {**panel_updates(sess), **nav_updates(sess)})
 
@@ -282,18 +284,22 @@ def replay(sess: Session, speed: Any, shown: Any = 0) -> Iterator[tuple]:
     except (TypeError, ValueError):
         rate = 1.0
     n, start = len(main.steps), replay_start(main, shown)
+    mine = sess.stop_replay()          # a replay still running (a second Play) stops here
     t0 = last_slow = time.monotonic()
     for i in range(start, n):
         due = t0 + (i - start) / rate
         time.sleep(max(0.0, due - time.monotonic()))
-        inspect_step(sess, main, i)
+        # stopped (Pause, another step, run or trace) while waiting: its step must not land
+        if not sess.replay_moves(mine, lambda i=i: inspect_step(sess, main, i)):
+            return
         yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replaying {run_label(main)}: step {i + 1} of {n}"),
                                   "step": gr.Slider(value=i + 1),
                                   **panel_updates(sess, i, replay_panels(i == n - 1, time.monotonic() - last_slow,
                                                                          time.monotonic() - due, rate))})
         last_slow = time.monotonic() if i == n - 1 or time.monotonic() - last_slow >= REPLAY_SLOW_S else last_slow
     time.sleep(max(0.0, t0 + (n - start) / rate - time.monotonic()))
-    yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replay finished ({n} steps).", "ok")})
+    if sess.replay == mine:
+        yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replay finished ({n} steps).", "ok")})
 
 
 def replay_panels(last: bool, since_slow: float, late: float, rate: float) -> Optional[set[str]]:
@@ -307,7 +313,11 @@ def replay_panels(last: bool, since_slow: float, late: float, rate: float) -> Op
     return only - {"tree"} if late > 1.0 / rate else only
 
 
-def replay_stopped() -> str:
+def replay_stopped(sess: Optional[Session] = None) -> str:
+    """Pause: the replay stops before its next step (its event is cancelled too, but a step it was
+    already taking would still land in the session), and the step on screen stays."""
+    if isinstance(sess, Session):
+        sess.stop_replay()
     return status_html("Replay paused: Play resumes from this step.", "warn")
 
 
@@ -316,6 +326,7 @@ def step_by(sess: Session, shown: Any, delta: int) -> tuple:
     main = sess.run()
     if main is None or not main.steps:
         return pack(STEP_OUTPUTS, {})
+    sess.stop_replay()
     try:
         i = inspect_step(sess, main, int(shown) - 1 + delta)
     except (TypeError, ValueError):

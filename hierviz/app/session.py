@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from hierviz.config import options
 from hierviz.trace import Step, Trace
 
+_REPLAY_LOCK = threading.Lock()   # a replay's check-and-step, atomic with every stop (any visitor: tiny sections)
 SESSION_TTL_S = 1800        # an idle visitor's runs are dropped after this many seconds
 STATE_CAPACITY = 64         # visitors whose state Gradio keeps at most (the least recent go first)
 MAX_FLAGS = 10_000          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
@@ -61,11 +62,29 @@ class Session:
     side_by_side: bool = False      # show EAGLE-2's step at the same token count beside HierSpec's
     history: RepeatHistory = field(default_factory=RepeatHistory)   # the visitor's repeated live runs
     counted: bool = False           # these runs are the history's latest (a whole live run, not stopped)
+    replay: int = 0                 # the replay that may move the step; every stop (hierviz.app.handlers) counts
 
     def carried(self, **fields: Any) -> "Session":
         """A new Session for a new set of runs that keeps what the visitor chose and ran before: the
-        side-by-side view and the history of their repeated live runs."""
+        side-by-side view and the history of their repeated live runs. A replay of the old runs stops."""
+        self.stop_replay()
         return Session(side_by_side=self.side_by_side, history=self.history, **fields)
+
+    def stop_replay(self) -> int:
+        """Stops a running replay before its next step: once this returns, no replay moves the step.
+        Returns the number a new replay runs under."""
+        with _REPLAY_LOCK:
+            self.replay += 1
+            return self.replay
+
+    def replay_moves(self, replay: int, move: Callable[[], Any]) -> bool:
+        """Runs `move` (a replay's next step) only while `replay` is still the running one: a replay
+        the visitor stopped (Pause, another step, run or trace) must not move the step they see."""
+        with _REPLAY_LOCK:
+            if self.replay != replay:
+                return False
+            move()
+            return True
 
     def run(self, method: Optional[str] = None) -> Optional[Trace]:
         """The run of `method` (default: the viewed one), else the first run, else None."""

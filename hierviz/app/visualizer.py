@@ -80,9 +80,9 @@ def visualizer_tab(stack_default: str | None = None) -> Components:
             run_panel(ui, stack_default)
         with gr.Column(scale=4, min_width=300, elem_classes=["hv-live"]):
             live_view(ui)
-    wire_run(ui)
-    wire_inspect(ui)
-    wire_replay(ui)
+    play = wire_replay(ui)
+    wire_run(ui, play)
+    wire_inspect(ui, play)
     return ui
 
 
@@ -204,10 +204,10 @@ def live_view(ui: Components) -> None:
     ui["crossover"] = gr.Plot(crossover_figure([]), label="Where this run sits (projected)", elem_id="hv-crossover")
 
 
-def wire_run(ui: Components) -> None:
+def wire_run(ui: Components, play: Any) -> None:
     """Run (button or Enter in the prompt), Stop, and the page's drawn-update reports. Run is
     disabled while the run is in flight, so a second click cannot vanish silently; it comes back
-    however the run ends (`then` follows errors too)."""
+    however the run ends (`then` follows errors too). A run stops a running replay (`play`)."""
     inputs, outputs = pick(ui, h.RUN_INPUTS), pick(ui, h.RUN_OUTPUTS)
     # a run's event starts at once and waits in the app's device line (hierviz.app.line), not in
     # Gradio's queue, whose size limit is every event's; its place and expected start are in the
@@ -216,7 +216,7 @@ def wire_run(ui: Components) -> None:
     hidden = dict(queue=False, show_progress="hidden", api_visibility="private")
     triggers = ((ui["run_btn"].click, dict(api_name="run")), (ui["prompt"].submit, dict(api_visibility="private")))
     for trigger, api in triggers:
-        trigger(h.run_button_busy, None, [ui["run_btn"]], **hidden).then(
+        trigger(h.run_button_busy, None, [ui["run_btn"]], cancels=[play], **hidden).then(
             run_live, inputs, outputs, **api, **started).then(h.run_button_ready, None, [ui["run_btn"]], **hidden)
     ui["stop_btn"].click(h.request_stop, None, [ui["status"]], queue=False, api_name="stop")
     # the page reports each drawn status update (render pacing, hierviz.app.pacing)
@@ -224,15 +224,16 @@ def wire_run(ui: Components) -> None:
                         api_visibility="private", js=RENDERED_JS)
 
 
-def wire_inspect(ui: Components) -> None:
-    """The step slider, previous / next step and the run chooser."""
+def wire_inspect(ui: Components, play: Any) -> None:
+    """The step slider, previous / next step and the run chooser; each stops a running replay
+    (`play`): its updates would otherwise keep overwriting the step the visitor chose."""
     ui["step"].input(h.scrub, [ui["session"], ui["step"]], pick(ui, h.SCRUB_OUTPUTS), trigger_mode="always_last",
-                     show_progress="hidden", api_name="scrub")
+                     show_progress="hidden", api_name="scrub", cancels=[play])
     for button, handler in ((ui["prev_btn"], h.previous_step), (ui["next_btn"], h.next_step)):
         button.click(handler, [ui["session"], ui["step"]], pick(ui, h.STEP_OUTPUTS), show_progress="hidden",
-                     trigger_mode="always_last", api_visibility="private")
+                     trigger_mode="always_last", api_visibility="private", cancels=[play])
     ui["view"].input(h.switch_view, [ui["session"], ui["view"]], pick(ui, h.VIEW_OUTPUTS), show_progress="hidden",
-                     api_visibility="private")
+                     api_visibility="private", cancels=[play])
     ui["present"].change(None, [ui["present"]], None, js=PRESENT_JS, api_visibility="private")
     ui["side_by_side"].input(h.set_side_by_side, [ui["session"], ui["side_by_side"]], [ui["side"]],
                              show_progress="hidden", api_visibility="private")
@@ -242,20 +243,23 @@ def wire_inspect(ui: Components) -> None:
                            show_progress="hidden", api_visibility="private")
 
 
-def wire_replay(ui: Components) -> None:
-    """Upload, recorded traces (loaded when chosen), Play from the step on screen, Pause."""
+def wire_replay(ui: Components) -> Any:
+    """Play from the step on screen, Pause, upload and recorded traces (loaded when chosen, which
+    stops a replay); returns Play's event for the other controls that stop it."""
     outputs = pick(ui, h.LOAD_OUTPUTS)
-    # parsing a large upload takes a few times its size in memory for a moment: a few at a time
-    ui["upload"].upload(h.load_file, [ui["upload"], ui["session"]], outputs, show_progress="hidden",
-                        api_name="load_trace", concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE)
-    ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"], ui["session"]], outputs, show_progress="hidden",
-                           api_visibility="private")
     play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"], ui["step"]], pick(ui, h.PLAY_OUTPUTS),
                                 show_progress="hidden", api_visibility="private")
     # the message is sent only after the cancellation went through, so a late step update from
     # the cancelled replay cannot overwrite it; the step on screen stays, and Play resumes from it
     ui["pause_btn"].click(None, None, None, cancels=[play], queue=False, api_visibility="private").then(
-        h.replay_stopped, None, [ui["status"]], queue=False, api_visibility="private")
+        h.replay_stopped, [ui["session"]], [ui["status"]], queue=False, api_visibility="private")
+    # parsing a large upload takes a few times its size in memory for a moment: a few at a time
+    ui["upload"].upload(h.load_file, [ui["upload"], ui["session"]], outputs, show_progress="hidden",
+                        api_name="load_trace", concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE,
+                        cancels=[play])
+    ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"], ui["session"]], outputs, show_progress="hidden",
+                           api_visibility="private", cancels=[play])
+    return play
 
 
 # After an export, the hidden download button holds the new picture: clicking it downloads that file.
