@@ -1,11 +1,12 @@
 """Per-visitor state.
 
 `Session` is what one browser tab is looking at; it lives in a `gr.State`, so every visitor has
-their own copy. `SessionRegistry` holds the few flags that must reach a run from *another* event of
-the same visitor (Stop, the page's "drawn" reports): a Stop click is its own event, and Gradio
-copies gr.State values between events, so a flag inside the State would not reach the running
-generator. The registry is keyed by Gradio's session hash and forgets a visitor when their page
-closes, so a public app does not grow.
+their own copy (Gradio copies the initial value once per visitor; their events then share that
+object, so a Session's own fields, such as the replay counter, reach a running generator).
+`SessionRegistry` holds the few flags that must reach a run from *another* event of the same
+visitor without its State (Stop and the page's "drawn" reports are queue-free events that take no
+inputs, and a closed page must stop its runs, waiting in line included). The registry is keyed by
+Gradio's session hash and forgets a visitor when their page closes, so a public app does not grow.
 
 What one visitor's runs may take in memory is bounded (HIERVIZ_STATE_MB), counted as loaded:
 `state_bytes` estimates the parsed traces' size from what they hold (steps, trees, tree nodes,
