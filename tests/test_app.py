@@ -98,6 +98,30 @@ def test_stop_ends_the_run_cleanly(client):
     assert runs == ["hierspec"]              # the EAGLE-2 and AR runs never started
 
 
+def test_loading_a_trace_stops_a_live_run_which_then_sends_nothing(client):
+    """A trace loaded while the visitor's live run is in flight is what their page shows: the run
+    stops after the step it is taking and sends no further update (no "Stopped." over the trace),
+    the load answers only once the run has ended, and the session holds the trace."""
+    job = client.submit("hello", "tiny-random", 200, 0.0, 2, 4, 8, 3, 2, 4, 8, True, api_name="/run")
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        outs = job.outputs()
+        if outs and "Running HierSpec" in status_of(outs[-1]):
+            break
+        time.sleep(0.2)
+    from hierviz.app.shipped import shipped_traces
+    path = next(p for _, p in shipped_traces() if p.endswith("handmade-demo.json"))
+    loaded = client.predict(gradio_client.handle_file(path), api_name="/load_trace")
+    assert "Loaded handmade-demo.json" in status_of(loaded)
+    sent = len(job.outputs())                      # the load returned once the run had ended ...
+    job.result(timeout=120)
+    assert job.outputs()[sent:] == []              # ... so nothing of it can follow the trace
+    assert not any("Stopped" in status_of(o) or "Done" in status_of(o) for o in job.outputs())
+    # the session is the trace's (8 steps, its own prompt), not the live run's
+    output = client.predict(8, api_name="/scrub")[3]
+    assert "Explain speculative decoding" in output and "hello" not in output
+
+
 def test_progress_says_method_tokens_and_time_left():
     """The status of a live run: method k of n, tokens done of asked, and the time left from this
     run's rate and the earlier runs' measured rates; the stages before it say the time spent."""

@@ -230,11 +230,21 @@ def trace_updates(name: str, read: Any, download: Optional[str], shown: Optional
     return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay.")
 
 
-def load_file(path: Optional[str], shown: Optional[Session] = None) -> tuple:
+def shown_instead(updates: dict[str, Any], request: Optional[gr.Request]) -> dict[str, Any]:
+    """A trace the visitor loaded is now on their page: a live run of theirs in flight stops and
+    sends nothing more, which would put its own runs back over the trace (a failed load changes
+    nothing)."""
+    if "session" in updates and request is not None:
+        SESSIONS.trace_loaded(session_key(request))
+    return updates
+
+
+def load_file(path: Optional[str], shown: Optional[Session] = None, request: Optional[gr.Request] = None) -> tuple:
     """/load_trace: an uploaded trace file. Nothing is offered for download: the visitor has the file."""
     if not path:
         return pack(LOAD_OUTPUTS, {})
-    return pack(LOAD_OUTPUTS, trace_updates(Path(path).name, lambda: read_upload(path), None, shown))
+    return pack(LOAD_OUTPUTS, shown_instead(trace_updates(Path(path).name, lambda: read_upload(path), None, shown),
+                                            request))
 
 
 def shipped_updates(path: Optional[str], shown: Optional[Session] = None) -> dict[str, Any]:
@@ -245,9 +255,9 @@ def shipped_updates(path: Optional[str], shown: Optional[Session] = None) -> dic
     return trace_updates(Path(path).name, lambda: shipped_runs(path), path, shown)
 
 
-def load_shipped(path: Optional[str], shown: Optional[Session] = None) -> tuple:
+def load_shipped(path: Optional[str], shown: Optional[Session] = None, request: Optional[gr.Request] = None) -> tuple:
     """One of the recorded traces."""
-    return pack(LOAD_OUTPUTS, shipped_updates(path, shown))
+    return pack(LOAD_OUTPUTS, shown_instead(shipped_updates(path, shown), request))
 
 
 def on_open() -> tuple:

@@ -57,6 +57,7 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
     key = session_key(request)
     flags = SESSIONS.flags(key)
     stopped = flags.stop_signal()        # taken at once: a Stop while it waits in line reaches it
+    replaced = flags.load_signal()       # a trace loaded meanwhile: stop, and send nothing more
     try:
         settings = checked_settings(max_new, temperature, m_depth, m_topk, m_size, min_draft, t_depth, t_topk, t_size)
         stack_name = check_stack(stack, stack_choices())
@@ -67,18 +68,27 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
     except VisitorError as e:
         yield input_error("run", str(e))
         return
+    flags.running += 1                   # a trace loaded meanwhile waits for this run's end
     try:
         async for update in wait_turn(ticket, stopped, flags):
+            if replaced():
+                return
             yield update
         if LINE.position(ticket) != 0 or stopped():
-            yield run_update(status=status_html("Stopped before it started: your run left the line.", "warn"))
+            if not replaced():
+                yield run_update(status=status_html("Stopped before it started: your run left the line.", "warn"))
             return
         new = (sess if isinstance(sess, Session) else Session()).carried(view="hierspec", source=LIVE_SOURCE)
         pacer = Pacer(request, flags, live_pace_mode())
         async for update in in_thread(device_run(settings, methods, new, key, stack_name, prompt, pacer, stopped)):
+            # an update is only taken once the one before it went out: one sent from here on
+            # could reach the page after the trace the visitor loaded
+            if replaced():
+                return
             yield update
     finally:
         LINE.leave(ticket)
+        flags.running -= 1
 
 
 def comparison_of(stack_name: str) -> list[str]:

@@ -27,7 +27,8 @@ from hierviz.trace import Step, Trace
 _REPLAY_LOCK = threading.Lock()   # a replay's check-and-step, atomic with every stop (any visitor: tiny sections)
 SESSION_TTL_S = 1800        # an idle visitor's runs are dropped after this many seconds
 STATE_CAPACITY = 64         # visitors whose state Gradio keeps at most (the least recent go first)
-MAX_FLAGS = 10_000          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
+MAX_FLAGS = 10_000
+LOAD_WAITS_FOR_RUN_S = 10.0 # a trace load waits this long at most for the visitor's run to end          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ def state_limit_mb() -> int:
 @dataclass
 class SessionFlags:
     stops: int = 0            # Stop presses so far; a run stops when this passes the count at its start
+    loads: int = 0            # traces loaded so far; a run started before one stops and shows nothing more
+    running: int = 0          # live runs of the visitor in flight (waiting in line included)
     rendered: threading.Event = field(default_factory=threading.Event)  # the page drew the last update
     reporting: bool = False   # the page has reported drawing at least once (API clients never do)
     used: float = field(default_factory=time.monotonic)   # when an event of the visitor last asked
@@ -158,6 +161,12 @@ class SessionFlags:
         pressed while it waits in line reaches it, and a Stop before it (a stale one) does not."""
         since = self.stops
         return lambda: self.stops > since
+
+    def load_signal(self) -> Callable[[], bool]:
+        """Whether a trace was loaded since now: the page shows it, so a run in flight must stop and
+        send nothing more (its updates would put its own runs back over the trace)."""
+        since = self.loads
+        return lambda: self.loads > since
 
 
 def session_key(request: Any) -> str:
@@ -191,6 +200,18 @@ class SessionRegistry:
         flags = self.flags(key)
         with self._lock:
             flags.stops += 1
+
+    def trace_loaded(self, key: str, wait_s: float = LOAD_WAITS_FOR_RUN_S) -> None:
+        """The visitor's page is about to show a loaded trace: a run of theirs in flight stops and
+        sends nothing more. Returns once it has ended (at most `wait_s`): it ends after the step it
+        is taking, and an update it sent before must reach the page before the trace does."""
+        flags = self.flags(key)
+        with self._lock:
+            flags.stops += 1
+            flags.loads += 1
+        until = time.monotonic() + wait_s
+        while flags.running > 0 and time.monotonic() < until:
+            time.sleep(0.02)
 
     def mark_rendered(self, key: str) -> None:
         """The page `key` reports that it drew the last update."""

@@ -83,6 +83,7 @@ def visualizer_tab(stack_default: str | None = None) -> Components:
     play = wire_replay(ui)
     wire_run(ui, play)
     wire_inspect(ui, play)
+    wire_loads(ui, play)
     return ui
 
 
@@ -244,22 +245,28 @@ def wire_inspect(ui: Components, play: Any) -> None:
 
 
 def wire_replay(ui: Components) -> Any:
-    """Play from the step on screen, Pause, upload and recorded traces (loaded when chosen, which
-    stops a replay); returns Play's event for the other controls that stop it."""
-    outputs = pick(ui, h.LOAD_OUTPUTS)
+    """Play from the step on screen and Pause; returns Play's event for the other controls that
+    stop it."""
     play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"], ui["step"]], pick(ui, h.PLAY_OUTPUTS),
                                 show_progress="hidden", api_visibility="private")
     # the message is sent only after the cancellation went through, so a late step update from
     # the cancelled replay cannot overwrite it; the step on screen stays, and Play resumes from it
     ui["pause_btn"].click(None, None, None, cancels=[play], queue=False, api_visibility="private").then(
         h.replay_stopped, [ui["session"]], [ui["status"]], queue=False, api_visibility="private")
+    return play
+
+
+def wire_loads(ui: Components, play: Any) -> None:
+    """An upload or a recorded trace (loaded when chosen) replaces what the page shows: a replay
+    stops (its event is cancelled), and a live run of the visitor stops and sends nothing more
+    (handlers.shown_instead), so none of their updates lands over the trace."""
+    outputs = pick(ui, h.LOAD_OUTPUTS)
     # parsing a large upload takes a few times its size in memory for a moment: a few at a time
     ui["upload"].upload(h.load_file, [ui["upload"], ui["session"]], outputs, show_progress="hidden",
                         api_name="load_trace", concurrency_id="trace-upload", concurrency_limit=UPLOADS_AT_ONCE,
                         cancels=[play])
     ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"], ui["session"]], outputs, show_progress="hidden",
                            api_visibility="private", cancels=[play])
-    return play
 
 
 # After an export, the hidden download button holds the new picture: clicking it downloads that file.
