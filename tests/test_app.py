@@ -83,7 +83,8 @@ def test_live_run_streams_every_panel(client):
     assert "Step 2:" in json.loads(scrub[0]["plot"])["layout"]["title"]["text"]
 
 
-def test_stop_ends_the_run_cleanly(client):
+def long_run_under_way(client):
+    """A 200-token run of every method, once it is running HierSpec."""
     job = client.submit("hello", "tiny-random", 200, 0.0, 2, 4, 8, 3, 2, 4, 8, True, api_name="/run")
     t0 = time.time()
     while time.time() - t0 < 60:
@@ -91,6 +92,11 @@ def test_stop_ends_the_run_cleanly(client):
         if outs and "Running HierSpec" in status_of(outs[-1]):
             break
         time.sleep(0.2)
+    return job
+
+
+def test_stop_ends_the_run_cleanly(client):
+    job = long_run_under_way(client)
     assert "Stopping" in client.predict(api_name="/stop")
     final = job.result(timeout=120)
     assert "Stopped." in status_of(final)
@@ -102,13 +108,7 @@ def test_loading_a_trace_stops_a_live_run_which_then_sends_nothing(client):
     """A trace loaded while the visitor's live run is in flight is what their page shows: the run
     stops after the step it is taking and sends no further update (no "Stopped." over the trace),
     the load answers only once the run has ended, and the session holds the trace."""
-    job = client.submit("hello", "tiny-random", 200, 0.0, 2, 4, 8, 3, 2, 4, 8, True, api_name="/run")
-    t0 = time.time()
-    while time.time() - t0 < 60:
-        outs = job.outputs()
-        if outs and "Running HierSpec" in status_of(outs[-1]):
-            break
-        time.sleep(0.2)
+    job = long_run_under_way(client)
     from hierviz.app.shipped import shipped_traces
     path = next(p for _, p in shipped_traces() if p.endswith("handmade-demo.json"))
     loaded = client.predict(gradio_client.handle_file(path), api_name="/load_trace")
