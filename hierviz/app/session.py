@@ -27,8 +27,8 @@ from hierviz.trace import Step, Trace
 _REPLAY_LOCK = threading.Lock()   # a replay's check-and-step, atomic with every stop (any visitor: tiny sections)
 SESSION_TTL_S = 1800        # an idle visitor's runs are dropped after this many seconds
 STATE_CAPACITY = 64         # visitors whose state Gradio keeps at most (the least recent go first)
-MAX_FLAGS = 10_000
-LOAD_WAITS_FOR_RUN_S = 10.0 # a trace load waits this long at most for the visitor's run to end          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
+MAX_FLAGS = 10_000          # visitors' flags kept before those idle for SESSION_TTL_S are dropped
+LOAD_WAITS_FOR_RUN_S = 10.0 # a trace load waits this long at most for the visitor's run to end
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,8 @@ class SessionRegistry:
         is taking, and an update it sent before must reach the page before the trace does."""
         flags = self.flags(key)
         with self._lock:
+            flags.loads += 1      # first: a run that sees the stop must already see it is replaced
             flags.stops += 1
-            flags.loads += 1
         until = time.monotonic() + wait_s
         while flags.running > 0 and time.monotonic() < until:
             time.sleep(0.02)
