@@ -210,3 +210,16 @@ def test_nvrtc_compiles_the_kernel(arch) -> None:
     assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_w4.CompileError, match="NVRTC failed"):
         cuda_w4.compile_cubin(arch, cuda_w4.KERNEL_SOURCE + "\nthis is not C++;\n")
+
+
+def test_nvrtc_compiles_the_wgmma_probe_for_sm_90a() -> None:
+    """scripts/wgmma_probe.py, which measured that wgmma gives the kernel's mma.sync bits, still builds."""
+    if cuda_w4.nvrtc_version() is None:
+        pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "wgmma_probe.py"
+    spec = importlib.util.spec_from_file_location("wgmma_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert cuda_w4.compile_cubin("sm_90a", probe.SOURCE)[:4] == b"\x7fELF"
