@@ -201,11 +201,15 @@ def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"
 
 
+def skip_without_nvrtc() -> None:
+    if cuda_w4.nvrtc_version() is None:
+        pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
+
+
 # A100, H100/H200, and the Blackwell parts (B200, RTX PRO 6000) where the start-up proof decides
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
 def test_nvrtc_compiles_the_kernel(arch) -> None:
-    if cuda_w4.nvrtc_version() is None:
-        pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
+    skip_without_nvrtc()
     cubin = cuda_w4.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_w4.CompileError, match="NVRTC failed"):
@@ -214,8 +218,7 @@ def test_nvrtc_compiles_the_kernel(arch) -> None:
 
 def test_nvrtc_compiles_the_wgmma_probe_for_sm_90a() -> None:
     """scripts/wgmma_probe.py, which measured that wgmma gives the kernel's mma.sync bits, still builds."""
-    if cuda_w4.nvrtc_version() is None:
-        pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
+    skip_without_nvrtc()
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "wgmma_probe.py"
