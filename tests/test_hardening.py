@@ -20,7 +20,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -41,8 +43,8 @@ ON_GPU = torch.cuda.is_available()
 
 # ---- the app, its visitors, and what a clear error is -------------------------------------------
 
-@pytest.fixture(scope="module")
-def app_url():
+@contextmanager
+def served_app() -> Iterator[str]:
     """The app on tiny-random, in this process; a visitor, and this address, may start 600 runs a
     minute (the rate limits have their own tests), the device caps are the CPU defaults, custom
     stacks are off, the line and the state bound are the defaults, no proxy."""
@@ -58,6 +60,21 @@ def app_url():
             yield url
         finally:
             demo.close()
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with served_app() as url:
+        yield url
+
+
+@pytest.fixture()
+def own_app_url():
+    """A server of the test's own, for a test that counts the sessions whose state Gradio keeps
+    (STATE_CAPACITY, least recently used first out): after the module's other tests the shared
+    server keeps a full 64, and the first of a new crowd of visitors would be dropped for room."""
+    with served_app() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -789,7 +806,7 @@ def timed(fn):
     return out, time.monotonic() - t0
 
 
-def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path):
+def test_thirty_visitors_scrub_and_load_while_the_line_is_full(own_app_url, tmp_path):
     """The line of runs full (one running, HIERVIZ_QUEUE_SIZE waiting, the next refused with a
     plain message): 30 visitors, each with a run of their own from before, scrub it and load a
     trace, AT_ONCE of them at a time: each answer within 2 s (or, on a machine slower than that
@@ -799,7 +816,7 @@ def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path
 
     from hierviz.config import options
     prompts = [f"visitor {i} asks" for i in range(30)]
-    visitors = [new_client(app_url) for _ in prompts]
+    visitors = [new_client(own_app_url) for _ in prompts]
     earlier = []
     for batch in (slice(0, 15), slice(15, 30)):          # each batch fits the line
         jobs = [c.submit(*hi.run_args(prompt=p, max_new=2), api_name="/run") for c, p in zip(visitors[batch], prompts[batch])]
@@ -813,9 +830,9 @@ def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path
     f = tmp_path / "small.json"
     f.write_text(json.dumps(hi.plumbing()))
     # the visitors who will fill the line; with the 30 they are 51 of the STATE_CAPACITY (64)
-    # sessions whose state the server keeps, so that no visitor's run is dropped for room
+    # sessions whose state this test's own server keeps, so that no visitor's run is dropped for room
     size = options().queue_size
-    fillers = [new_client(app_url) for _ in range(size + 1)]
+    fillers = [new_client(own_app_url) for _ in range(size + 1)]
     assert len(fillers) >= 2 * AT_ONCE
     # the machine's own pace: the same scrubs and loads (loads by the fillers, so that every
     # visitor keeps their run) with the line empty, AT_ONCE at a time
@@ -829,7 +846,7 @@ def test_thirty_visitors_scrub_and_load_while_the_line_is_full(app_url, tmp_path
     assert wait_for(lambda: is_streaming_steps(jobs[0]))
     jobs += [c.submit(*hi.run_args(prompt="waiting", max_new=256, with_ar=True), api_name="/run") for c in fillers[1:]]
     assert wait_for(lambda: all(places(j) for j in jobs[1:]), timeout=30)
-    assert_clear_error(call_run(new_client(app_url), hi.run_args()), ("status", "The line for live runs is full"))
+    assert_clear_error(call_run(new_client(own_app_url), hi.run_args()), ("status", "The line for live runs is full"))
 
     def visit(i: int) -> tuple[float, float]:
         c, p = visitors[i], prompts[i]
