@@ -1,0 +1,138 @@
+"""The method registry: one entry per decoding method, read by every layer.
+
+Trace validation, the decoders' driver, comparisons and the headline, viz styles, latency bars,
+the What-if figures, bench columns, CLI choices and the app's run picker all ask this module, so a
+new method is one decoder module and one `register(Method(...))`. It sits at the bottom of the
+layers (it imports nothing of hierviz): a built-in entry names its decoder as "module:function",
+resolved on first use, so that this module does not import the decoders above it.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+# What T checks in one round: one token (AR), a sequence draft, or a whole draft tree
+TOKEN, SEQUENCE, TREE = "token", "sequence", "tree"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str                         # traces, stack files, the CLI and the API use it
+    label: str                        # for people: "Autoregressive", "EAGLE-2"
+    short: str                        # in narrow places: "AR"
+    color: str                        # its colour in per-method charts (What-if, crossover)
+    dash: str                         # its line style there ("solid", "dot", "dash", "dashdot")
+    needs: tuple[str, ...]            # the stack parts it runs on besides T (Models fields)
+    target_verifies: str              # TOKEN, SEQUENCE or TREE
+    decoder: Union[str, Callable[..., Any]]   # "module:function" or the generator function itself
+    # its place in a side-by-side comparison, lowest first; None: never part of one
+    compare_rank: Optional[int] = None
+    stage_names: dict[str, str] = field(default_factory=dict)   # trace stage -> latency bar label
+    roles: frozenset[str] = frozenset()   # the token/node roles its panels can show (viz.style.COLORS keys)
+    # the method shown beside it in the side-by-side teaching view
+    counterpart: Optional[str] = None
+    # the drafted-tree depth settings it reads ("t": E_T's tree on T, "m": E_M's trees on M)
+    tree_settings: Optional[str] = None
+    # the method whose acceptance record a what-if replays for it (a tree on T with another head
+    # type is priced with the same decisions), default itself
+    acceptance_as: Optional[str] = None
+    description: str = ""
+
+    @property
+    def decode(self) -> Callable[..., Any]:
+        """The decoder: a generator function (models, prompt, settings, sampler, text, max_len, oracle)."""
+        if callable(self.decoder):
+            return self.decoder
+        module, _, name = self.decoder.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+METHODS: dict[str, Method] = {}
+SUBJECT = "hierspec"      # the method the app is about: headlines compare it with every other run
+BASELINE = "ar"           # the reference every output is checked against and every speedup is over
+
+
+def register(method: Method) -> Method:
+    """Add (or replace) a method; every layer sees it from then on."""
+    if method.target_verifies not in (TOKEN, SEQUENCE, TREE):
+        raise ValueError(f"{method.name}: target_verifies must be one of token, sequence, tree")
+    METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    """Remove a method added at run time (tests of the extension points)."""
+    METHODS.pop(name, None)
+
+
+def get(name: str) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def names() -> list[str]:
+    """Every method, in display order (registration order)."""
+    return list(METHODS)
+
+
+def label(name: str) -> str:
+    m = METHODS.get(name)
+    return m.label if m else name
+
+
+def short(name: str) -> str:
+    m = METHODS.get(name)
+    return m.short if m else name
+
+
+def comparison_order() -> list[str]:
+    """The methods a side-by-side comparison may run, in their comparison order (SUBJECT first)."""
+    ranked = [m for m in METHODS.values() if m.compare_rank is not None]
+    return [m.name for m in sorted(ranked, key=lambda m: m.compare_rank)]
+
+
+def comparison_having(has: Callable[[str], bool]) -> list[str]:
+    """The comparison's methods whose every needed part `has` says is there."""
+    return [m for m in comparison_order() if all(has(part) for part in METHODS[m].needs)]
+
+
+def tree_on_target(name: str) -> bool:
+    """Does T verify a whole draft tree itself in this method (EAGLE-2, EAGLE-3)?"""
+    m = METHODS.get(name)
+    return m is not None and m.target_verifies == TREE
+
+
+def tree_methods() -> list[str]:
+    return [m.name for m in METHODS.values() if m.target_verifies == TREE]
+
+
+_TREE_ROLES = frozenset({"tree", "target_bonus", "rejected", "discarded"})
+
+register(Method("ar", "Autoregressive", "AR", "#333333", "dash", (), TOKEN,
+                "hierviz.decoding.decoders:decode_ar", compare_rank=3,
+                stage_names={"target_verify": "T forward"}, roles=frozenset({"target_bonus"}),
+                description="one target forward per token"))
+register(Method("spec", "Sequence spec.", "Spec", "#B286E9", "dashdot", ("intermediate",), SEQUENCE,
+                "hierviz.decoding.decoders:decode_spec",
+                stage_names={"draft": "M drafts", "target_verify": "T verifies sequence"},
+                roles=frozenset({"draft", "target_bonus", "rejected", "discarded"}),
+                description="M drafts a sequence token by token, T verifies it"))
+register(Method("eagle2", "EAGLE-2", "EAGLE-2", "#C96A00", "dot", ("e_t",), TREE,
+                "hierviz.decoding.decoders:decode_eagle2", compare_rank=1,
+                stage_names={"draft": "E_T draft", "target_verify": "T verifies tree"}, roles=_TREE_ROLES,
+                counterpart="hierspec", tree_settings="t",
+                description="an EAGLE-1/2 head on T drafts a tree, T verifies the tree"))
+register(Method("eagle3", "EAGLE-3", "EAGLE-3", "#7A3E00", "longdash", ("e_t3",), TREE,
+                "hierviz.decoding.decoders:decode_eagle3", compare_rank=2,
+                stage_names={"draft": "E_T draft (EAGLE-3)", "target_verify": "T verifies tree"}, roles=_TREE_ROLES,
+                counterpart="hierspec", tree_settings="t", acceptance_as="eagle2",
+                description="an EAGLE-3 head on T drafts a tree, T verifies the tree"))
+register(Method("hierspec", "HierSpec", "HierSpec", "#297B7A", "solid", ("intermediate", "e_m"), SEQUENCE,
+                "hierviz.decoding.decoders:decode_hierspec", compare_rank=0,
+                stage_names={"draft": "E_M draft", "intermediate_verify": "M verifies trees",
+                             "target_verify": "T verifies sequence"},
+                roles=frozenset({"tree", "intermediate_bonus", "target_bonus", "rejected", "discarded"}),
+                counterpart="eagle2", tree_settings="m",
+                description="E_M drafts trees, M verifies them into a sequence, T verifies the sequence"))
