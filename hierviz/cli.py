@@ -7,7 +7,7 @@ import sys
 from typing import Optional
 
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_settings
-from hierviz.trace import METHODS
+from hierviz import methods
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profile", "whatif": "hierviz.measure.whatif",
@@ -73,7 +73,7 @@ def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> D
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hierviz generate",
                                 description="Generate text with one decoding method and print it.")
-    p.add_argument("--method", choices=METHODS, default="hierspec")
+    p.add_argument("--method", choices=methods.names(), default=methods.SUBJECT)
     p.add_argument("--prompt", required=True)
     p.add_argument("--trace", default=None, help="write the trace JSON here")
     p.add_argument("--stats", action="store_true", help="print tokens/s and acceptance to stderr")

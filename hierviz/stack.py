@@ -29,7 +29,8 @@ import torch
 
 from hierviz import memory
 from hierviz.config import options
-from hierviz.decoding.decoders import Models, comparison_having
+from hierviz import methods
+from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfigError
 from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, Drafter, head_type_of, load_head
 from hierviz.models.llama import Transformer, WeightsError
@@ -205,13 +206,13 @@ def read_spec(name_or_path: str) -> tuple[dict[str, Any], Path]:
 
 
 def stack_comparison(name_or_path: Optional[str] = None) -> list[str]:
-    """The methods a comparison runs on a stack (COMPARISON_ORDER), read from its file without
+    """The methods a comparison runs on a stack (methods.comparison_order()), read from its file without
     loading a model: the app names them before the load."""
     name_or_path = name_or_path or DEFAULT_STACK
     if name_or_path in TINY_STACKS:        # every part but, without its flag, the EAGLE-3 head
-        return comparison_having(lambda part: part != "e_t3" or TINY_STACKS[name_or_path])
+        return methods.comparison_having(lambda part: part != "e_t3" or TINY_STACKS[name_or_path])
     spec, _ = read_spec(name_or_path)
-    return comparison_having(lambda part: bool(spec.get(part)))
+    return methods.comparison_having(lambda part: bool(spec.get(part)))
 
 
 def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -19,46 +18,65 @@ from hierviz.decoding.tree import PendingTree, Tree, draft_tree_on_device
 from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, forced_tree_path,
                                      verify_sequence_greedy, verify_sequence_sampling, verify_tree_greedy,
                                      verify_tree_sampling)
-from hierviz.models.drafter import Drafter
+from hierviz import methods
+from hierviz.models.drafter import HEAD_SLOTS, Drafter
 from hierviz.models.llama import Transformer
 from hierviz.trace import DraftTree, SeqToken, Step, TreeNode, tree_rejected
 
 
-@dataclass
 class Models:
-    target: Transformer
-    intermediate: Optional[Transformer] = None
-    e_m: Optional[Drafter] = None       # draft head on the intermediate (HierSpec), any head type
-    e_t: Optional[Drafter] = None       # EAGLE-1/2 head on the target (the eagle2 method)
-    e_t3: Optional[Drafter] = None      # EAGLE-3 head on the target (the eagle3 method)
+    """The models of a stack: the target T, an optional intermediate M, and a draft head per
+    filled slot of HEAD_SLOTS (`models.e_m`, `models.e_t`, ...; None where the slot is empty).
+    Heads may be given positionally in HEAD_SLOTS' order or by slot name."""
+
+    def __init__(self, target: Transformer, intermediate: Optional[Transformer] = None,
+                 *heads: Optional[Drafter], **named: Optional[Drafter]) -> None:
+        slots = list(HEAD_SLOTS)
+        if len(heads) > len(slots):
+            raise TypeError(f"Models takes at most {len(slots)} heads ({', '.join(slots)})")
+        unknown = sorted(set(named) - set(slots))
+        if unknown:
+            raise TypeError(f"unknown head slot(s) {', '.join(unknown)}; slots: {', '.join(slots)}")
+        object.__setattr__(self, "heads", {**dict(zip(slots, heads)), **named})
+        self.target = target
+        self.intermediate = intermediate
+
+    def __getattr__(self, name: str) -> Optional[Drafter]:
+        if name in HEAD_SLOTS:
+            return self.__dict__["heads"].get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in HEAD_SLOTS:
+            self.__dict__["heads"][name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def part(self, name: str) -> object:
+        """A stack part by its name in Method.needs: "intermediate" or a head slot."""
+        return getattr(self, name)
 
     def present(self) -> list:
         """The models this stack has (target first)."""
-        return [m for m in (self.target, self.intermediate, self.e_m, self.e_t, self.e_t3) if m is not None]
+        return [m for m in (self.target, self.intermediate, *self.heads.values()) if m is not None]
 
     def missing(self, method: str) -> list[str]:
         """The parts `method` needs that this stack lacks, by their names in messages."""
-        return [PART_NAMES[p] for p in METHOD_NEEDS[method] if getattr(self, p) is None]
-
-
-# the Models fields each method drafts or verifies with, and their names in messages
-METHOD_NEEDS: dict[str, tuple[str, ...]] = {"ar": (), "spec": ("intermediate",), "eagle2": ("e_t",),
-                                            "eagle3": ("e_t3",), "hierspec": ("intermediate", "e_m")}
-COMPARISON_ORDER = ("hierspec", "eagle2", "eagle3", "ar")   # a comparison's runs, HierSpec first
+        return [part_name(p) for p in methods.get(method).needs if self.part(p) is None]
 
 
 def comparison_methods(models: Models) -> list[str]:
-    """The methods a side-by-side comparison runs on this stack, in COMPARISON_ORDER."""
-    return comparison_having(lambda part: getattr(models, part) is not None)
+    """The methods a side-by-side comparison runs on this stack, in the registry's comparison order."""
+    return methods.comparison_having(lambda part: models.part(part) is not None)
 
 
-def comparison_having(has: Callable[[str], bool]) -> list[str]:
-    """The methods of COMPARISON_ORDER whose every part (METHOD_NEEDS) `has` says is there."""
-    return [m for m in COMPARISON_ORDER if all(has(part) for part in METHOD_NEEDS[m])]
-
-
-PART_NAMES = {"intermediate": "intermediate model", "e_m": "draft head on the intermediate (E_M)",
-              "e_t": "EAGLE-2 head on the target (E_T)", "e_t3": "EAGLE-3 head on the target (E_T3)"}
+def part_name(part: str) -> str:
+    """A stack part's name in messages."""
+    if part == "intermediate":
+        return "intermediate model"
+    base, kind = HEAD_SLOTS[part]
+    head = f"{kind} head" if kind else "draft head"
+    return f"{head} on the {base} ({part.upper()})"
 
 
 class StageTimer:
@@ -280,7 +298,8 @@ def _decode_target_tree(method: str, models: Models, prompt: list[int], s: Decod
     if missing:
         raise ValueError(f"{method} needs the stack's {', '.join(missing)}")
     t = BaseState(models.target, max_len)
-    e = HeadState(getattr(models, METHOD_NEEDS[method][0]), t, max_len)
+    slot = methods.get(method).needs[0]      # the head slot whose drafter feeds T's trees
+    e = HeadState(models.part(slot), t, max_len)
     timer = StageTimer(t.model.device)
     tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
     yield _step(0, method, timer, [tok], ["target_bonus"], text, forwards={"target": 1})
@@ -297,7 +316,7 @@ def _decode_target_tree(method: str, models: Models, prompt: list[int], s: Decod
         yield _step(i, method, timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
                     trees=[_tree_to_trace(tree, path, bonus, "target", text, e.draftable)], target_accepted=len(path),
                     target_bonus=bonus, target_bonus_text=text(bonus),
-                    forwards={"target": 1, "e_t": e.forwards - e0})
+                    forwards={"target": 1, slot: e.forwards - e0})
         i += 1
 
 
@@ -366,9 +385,6 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
                     forwards={"target": 1, "intermediate": m.forwards - m0, "e_m": e.forwards - e0})
         i += 1
 
-
-DECODERS = {"ar": decode_ar, "spec": decode_spec, "eagle2": decode_eagle2, "eagle3": decode_eagle3,
-            "hierspec": decode_hierspec}
 
 
 def cache_margin(s: DecodeSettings) -> int:

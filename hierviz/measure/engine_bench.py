@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
+from hierviz import methods
+from hierviz.decoding.decoders import Models, StageTimer, cache_margin
 from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.verify import Sampler
 from hierviz.models import cuda_graphs, fused
@@ -52,7 +53,7 @@ def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: Decod
     fused_ops: the fused layer kernels on (True) / off (False) / as configured (None)."""
     with cuda_graphs.path_switches(static=static, fused=fused_ops):
         max_len = len(prompt) + n + cache_margin(s) + 16
-        gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len)
+        gen = methods.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len)
         with torch.no_grad():
             first = next(gen).new_tokens
             out: list[int] = []
@@ -82,7 +83,7 @@ def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
     res = {}
     fused.force(fused_ops)
     try:
-        for m in DECODERS:
+        for m in methods.names():
             got, _, _ = run_decoder(models, m, prompt, 48, s, static=True)
             res[m] = got == want
     finally:

@@ -28,8 +28,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from hierviz import methods
 from hierviz.config import recorded_command
-from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
+from hierviz.decoding.decoders import Models, StageTimer, cache_margin
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
@@ -246,7 +247,7 @@ def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[Acc
     max_len: the KV cache length (default: what these settings need); a warm-up passes the
     timed run's, so both lease the same pooled runners and graphs."""
     max_len = max_len or len(prompt) + s.max_new_tokens + cache_margin(s)
-    gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
+    gen = methods.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
     dev = models.target.device
     steps: list[Step] = []
     made = 0

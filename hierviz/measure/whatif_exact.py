@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from hierviz.decoding.decoders import DECODERS, Models, cache_margin
+from hierviz import methods
+from hierviz.decoding.decoders import Models, cache_margin
 from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings
 from hierviz.decoding.verify import Sampler
 from hierviz.measure.whatif import HEAD_NAMES
@@ -215,7 +216,7 @@ def _steer_tree_graphs() -> None:
 def decode(models: Models, method: str, s: DecodeSettings, prompt: list[int]) -> tuple[list[int], list]:
     """Greedy output tokens (at most max_new_tokens) and the steps, no oracle."""
     max_len = len(prompt) + s.max_new_tokens + cache_margin(s)
-    gen = DECODERS[method](models, prompt, s, Sampler(0.0), str, max_len, oracle=None)
+    gen = methods.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=None)
     tokens: list[int] = []
     steps = []
     with torch.no_grad():
