@@ -139,7 +139,7 @@ class StageTimer:
 TextOf = Callable[[int], str]
 
 
-def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf,
+def tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf,
                    draftable: Optional[list[bool]] = None) -> DraftTree:
     """The trace's tree; draftable (HeadState.draftable): marks a rejection whose correct token
     lies outside the head's draft vocabulary, which no tree could have held."""
@@ -150,13 +150,14 @@ def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text:
     return out
 
 
-def _step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,
-          **kw) -> Step:
+def make_step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,
+              **kw: Any) -> Step:
+    """A round's trace Step: its new tokens and their sources, the stage times (`timer` finished here)."""
     return Step(index=index, method=method, new_tokens=tokens, new_text=[text(t) for t in tokens],
                 new_sources=sources, timings_ms=timer.finish(), **kw)
 
 
-def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer: StageTimer,
+def prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer: StageTimer,
              stage_names: list[str]) -> int:
     """Run the prompt through every model; the first state's (the target's) pick is token 1."""
     first = None
@@ -172,7 +173,7 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
     return first
 
 
-def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
+def verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
                     oracle: Optional[AcceptOracle] = None, level: str = "target",
                     meanwhile: Optional[Callable[[], None]] = None):
     """Run pending + tree through the verifier and decide.
@@ -207,9 +208,12 @@ def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sample
     return tree, path, bonus, dists, commit
 
 
-def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
+def verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
                         sampler: Sampler, oracle: Optional[AcceptOracle] = None,
                         meanwhile: Optional[Callable[[], None]] = None) -> tuple[int, int]:
+    """Run pending + the sequence draft through the verifier, keep the longest prefix it accepts and
+    its own next token; returns (accepted count, that token). `q`: the drafter's distribution per
+    draft token, for sampling; `oracle`, `meanwhile`: as in verify_tree_on."""
     start = state.processed
     p = len(state.pending)
     h = state.run_pending(draft)
@@ -230,15 +234,15 @@ def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sam
               max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     t = BaseState(models.target, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
-    yield _step(0, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    tok = prefill([t], prompt, sampler, timer, ["target_verify"])
+    yield make_step(0, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
         with timer.stage("target_verify"):
             tok = sampler.pick(t.next_logits())
             t.tokens.append(tok)
-        yield _step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
+        yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
                     target_bonus=tok, target_bonus_text=text(tok))
         i += 1
 
@@ -250,8 +254,8 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
     t = BaseState(models.target, max_len)
     m = BaseState(models.intermediate, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t, m], prompt, sampler, timer, ["target_verify", "draft"])
-    yield _step(0, "spec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
+    tok = prefill([t, m], prompt, sampler, timer, ["target_verify", "draft"])
+    yield make_step(0, "spec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -270,11 +274,11 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
                 m.tokens.append(nxt)
                 draft.append(nxt)
         with timer.stage("target_verify"):
-            n, bonus = _verify_sequence_on(t, draft, q, sampler, oracle)
+            n, bonus = verify_sequence_on(t, draft, q, sampler, oracle)
         m.rollback(base_len + n)
         m.tokens.append(bonus)
         seq = [SeqToken(x, text(x), "draft") for x in draft]
-        yield _step(i, "spec", timer, draft[:n] + [bonus], ["draft"] * n + ["target_bonus"], text,
+        yield make_step(i, "spec", timer, draft[:n] + [bonus], ["draft"] * n + ["target_bonus"], text,
                     sequence=seq, target_accepted=n, target_bonus=bonus, target_bonus_text=text(bonus),
                     forwards={"target": 1, "intermediate": s.spec_k})
         i += 1
@@ -301,8 +305,8 @@ def _decode_target_tree(method: str, models: Models, prompt: list[int], s: Decod
     slot = methods.get(method).needs[0]      # the head slot whose drafter feeds T's trees
     e = HeadState(models.part(slot), t, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
-    yield _step(0, method, timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    tok = prefill([t], prompt, sampler, timer, ["target_verify"])
+    yield make_step(0, method, timer, [tok], ["target_bonus"], text, forwards={"target": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -310,11 +314,11 @@ def _decode_target_tree(method: str, models: Models, prompt: list[int], s: Decod
         with timer.stage("draft"):
             drafted = draft_tree_on_device(e, s.t_depth, s.t_topk, s.t_tree_size)
         with timer.stage("target_verify"):
-            tree, path, bonus, _, commit = _verify_tree_on(t, drafted, sampler, oracle, "target")
+            tree, path, bonus, _, commit = verify_tree_on(t, drafted, sampler, oracle, "target")
             commit()
         toks = [tree.tokens[j] for j in path]
-        yield _step(i, method, timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
-                    trees=[_tree_to_trace(tree, path, bonus, "target", text, e.draftable)], target_accepted=len(path),
+        yield make_step(i, method, timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
+                    trees=[tree_to_trace(tree, path, bonus, "target", text, e.draftable)], target_accepted=len(path),
                     target_bonus=bonus, target_bonus_text=text(bonus),
                     forwards={"target": 1, slot: e.forwards - e0})
         i += 1
@@ -329,8 +333,8 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
     m = BaseState(models.intermediate, max_len)
     e = HeadState(models.e_m, m, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t, m], prompt, sampler, timer, ["target_verify", "intermediate_verify"])
-    yield _step(0, "hierspec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
+    tok = prefill([t, m], prompt, sampler, timer, ["target_verify", "intermediate_verify"])
+    yield make_step(0, "hierspec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -348,7 +352,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
                 k = len(trees)
                 seq.extend(SeqToken(tree.tokens[j], text(tree.tokens[j]), "tree", k) for j in path)
                 seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
-                trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text, e.draftable))
+                trees.append(tree_to_trace(tree, path, bonus, "intermediate", text, e.draftable))
             unrecorded.clear()
 
         while True:
@@ -357,7 +361,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             with timer.stage("draft"):
                 drafted = draft_tree_on_device(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):
-                tree, path, bonus, dists, commit_m = _verify_tree_on(m, drafted, sampler, oracle, "intermediate",
+                tree, path, bonus, dists, commit_m = verify_tree_on(m, drafted, sampler, oracle, "intermediate",
                                                                      record)
             draft += [tree.tokens[j] for j in path] + [bonus]
             if dists is not None:
@@ -375,11 +379,11 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             record()
 
         with timer.stage("target_verify"):
-            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle, meanwhile)
+            n, bonus_t = verify_sequence_on(t, draft, q if q else None, sampler, oracle, meanwhile)
         m.rollback(base_len + n)
         e.rollback(base_len + n)
         m.tokens.append(bonus_t)
-        yield _step(i, "hierspec", timer, draft[:n] + [bonus_t], [x.source for x in seq[:n]] + ["target_bonus"], text,
+        yield make_step(i, "hierspec", timer, draft[:n] + [bonus_t], [x.source for x in seq[:n]] + ["target_bonus"], text,
                     trees=trees, sequence=seq, target_accepted=n, target_bonus=bonus_t,
                     target_bonus_text=text(bonus_t),
                     forwards={"target": 1, "intermediate": m.forwards - m0, "e_m": e.forwards - e0})

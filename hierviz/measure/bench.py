@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 from hierviz.cli import add_settings_args, settings_from_args
 from hierviz.machine import machine_info
-from hierviz.trace import METHODS, Trace
+from hierviz.methods import METHODS
+from hierviz.trace import Trace
 
 
 class BenchError(ValueError):
