@@ -19,7 +19,7 @@ from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, for
                                      verify_sequence_greedy, verify_sequence_sampling, verify_tree_greedy,
                                      verify_tree_sampling)
 from hierviz import methods
-from hierviz.models.drafter import HEAD_SLOTS, Drafter
+from hierviz.models.drafter import HEAD_SLOTS, Drafter, head_label
 from hierviz.models.llama import Transformer
 from hierviz.trace import DraftTree, SeqToken, Step, TreeNode, tree_rejected
 
@@ -75,7 +75,7 @@ def part_name(part: str) -> str:
     if part == "intermediate":
         return "intermediate model"
     base, kind = HEAD_SLOTS[part]
-    head = f"{kind} head" if kind else "draft head"
+    head = f"{head_label(kind)} head" if kind else "draft head"
     return f"{head} on the {base} ({part.upper()})"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, head_label
 from hierviz.retime import (MEASURED, RETIMED, Ratio, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
                             whatif_headline)
 from hierviz.methods import BASELINE, METHODS, SUBJECT, TOKEN, tree_on_target, verifies
@@ -238,15 +239,24 @@ def run_setup_line(meta: dict) -> str:
         parts.append(f'M kernel {meta["intermediate_w4_kernel"]}')
     if meta.get("w4_fast_path"):          # the start-up proof of the W4 kernel's fast variants (GPU)
         parts.append(str(meta["w4_fast_path"]))
-    heads = meta.get("head_types") or {}
-    if "eagle3" in heads.values():
-        parts.append("EAGLE-3 head on " + " and ".join({"e_m": "M", "e_t": "T", "e_t3": "T"}[k]
-                                                        for k, v in heads.items() if v == "eagle3"))
+    parts += head_type_notes(meta.get("head_types") or {})
     vocab = str(meta.get("draft_vocab") or "")
     if vocab and vocab != "full":
         name = vocab.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".json")
         parts.append(f"drafter vocabulary {name}" + (" (M too)" if meta.get("intermediate_vocab") == "draft" else ""))
     return " · ".join(esc(p) for p in parts)
+
+
+def head_type_notes(head_types: dict[str, str]) -> list[str]:
+    """"EAGLE-3 head on M and T" for each head type but the default one (the EAGLE-1/2 layout)."""
+    default = next(iter(HEAD_TYPES))
+    on = {"intermediate": "M", "target": "T"}
+    notes = []
+    for kind in dict.fromkeys(v for v in head_types.values() if v != default):
+        bases = dict.fromkeys(on.get(HEAD_SLOTS[k][0], k) if k in HEAD_SLOTS else k
+                              for k, v in head_types.items() if v == kind)
+        notes.append(f"{head_label(kind)} head on " + " and ".join(bases))
+    return notes
 
 
 def _same_as_ar(method: str, tokens: list[int], ar: list[int], sampled: bool) -> str:
