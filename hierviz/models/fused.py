@@ -32,7 +32,7 @@ import math
 import torch
 
 from hierviz.config import options
-from hierviz.machine import ticket_buffer
+from hierviz.quant.tickets import ticket_buffer
 
 try:  # must import on machines without triton
     import triton

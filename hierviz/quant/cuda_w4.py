@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from hierviz.machine import ticket_buffer
 from hierviz.quant import kernel_guard
+from hierviz.quant.tickets import ticket_buffer
 from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
 
 _CACHE_KEY = "cuda_w4"

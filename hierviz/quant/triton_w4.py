@@ -44,8 +44,8 @@ from typing import Optional
 import torch
 
 from hierviz.config import options, overrides
-from hierviz.machine import ticket_buffer
 from hierviz.quant import kernel_guard
+from hierviz.quant.tickets import ticket_buffer
 from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_of, codes_released, dequantize, pack_codes,
                               register_kernel, release_codes, unpack_codes)
 
