@@ -4,10 +4,12 @@
 `load_stack` calls `check_fits` on a CUDA device, so a stack that cannot fit is refused up
 front with a message that says by how much, instead of failing deep inside a load or a decode.
 
-What is counted (bytes), per model:
-  W4A16 (GPTQ) target: 4-bit codes held once (the Triton kernel's layout; the checkpoint's order
-    is released after packing), fp16 scales and offsets twice (checkpoint + kernel layout), fp16
-    embedding and LM head;
+What is counted (bytes), per model, from its weight format's entry (hierviz.quant.formats:
+bytes per weight as a loaded GPU model holds them, embedding bytes):
+  W4A16 (GPTQ, or a stack file's "quantize"): 4-bit codes held once (the Triton kernel's layout;
+    the checkpoint's order is released after packing), fp16 scales and offsets twice (checkpoint
+    + kernel layout), fp16 embedding and LM head;
+  8-bit formats: one byte per weight, embedding and LM head in the activations' dtype;
   dense models: parameters x 2 (fp16/bf16) or x 4 (fp32);
   EAGLE heads: one decoder layer, fc, and an embedding copy (SafeAILab heads usually carry one);
   KV caches of target and intermediate at the longest context a run uses, twice (the static
@@ -23,6 +25,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hierviz.models.drafter import HEAD_SLOTS
+from hierviz.quant.compressed_tensors import QUANT_METHOD, WEIGHT_TYPES, scheme_type
+from hierviz.quant.errors import CheckpointError
+from hierviz.quant.formats import DENSE, WeightFormat, get_format, quantized_formats, resolve_quantize
+from hierviz.quant.w4 import FORMAT as W4A16
 
 GB = 1e9
 MARGIN = 0.05                  # of the GPU's memory kept free for fragmentation and the allocator
@@ -52,16 +58,17 @@ def _vocab_bytes(c: dict[str, Any], bytes_per: float) -> float:
     return n * bytes_per * (1 if c.get("tie_word_embeddings") else 2)
 
 
-def model_bytes(c: dict[str, Any], fmt: str, group: int = 128, act_bytes: float = 2.0) -> float:
-    """Weights of one model: fmt "w4" (GPTQ, group `group`; -1 = per channel), "w8" (8-bit codes,
-    a float32 scale per output channel) or "dense"."""
-    lin = _linear_params(c) * int(c["num_hidden_layers"])
-    if fmt == "w8":
-        return lin * 1.0 + _vocab_bytes(c, act_bytes)
-    if fmt == "w4":
-        g = int(c["hidden_size"]) if group <= 0 else group
-        return lin * 0.5 + lin / g * 2 * 2 * 2 + _vocab_bytes(c, 2.0)
-    return (lin + (2 * int(c["num_hidden_layers"]) + 1) * int(c["hidden_size"])) * act_bytes + _vocab_bytes(c, act_bytes)
+def model_bytes(c: dict[str, Any], fmt: str | WeightFormat, group: int = 128, act_bytes: float = 2.0) -> float:
+    """Weights of one model in a weight format (a name or alias of hierviz.quant.formats: its bytes
+    per weight as a loaded GPU model holds them; `group` for a format with groups, -1 = one per
+    channel); a dense model's norms counted too."""
+    f = get_format(fmt)
+    layers = int(c["num_hidden_layers"])
+    lin = _linear_params(c) * layers
+    g = int(c["hidden_size"]) if group <= 0 else group
+    emb = act_bytes if f.embedding_bytes is None else f.embedding_bytes
+    norms = (2 * layers + 1) * int(c["hidden_size"]) * act_bytes if f.dense else 0.0
+    return lin * f.resident_bytes_per_weight(g, act_bytes) + norms + _vocab_bytes(c, emb)
 
 
 def head_bytes(base: dict[str, Any], act_bytes: float = 2.0) -> float:
@@ -83,7 +90,7 @@ def workspace_bytes(c: dict[str, Any], act_bytes: float = 2.0) -> float:
 
 def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str], context: int = DEFAULT_CONTEXT,
              act_bytes: float = 2.0) -> dict[str, float]:
-    """models: role -> (config dict, "w4" | "w8" | "dense", group); heads: the roles whose models carry an
+    """models: role -> (config dict, weight format name, group); heads: the roles whose models carry an
     EAGLE head. Returns bytes per part and the total."""
     parts: dict[str, float] = {}
     for role, (c, fmt, g) in models.items():
@@ -131,10 +138,20 @@ def _config_of(source: str) -> Optional[tuple[dict[str, Any], str, int]]:
         except (OSError, json.JSONDecodeError):
             pass
     if qc.get("quant_method") == "gptq" or qc.get("bits") == 4:
-        return cfg, "w4", int(qc.get("group_size", 128))
-    if qc.get("quant_method") == "compressed-tensors":
-        return cfg, "w8", 0
-    return cfg, "dense", 0
+        return cfg, W4A16.name, int(qc.get("group_size", 128))
+    if qc.get("quant_method") == QUANT_METHOD:
+        return _compressed_tensors_format(cfg, qc)
+    return cfg, DENSE.name, 0
+
+
+def _compressed_tensors_format(cfg: dict[str, Any], qc: dict[str, Any]) -> Optional[tuple[dict[str, Any], str, int]]:
+    """The 8-bit format a compressed-tensors checkpoint loads as; None for a scheme the load refuses
+    (it names what the checkpoint has)."""
+    try:
+        weight_type = WEIGHT_TYPES[scheme_type({"quantization_config": qc})]
+    except CheckpointError:
+        return None
+    return cfg, next(f.name for f in quantized_formats() if f.weight_type is weight_type), 0
 
 
 def stack_estimate(spec: dict[str, Any], resolve, context: int = DEFAULT_CONTEXT,
@@ -149,7 +166,10 @@ def stack_estimate(spec: dict[str, Any], resolve, context: int = DEFAULT_CONTEXT
                 return None
             cfg, fmt, g = got
             if spec[role].get("quantize"):
-                fmt, g = "w4", int(str(spec[role]["quantize"])[5:] or 32)
+                choice = resolve_quantize(spec[role]["quantize"])
+                if choice is None:
+                    return None      # an unknown option: the load names the known ones
+                fmt, g = choice.format.name, choice.group
             models[role] = (cfg, fmt, g)
     heads = [role for h, (role, _) in HEAD_SLOTS.items() if spec.get(h)]
     return estimate(models, heads, context, act_bytes)
@@ -181,9 +201,10 @@ def table(rows: list[tuple[str, dict[str, float]]]) -> str:
 
 # The bundled shape configs of the GPU presets' models (assets/configs), so the table needs no hub.
 PRESET_SHAPES = {
-    "paper-llama3-70b": {"target": ("llama3-70b.json", "w4", 128), "intermediate": ("llama3-8b.json", "dense", 0)},
-    "vicuna-13b-w4-single-gpu": {"target": ("vicuna-13b.json", "w4", 128),
-                                 "intermediate": ("vicuna-7b.json", "dense", 0)},
+    "paper-llama3-70b": {"target": ("llama3-70b.json", W4A16.name, 128),
+                         "intermediate": ("llama3-8b.json", DENSE.name, 0)},
+    "vicuna-13b-w4-single-gpu": {"target": ("vicuna-13b.json", W4A16.name, 128),
+                                 "intermediate": ("vicuna-7b.json", DENSE.name, 0)},
 }
 
 

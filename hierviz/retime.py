@@ -31,7 +31,7 @@ from hierviz.trace import Step, Trace, trace_stats
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_PROFILE = ROOT / "assets" / "profile" / "h200.json"              # Llama-3-70B shapes
 INTERMEDIATE_PROFILE = ROOT / "assets" / "profile" / "h200-llama3-8b.json"
-PROFILE_SERIES = "w4a16-triton"       # the 4-bit kernel the decoders use on a GPU
+PROFILE_KERNEL = "triton"       # the 4-bit kernel the decoders use on a GPU: its whole-model series is priced
 
 # One EAGLE draft-head forward (one tree depth) at these shapes: the shipped what-if runs on the
 # H200 measured 50.3 ms of drafting over 343 E_M forwards and 36.1 ms over 249 E_T forwards
@@ -73,9 +73,9 @@ class CostModel:
         return f"T {self.target.name} W4A16 · M {self.intermediate.name} W4A16 on {self.device}"
 
 
-def profile_cost(profile: dict, series_format: str = PROFILE_SERIES) -> ForwardCost:
-    """The whole-model series of a recorded profile (hierviz.profile/1), in ms."""
-    series = next(s for s in profile["series"] if s["format"] == series_format and s["scope"] == "model")
+def profile_cost(profile: dict, kernel: str = PROFILE_KERNEL) -> ForwardCost:
+    """The whole-model series of a recorded profile (hierviz.profile/1) through `kernel`, in ms."""
+    series = next(s for s in profile["series"] if s.get("kernel") == kernel and s["scope"] == "model")
     return ForwardCost(profile_shape_name(profile["shape"]), tuple(profile["tokens"]),
                        tuple(us / 1000.0 for us in series["us"]))
 

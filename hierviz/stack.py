@@ -37,8 +37,8 @@ from hierviz.models.drafter import (HEAD_SLOTS, HEAD_TYPES, Drafter, head_label,
 from hierviz.models.llama import Transformer, WeightsError
 from hierviz.models.loading import open_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
-from hierviz.models.synthetic import synthetic_eagle3_head, tiny_models
-from hierviz.quant.formats import get_format, quantize_linears, quantize_option
+from hierviz.models.synthetic import synthetic_eagle3_head, tiny_models, tiny_quantize
+from hierviz.quant.formats import DEFAULT_FORMAT, QuantizeChoice, quantize_linears, quantize_option
 from hierviz.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -338,17 +338,22 @@ def _draft_vocab(path: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _quantized_label(choice: QuantizeChoice) -> str:
+    fmt = choice.format
+    return f"{fmt.label} ({fmt.group_option}{choice.group})" if fmt.group_option and choice.group else fmt.label
+
+
 def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0, eagle3: bool = False,
-                      target_format: str = "w4a16") -> Stack:
+                      target_format: str = DEFAULT_FORMAT) -> Stack:
     """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work). eagle3:
     also an EAGLE-3 head on T over its layers 0, 2, 3, drafting over 200 of the 259 byte tokens
-    (the `tiny-random-eagle3` stack). target_format: T's weight format (hierviz.quant.formats)."""
+    (the `tiny-random-eagle3` stack). target_format: T's weight format (hierviz.quant.formats) or a
+    stack file's "quantize" value."""
     target, inter, e_m, e_t = tiny_models(ByteTokenizer.vocab_size, device, seed, target_format)
     models = Models(target, inter, e_m=e_m, e_t=e_t)
     name = "tiny-random-eagle3" if eagle3 else "tiny-random"
     meta = {"stack": name, "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
-            "target": ("random 4-layer W4 (RTN g32)" if target_format == "w4a16"
-                       else f"random 4-layer {get_format(target_format).label}"),
+            "target": f"random 4-layer {_quantized_label(tiny_quantize(target_format))}",
             "intermediate": "2 of the target's layers",
             "e_m": "random", "e_t": "random", "head_types": {"e_m": e_m.head_type, "e_t": e_t.head_type},
             "device": str(device), "dtype": "float32", "w4_kernel": "reference", "draft_vocab": "full"}

@@ -133,4 +133,6 @@ def test_memory_estimate_counts_8bit_weights(dense, tmp_path):
     from hierviz.memory import _config_of, model_bytes
     write_checkpoint(dense, tmp_path / "ct", "int")
     cfg, fmt, _ = _config_of(str(tmp_path / "ct"))
-    assert fmt == "w8" and model_bytes(cfg, "w8") < model_bytes(cfg, "dense")
+    assert fmt == "w8a8-int8" and model_bytes(cfg, fmt) < model_bytes(cfg, "dense")
+    write_checkpoint(dense, tmp_path / "fp8", "float")
+    assert _config_of(str(tmp_path / "fp8"))[1] == "w8a8-fp8"

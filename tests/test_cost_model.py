@@ -15,12 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hierviz.app import formats_panel
 from hierviz.measure import cost_model as cm
+from hierviz.quant.formats import get_format
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = [ROOT / "assets/profile/h200-llama3-70b-formats.json", ROOT / "assets/profile/h200-llama3-8b-formats.json"]
 COMPAT = ROOT / "assets/whatif/compat-h200-llama3-70b.json"
 H200 = cm.GPUS["NVIDIA H200"]
-FORMATS = ("dense", "w4", "w8a8-int8", "w8a8-fp8")
+FORMATS = ("dense", "w4a16", "w8a8-int8", "w8a8-fp8")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,6 @@ def _launches(fn, *args) -> list[tuple[str, int]]:
 def test_the_8bit_products_launch_the_kernels_the_model_counts(fmt, t):
     """Count and bytes of every kernel of a W8A8 product (with and without the residual add), as
     hierviz.quant.w8a8 / fp8 run it on CUDA, against the model's list."""
-    from hierviz.quant.formats import get_format
     k, n = 256, 512
     lin = get_format(fmt).make_linear([get_format(fmt).quantize(torch.randn(n, k))], "")
     x = torch.randn(t, k, dtype=torch.float16).as_subclass(_CudaLike)
@@ -118,12 +118,12 @@ def test_weight_bytes_and_kernel_counts_match_the_profiles(profiles, cal):
         where = cm.Shape(p["config"], group=p["group_size"])
         norms = 2 * 2 * p["config"]["hidden_size"]
         for s in p["series"]:
-            if s["scope"] == "layer" and s["format"] in cm.CURVES:
-                assert cm.weight_bytes(cm.CURVES[s["format"]], where) + norms == pytest.approx(s["weight_bytes"], rel=1e-6)
+            if s["scope"] == "layer" and cm.curve_format(s):
+                assert cm.weight_bytes(cm.curve_format(s), where) + norms == pytest.approx(s["weight_bytes"], rel=1e-6)
     counts = cal["formats"]
     # one layer: 13 shared kernels; 4 GEMMs + 2 adds; 4 W4 kernels; 16 (int8) / 14 (FP8) per 8-bit product + 2 adds
     assert counts["dense"]["kernels"]["llama3-70b"] == {"1": 19, "16": 19, "17": 19, "128": 19}
-    assert counts["w4"]["kernels"]["llama3-8b"]["1"] == 17
+    assert counts["w4a16"]["kernels"]["llama3-8b"]["1"] == 17
     assert counts["w8a8-int8"]["kernels"]["llama3-70b"] == {"1": 79, "16": 79, "17": 71, "128": 71}
     assert counts["w8a8-fp8"]["kernels"]["llama3-70b"] == {"1": 71, "16": 71, "17": 71, "128": 63}
 
@@ -142,7 +142,7 @@ def test_the_fit_recovers_the_parameters_of_curves_it_generated(curves):
     assert max(map(abs, cm.errors(got, _synthetic(curves, truth)))) < 0.005
     # the library GEMMs wait the same fill: curves without W4A16 still tell it, less sharply (their
     # long K loops trade a little fill for a little e_bw: 2.0 and 0.734 are 0.4 % off at most)
-    no_w4 = cm.fit(_synthetic([c for c in curves if c.fmt != "w4"], truth))
+    no_w4 = cm.fit(_synthetic([c for c in curves if c.fmt != "w4a16"], truth))
     assert no_w4.fill == pytest.approx(2.2, rel=0.15) and no_w4.e_c == pytest.approx(0.36, rel=0.02)
 
 
@@ -160,7 +160,7 @@ def test_every_product_with_a_k_loop_waits_the_fill():
     for t in (1, 16, 64, 128):
         tiles, _, _, split = cm.w4_tiling(t, n, k, 128, H200.sms, True)
         weights = n * k / 2 + 4.0 * n * k / 128
-        got = cm.w4_kernels(t, k, n, False, where, H200)[0].bytes - tiles * weights - 2.0 * t * (k + n)
+        got = cm.w4_kernels(get_format("w4a16"), t, k, n, False, where, H200)[0].bytes - tiles * weights - 2.0 * t * (k + n)
         assert got == pytest.approx(8.0 * split * t * n if split > 1 else 0.0)
 
 
@@ -191,20 +191,24 @@ def test_formats_left_out_are_predicted_from_the_others(cal, curves):
     out = cal["leave_one_format_out"]
     for fm in ("dense", "w8a8-int8", "w8a8-fp8"):
         assert out[fm]["max_abs"] < 0.15, fm
-    assert out["w4"]["mean_abs"] < 0.15 and out["w4"]["max_abs"] < 0.25
+    assert out["w4a16"]["mean_abs"] < 0.15 and out["w4a16"]["max_abs"] < 0.25
     assert all(v["max_abs"] < 0.17 for v in cal["leave_one_shape_out"].values())
     assert all(v["max_abs"] < 0.17 for v in cal["in_sample"].values())
-    g = cm.fit([c for c in curves if c.fmt != "w4"])
+    g = cm.fit([c for c in curves if c.fmt != "w4a16"])
     assert g.fill == pytest.approx(cal["fit"]["fill"], rel=0.5)
 
 
 def test_the_shipped_file_is_what_the_command_writes(cal):
     shipped = json.loads(formats_panel.COST_MODEL_FILE.read_text())
     assert shipped["calibration"]["fit"] == pytest.approx(cal["fit"])
+
+    def by_name(d: dict) -> dict:       # the shipped file names W4A16 by its alias "w4"
+        return {" @ ".join([get_format(k.split(" @ ")[0]).name, *k.split(" @ ")[1:]]): v for k, v in d.items()}
     for key in ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model"):
-        assert shipped["calibration"][key].keys() == cal[key].keys(), key
+        ship = by_name(shipped["calibration"][key])
+        assert ship.keys() == cal[key].keys(), key
         for name, s in cal[key].items():
-            assert shipped["calibration"][key][name] == pytest.approx(s), (key, name)
+            assert ship[name] == pytest.approx(s), (key, name)
     assert "--profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json" in shipped["command"]
 
 
@@ -220,13 +224,14 @@ def test_projection_keeps_measured_rows_and_names_what_a_gpu_cannot_run(cal):
     finally:
         del cm.GPUS["twice"]
     rows = {(e["gpu"], e["format"]): e for e in proj["rows"]}
-    for r in compat["rows"]:
-        assert rows[("NVIDIA H200", r["format"])]["tokens_per_s"] == r["tokens_per_s"]
-        assert not rows[("NVIDIA H200", r["format"])]["projected"]
+    for r in compat["rows"]:      # the shipped file names W4A16 by its alias "w4"; projections by its name
+        fm = get_format(r["format"]).name
+        assert rows[("NVIDIA H200", fm)]["tokens_per_s"] == r["tokens_per_s"]
+        assert not rows[("NVIDIA H200", fm)]["projected"]
     assert rows[("NVIDIA A100 80GB SXM", "w8a8-fp8")]["skipped"] == "no FP8 tensor cores"
     assert "needs ~" in rows[("NVIDIA A100 80GB SXM", "dense")]["skipped"]
-    fast = rows[("twice", "w4")]
-    assert fast["projected"] and fast["tokens_per_s"]["ar"] > rows[("NVIDIA H200", "w4")]["tokens_per_s"]["ar"] * 1.3
+    fast = rows[("twice", "w4a16")]
+    assert fast["projected"] and fast["tokens_per_s"]["ar"] > rows[("NVIDIA H200", "w4a16")]["tokens_per_s"]["ar"] * 1.3
 
 
 def test_a_gpu_twice_as_fast_in_everything_halves_every_kernel_but_the_launches(cal, curves):
@@ -255,7 +260,7 @@ def test_formats_panel_tags_measured_and_projected_rows(tmp_path):
     labels = formats_panel.pair_labels(d)
     assert labels and "llama3-70b target" in labels[0]
     md = formats_panel.table_markdown(d, labels[0])
-    assert "| H200<br>measured |" in md and "*projected*" in md and "no FP8 cores" in md and "does not fit" in md
+    assert "| H200<br>measured |" in md and "*projected*" in md and "no FP8 tensor cores" in md and "does not fit" in md
     assert "46 of 80 layers measured, scaled" in md and md.count("**HierSpec") >= 8
     assert "The 8-bit rows of the H200 ran hierviz's fused activation quantizer" in md
     for e in d["projections"][0]["rows"]:
@@ -274,8 +279,8 @@ def test_format_curves_reprice_the_sweep_and_mark_the_crossovers():
     compat = json.loads(COMPAT.read_text())
     sweep = json.loads((ROOT / "assets/whatif/h200-llama3-70b-sweep.json").read_text())
     curves = format_curves(compat, sweep)
-    assert set(curves) == {"dense", "w8a8-int8", "w8a8-fp8", "w4"}
-    w4 = curves["w4"]
+    assert set(curves) == {"dense", "w8a8-int8", "w8a8-fp8", "w4a16"}
+    w4 = curves["w4a16"]
     i = w4["scales"].index(1.0)
     want = next(r for r in sweep["rows"] if r["method"] == "hierspec" and r["scale"] == 1.0
                 and r["min_draft_len"] == compat["settings"]["min_draft_len"])
@@ -301,13 +306,13 @@ def test_formats_panel_curves_say_where_hierspec_overtakes(tmp_path):
 
 # ---- the fused activation quantizer ------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt, torch_kernels", [("w8a8-int8", 9), ("w8a8-fp8", 8)])
-def test_the_fused_quantizer_is_one_kernel_in_place_of_torchs(fmt, torch_kernels):
+@pytest.mark.parametrize("fmt, rounds, torch_kernels", [("w8a8-int8", True, 9), ("w8a8-fp8", False, 8)])
+def test_the_fused_quantizer_is_one_kernel_in_place_of_torchs(fmt, rounds, torch_kernels):
     """hierviz.quant.act_quant: one kernel that reads each row twice and writes codes and scales."""
     fused = dataclasses.replace(H200, fused_act_quant=True)
     t, k, n = 16, 256, 512
-    assert len(cm.quantize_kernels(t, k, fmt)) == torch_kernels
-    assert [q.bytes for q in cm.quantize_kernels(t, k, fmt, fused=True)] == [5.0 * t * k + 4 * t]
+    assert len(cm.quantize_kernels(t, k, rounds)) == torch_kernels
+    assert [q.bytes for q in cm.quantize_kernels(t, k, rounds, fused=True)] == [5.0 * t * k + 4 * t]
     plain = cm.product_kernels(fmt, t, k, n, True, cm.Shape({}), H200)
     one = cm.product_kernels(fmt, t, k, n, True, cm.Shape({}), fused)
     assert len(plain) - len(one) == torch_kernels - 1
@@ -331,8 +336,9 @@ def test_projection_prices_the_quantizer_each_side_ran(cal):
     finally:
         del cm.GPUS["same"]
     for r in compat["rows"]:
-        plain, fused = runs["torch"][r["format"]], runs["fused"][r["format"]]
-        if r["format"] in cm.QUANTIZED_ACTIVATIONS:
+        fmt = get_format(r["format"])
+        plain, fused = runs["torch"][fmt.name], runs["fused"][fmt.name]
+        if fmt.quantizes_activations:
             assert plain["activation_quantizer"] == fused["activation_quantizer"] == "torch"
             assert fused["tokens_per_s"]["ar"] < 0.97 * plain["tokens_per_s"]["ar"]
         else:

@@ -36,9 +36,10 @@ def test_cuda_refuses_an_unproven_format_and_fp8_before_ada(monkeypatch):
     """A format whose product has not run on a GPU here is refused on CUDA; FP8 needs compute
     capability 8.9 (an A100 is 8.0) and says which formats to use instead."""
     import dataclasses
-    monkeypatch.setitem(FORMATS, "w8a8-int8", dataclasses.replace(FORMATS["w8a8-int8"], gpu_proven=False))
-    with pytest.raises(ValueError, match="has not been run on a GPU"):
-        quantize_option("w8a8-int8", torch.device("cuda"))
+    with monkeypatch.context() as m:
+        m.setitem(FORMATS, "w8a8-int8", dataclasses.replace(FORMATS["w8a8-int8"], gpu_proven=False))
+        with pytest.raises(ValueError, match="has not been run on a GPU"):
+            quantize_option("w8a8-int8", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="compute capability 8.9 or newer.*8.0.*W4A16 or W8A8-int8"):
         quantize_option("w8a8-fp8", torch.device("cuda"))

@@ -3,6 +3,7 @@ the release of a GPU weight's checkpoint-order codes once the Triton layout exis
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,3 +109,55 @@ def test_released_codes_are_rebuilt_from_the_kernel_layout() -> None:
         rows = torch.tensor([0, 5, 95])
         assert torch.equal(triton_w4.source_codes(w, rows), original[rows])
         assert torch.equal(w.to("cpu").codes, original)
+
+
+def _documented_quantize_values() -> list[str]:
+    """Every concrete `"quantize"` value the docs show (docs/formats.md, docs/stacks.md), and every
+    registered format's name and aliases with a quantizer (formats.md: a format's name works)."""
+    from hierviz.quant.formats import FORMATS
+    found = set()
+    for doc in ("formats.md", "stacks.md"):
+        found.update(re.findall(r'"quantize": "([^"<]+)"', (ROOT / "docs" / doc).read_text()))
+    assert {"w8a8-int8", "w8a8-fp8", "rtn-g32"} <= found
+    found.update(n for f in FORMATS.values() if f.quantize is not None for n in f.names)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("quantize", _documented_quantize_values())
+def test_every_documented_quantize_value_goes_through_the_cuda_preload_check(tmp_path, monkeypatch, quantize) -> None:
+    """stack._check_gpu_memory runs memory.stack_estimate on CUDA before any weight is read: each
+    documented `"quantize"` value gives a byte count between a quarter of the dense model's and the
+    dense model's, and the check passes on a large GPU and refuses a small one."""
+    from hierviz import stack as stack_mod
+    cfg = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 4,
+           "num_hidden_layers": 16, "vocab_size": 32000, "max_position_embeddings": 4096}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
+    spec = {"name": "q", "target": {"path": "t", "quantize": quantize}}
+    dense = memory.stack_estimate({"target": {"path": "t"}}, lambda s: str(tmp_path / s))
+    parts = memory.stack_estimate(spec, lambda s: str(tmp_path / s))
+    assert parts is not None and dense["target"] / 4 < parts["target"] < dense["target"], (quantize, parts)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=80 * GB, name="an 80 GB test GPU"))
+    stack_mod._check_gpu_memory("q", spec, tmp_path, torch.device("cuda"), torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=2 * GB, name="a 2 GB test GPU"))
+    with pytest.raises(stack_mod.StackError, match="needs about"):
+        stack_mod._check_gpu_memory("q", spec, tmp_path, torch.device("cuda"), torch.float16)
+
+
+def test_a_quantize_option_sets_the_estimates_format_and_group(tmp_path) -> None:
+    """rtn-g<G>: W4A16 with group G (scales and offsets twice per G weights); an 8-bit format one
+    byte per weight; an unknown option no estimate (the load names the known options)."""
+    c = _cfg("llama3-8b.json")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(c))
+
+    def target(q: object) -> float | None:
+        parts = memory.stack_estimate({"target": {"path": "t", "quantize": q}}, lambda s: str(tmp_path / s))
+        return None if parts is None else parts["target"]
+    assert target("rtn-g32") == pytest.approx(memory.model_bytes(c, "w4a16", 32))
+    assert target("rtn-g64") < target("rtn-g32")
+    assert target("w4a16") == pytest.approx(memory.model_bytes(c, "w4", 128))
+    assert target("w8a8-int8") == pytest.approx(memory.model_bytes(c, "w8a8-int8")) == target("w8a8-fp8")
+    assert target("int3") is None and target(5) is None

@@ -162,7 +162,7 @@ def test_rebuilt_command_reproduces_the_recorded_arguments(results, name):
         assert a.acceptance_rates == "0.9,0.7" and a.seq_rate == 0.8 and a.prompt_len == 16
         assert a.intermediate_format == "dense"
         w4m = {**d, "formats": {**d["formats"], "intermediate": "W4A16 synthetic codes, group 32, kernel reference"}}
-        assert parser().parse_args(uw.command_text(w4m)[0].split()[4:]).intermediate_format == "w4"
+        assert parser().parse_args(uw.command_text(w4m)[0].split()[4:]).intermediate_format == "w4a16"
         from hierviz.viz.whatif_fig import shapes_label
         assert shapes_label(w4m).endswith("(W4A16)") and not shapes_label(d).endswith("(W4A16)")
         fr = {**d, "draft_vocab": 100}          # --draft-vocab: named in the label and the command
@@ -286,7 +286,7 @@ def test_child_errors_and_time_limit_are_messages(tmp_path):
 def test_live_run_takes_a_target_format():
     """The live run's target-format box: each choice reaches the what-if's --target-format, an
     unknown one is a message, and a W8A8 run on the CPU names its format in the source lines."""
-    for label, name in uw.LIVE_FORMATS.items():
+    for label, name in uw.live_formats().items():
         a = parser().parse_args(uw.live_argv(uw.TINY, RATES, "0.9", 1.0, 0.85, 8, False, "/tmp/x", label))
         assert a.target_format == name
     with pytest.raises(uw.LiveInputError, match="listed target formats"):

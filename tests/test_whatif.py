@@ -217,7 +217,7 @@ def test_non_finite_synthetic_model_is_refused(tmp_path: Path, capsys, monkeypat
 
     def broken(cfg, fmt, *args, **kw):
         m = real(cfg, fmt, *args, **kw)
-        if fmt == "w4":
+        if fmt == "w4a16":      # the target (--target-format's default, by its name)
             m.norm.weight.data.fill_(float("nan"))
         return m
     monkeypatch.setattr(w, "synthetic_model", broken)

@@ -72,7 +72,8 @@ def pair_labels(d: Optional[dict[str, Any]]) -> list[str]:
 
 def _cell(e: dict[str, Any], tree: str) -> str:
     if "skipped" in e:
-        return "no FP8 cores" if "FP8" in e["skipped"] else "does not fit"
+        # the cost model's reasons: the weights over the GPU's memory, or hardware the format needs
+        return "does not fit" if "GB of weights" in e["skipped"] else e["skipped"]
     sp = e["speedup_vs_ar"]
     note = f"<br>({e['layers_note']})" if "layers_note" in e else ""
     return (f"{method_label(tree)} {sp.get(tree, 0):.2f}x · **{method_label(SUBJECT)} {sp.get(SUBJECT, 0):.2f}x**"

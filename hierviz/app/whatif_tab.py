@@ -35,7 +35,8 @@ from hierviz.app.session import session_key
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.crossover import opening_trace_position
 from hierviz.viz.style import esc, method_label
-from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, intermediate_is_w4, kind, machine_label,
+from hierviz.quant.formats import DEFAULT_FORMAT, by_width, get_format
+from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, kind, machine_label, model_format,
                                    reduced_draft_vocab, shapes_label, sweep_base_rates)
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,6 @@ PROMPT_LEN = 64
 LIVE_TIMEOUT_S = {"cuda": 300, "cpu": 120}
 LIVE_METHODS = ",".join((BASELINE, PEER, SUBJECT))     # the paper's comparison
 SUBJECT_VS_PEER = f"{SUBJECT}_vs_{PEER}"                # the what-if JSON's key for that ratio
-# the live run's target format: label -> whatif --target-format (hierviz.measure.whatif.TARGET_FORMATS)
-LIVE_FORMATS = {"W4A16 (the paper's)": "w4", "W8A8-int8": "w8a8-int8", "W8A8-FP8": "w8a8-fp8",
-                "FP16 / dense": "dense"}
 
 EXPLAIN = f"""**Which method wins at real model sizes?** `python -m hierviz whatif` builds models of real shapes with
 random weights (the target in 4-bit W4A16, the intermediate M dense or W4A16, EAGLE heads), runs the **real** decoders —
@@ -198,8 +196,9 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
     else:
         parts += ["--target", _shape_arg(str(sh.get("target", "?"))),
                   "--intermediate", _shape_arg(str(sh.get("intermediate", "?")))]
-    if intermediate_is_w4(d):
-        parts += ["--intermediate-format", "w4"]
+    m = model_format(d)
+    if not m.dense:
+        parts += ["--intermediate-format", m.name]
     sweep = kind(d) == "sweep"
     if not sweep:
         parts += ["--methods", ",".join(d.get("methods") or {})]
@@ -371,10 +370,21 @@ def _number(v: Any, what: str, lo: float, hi: float) -> float:
     return x
 
 
+def live_formats() -> dict[str, str]:
+    """The live run's target formats, label -> whatif --target-format (every registered format the
+    what-if builds, hierviz.quant.formats): the paper's first, then widest first."""
+    paper = get_format(DEFAULT_FORMAT)
+    rest = [f for f in by_width() if f is not paper]
+    return {f"{paper.label} (the paper's)": paper.name,
+            **{(f"{f.label} (the run's dtype)" if f.dense else f.label): f.name for f in rest}}
+
+
 def live_argv(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any, max_new: Any,
-              cuda: bool, out: str, target_format: Any = next(iter(LIVE_FORMATS))) -> list[str]:
+              cuda: bool, out: str, target_format: Any = None) -> list[str]:
     """The `python -m hierviz whatif` arguments of a live run; LiveInputError for bad input."""
-    if target_format not in LIVE_FORMATS:
+    formats = live_formats()
+    target_format = next(iter(formats)) if target_format is None else target_format
+    if target_format not in formats:
         raise LiveInputError("Choose one of the listed target formats.")
     if shape not in live_shape_choices(cuda):
         if shape in LIVE_SHAPES:
@@ -388,8 +398,8 @@ def live_argv(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: An
         argv = ["--target", _live_shape(t), "--intermediate", _live_shape(m)]
     argv += ["--device", "cuda"] if cuda else ["--device", "cpu", "--threads", "1"]
     argv += ["--methods", LIVE_METHODS, "--max-new-tokens", str(n), "--prompt-len", str(PROMPT_LEN)]
-    if LIVE_FORMATS[target_format] != "w4":      # the what-if's default stays out of the shown command
-        argv += ["--target-format", LIVE_FORMATS[target_format]]
+    if formats[target_format] != DEFAULT_FORMAT:      # the what-if's default stays out of the shown command
+        argv += ["--target-format", formats[target_format]]
     if source == RATES_SOURCE or source is None or source == "":
         sc = _number(scale, "Acceptance scale", 0.1, 1.5)
         rates = [min(1.0, r * sc) for r in parse_rates(rates_text)]
@@ -439,7 +449,7 @@ def run_child(argv: list[str], timeout_s: float) -> dict[str, Any]:
 
 
 def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any, max_new: Any,
-             target_format: Any = next(iter(LIVE_FORMATS)), request: Optional[gr.Request] = None) -> Iterator[tuple[str, Any, Any, str]]:
+             target_format: Any = None, request: Optional[gr.Request] = None) -> Iterator[tuple[str, Any, Any, str]]:
     """Gradio handler: (status, plot A, plot B, table); every failure is a message."""
     keep = gr.skip()
     cuda = cuda_available()
@@ -518,7 +528,7 @@ def whatif_tab() -> None:
                 seq = gr.Slider(0.0, 1.0, value=DEFAULT_SEQ_RATE, step=0.05,
                                 label="sequence rate (T accepts M's token)")
             max_new = gr.Slider(8, MAX_NEW_CAP, value=32, step=8, label="max new tokens", elem_id="hv-whatif-max-new")
-            fmt = gr.Dropdown(list(LIVE_FORMATS), value=next(iter(LIVE_FORMATS)), label="target weight format",
+            fmt = gr.Dropdown(list(live_formats()), value=next(iter(live_formats())), label="target weight format",
                               elem_id="hv-whatif-format")
             go_btn = gr.Button("Run what-if live", variant="primary", elem_id="hv-whatif-run")
         with gr.Column(scale=3):

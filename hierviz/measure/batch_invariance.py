@@ -23,6 +23,7 @@ import torch
 
 from hierviz.models.llama import KVCache
 from hierviz.measure.profile import load_shape
+from hierviz.quant.w4 import FORMAT as W4A16
 from hierviz.quant.w4 import w4_linear
 from hierviz.models.synthetic import synthetic_model
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     _, cfg = load_shape(a.shape)
-    model = synthetic_model(cfg, "w4", dtype, a.device, a.kernel, seed=0, group=a.group)
+    model = synthetic_model(cfg, W4A16.name, dtype, a.device, a.kernel, seed=0, group=a.group)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt,), generator=gen).to(a.device)
     hd = cfg.head_dim

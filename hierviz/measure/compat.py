@@ -26,12 +26,12 @@ import torch
 from hierviz.config import recorded_command
 from hierviz.decoding.settings import SettingsError
 from hierviz.measure.profile import ROOT, SHAPES, load_shape
-from hierviz.measure.whatif import (HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, check_request, model_bytes,
-                                    parser, run_reporting_errors)
+from hierviz.measure.whatif import (HEAD_NAMES, LABEL, WhatIfError, check_request, model_bytes, parser,
+                                    run_reporting_errors, target_formats)
 from hierviz.models.config import ModelConfig
+from hierviz.quant.formats import canonical_name, get_format
 
 SCHEMA = "hierviz.compat/1"
-FORMAT_NAMES = {"dense": "dense", "w8a8-int8": "W8A8-int8", "w8a8-fp8": "W8A8-FP8", "w4": "W4A16"}
 GPU_FILL = 0.6      # of the GPU's memory for weights: the rest holds caches, graphs, activations, slack
 
 
@@ -82,7 +82,8 @@ def target_rows(method: str, result: dict[str, Any], settings: dict[str, Any]) -
 def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str) -> dict[str, Any]:
     tps = scaled(info, all_layers / layers) if layers < all_layers else \
         {m: r["tokens_per_s"] for m, r in info["methods"].items()}
-    name = f"{info['dtype'].replace('float', 'FP')} (dense)" if fmt == "dense" else FORMAT_NAMES[fmt]
+    f = get_format(fmt)
+    name = f"{info['dtype'].replace('float', 'FP')} ({f.label})" if f.dense else f.label
     r: dict[str, Any] = {"format": fmt, "name": name, "target": info["formats"]["target"],
                          "tokens_per_s": tps, "layers_measured": layers, "layers": all_layers,
                          "tokens_per_round": {m: v["tokens_per_round"] for m, v in info["methods"].items()},
@@ -107,10 +108,10 @@ def _run_format(whatif_args: list[str], out: Path) -> dict[str, Any]:
 
 
 def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
-    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
-    bad = [f for f in formats if f not in TARGET_FORMATS]
+    formats = [canonical_name(f.strip()) for f in a.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in target_formats()]
     if not formats or bad:
-        raise WhatIfError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(TARGET_FORMATS)}")
+        raise WhatIfError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(target_formats())}")
     rows, infos, configs = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats:
@@ -131,7 +132,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
                 info = _run_format(args, Path(tmp) / fmt)
             except WhatIfError as e:
                 print(f"[compat] {fmt}: {e}", file=sys.stderr, flush=True)
-                rows.append({"format": fmt, "name": FORMAT_NAMES[fmt], "error": str(e)})
+                rows.append({"format": fmt, "name": get_format(fmt).label, "error": str(e)})
                 continue
             infos[fmt] = info
             n = info["configs"]["target"]["num_layers"]
@@ -190,8 +191,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         prog="python -m hierviz compat",
         description="AR, the tree method and HierSpec per target weight format, one process (what-if with "
                     "replayed acceptance). Other flags are the what-if's (python -m hierviz whatif --help).")
-    ap.add_argument("--formats", default="dense,w8a8-int8,w8a8-fp8,w4",
-                    help=f"target formats, comma-separated, from {', '.join(TARGET_FORMATS)}")
+    ap.add_argument("--formats", default=",".join(target_formats()),
+                    help=f"target formats, comma-separated, from {', '.join(target_formats())} (or their aliases)")
     ap.add_argument("--out", required=True, help="folder for compat.json and compat.md")
     a, rest = ap.parse_known_args(argv)
     if "--target-format" in rest or "--sweep" in rest or "--exact" in rest:

@@ -65,6 +65,7 @@ from typing import Any, Optional
 import numpy as np
 
 from hierviz.config import recorded_command
+from hierviz.quant.formats import DENSE, WeightFormat, format_of_description, format_of_series, get_format
 
 SCHEMA = "hierviz.cost_model/1"
 LABEL = "projected by the roofline cost model"
@@ -94,12 +95,6 @@ GPUS = {g.name: g for g in (
     GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"fp16": 500, "int8": 1000, "fp8": 1000}, (12, 0), 188,
         "tensor rates derived from the 4,000 sparse FP4 TOPS of the spec sheet (/8, /4)"),
 )}
-# a profile curve's name -> the compat format
-CURVES = {"fp16": "dense", "w4a16-triton": "w4", "w8a8-int8": "w8a8-int8", "w8a8-fp8": "w8a8-fp8"}
-# a format's product arithmetic -> the tensor rate it runs at (`tensor_tflops`)
-MATH = {"dense": "fp16", "w4": "fp16", "w8a8-int8": "int_mm", "w8a8-fp8": "fp8"}
-MIN_CAPABILITY = {"w8a8-fp8": (8, 9)}
-QUANTIZED_ACTIVATIONS = ("w8a8-int8", "w8a8-fp8")   # the formats whose products quantize their activations
 # An assumption for every cuBLAS / cuBLASLt product: 128 bytes of K a step (64 fp16, 128 int8 / fp8
 # channels), 6 stages, K not split, as in the kernel the H200's op profile recorded for the fp16
 # LM head (nvjet_sm90_hsh_256x8_64x6: 64-deep K tiles, 6 stages; docs/bench/op-profile-h200-70b.json).
@@ -121,11 +116,11 @@ class Fit:
 
 @dataclass(frozen=True)
 class Kernel:
-    kind: str            # "stream", "gemm" or "w4"
+    kind: str            # "stream", "gemm" or "dequant_mm" (a product that dequantizes in the warps that multiply)
     bytes: float
     flops: float = 0.0
     math: str = ""       # the tensor rate of its arithmetic: fp16, fp8, int_mm
-    stages: float = 0.0  # gemm, w4: pipeline stages per K step of a program (the fill it waits for)
+    stages: float = 0.0  # gemm, dequant_mm: pipeline stages per K step of a program (the fill it waits for)
 
 
 @dataclass(frozen=True)
@@ -174,14 +169,14 @@ def w4_tiling(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> tuple
     return -(-t // c.block_m), c.block_m, c.num_stages / -(-(k // sub) // c.split_k), c.split_k
 
 
-def w4_kernels(t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
+def w4_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
     # the one-token CUDA-core kernel and TMA loads run from Hopper on (triton_w4._has_tma)
     tiles, rows, stages, split = w4_tiling(t, n, k, where.group, gpu.sms, gpu.capability >= (9, 0))
-    weights = n * k / 2 + 4.0 * n * k / where.group          # codes, fp16 scales and offsets
+    weights = fmt.linear_bytes(n, k, where.group)          # codes, fp16 scales and offsets
     acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
     # split-K meets in a fixed order (triton_w4._store_product): fp32 partials written, then read back
     partials = 8.0 * split * t * n if split > 1 else 0.0
-    return [Kernel("w4", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "fp16", stages)]
+    return [Kernel("dequant_mm", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "fp16", stages)]
 
 
 def gemm_stages(k: int, elem: int) -> float:
@@ -189,19 +184,25 @@ def gemm_stages(k: int, elem: int) -> float:
     return CUBLAS_STAGES / max(1.0, k * elem / CUBLAS_K_BYTES)
 
 
-def dense_kernels(t: int, k: int, n: int, add: bool) -> list[Kernel]:
-    out = [Kernel("gemm", 2.0 * n * k + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "fp16", gemm_stages(k, 2))]
+def dense_kernels(t: int, k: int, n: int, add: bool, weight_bytes: Optional[float] = None) -> list[Kernel]:
+    """One library GEMM over dense [n, k] weights (fp16 unless `weight_bytes` says)."""
+    w = 2.0 * n * k if weight_bytes is None else weight_bytes
+    out = [Kernel("gemm", w + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "fp16", gemm_stages(k, 2))]
     return out + ([Kernel("stream", 6.0 * t * n)] if add else [])
 
 
-def quantize_kernels(t: int, k: int, fmt: str, fused: bool = False) -> list[Kernel]:
+def gemm_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
+    return dense_kernels(t, k, n, add, fmt.linear_bytes(n, k, where.group))
+
+
+def quantize_kernels(t: int, k: int, rounds: bool, fused: bool = False) -> list[Kernel]:
     """Per-token dynamic quantization of [t, k] fp16 activations (w8a8.quantize_tokens,
-    fp8.quantize_tokens_fp8): float, abs, amax, / qmax, clamp_min, divide, (round), clamp, cast;
-    fused (act_quant): one kernel that reads each row twice and writes its codes and scale."""
+    fp8.quantize_tokens_fp8): float, abs, amax, / qmax, clamp_min, divide, (round: integer codes),
+    clamp, cast; fused (act_quant): one kernel that reads each row twice and writes its codes and scale."""
     tk = t * k
     if fused:
         return [Kernel("stream", 5.0 * tk + 4 * t)]
-    ops = [6 * tk, 8 * tk, 4 * tk + 4 * t, 8 * t, 8 * t, 8 * tk + 4 * t] + ([8 * tk] if fmt == "w8a8-int8" else [])
+    ops = [6 * tk, 8 * tk, 4 * tk + 4 * t, 8 * t, 8 * t, 8 * tk + 4 * t] + ([8 * tk] if rounds else [])
     return [Kernel("stream", float(b)) for b in ops + [8 * tk, 5 * tk]]
 
 
@@ -211,7 +212,7 @@ def int8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list
     mm = Kernel("gemm", float(n * k + m * k + 4 * m * n), 2.0 * m * n * k, "int_mm", gemm_stages(k, 1))
     tn = t * n      # int32 -> float, * token scales, * channel scales, -> fp16
     rescale = [Kernel("stream", float(b)) for b in (8 * tn, 8 * tn + 4 * t, 8 * tn + 4 * n, 6 * tn)]
-    return quantize_kernels(t, k, "w8a8-int8", fused) + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+    return quantize_kernels(t, k, True, fused) + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
 
 
 def fp8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list[Kernel]:
@@ -221,17 +222,26 @@ def fp8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list[
     mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "fp8", gemm_stages(k, 1))
     tn = t * n      # * token scales, -> fp16
     rescale = [Kernel("stream", 8.0 * tn + 4 * t), Kernel("stream", 6.0 * tn)]
-    return quantize_kernels(t, k, "w8a8-fp8", fused) + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+    return quantize_kernels(t, k, False, fused) + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
+
+
+# what a format's product launches on a GPU (its entry's `gpu_product`, hierviz.quant.formats):
+# (its kernels, the tensor rate of its arithmetic for `tensor_tflops`)
+PRODUCTS = {
+    "gemm": (gemm_kernels, "fp16"),
+    "triton_w4": (w4_kernels, "fp16"),
+    "int_mm": (lambda fmt, t, k, n, add, where, gpu: int8_kernels(t, k, n, add, gpu.fused_act_quant), "int_mm"),
+    "scaled_mm": (lambda fmt, t, k, n, add, where, gpu: fp8_kernels(t, k, n, add, gpu.fused_act_quant), "fp8"),
+}
+
+
+def product_math(fmt: str) -> str:
+    return PRODUCTS[get_format(fmt).gpu_product][1]
 
 
 def product_kernels(fmt: str, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
-    if fmt == "w4":
-        return w4_kernels(t, k, n, add, where, gpu)
-    if fmt == "w8a8-int8":
-        return int8_kernels(t, k, n, add, gpu.fused_act_quant)
-    if fmt == "w8a8-fp8":
-        return fp8_kernels(t, k, n, add, gpu.fused_act_quant)
-    return dense_kernels(t, k, n, add)
+    f = get_format(fmt)
+    return PRODUCTS[f.gpu_product][0](f, t, k, n, add, where, gpu)
 
 
 def attention_kernels(t: int, where: Shape) -> list[Kernel]:
@@ -311,7 +321,7 @@ class Terms:
 def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
     per_us = gpu.bandwidth_GBps * 1e3          # bytes per us
     gemms = [k for k in kernels if k.kind == "gemm"]
-    w4 = [k for k in kernels if k.kind == "w4"]
+    w4 = [k for k in kernels if k.kind == "dequant_mm"]
     return Terms(len(kernels), sum(k.bytes for k in kernels if k.kind == "stream") / per_us,
                  tuple(k.bytes / per_us for k in gemms),
                  tuple(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in gemms),
@@ -410,6 +420,15 @@ def as_measured(gpu: GPU, quantizer: Optional[str]) -> GPU:
     return replace(gpu, fused_act_quant=quantizer == "fused")
 
 
+def curve_format(series: dict[str, Any]) -> Optional[str]:
+    """The format a profile series measures, where it is the product the model prices (a
+    registered format through its GPU kernel: not a comparison kernel such as tinygemm); else None."""
+    fmt = format_of_series(series.get("format", ""))
+    if fmt is None or (fmt.gpu_kernel and series.get("kernel") != fmt.gpu_kernel):
+        return None
+    return fmt.name
+
+
 def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[Curve]:
     """The curves of a profile (hierviz.measure.profile's JSON) that the model knows, measured
     (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
@@ -418,8 +437,8 @@ def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[C
                   profile.get("group_size", 128))
     out = []
     for s in profile["series"]:
-        if s["scope"] == scope and s["format"] in CURVES and not s.get("estimated"):
-            c = Curve(CURVES[s["format"]], profile["shape"], list(profile["tokens"]), list(s["us"]), where,
+        if s["scope"] == scope and curve_format(s) and not s.get("estimated"):
+            c = Curve(curve_format(s), profile["shape"], list(profile["tokens"]), list(s["us"]), where,
                       s["weight_bytes"] / s["layers"], scope, s["layers"])
             out.append(with_terms(c, gpu))
     return out
@@ -427,9 +446,8 @@ def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[C
 
 def weight_bytes(fmt: str, where: Shape) -> float:
     """One layer's linear weights in the format, as the model reads them at one token."""
-    per = {"dense": lambda n, k: 2.0 * n * k, "w4": lambda n, k: n * k / 2 + 4.0 * n * k / where.group,
-           "w8a8-int8": lambda n, k: n * k + 4.0 * n, "w8a8-fp8": lambda n, k: n * k + 4.0 * n}[fmt]
-    return sum(per(n, k) for _, k, n, _ in products(where.cfg))
+    f = get_format(fmt)
+    return sum(f.linear_bytes(n, k, where.group) for _, k, n, _ in products(where.cfg))
 
 
 def kernel_counts(fmt: str, where: Shape, gpu: GPU, tokens: tuple[int, ...] = (1, 16, 17, 128)) -> dict[str, int]:
@@ -463,7 +481,7 @@ def calibrate(profiles: list[dict[str, Any]], gpu: GPU) -> dict[str, Any]:
         if train:
             format_out[fm] = summary(errors(fit(train), [c for c in curves if c.fmt == fm]))
     where = {c.shape: c.where for c in curves}
-    per_fmt = {fm: {"tensor_tflops": tensor_tflops(gpu, MATH[fm]),
+    per_fmt = {fm: {"tensor_tflops": tensor_tflops(gpu, product_math(fm)),
                     "kernels": {sh: kernel_counts(fm, w, gpu) for sh, w in where.items()},
                     "fixed_us": {sh: kernel_counts(fm, w, gpu, (1,))["1"] * f.launch_us for sh, w in where.items()}}
                for fm in fmts}
@@ -483,8 +501,9 @@ def fits_memory(gpu: GPU, weight_bytes: float) -> bool:
 
 
 def _skip_reason(gpu: GPU, fm: str, need: float, measured_here: bool) -> Optional[str]:
-    if fm in MIN_CAPABILITY and gpu.capability < MIN_CAPABILITY[fm]:
-        return "no FP8 tensor cores"
+    f = get_format(fm)
+    if f.min_capability and gpu.capability < f.min_capability:
+        return f"no {f.hardware}" if f.hardware else f"needs compute capability {'.'.join(map(str, f.min_capability))}"
     if not measured_here and not fits_memory(gpu, need):
         return f"needs ~{need / 1e9:.0f} GB of weights; has {gpu.memory_GB:.0f} GB"
     return None
@@ -501,7 +520,7 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
     f = Fit(**calibration["fit"])
     s = compat["settings"]
     t_shape, m_shape = Shape(configs["target"]), Shape(configs["intermediate"])
-    m_fmt = "w4" if compat["intermediate"].startswith("W4A16") else "dense"
+    m_fmt = (format_of_description(compat["intermediate"]) or DENSE).name
     rows_of = {"ar": 1, compat["head"]: s["t_tree_size"] + 1, "hierspec": s["min_draft_len"] + 2}
     shapes = {"target": t_shape, "intermediate": m_shape}
     cache: dict[tuple[str, str, str, int], float] = {}
@@ -514,14 +533,14 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
 
     out = []
     for r in compat["rows"]:
-        fm = r["format"]
         if "error" in r:
             continue
+        fm = get_format(r["format"]).name        # files may name a format by an alias
         need = (model_bytes(ModelConfig(**_cfg_fields(t_shape.cfg)), fm)
                 + model_bytes(ModelConfig(**_cfg_fields(m_shape.cfg)), m_fmt))
         for gpu in gpus:
             entry: dict[str, Any] = {"gpu": gpu.name, "format": fm, "name": r["name"], "projected": gpu.name != base.name}
-            if fm in QUANTIZED_ACTIVATIONS:
+            if get_format(fm).quantizes_activations:
                 entry["activation_quantizer"] = "fused" if gpu.name == base.name and base.fused_act_quant else "torch"
             if r.get("layers_measured", 0) < r.get("layers", 0):
                 entry["layers_note"] = f"{r['layers_measured']} of {r['layers']} layers measured, scaled"

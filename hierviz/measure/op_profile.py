@@ -69,13 +69,14 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     from hierviz.models import cuda_graphs
     from hierviz.measure.profile import load_shape
     from hierviz.models.synthetic import synthetic_model
+    from hierviz.quant.w4 import FORMAT as W4A16
 
     name, cfg = load_shape(shape)
     if layers < 1:
         raise ValueError("--layers must be at least 1")
     cfg = dataclasses.replace(cfg, num_layers=min(layers, cfg.num_layers))
     cuda = device == "cuda"
-    model = synthetic_model(cfg, "w4", dtype, device, kernel, 0)
+    model = synthetic_model(cfg, W4A16.name, dtype, device, kernel, 0)
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
     max_len = prompt_len + 4 * steps + tokens + 16
 

@@ -36,7 +36,7 @@ from hierviz.machine import device_name
 from hierviz.models.config import ModelConfig, rope_frequencies
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm
 from hierviz.models.synthetic import layer_weights, random_dense
-from hierviz.quant.formats import quantize_option
+from hierviz.quant.formats import DEFAULT_FORMAT, DENSE, WeightFormat, check_runs_on, get_format, quantized_formats
 from hierviz.quant.w4 import W4Weight, register_kernel
 
 SCHEMA = "hierviz.profile/1"
@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"llama3-8b": "llama3-8b.json", "llama3-70b": "llama3-70b.json", "smollm2": "smollm2-135m.json",
           "vicuna-7b": "vicuna-7b.json", "vicuna-13b": "vicuna-13b.json"}
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+TINYGEMM = "tinygemm"     # torch's int4 kernel, a comparison curve of this tool
 NO_GPU = ("no CUDA GPU found: `python -m hierviz profile` measures GPU forward latency. "
           "The curve recorded on an H200 is assets/profile/h200.json (the app's Profile tab shows it); "
           "`--device cpu` runs a small CPU version of the same measurement.")
@@ -71,8 +72,8 @@ def _tinygemm(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
 
 def build_layer(cfg: ModelConfig, fmt: str, kernel: str, g: int, dtype: torch.dtype, device: str,
                 seed: int) -> DecoderLayer:
-    if kernel == "tinygemm":        # a comparison kernel of this tool only, registered on use
-        register_kernel("tinygemm", _tinygemm)
+    if kernel == TINYGEMM:        # a comparison kernel of this tool only, registered on use
+        register_kernel(TINYGEMM, _tinygemm)
     gen = torch.Generator(device=device).manual_seed(seed)
     w = {f"p.{k}": v for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items()}
     return DecoderLayer(cfg, w.__getitem__, "p", kernel)
@@ -168,26 +169,40 @@ def _fits(nbytes: int, device: str) -> bool:
     return nbytes < 0.85 * free
 
 
-def _formats(device: str, only: Optional[list[str]]) -> list[dict]:
-    """The curves a profile draws; the 8-bit formats only where hierviz runs them on this device
-    (hierviz.quant.formats: proven on a GPU before CUDA gets them)."""
+def _paper_format() -> WeightFormat:
+    return get_format(DEFAULT_FORMAT)
+
+
+def _kernels(fmt: WeightFormat, device: str, dtype: torch.dtype) -> list[tuple[str, torch.dtype, bool]]:
+    """(kernel, dtype, whole model too) of each curve a format gets: a format with a GPU kernel of
+    its own (W4A16) that one on a GPU, plus torch's tinygemm for W4 weights (one layer, bf16 only),
+    and its CPU kernel on a CPU; any other format its one product."""
+    if not fmt.gpu_kernel:
+        return [("reference", dtype, True)]
+    w4 = fmt.weight_type is W4Weight
     if device == "cuda":
-        fmts = [dict(name="fp16", fmt="dense", kernel="reference", dtype=torch.float16, model=True),
-                dict(name="w4a16-triton", fmt="w4", kernel="triton", dtype=torch.float16, model=True),
-                dict(name="w4a16-tinygemm", fmt="w4", kernel="tinygemm", dtype=torch.bfloat16, model=False)]
-        dtype = torch.float16
-    else:
-        from hierviz.quant.int4pack_cpu import available
-        fmts = [dict(name="fp32", fmt="dense", kernel="reference", dtype=torch.float32, model=True),
-                dict(name="w4-int4pack_cpu" if available() else "w4-reference", fmt="w4",
-                     kernel="int4pack_cpu" if available() else "reference", dtype=torch.float32, model=True)]
-        dtype = torch.float32
-    for name in ("w8a8-int8", "w8a8-fp8"):
+        return [(fmt.gpu_kernel, dtype, True)] + ([(TINYGEMM, torch.bfloat16, False)] if w4 else [])
+    from hierviz.quant.int4pack_cpu import available
+    return [("int4pack_cpu" if w4 and available() else "reference", dtype, True)]
+
+
+def _formats(device: str, only: Optional[list[str]]) -> list[dict]:
+    """The curves a profile draws: dense in the device's dtype, then every registered format with
+    a quantizer, only where hierviz runs it on this device (hierviz.quant.formats: proven on a GPU
+    before CUDA gets it)."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    fmts = [dict(name=str(dtype).removeprefix("torch.").replace("float", "fp"), fmt=DENSE.name, kernel="reference",
+                 dtype=dtype, model=True)]
+    for f in quantized_formats():
+        if f.quantize is None:
+            continue
         try:
-            quantize_option(name, torch.device(device))
+            check_runs_on(f, torch.device(device))
         except ValueError:      # unproven on this GPU, or no FP8 hardware
             continue
-        fmts.append(dict(name=name, fmt=name, kernel="reference", dtype=dtype, model=True))
+        kernels = _kernels(f, device, dtype)
+        fmts += [dict(name=f.series(k if f.gpu_kernel else ""), fmt=f.name, kernel=k, dtype=dt, model=m)
+                 for k, dt, m in kernels]
     return [f for f in fmts if not only or f["name"] in only]
 
 
@@ -295,7 +310,7 @@ def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda
     run = _Run(cfg, list(tokens), device, context, rep_ms, timer, bw, info, log)
     log(f"[profile] {shape} on {info['device']}: copy bandwidth {bw / 1e9:.0f} GB/s; tokens {tokens}")
     for fmt in _formats(device, formats):
-        g = group_size if fmt["fmt"] == "w4" else 0
+        g = group_size if get_format(fmt["fmt"]).group_bytes else 0
         try:
             layer = build_layer(cfg, fmt["fmt"], fmt["kernel"], g or 128, fmt["dtype"], device, seed=1)
         except Exception as e:  # e.g. a kernel that does not support this shape
@@ -340,7 +355,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--group-size", type=int, default=0, help="W4 group size (default: 128 where it divides "
                                                                "the layer widths, else 32)")
     ap.add_argument("--formats", default=None,
-                    help="subset, comma-separated (cuda: fp16,w4a16-triton,w4a16-tinygemm; cpu: fp32,w4-...)")
+                    help="subset of the curves, comma-separated: fp16 / fp32 (dense), a format's name, or "
+                         "<format>-<kernel> for a format with kernels (cuda: "
+                         f"{', '.join(_paper_format().series(k) for k in (_paper_format().gpu_kernel, TINYGEMM))})")
     ap.add_argument("--layer-only", action="store_true", help="skip the whole-model curves")
     ap.add_argument("--rep-ms", type=float, default=60.0, help="timing budget per point (GPU)")
     a = ap.parse_args(argv)

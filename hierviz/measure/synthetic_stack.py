@@ -28,6 +28,8 @@ import torch
 
 from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.models.synthetic import CheckpointWeights
+from hierviz.quant.formats import get_format
+from hierviz.quant.w4 import FORMAT as W4A16
 from hierviz.stack import PRESET_DIR
 
 PRESET_MODELS = PRESET_SHAPES      # the presets with bundled shapes: the ones this can write
@@ -169,7 +171,7 @@ def write_stack(preset: str, out: Path, scale: str = "full", tokenizer_from: Opt
     for role, cfg in cfgs.items():
         t0 = time.perf_counter()
         folder = out / role
-        gptq = PRESET_MODELS[preset][role][1] == "w4"
+        gptq = get_format(PRESET_MODELS[preset][role][1]) is W4A16     # written as a GPTQ checkpoint
         info["bytes"][role] = write_sharded(folder, _model_tensors(cfg, gen, qc["group_size"] if gptq else None),
                                             SHARD_BYTES if scale == "full" else 40_000)
         written = {**cfg, "torch_dtype": "float16", **({"quantization_config": qc} if gptq else {})}

@@ -42,6 +42,8 @@ from hierviz.machine import gpu_name
 from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.models.config import ModelConfig
 from hierviz.quant import kernel_guard
+from hierviz.quant.formats import get_format
+from hierviz.quant.w4 import FORMAT as W4A16
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
 from hierviz.quant.w4_proof import PROOF_ROWS, Shape, check_products, prove, reference, synthetic_weight
 
@@ -119,7 +121,7 @@ def preset_shapes(name: str) -> list[Shape]:
     """The W4 shapes of a preset's models, from the bundled configs (hierviz.memory.PRESET_SHAPES)."""
     shapes: set[Shape] = set()
     for file, fmt, group in PRESET_SHAPES[name].values():
-        if fmt == "w4":
+        if get_format(fmt) is W4A16:
             cfg = ModelConfig.from_dict(json.loads((CONFIGS / file).read_text(encoding="utf-8")))
             shapes.update(config_shapes(cfg, group))
     return sorted(shapes)

@@ -41,8 +41,9 @@ from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
 from hierviz.measure.profile import load_shape
-from hierviz.models.synthetic import synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
-from hierviz.quant.formats import get_format, quantize_option
+from hierviz.models.synthetic import random_codes, synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
+from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, by_width, canonical_name, check_runs_on, format_of_description,
+                                   get_format)
 from hierviz.trace import Step, TraceError, comparison_from_json
 
 SCHEMA = "hierviz.whatif/1"
@@ -100,15 +101,18 @@ class SharpEagle3Head(SharpDraft, Eagle3Head):
     """A sharpened EAGLE-3 head (SharpDraft)."""
 
 
-BYTES_PER_WEIGHT = {"w4": 0.53, "w8a8-int8": 1.0, "w8a8-fp8": 1.0, "dense": 2.0}   # codes plus scales, per linear weight
-TARGET_FORMATS = tuple(BYTES_PER_WEIGHT)
+def target_formats() -> list[str]:
+    """The weight formats a synthetic target can be built in (hierviz.quant.formats), widest first."""
+    return [f.name for f in by_width()]
 
 
 def model_bytes(cfg: ModelConfig, fmt: str) -> float:
+    """Weights in a format (codes plus scales, per linear weight, at group 128) and an fp16
+    embedding and LM head."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_kv_heads * cfg.head_dim
     per_layer = 2 * h * cfg.num_heads * cfg.head_dim + 2 * h * kv + 3 * h * i
-    return per_layer * cfg.num_layers * BYTES_PER_WEIGHT[fmt] + 2 * 2.0 * cfg.vocab_size * h
+    return per_layer * cfg.num_layers * get_format(fmt).bytes_per_weight(128) + 2 * 2.0 * cfg.vocab_size * h
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -128,10 +132,10 @@ def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] =
 
 
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
-                 seed: int = 0, m_format: str = "dense", head: str = "eagle2",
-                 draft_vocab: Optional[int] = None, t_format: str = "w4") -> Models:
-    """Synthetic T (`t_format`: W4A16 "w4" as in the paper, or "dense" / "w8a8-int8"), M (`m_format`:
-    "dense" as in the paper's stack, or "w4") and heads of
+                 seed: int = 0, m_format: str = DENSE.name, head: str = "eagle2",
+                 draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT) -> Models:
+    """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
+    dense as in the paper's stack by default) and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3) drafting over
     `draft_vocab` token ids (None: the full vocabulary)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
@@ -319,6 +323,11 @@ def _ints(text: str, what: str) -> list[int]:
     return vals
 
 
+def _formats_help() -> str:
+    return "; ".join(f"{f.name} ({f.description or f.label}" + (", the paper's)" if f.name == DEFAULT_FORMAT else ")")
+                     for f in by_width())
+
+
 def parser() -> argparse.ArgumentParser:
     d = DecodeSettings()
     ap = argparse.ArgumentParser(prog="python -m hierviz whatif", description=(
@@ -326,11 +335,10 @@ def parser() -> argparse.ArgumentParser:
         f"kernels, forced acceptance. Every figure is {LABEL}."))
     ap.add_argument("--target", default="llama3-70b", help="shape: llama3-8b, llama3-70b, smollm2 or a config.json")
     ap.add_argument("--intermediate", default="llama3-8b", help="shape of the intermediate model M")
-    ap.add_argument("--target-format", default="w4", choices=list(TARGET_FORMATS),
-                    help="T's weight format: w4 (W4A16, the paper's), w8a8-int8 / w8a8-fp8 (8-bit weights per "
-                         "channel, 8-bit activations per token) or dense (the run's dtype)")
-    ap.add_argument("--intermediate-format", default="dense", choices=["dense", "w4"],
-                    help="M's weights: dense (the paper's stack) or W4A16 like the target")
+    ap.add_argument("--target-format", default=DEFAULT_FORMAT, type=canonical_name, choices=target_formats(),
+                    help="T's weight format (an alias works too): " + _formats_help())
+    ap.add_argument("--intermediate-format", default=DENSE.name, type=canonical_name, choices=target_formats(),
+                    help=f"M's weights, the same choices ({DENSE.name}: the paper's stack)")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
     ap.add_argument("--acceptance-rates", default=None,
                     help=f"per-depth tree acceptance rates, e.g. 0.9,0.8,0.7 (default {','.join(map(str, DEFAULT_RATES))})")
@@ -427,11 +435,10 @@ def _shapes(a: argparse.Namespace, dev: str) -> tuple[dict[str, str], ModelConfi
         raise WhatIfError(f"cannot read a shape config: {e}") from None
     except ValueError as e:
         raise WhatIfError(str(e)) from None
-    if a.target_format not in ("w4", "dense"):
-        try:
-            quantize_option(a.target_format, torch.device(dev))      # refuses a format unproven on this GPU
-        except ValueError as e:
-            raise WhatIfError(str(e)) from None
+    try:
+        check_runs_on(get_format(a.target_format), dev)      # refuses a format unproven on this GPU
+    except ValueError as e:
+        raise WhatIfError(str(e)) from None
     need = model_bytes(t_cfg, a.target_format) + model_bytes(m_cfg, a.intermediate_format)
     if dev == "cpu" and need > CPU_LIMIT_BYTES:
         raise WhatIfError(f"{t_name} + {m_name} need ~{need / 1e9:.0f} GB of weights: too big for a CPU run "
@@ -467,17 +474,15 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def _w4_format(cfg: ModelConfig, kernel: str) -> str:
-    return f"W4A16 synthetic codes, group {w4_group(cfg, 128)}, kernel {kernel}"
-
-
-def _target_format(fmt: str, cfg: ModelConfig, kernel: str, dtype: torch.dtype) -> str:
-    """T's format as the outputs name it; its first word is the label the figures show."""
-    if fmt == "w4":
-        return _w4_format(cfg, kernel)
-    if fmt == "dense":
-        return f"dense {str(dtype).replace('torch.', '')}"
-    return f"{get_format(fmt).label} synthetic (random weights through its quantizer)"
+def _format_text(fmt: str, cfg: ModelConfig, kernel: str, dtype: torch.dtype) -> str:
+    """A model's format as the outputs name it; its first word is the label the figures show
+    (hierviz.quant.formats.format_of_description reads it back)."""
+    f = get_format(fmt)
+    if f.dense:
+        return f"{f.name} {str(dtype).replace('torch.', '')}"
+    if random_codes(f.name):
+        return f"{f.label} synthetic codes, group {w4_group(cfg, 128)}, kernel {kernel}"
+    return f"{f.label} synthetic (random weights through its quantizer)"
 
 
 def _methods(a: argparse.Namespace) -> list[str]:
@@ -535,9 +540,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
     info: dict[str, Any] = {
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
-        "formats": {"target": _target_format(a.target_format, t_cfg, kernel, dtype),
-                    "intermediate": (f"dense {str(dtype).replace('torch.', '')}" if a.intermediate_format == "dense"
-                                     else _w4_format(m_cfg, kernel)),
+        "formats": {"target": _format_text(a.target_format, t_cfg, kernel, dtype),
+                    "intermediate": _format_text(a.intermediate_format, m_cfg, kernel, dtype),
                     "heads": "EAGLE-1/2 layout, synthetic" if a.head == "eagle2" else "EAGLE-3, synthetic"},
         "head": a.head,
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
@@ -776,7 +780,8 @@ def _settings_copy(s: DecodeSettings, **kw: Any) -> DecodeSettings:
 def _title(info: dict[str, Any]) -> str:
     sh = info["shapes"]
     where = info["machine"].get("gpu", info["device"])
-    m_fmt = " (W4A16)" if info["formats"]["intermediate"].startswith("W4A16") else ""
+    m = format_of_description(info["formats"]["intermediate"])
+    m_fmt = f" ({m.label})" if m is not None and not m.dense else ""
     t_fmt = str(info["formats"]["target"]).split()[0]
     return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from hierviz.models import fused
 from hierviz.models.config import ModelConfig, rope_frequencies
-from hierviz.quant.formats import QuantLinear, fixed_row_chunks, format_of, out_features, weight_to
+from hierviz.quant.formats import DENSE, QuantLinear, fixed_row_chunks, format_of, out_features, weight_to
+from hierviz.quant.w4 import FORMAT as W4_FORMAT
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, matmul_nt
 
 Weight = Union[torch.Tensor, Any]      # a dense tensor or a weight-format weight (hierviz.quant.formats)
@@ -149,7 +150,7 @@ class Linear(nn.Module):
         super().__init__()
         self.splits = [out_features(w) for w in weights]
         self._kernel = w4_kernel
-        fmts = {f.name if f else "dense" for f in map(format_of, weights)}
+        fmts = {(f or DENSE).name for f in map(format_of, weights)}
         if len(fmts) > 1:
             raise WeightsError(f"a fused linear mixes weight formats: {', '.join(sorted(fmts))}")
         fmt = format_of(weights[0])
@@ -182,7 +183,7 @@ class Linear(nn.Module):
     @property
     def w4(self) -> list[W4Weight]:
         """The W4 weights of a W4A16 linear (W4-only tools: the kernel proof, the op profile)."""
-        return self.q.weights if self.q is not None and self.q.format == "w4a16" else []
+        return self.q.weights if self.q is not None and self.q.format == W4_FORMAT.name else []
 
     def forward(self, x: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x W^T (+ b); with add_to (the residual), added into add_to in place, which is returned."""

@@ -16,7 +16,8 @@ from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import LAYER_PREFIX, Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer, Weight
-from hierviz.quant.formats import dense_of, get_format, quantize_option
+from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, QuantizeChoice, dense_of, get_format, quantize_option,
+                                   resolve_quantize)
 from hierviz.quant.formats import quantize_linears as to_format
 from hierviz.quant.w4 import W4Weight
 
@@ -48,19 +49,26 @@ def random_w4(n: int, k: int, g: int, dtype: torch.dtype, device: str | torch.de
 
 def layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device: str | torch.device,
                   gen: torch.Generator) -> dict[str, Weight]:
-    """One decoder layer's weights, keys without the "model.layers.N." prefix; fmt "w4", "dense" or
-    another weight format's name (hierviz.quant.formats: random dense weights through its quantizer)."""
+    """One decoder layer's weights, keys without the "model.layers.N." prefix; fmt a weight format's
+    name or alias (hierviz.quant.formats): W4A16 codes made on the device directly (group g), dense,
+    or random dense weights through the format's quantizer."""
     h = cfg.hidden_size
     w: dict[str, Weight] = {"input_layernorm.weight": torch.ones(h, dtype=dtype, device=device),
                             "post_attention_layernorm.weight": torch.ones(h, dtype=dtype, device=device)}
-    quantize = None if fmt in ("w4", "dense") else get_format(fmt).quantize
+    f = get_format(fmt)
     for name, (n, k) in linear_shapes(cfg).items():
-        if fmt == "w4":
+        if random_codes(fmt):      # a 70B target's codes in seconds, no dense copy
             w[f"{name}.weight"] = random_w4(n, k, g, dtype, device, gen)
         else:
             dense = random_dense(n, k, dtype, device, gen)
-            w[f"{name}.weight"] = dense if quantize is None else quantize(dense)
+            w[f"{name}.weight"] = dense if f.dense else f.quantize(dense)
     return w
+
+
+def random_codes(fmt: str) -> bool:
+    """Whether synthetic weights of this format are codes made on the device directly (W4A16),
+    rather than random dense weights through its quantizer."""
+    return get_format(fmt).weight_type is W4Weight
 
 
 def w4_group(cfg: ModelConfig, g: int) -> int:
@@ -71,8 +79,8 @@ def w4_group(cfg: ModelConfig, g: int) -> int:
 
 def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str, kernel: str, seed: int,
                     group: int = 128) -> Transformer:
-    """A Transformer of this shape with random weights; fmt "w4" (codes + scales as GPTQ would
-    store them, fp16 embedding and LM head as GPTQ keeps them) or "dense"."""
+    """A Transformer of this shape with random weights in weight format `fmt` (layer_weights; W4A16:
+    codes + scales as GPTQ would store them, fp16 embedding and LM head as GPTQ keeps them)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     g = w4_group(cfg, group)
     w: dict[str, Any] = {"model.embed_tokens.weight": random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
@@ -83,15 +91,15 @@ def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str,
         for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items():
             w[f"model.layers.{i}.{k}"] = v
     # release: the dict is ours, so each entry goes once used (a dense 70B is held once, not twice)
-    return Transformer(cfg, w, w4_kernel=kernel if fmt == "w4" else "reference", dtype=dtype, device=device,
-                       release=True)
+    return Transformer(cfg, w, w4_kernel=kernel if get_format(fmt).gpu_kernel else "reference", dtype=dtype,
+                       device=device, release=True)
 
 
 def synthetic_head(base: Transformer, seed: int, head_class: type[EagleHead] = EagleHead) -> EagleHead:
     """A random EAGLE-1/2 head over `base` (one decoder layer without its input norm, and fc)."""
     cfg = dataclasses.replace(base.cfg, num_layers=1)
     gen = torch.Generator(device=base.device).manual_seed(seed)
-    w: dict[str, Any] = {f"layers.0.{k}": v for k, v in layer_weights(cfg, "dense", 128, base.dtype, base.device, gen).items()
+    w: dict[str, Any] = {f"layers.0.{k}": v for k, v in layer_weights(cfg, DENSE.name, 128, base.dtype, base.device, gen).items()
                          if not k.startswith("input_layernorm")}
     w["fc.weight"] = random_dense(cfg.hidden_size, 2 * cfg.hidden_size, base.dtype, base.device, gen)
     return head_class(cfg, w, base)
@@ -116,10 +124,23 @@ def hf_weights(cfg: ModelConfig, device: str, seed: int = 0, std: float = 0.02) 
     return w
 
 
+TINY_GROUP = 32      # divides the tiny shapes' widths (64, 128)
+
+
+def tiny_quantize(target_format: str) -> QuantizeChoice:
+    """The tiny target's quantizer: `target_format` through hierviz.quant.formats.resolve_quantize,
+    a grouped format's group TINY_GROUP unless the value names one."""
+    choice = resolve_quantize(target_format, group=TINY_GROUP)
+    if choice is None:
+        quantize_option(target_format)        # its error names the known options
+    return choice
+
+
 def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int = 0,
-                target_format: str = "w4a16") -> tuple[Transformer, Transformer, EagleHead, EagleHead]:
-    """Random tiny T (4 layers, W4 RTN g32, or another weight format's quantizer), M (two of T's
-    layers, dense) and random EAGLE heads (E_M, E_T): the tiny-random stack."""
+                target_format: str = DEFAULT_FORMAT) -> tuple[Transformer, Transformer, EagleHead, EagleHead]:
+    """Random tiny T (4 layers in `target_format`: a weight format's name or alias, or a stack
+    file's "quantize" value; a format with groups in groups of TINY_GROUP unless the value says),
+    M (two of T's layers, dense) and random EAGLE heads (E_M, E_T): the tiny-random stack."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, std: float = 0.15) -> torch.Tensor:
@@ -144,7 +165,7 @@ def tiny_models(vocab: int = 259, device: torch.device | str = "cpu", seed: int 
     cfg = dict(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
                num_key_value_heads=kvh, max_position_embeddings=1024, tie_word_embeddings=True,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, model_type="llama")
-    t_w = to_format(model_weights(4), quantize_option("rtn-g32" if target_format == "w4a16" else target_format))
+    t_w = to_format(model_weights(4), tiny_quantize(target_format).quantize)
     target = Transformer(ModelConfig.from_dict(dict(cfg, num_hidden_layers=4)), t_w, device=device)
     # batch-invariant although load_stack's rule would not ask for it here (its `reference`
     # kernel is not row-invariant on the CPU): every test decoding on this stack then runs the

@@ -1,20 +1,27 @@
 """Weight formats: one module per format behind one linear interface (as gpt-fast keeps a class
-per format in its quantize.py).
+per format in its quantize.py), and the registry that names them.
 
 A format owns a weight type (the packed tensors of one linear layer: `out_features`,
 `in_features`, `nbytes`, `to(device, dtype)`, `batch_invariant`), a product over the weights of
-one fused linear (`make_linear(weights, kernel)` -> a `QuantLinear`), and optionally a quantizer
-from a dense weight. The model code (hierviz.models.llama.Linear) asks `format_of(weight)` and
-never names a format; a stack file picks one with `"quantize"` (`quantize_option`).
+one fused linear (`make_linear(weights, kernel)` -> a `QuantLinear`), optionally a quantizer
+from a dense weight, and the facts other layers need about it (bytes per weight for memory
+estimates, what its product launches for the cost model, its label). The model code
+(hierviz.models.llama.Linear) asks `format_of(weight)` and never names a format; a stack file
+picks one with `"quantize"` (`quantize_option`), tools and result files by name (`get_format`,
+which takes a format's aliases too).
 
-Registered here: W4A16 (hierviz.quant.w4, the GPTQ / GGUF / RTN importers' format), W8A8 int8
-(hierviz.quant.w8a8) and W8A8 FP8 (hierviz.quant.fp8). A further format is one module that calls `register`, an import in
-`_load_builtin`, and its tests (docs/formats.md).
+This module is the one place formats are named: every other layer iterates `FORMATS` or looks a
+name up here. Dense weights (fp32 / fp16 / bf16, no quantization) are the `DENSE` entry: no
+weight type, its product the model's own matmul. The built-in formats (W4A16 in
+hierviz.quant.w4, W8A8 int8 in hierviz.quant.w8a8, W8A8 FP8 in hierviz.quant.fp8) register
+themselves when hierviz.quant is imported (hierviz/quant/__init__.py); this module imports none
+of them. A further format is one module that calls `register` and one import line there
+(docs/formats.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -37,10 +44,10 @@ class QuantLinear(Protocol):
 
 @dataclass(frozen=True)
 class WeightFormat:
-    name: str                     # stack files and the CLI use it: "w4a16", "w8a8-int8"
+    name: str                     # the one name stack files, the CLI and result files write: "w4a16", "w8a8-int8"
     label: str                    # for people: "W4A16"
-    weight_type: type
-    make_linear: Callable[[list[Any], str], QuantLinear]
+    weight_type: Optional[type]   # None: dense, the model's own float tensors
+    make_linear: Optional[Callable[[list[Any], str], QuantLinear]]
     # dense [N, K] -> a weight of this format; None where a checkpoint importer is the only source
     quantize: Optional[Callable[[torch.Tensor], Any]] = None
     # a weight of this format -> the dense [N, K] it stands for, in checkpoint channel order
@@ -49,23 +56,141 @@ class WeightFormat:
     # its product has run on a GPU here (tests/test_gpu.py); an unproven one is refused on CUDA
     # with a clear message rather than run untested
     gpu_proven: bool = False
-    # the oldest CUDA compute capability whose hardware runs the product (FP8: Ada / Hopper)
+    # the oldest CUDA compute capability whose hardware runs the product (FP8: Ada / Hopper), and
+    # that hardware in words ("FP8 tensor cores")
     min_capability: Optional[tuple[int, int]] = None
+    hardware: str = ""
+    # other names read wherever a name is (older flags and result files): never written
+    aliases: tuple[str, ...] = ()
+    # ---- bytes: one [N, K] linear holds N K code_bytes + N (K / group) group_bytes + N channel_bytes
+    code_bytes: Optional[float] = None     # per weight; None: the activations' dtype (dense)
+    group_bytes: float = 0.0               # per group of input channels of a row (W4A16: fp16 scale + offset)
+    channel_bytes: float = 0.0             # per output channel (the 8-bit formats: a float32 scale)
+    # copies of the group scales a loaded GPU model holds (W4A16: checkpoint order and the kernel's layout)
+    resident_group_copies: int = 1
+    # embedding and LM head bytes per value; None: the activations' dtype (GPTQ keeps them fp16)
+    embedding_bytes: Optional[float] = None
+    # ---- groups: a stack file's "<group_option><G>" quantizes into this format in groups of G
+    group_option: str = ""
+    quantize_grouped: Optional[Callable[[torch.Tensor, int], Any]] = None
+    default_group: int = 0                 # the group `quantize` uses (0: no groups)
+    # ---- the product on a GPU
+    # the kernel its product runs there (make_linear's `kernel`; "" where it has one): the one
+    # profiles time as the format's curve and the cost model prices
+    gpu_kernel: str = ""
+    # what that product launches, as hierviz.measure.cost_model prices it: "gemm" (one library
+    # GEMM over dense weights), "triton_w4", "int_mm", "scaled_mm"
+    gpu_product: str = "gemm"
+    quantizes_activations: bool = False    # its product quantizes the activations (per token)
+
+    @property
+    def dense(self) -> bool:
+        return self.weight_type is None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def bytes_per_weight(self, group: int = 128, act_bytes: float = 2.0) -> float:
+        """Bytes a product reads per weight: its code and its share of the group scales."""
+        code = act_bytes if self.code_bytes is None else self.code_bytes
+        return code + (self.group_bytes / group if self.group_bytes else 0.0)
+
+    def resident_bytes_per_weight(self, group: int = 128, act_bytes: float = 2.0) -> float:
+        """Bytes a loaded GPU model holds per weight (every copy of the group scales)."""
+        extra = (self.resident_group_copies - 1) * self.group_bytes / group if self.group_bytes else 0.0
+        return self.bytes_per_weight(group, act_bytes) + extra
+
+    def linear_bytes(self, n: int, k: int, group: int = 128, act_bytes: float = 2.0) -> float:
+        """Bytes of one [n, k] linear in this format, per-channel scales included."""
+        return n * k * self.bytes_per_weight(group, act_bytes) + n * self.channel_bytes
+
+    def series(self, kernel: str = "") -> str:
+        """A profile curve's name for this format's product through `kernel` (its only one: "")."""
+        return f"{self.name}-{kernel}" if kernel else self.name
 
 
 FORMATS: dict[str, WeightFormat] = {}
+# the paper's target format: the what-if's, the tiny stack's and the profiles' default
+DEFAULT_FORMAT = "w4a16"
 
 
 def register(fmt: WeightFormat) -> WeightFormat:
+    """Add a format under its name; a name or alias another format holds is refused."""
+    taken = {n: f.name for f in FORMATS.values() if f.name != fmt.name for n in f.names}
+    clash = [n for n in fmt.names if n in taken]
+    if clash:
+        raise ValueError(f"weight format name {clash[0]!r} is taken by {taken[clash[0]]!r}")
     FORMATS[fmt.name] = fmt
     return fmt
 
 
-def _load_builtin() -> None:
-    # each format module registers itself on import
-    import hierviz.quant.fp8  # noqa: F401
-    import hierviz.quant.w4  # noqa: F401
-    import hierviz.quant.w8a8  # noqa: F401
+def unregister(name: str) -> None:
+    """Remove a format registered at run time (a test's or a plug-in's)."""
+    FORMATS.pop(get_format(name).name)
+
+
+DENSE = register(WeightFormat(
+    "dense", "dense", None, None, aliases=("fp16", "bf16", "fp32"), gpu_proven=True,
+    description="the checkpoint's float weights (fp32 / fp16 / bf16) in the model's dtype, a BLAS / cuBLAS product"))
+
+
+def lookup(name: Any) -> Optional[WeightFormat]:
+    """The format a name or alias (any case) stands for; None for anything else."""
+    if isinstance(name, WeightFormat):
+        return name
+    if not isinstance(name, str):
+        return None
+    key = name.strip().lower()
+    return next((f for f in FORMATS.values() if key in (n.lower() for n in f.names)), None)
+
+
+def get_format(name: Any) -> WeightFormat:
+    """The format of a name or alias; ValueError naming the known ones otherwise."""
+    fmt = lookup(name)
+    if fmt is None:
+        raise ValueError(f"unknown weight format {name!r}; known: {', '.join(sorted(FORMATS))}")
+    return fmt
+
+
+def canonical_name(name: str) -> str:
+    """A name or alias as the format's one name; an unknown name as given (argparse's `type`,
+    so `choices` reports it)."""
+    fmt = lookup(name)
+    return fmt.name if fmt is not None else name
+
+
+def quantized_formats() -> Iterator[WeightFormat]:
+    """Every registered format but dense, in registration order."""
+    return (f for f in FORMATS.values() if not f.dense)
+
+
+def by_width() -> list[WeightFormat]:
+    """Every format that has a quantizer (dense first), widest weights first: the order of the
+    compatibility table and the What-if's choices."""
+    usable = [f for f in FORMATS.values() if f.dense or f.quantize is not None]
+    return sorted(usable, key=lambda f: (not f.dense, -f.bytes_per_weight()))
+
+
+def format_of_series(series: str) -> Optional[WeightFormat]:
+    """The format of a profile curve's name: a format's name or alias, or one followed by
+    "-<kernel>" ("w4a16-triton")."""
+    parts = str(series).split("-")
+    for i in range(len(parts), 0, -1):
+        fmt = lookup("-".join(parts[:i]))
+        if fmt is not None:
+            return fmt
+    return None
+
+
+def format_of_description(text: Any) -> Optional[WeightFormat]:
+    """The format a result file's description starts with: its label, name or alias as the first
+    word ("W4A16 synthetic codes, group 128", "dense float16")."""
+    words = str(text or "").split()
+    if not words:
+        return None
+    first = words[0].lower()
+    return lookup(first) or next((f for f in FORMATS.values() if f.label.lower() == first), None)
 
 
 def fixed_row_chunks(x2: torch.Tensor, chunk: int, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -86,44 +211,76 @@ def format_of(w: Any) -> Optional[WeightFormat]:
     """The format of a weight; None for a dense tensor."""
     if isinstance(w, torch.Tensor):
         return None
-    _load_builtin()
-    for fmt in FORMATS.values():
+    for fmt in quantized_formats():
         if isinstance(w, fmt.weight_type):
             return fmt
     raise TypeError(f"{type(w).__name__} is neither a tensor nor a registered weight format's weight")
 
 
-def get_format(name: str) -> WeightFormat:
-    _load_builtin()
-    if name not in FORMATS:
-        raise ValueError(f"unknown weight format {name!r}; known: {', '.join(sorted(FORMATS))}")
-    return FORMATS[name]
+@dataclass(frozen=True)
+class QuantizeChoice:
+    """What a stack file's `"quantize"` value asks for: the format, the group (formats with
+    groups; else 0) and the quantizer of dense linears."""
+    format: WeightFormat
+    group: int
+    quantize: Callable[[torch.Tensor], Any]
 
 
-def quantize_option(q: Any, device: Optional[torch.device] = None) -> Callable[[torch.Tensor], Any]:
-    """A stack file's `"quantize"` value -> the quantizer of dense linears: "rtn-g<G>" (W4A16,
-    round-to-nearest, group G) or the name of a format with a quantizer (e.g. "w8a8-int8").
-    On a CUDA device a format whose product has not run on a GPU here is refused."""
-    _load_builtin()
-    if isinstance(q, str) and q.startswith("rtn-g") and q[5:].isdigit() and int(q[5:]) > 0:
-        from hierviz.quant.w4 import quantize_rtn
-        group = int(q[5:])
-        return lambda w: quantize_rtn(w, group)
-    fmt = FORMATS.get(q) if isinstance(q, str) else None
-    if fmt is not None and device is not None and torch.device(device).type == "cuda" and not fmt.gpu_proven:
+def _grouped(fmt: WeightFormat, group: int) -> Callable[[torch.Tensor], Any]:
+    return lambda w: fmt.quantize_grouped(w, group)
+
+
+def resolve_quantize(q: Any, group: Optional[int] = None) -> Optional[QuantizeChoice]:
+    """A `"quantize"` value -> its choice: "<group_option><G>" (W4A16's "rtn-g<G>") or a format's
+    name or alias (its quantizer; `group` overrides a grouped format's default); None for
+    anything else, a format without a quantizer included."""
+    if not isinstance(q, str):
+        return None
+    for fmt in quantized_formats():
+        opt = fmt.group_option
+        if opt and fmt.quantize_grouped and q.startswith(opt) and q[len(opt):].isdigit() and int(q[len(opt):]) > 0:
+            return QuantizeChoice(fmt, int(q[len(opt):]), _grouped(fmt, int(q[len(opt):])))
+    fmt = lookup(q)
+    if fmt is None or fmt.quantize is None:
+        return None
+    if group and fmt.quantize_grouped and group != fmt.default_group:
+        return QuantizeChoice(fmt, group, _grouped(fmt, group))
+    return QuantizeChoice(fmt, fmt.default_group, fmt.quantize)
+
+
+def _options_text() -> str:
+    grouped = [f"'{f.group_option}<group>' for {f.label}, e.g. '{f.group_option}32'"
+               for f in quantized_formats() if f.group_option and f.quantize_grouped]
+    names = [f.name for f in quantized_formats() if f.quantize is not None]
+    return f"use {', '.join(grouped)} or one of {', '.join(names)}" if grouped else f"use one of {', '.join(names)}"
+
+
+def check_runs_on(fmt: WeightFormat, device: Optional[torch.device | str]) -> None:
+    """ValueError where a CUDA device may not run the format: its product unproven on a GPU
+    here, or the GPU too old for its hardware."""
+    if device is None or torch.device(device).type != "cuda" or fmt.dense:
+        return
+    if not fmt.gpu_proven:
+        runs = [f"{f.label} ('{f.group_option}<group>')" for f in quantized_formats() if f.gpu_proven and f.group_option]
         raise ValueError(f"the {fmt.label} format has not been run on a GPU by hierviz's GPU tests yet: load this "
-                         f"stack on the CPU, or use W4A16 ('rtn-g<group>') on the GPU")
-    if fmt is not None and device is not None and torch.device(device).type == "cuda" and fmt.min_capability:
+                         f"stack on the CPU" + "".join(f", or use {r} on the GPU" for r in runs[:1]))
+    if fmt.min_capability:
         have = torch.cuda.get_device_capability(device)
         if have < fmt.min_capability:
             need = ".".join(map(str, fmt.min_capability))
+            runs = [f.label for f in quantized_formats() if f.gpu_proven and (f.min_capability or (0, 0)) <= have]
             raise ValueError(f"the {fmt.label} format needs a GPU of compute capability {need} or newer "
-                             f"(this one is {have[0]}.{have[1]}): use W4A16 or W8A8-int8 here")
-    if fmt is None or fmt.quantize is None:
-        names = [n for n, f in sorted(FORMATS.items()) if f.quantize is not None]
-        raise ValueError(f"unknown quantize option {q!r} (use 'rtn-g<group>' for W4A16, e.g. 'rtn-g32', or one of "
-                         f"{', '.join(names)})")
-    return fmt.quantize
+                             f"(this one is {have[0]}.{have[1]}): use {' or '.join(runs)} here")
+
+
+def quantize_option(q: Any, device: Optional[torch.device] = None) -> Callable[[torch.Tensor], Any]:
+    """A stack file's `"quantize"` value -> the quantizer of dense linears (`resolve_quantize`).
+    On a CUDA device a format whose product has not run on a GPU here is refused."""
+    choice = resolve_quantize(q)
+    if choice is None:
+        raise ValueError(f"unknown quantize option {q!r} ({_options_text()})")
+    check_runs_on(choice.format, device)
+    return choice.quantize
 
 
 def quantize_linears(weights: dict[str, Any], quantize: Callable[[torch.Tensor], Any]) -> dict[str, Any]:

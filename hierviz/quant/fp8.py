@@ -79,4 +79,5 @@ class FP8Linear(PerChannelLinear):
 FORMAT = register(WeightFormat(
     "w8a8-fp8", "W8A8-FP8", FP8Weight, FP8Linear, quantize=quantize_fp8, dequantize=dequantize_fp8,
     description="e4m3 weights per output channel, e4m3 activations per token (dynamic), fp32 sums",
-    gpu_proven=True, min_capability=(8, 9)))
+    gpu_proven=True, min_capability=(8, 9), hardware="FP8 tensor cores", aliases=("fp8",), code_bytes=1.0,
+    channel_bytes=4.0, gpu_product="scaled_mm", quantizes_activations=True))

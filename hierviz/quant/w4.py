@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from hierviz.config import options
+from hierviz.quant.formats import WeightFormat, register
+from hierviz.quant.formats import quantize_linears as to_format
 
 
 # A batch-invariant model's forwards of up to this many tokens (every decode and verification step;
@@ -149,7 +151,6 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 32) -> W4Weight:
 
 def quantize_linears(weights: dict[str, Any], group: int) -> dict[str, Any]:
     """RTN-quantize every dense decoder-layer linear to W4 (keeps norms, embeddings, LM head)."""
-    from hierviz.quant.formats import quantize_linears as to_format
     return to_format(weights, lambda w: quantize_rtn(w, group))
 
 
@@ -312,12 +313,13 @@ class W4Linear:
         return y if add_to is None else add_to.add_(y)
 
 
-def _register() -> None:
-    from hierviz.quant.formats import WeightFormat, register
-    register(WeightFormat("w4a16", "W4A16", W4Weight, W4Linear, quantize=lambda w: quantize_rtn(w, 128),
-                          dequantize=dequantize_unpermuted, gpu_proven=True,
-                          description="4-bit weights in groups with a float scale and offset each (GPTQ, GGUF "
-                                      "Q4_0/Q4_1, RTN), 16-bit activations"))
-
-
-_register()
+FORMAT = register(WeightFormat(
+    "w4a16", "W4A16", W4Weight, W4Linear, quantize=lambda w: quantize_rtn(w, 128),
+    dequantize=dequantize_unpermuted, gpu_proven=True, aliases=("w4",),
+    description="4-bit weights in groups with a float scale and offset each (GPTQ, GGUF Q4_0/Q4_1, RTN), "
+                "16-bit activations",
+    # codes, an fp16 scale and offset per group (held twice on a GPU: checkpoint order and the
+    # Triton kernel's layout), fp16 embedding and LM head as GPTQ keeps them
+    code_bytes=0.5, group_bytes=4.0, resident_group_copies=2, embedding_bytes=2.0,
+    group_option="rtn-g", quantize_grouped=quantize_rtn, default_group=128,
+    gpu_kernel="triton", gpu_product="triton_w4"))

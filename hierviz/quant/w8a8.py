@@ -70,4 +70,5 @@ class W8A8Linear(PerChannelLinear):
 FORMAT = register(WeightFormat(
     "w8a8-int8", "W8A8-int8", W8Weight, W8A8Linear, quantize=quantize_w8, dequantize=dequantize_w8,
     description="int8 weights per output channel, int8 activations per token (dynamic), int32 products",
-    gpu_proven=True))
+    gpu_proven=True, aliases=("int8",), code_bytes=1.0, channel_bytes=4.0, gpu_product="int_mm",
+    quantizes_activations=True))

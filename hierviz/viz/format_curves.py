@@ -15,10 +15,16 @@ from typing import Any, Optional
 import plotly.graph_objects as go
 
 from hierviz.methods import BASELINE, PEER, SUBJECT
+from hierviz.quant.formats import DEFAULT_FORMAT, by_width, format_of_description, get_format, lookup
 from hierviz.viz.style import method_color, method_label
 
 LABEL = "projected: the W4A16 acceptance sweep repriced with each format's measured forward"
-DASHES = {"dense": "solid", "w8a8-int8": "dash", "w8a8-fp8": "dashdot", "w4": "dot"}
+DASHES = ("solid", "dash", "dashdot", "dot", "longdash", "longdashdot")   # by the format's place, widest first
+
+
+def _dash(fmt: str) -> str:
+    names = [f.name for f in by_width()]
+    return DASHES[names.index(fmt) % len(DASHES)] if fmt in names else "solid"
 
 
 def _per_round_ms(tokens_per_s: float, tokens_per_round: float) -> float:
@@ -30,9 +36,11 @@ def format_curves(compat: dict[str, Any], sweep: dict[str, Any]) -> dict[str, An
     compat rows that ran; the sweep's best tree size and min draft at the compat's settings."""
     s = compat["settings"]
     tree = sweep.get("tree_method", PEER)
-    w4 = next((r for r in compat["rows"] if r["format"] == "w4" and "error" not in r), None)
+    # the sweep's target format (a W4A16 sweep ships): the compat row its costs are aligned with
+    base = format_of_description((sweep.get("formats") or {}).get("target")) or get_format(DEFAULT_FORMAT)
+    w4 = next((r for r in compat["rows"] if lookup(r["format"]) is base and "error" not in r), None)
     if w4 is None:
-        raise ValueError("the compat table has no W4A16 row to align the sweep with")
+        raise ValueError(f"the compat table has no {base.label} row to align the sweep with")
     rows = [r for r in sweep["rows"] if (r["method"] == tree and r.get("t_tree_size") == s["t_tree_size"] + 1)
             or (r["method"] == SUBJECT and r.get("min_draft_len") == s["min_draft_len"])]
     scales = sorted({r["scale"] for r in rows})
@@ -54,7 +62,7 @@ def format_curves(compat: dict[str, Any], sweep: dict[str, Any]) -> dict[str, An
         curve["crossovers"] = {f"{SUBJECT}_over_{tree}": crossing(scales, curve[SUBJECT], curve[tree]),
                                f"{tree}_over_{BASELINE}": crossing(scales, curve[tree], flat),
                                f"{SUBJECT}_over_{BASELINE}": crossing(scales, curve[SUBJECT], flat)}
-        out[r["format"]] = curve
+        out[get_format(r["format"]).name] = curve
     return out
 
 
@@ -77,7 +85,7 @@ def format_curves_figure(curves: dict[str, Any], tree: str = PEER, title: str = 
         for m in (tree, SUBJECT):
             fig.add_trace(go.Scatter(x=c["scales"], y=c[m], mode="lines+markers",
                                      name=f"{names[m]} · {c['name']}", legendgroup=fmt,
-                                     line=dict(color=method_color(m), dash=DASHES.get(fmt, "solid"))))
+                                     line=dict(color=method_color(m), dash=_dash(fmt))))
         x = c["crossovers"][f"{SUBJECT}_over_{tree}"]
         if x is not None:     # the crossover as a marker on the HierSpec curve; the panel's note lists them
             xs, ys = c["scales"], c[SUBJECT]

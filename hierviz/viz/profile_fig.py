@@ -12,20 +12,30 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from hierviz.quant.formats import DEFAULT_FORMAT, format_of_series
+
 # Blue for full precision, orange for the 4-bit kernel (the tab's text calls it "orange"): lines
 # at >= 3:1 on white and apart under simulated colour blindness
+DENSE_COLOR = "#0072B2"
 W4_COLOR = "#C96A00"
-FORMAT_COLORS = {"fp16": "#0072B2", "fp32": "#0072B2", "bf16": "#0072B2",
-                 "w4a16-triton": W4_COLOR, "w4a16-tinygemm": "#B286E9"}
+KERNEL_COLORS = {"tinygemm": "#B286E9"}      # a comparison kernel's curve (hierviz.measure.profile)
 _FALLBACK = ["#297B7A", "#333333", "#56B4E9", "#999999"]
 SCOPE_TITLES = {"layer": "one decoder layer", "model": "whole model"}
 
 
-def _color(name: str, seen: dict[str, str]) -> str:
+def _color(row: dict, seen: dict[str, str]) -> str:
+    """A curve's colour by its format (hierviz.quant.formats) and kernel, the same in both scopes."""
+    name = row["format"]
     if name not in seen:
-        seen[name] = FORMAT_COLORS.get(name) or (
-            W4_COLOR if name.startswith("w4") and W4_COLOR not in seen.values()
-            else _FALLBACK[len(seen) % len(_FALLBACK)])
+        fmt = format_of_series(name)
+        if fmt is not None and fmt.dense:
+            seen[name] = DENSE_COLOR
+        elif row.get("kernel") in KERNEL_COLORS:
+            seen[name] = KERNEL_COLORS[row["kernel"]]
+        elif fmt is not None and fmt.name == DEFAULT_FORMAT and W4_COLOR not in seen.values():
+            seen[name] = W4_COLOR
+        else:
+            seen[name] = _FALLBACK[len(seen) % len(_FALLBACK)]
     return seen[name]
 
 
@@ -46,7 +56,7 @@ def profile_figure(profile_json: dict) -> go.Figure:
         unit, div = ("ms", 1000.0) if slow else ("µs", 1.0)
         for r in rows:
             name = r["format"]
-            c = _color(name, colors)
+            c = _color(r, colors)
             est = bool(r.get("estimated"))
             label = name + (" (estimated)" if est else "")
             ys = [u / div for u in r["us"]]

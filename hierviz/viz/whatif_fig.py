@@ -54,9 +54,12 @@ def machine_label(d: dict[str, Any]) -> str:
     return where + (", tiny shapes: plumbing only" if d.get("tiny") else "")
 
 
-def intermediate_is_w4(d: dict[str, Any]) -> bool:
-    """Whether a what-if result built M as W4A16 (`--intermediate-format w4`) rather than dense."""
-    return str((d.get("formats") or {}).get("intermediate", "")).startswith("W4A16")
+def model_format(d: dict[str, Any], role: str = "intermediate") -> Any:
+    """The weight format (hierviz.quant.formats.WeightFormat) a what-if result built a model in,
+    read from its description; M: dense where the file does not say, T: the paper's format."""
+    from hierviz.quant.formats import DEFAULT_FORMAT, DENSE, format_of_description, get_format  # here: no torch on import
+    fallback = DENSE if role == "intermediate" else get_format(DEFAULT_FORMAT)
+    return format_of_description((d.get("formats") or {}).get(role)) or fallback
 
 
 def reduced_draft_vocab(d: dict[str, Any]) -> Optional[int]:
@@ -68,10 +71,11 @@ def reduced_draft_vocab(d: dict[str, Any]) -> Optional[int]:
 
 def shapes_label(d: dict[str, Any]) -> str:
     sh = d.get("shapes") or {}
-    m_fmt = " (W4A16)" if intermediate_is_w4(d) else ""
+    m = model_format(d)
+    m_fmt = "" if m.dense else f" ({m.label})"
     dv = reduced_draft_vocab(d)
     fr = f", heads draft over {dv} tokens (FR-Spec)" if dv else ""
-    t_fmt = str((d.get("formats") or {}).get("target") or "W4A16").split()[0]
+    t_fmt = str((d.get("formats") or {}).get("target") or model_format(d, "target").label).split()[0]
     return f"{sh.get('target', '?')} ({t_fmt}) / {sh.get('intermediate', '?')}{m_fmt}{fr}"
 
 
