@@ -116,11 +116,11 @@ DEFAULT_FORMAT = "w4a16"
 
 
 def register(fmt: WeightFormat) -> WeightFormat:
-    """Add a format under its name; a name or alias another format holds is refused."""
-    taken = {n: f.name for f in FORMATS.values() if f.name != fmt.name for n in f.names}
-    clash = [n for n in fmt.names if n in taken]
+    """Add a format under its name; a name or alias another format holds (in any case) is refused."""
+    taken = {n.lower(): f.name for f in FORMATS.values() if f.name != fmt.name for n in f.names}
+    clash = [n for n in fmt.names if n.lower() in taken]
     if clash:
-        raise ValueError(f"weight format name {clash[0]!r} is taken by {taken[clash[0]]!r}")
+        raise ValueError(f"weight format name {clash[0]!r} is taken by {taken[clash[0].lower()]!r}")
     FORMATS[fmt.name] = fmt
     return fmt
 
