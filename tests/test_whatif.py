@@ -341,7 +341,7 @@ def test_eagle3_heads_are_timed_and_recorded(tmp_path: Path) -> None:
     assert info["draft_vocab"] == 300 and info["hierspec_vs_eagle3"] > 0
     assert info["feature_layers"] == {"target": [0, 2, 3], "intermediate": [0, 1]}   # tiny bases: distinct layers
     e3 = info["methods"]["eagle3"]
-    assert e3["forwards"]["e_t"] > 0 and e3["stages_ms"]["draft"] > 0
+    assert e3["forwards"]["e_t3"] > 0 and e3["stages_ms"]["draft"] > 0
     assert all(r["trees"] == [info["settings"]["t_depth"]] for r in e3["accepted"])
     assert all(n == info["settings"]["m_depth"] for r in info["methods"]["hierspec"]["accepted"] for n in r["trees"])
     assert "EAGLE-3 draft heads" in (tmp_path / "whatif.md").read_text()
