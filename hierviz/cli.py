@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Optional
 
-from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_settings
+from hierviz.settings import TREE_PRESETS, DecodeSettings, default_settings
 from hierviz.trace import METHODS
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from hierviz.decoding.decoders import COMPARISON_ORDER, DECODERS, cache_margin
-from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.settings import DecodeSettings, SettingsError
 from hierviz.decoding.verify import Sampler
 from hierviz.machine import gpu_name
 from hierviz.models import cuda_graphs

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.state import BaseState, HeadState
 from hierviz.decoding.tree import draft_tree
 from hierviz.engine import generate, output_tokens

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import forced_tree_path
 from hierviz.measure.whatif import RatesOracle, ReplayOracle, build_models, main, run_one, tiny_config

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from hierviz.decoding.settings import default_settings
+from hierviz.settings import default_settings
 from hierviz.trace import comparison_from_json, output_tokens
 
 

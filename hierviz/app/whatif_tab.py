@@ -186,7 +186,7 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         cmd = " ".join(cmd)
     if isinstance(cmd, str) and cmd.strip():
         return cmd.strip(), True
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     dev = str(d.get("device", "cuda"))
     parts = ["python -m hierviz whatif"]
     sh = d.get("shapes") or {}

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from hierviz.config import recorded_command
-from hierviz.decoding.settings import SettingsError
+from hierviz.settings import SettingsError
 from hierviz.measure.profile import ROOT, SHAPES, load_shape
 from hierviz.measure.whatif import (HEAD_NAMES, LABEL, TARGET_FORMATS, WhatIfError, check_request, model_bytes,
                                     parser, run_reporting_errors)

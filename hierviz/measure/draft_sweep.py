@@ -12,7 +12,7 @@ import argparse
 from dataclasses import replace
 
 from hierviz.measure.bench import read_questions
-from hierviz.decoding.settings import default_settings
+from hierviz.settings import default_settings
 from hierviz.engine import generate, load_stack, warm_up
 
 

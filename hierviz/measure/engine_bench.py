@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.verify import Sampler
 from hierviz.models import cuda_graphs, fused
 from hierviz.models.config import ModelConfig

@@ -126,7 +126,7 @@ def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new
         if parts is not None:
             out["estimate_gb"] = {k: round(v / GB, 2) for k, v in parts.items()}
     if prompt:
-        from hierviz.decoding.settings import default_settings
+        from hierviz.settings import default_settings
         from hierviz.engine import generate, output_tokens, warm_up
         from hierviz.trace import save_comparison
         s = default_settings(str(stack.device))

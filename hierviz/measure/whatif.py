@@ -30,7 +30,7 @@ import torch
 
 from hierviz.config import recorded_command
 from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
-from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
+from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.machine import machine_info

@@ -11,7 +11,7 @@ or EAGLE-3 heads), decodes with AR, then with every speculative method twice:
   verifies with its own logits, so every accept/reject decision still comes from the models.
 
 Each method's output must equal AR's token for token, for every tree preset asked for
-(`--exact-trees`, default eagle2,paper: hierviz.decoding.settings.TREE_PRESETS). Exit code 1 on
+(`--exact-trees`, default eagle2,paper: hierviz.settings.TREE_PRESETS). Exit code 1 on
 any difference, and on a steering miss: a seeded run that accepts no tree node or draft token, or
 that makes 2 tokens per round or fewer with every draft seeded, proves nothing.
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from hierviz.decoding.decoders import DECODERS, Models, cache_margin
-from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings
+from hierviz.settings import TREE_PRESETS, DecodeSettings
 from hierviz.decoding.verify import Sampler
 from hierviz.measure.whatif import HEAD_NAMES
 from hierviz.models.drafter import Drafter

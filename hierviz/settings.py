@@ -58,13 +58,8 @@ class DecodeSettings:
         return asdict(self)
 
 
-# Tree settings for a compute-bound CPU, where every verified token costs: the tree-size sweep on
-# the 2-core machine (docs/benchmarks.md, offline SmolLM2 stack) took EAGLE-2 from 5.04 to 6.69
-# tokens/s (60 -> 24 nodes) and HierSpec from 2.88 to 6.85 (E_M trees of 10 nodes at depth 2,
-# 2-token sequence drafts). GPUs keep the defaults above. The CPU target runs the
-# int4 kernel in its batch-invariant mode, where a verified token costs more (a 24-node tree 2x
-# the fp32 kernel's); EAGLE-2 re-swept (python -m hierviz draft-sweep --eagle-trees 6,12): 6 nodes 18.96 tok/s,
-# 12 13.90, 24 10.19, so its CPU trees are 6 nodes now.
+# Small trees for a compute-bound CPU, where every verified token costs (docs/configuration.md gives
+# the sweep that chose them); GPUs keep the defaults above.
 CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_depth": 5, "t_tree_size": 6}
 
 # Reference tree settings in hierviz's counting. SafeAILab's EAGLE counts the root in
