@@ -186,7 +186,7 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         cmd = " ".join(cmd)
     if isinstance(cmd, str) and cmd.strip():
         return cmd.strip(), True
-    from hierviz.settings import DecodeSettings
+    from hierviz.settings import DRAFT_FLAGS, DecodeSettings
     dev = str(d.get("device", "cuda"))
     parts = ["python -m hierviz whatif"]
     sh = d.get("shapes") or {}
@@ -226,9 +226,9 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         parts += ["--seq-rate", f"{seq:g}"]
     s = d.get("settings") or {}
     base = DecodeSettings()
-    for f in ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size", "spec_k"):
-        if f in s and s[f] != getattr(base, f):
-            parts += [f"--{f.replace('_', '-')}", str(s[f])]
+    for f in DRAFT_FLAGS:
+        if f.field in s and s[f.field] != getattr(base, f.field):
+            parts += [f.flag, str(s[f.field])]
     if s.get("max_new_tokens"):
         parts += ["--max-new-tokens", str(s["max_new_tokens"])]
     if s.get("seed"):

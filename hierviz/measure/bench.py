@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hierviz.cli import add_settings_args, settings_from_args
 from hierviz.machine import machine_info
+from hierviz.settings import add_settings_args, settings_from_args
+from hierviz.stack import add_stack_args
 from hierviz.trace import METHODS, Trace
 
 
@@ -159,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "variants and capture graphs: seconds that would land in the figures); "
                         "auto: all on CUDA, short on the CPU")
     add_settings_args(p)
+    add_stack_args(p)
     p.set_defaults(max_new_tokens=128)
     a = p.parse_args(argv)
     methods = [m.strip() for m in (a.methods or ",".join(METHODS)).split(",") if m.strip()]

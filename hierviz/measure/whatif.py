@@ -30,7 +30,7 @@ import torch
 
 from hierviz.config import recorded_command
 from hierviz.decoding.decoders import DECODERS, Models, StageTimer, cache_margin
-from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError
+from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError, add_draft_args, apply_draft_args
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.machine import machine_info
@@ -366,15 +366,7 @@ def parser() -> argparse.ArgumentParser:
                          "time is reported, every run's time is kept (decode_s_runs)")
     ap.add_argument("--no-stage-sync", action="store_true",
                     help="no CUDA sync around stages: end-to-end times without sync overhead, stage times = dispatch")
-    for name, default, hlp in (("m-depth", None, "E_M tree depth"), ("m-topk", None, "E_M top-k"),
-                               ("m-tree-size", None, "E_M tree size"), ("min-draft-len", None, "HierSpec min draft"),
-                               ("t-depth", None, "E_T tree depth"), ("t-topk", None, "E_T top-k"),
-                               ("t-tree-size", None, "E_T tree size"), ("spec-k", None, "spec draft length")):
-        ap.add_argument(f"--{name}", type=int, default=default,
-                        help=f"{hlp} (default: the trace's settings when replaying, else {getattr(d, name.replace('-', '_'))})")
-    ap.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS),
-                    help="reference tree settings (eagle2: SafeAILab EAGLE-2 defaults; paper: SpecMQuant's runs); "
-                         "single tree flags override them")
+    add_draft_args(ap, lambda field: f"default: the trace's settings when replaying, else {getattr(d, field)}")
     ap.add_argument("--exact", action="store_true",
                     help="no forced acceptance: check every method's output equals AR's, with the drafts as drawn "
                          "and seeded from AR's continuation (hierviz/measure/whatif_exact.py); exit code 1 on a difference")
@@ -394,11 +386,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _settings(a: argparse.Namespace, base: dict[str, Any], max_new: int) -> DecodeSettings:
     s = DecodeSettings(**{k: v for k, v in base.items() if k in DecodeSettings.__dataclass_fields__})
-    for k, v in TREE_PRESETS.get(getattr(a, "trees", None) or "", {}).items():
-        setattr(s, k, v)
-    for f in ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size", "spec_k"):
-        if getattr(a, f) is not None:
-            setattr(s, f, getattr(a, f))
+    apply_draft_args(s, a)
     s.max_new_tokens, s.temperature, s.seed = max_new, 0.0, a.seed
     try:
         return s.validate()
