@@ -16,7 +16,7 @@ DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profi
              "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
              "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
              "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench",
-             "endurance": "hierviz.measure.endurance", "compat": "hierviz.measure.compat",
+             "endurance": "hierviz.app.endurance", "compat": "hierviz.measure.compat",
              "cost-model": "hierviz.measure.cost_model"}
 
 
