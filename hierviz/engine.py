@@ -13,13 +13,15 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from hierviz.decoding.decoders import COMPARISON_ORDER, DECODERS, cache_margin
+from hierviz import methods
+from hierviz.decoding.decoders import cache_margin
 from hierviz.settings import DecodeSettings, SettingsError
 from hierviz.decoding.verify import Sampler
 from hierviz.machine import gpu_name
 from hierviz.models import cuda_graphs
 from hierviz.stack import Stack, StackError, load_stack, preset_names, stack_comparison
-from hierviz.trace import METHODS, Trace, output_tokens
+from hierviz.methods import METHODS
+from hierviz.trace import Trace, output_tokens
 
 __all__ = ["EngineError", "run_method", "generate", "load_stack", "STACK_PRESETS", "DecodeSettings"]
 
@@ -77,7 +79,7 @@ def run_method(stack: Stack, method: str, prompt: str, settings: DecodeSettings,
                   prompt_tokens=len(ids))
     torch.manual_seed(settings.seed)
     sampler = Sampler(settings.temperature, settings.top_p, settings.seed)
-    gen = DECODERS[method](stack.models, ids, settings, sampler, tok.token_text, max_len)
+    gen = methods.get(method).decode(stack.models, ids, settings, sampler, tok.token_text, max_len)
     out: list[int] = []
     t0 = time.perf_counter()
     while True:
@@ -155,4 +157,4 @@ def warm_up(stack: Stack, methods: list[str], settings: DecodeSettings, max_new_
         cuda_graphs.prepare_models(stack.models.present())
 
 
-__all__ += ["StackError", "output_tokens", "prepare", "warm_up", "is_warm", "COMPARISON_ORDER", "stack_comparison"]
+__all__ += ["StackError", "output_tokens", "prepare", "warm_up", "is_warm", "stack_comparison"]

@@ -51,6 +51,7 @@ class Method:
 METHODS: dict[str, Method] = {}
 SUBJECT = "hierspec"      # the method the app is about: headlines compare it with every other run
 BASELINE = "ar"           # the reference every output is checked against and every speedup is over
+PEER = "eagle2"           # the method the paper measures HierSpec against (T verifies E_T's tree)
 
 
 def register(method: Method) -> Method:
@@ -93,15 +94,27 @@ def comparison_order() -> list[str]:
     return [m.name for m in sorted(ranked, key=lambda m: m.compare_rank)]
 
 
+def in_comparison_order(names: list[str]) -> list[str]:
+    """`names` sorted as a comparison lists them: ranked methods first, then the rest in registry order."""
+    ranked, order = comparison_order(), list(METHODS)
+    return sorted(names, key=lambda m: (ranked.index(m) if m in ranked else len(ranked),
+                                        order.index(m) if m in order else len(order)))
+
+
 def comparison_having(has: Callable[[str], bool]) -> list[str]:
     """The comparison's methods whose every needed part `has` says is there."""
     return [m for m in comparison_order() if all(has(part) for part in METHODS[m].needs)]
 
 
+def verifies(name: str) -> Optional[str]:
+    """What T checks in a round of this method (TOKEN, SEQUENCE, TREE); None for an unknown name."""
+    m = METHODS.get(name)
+    return m.target_verifies if m else None
+
+
 def tree_on_target(name: str) -> bool:
     """Does T verify a whole draft tree itself in this method (EAGLE-2, EAGLE-3)?"""
-    m = METHODS.get(name)
-    return m is not None and m.target_verifies == TREE
+    return verifies(name) == TREE
 
 
 def tree_methods() -> list[str]:

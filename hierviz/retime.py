@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from hierviz.methods import SUBJECT, in_comparison_order
 from hierviz.trace import Step, Trace, trace_stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,9 +103,12 @@ def real_scale_available() -> bool:
 
 # ---- pricing one step ----------------------------------------------------------------------------
 
+BASE_PARTS = {"target", "intermediate"}     # Step.forwards keys of base models; every other key is a draft head
+
+
 def draft_depths(step: Step) -> int:
     """Draft-head forwards of a step: the recorded count, else one per depth of each tree."""
-    recorded = step.forwards.get("e_m", 0) + step.forwards.get("e_t", 0)
+    recorded = sum(n for part, n in step.forwards.items() if part not in BASE_PARTS)
     if recorded:
         return recorded
     return sum(t.depth for t in step.trees)
@@ -115,8 +119,8 @@ def step_cost_ms(step: Step, costs: CostModel) -> dict[str, float]:
     draft = costs.draft_head_ms * draft_depths(step)
     m_trees = [t for t in step.trees if t.verifier == "intermediate"]
     t_trees = [t for t in step.trees if t.verifier == "target"]
-    if step.method == "spec" and step.sequence:
-        # sequence speculation: M drafts one token per forward, T verifies the sequence (+ the root)
+    if step.sequence and not m_trees:
+        # a sequence draft without trees (sequence speculation): M drafts one token per forward, T verifies the sequence (+ the root)
         m_forwards = step.forwards.get("intermediate", len(step.sequence))
         return {"draft": costs.intermediate.at(1) * m_forwards, "intermediate_verify": 0.0,
                 "target_verify": costs.target.at(len(step.sequence) + 1), "overhead": 0.0}
@@ -195,12 +199,12 @@ class Ratio:
 
 
 def equal_token_ratios(runs: dict[str, list[Step]]) -> list[Ratio]:
-    """HierSpec against each other run at N = the fewest tokens any of them produced (the steps
+    """HierSpec against every other run at N = the fewest tokens any of them produced (the steps
     given: up to the inspected step, or what has streamed so far). A run with no tokens yet (one
     still waiting for its turn) is left out rather than holding N at 0."""
     runs = {m: steps for m, steps in runs.items() if tokens_of(steps) > 0}
-    hs = runs.get("hierspec")
-    others = [m for m in ("eagle2", "ar", "spec") if m in runs]
+    hs = runs.get(SUBJECT)
+    others = in_comparison_order([m for m in runs if m != SUBJECT])
     if not hs or not others:
         return []
     n = min(tokens_of(s) for s in runs.values())
@@ -228,12 +232,13 @@ WHATIF_SWEEP = ROOT / "assets" / "whatif" / "h200-llama3-70b-sweep.json"
 @functools.cache
 def whatif_headline() -> Optional[dict[str, float]]:
     """HierSpec's speedups in the shipped what-if result at the paper's settings (Llama-3-70B/8B
-    shapes on an H200, the paper's acceptance rates): {"ar": x, "eagle2": x}; None if not shipped."""
+    shapes on an H200, the paper's acceptance rates): other method -> HierSpec's speedup over it, in
+    comparison order, for every method the file ran; None if not shipped."""
     try:
         d = json.loads(WHATIF_HEADLINE.read_text(encoding="utf-8"))
         ms = d["methods"]
-        hs = float(ms["hierspec"]["tokens_per_s"])
-        return {m: hs / float(ms[m]["tokens_per_s"]) for m in ("ar", "eagle2")}
+        hs = float(ms[SUBJECT]["tokens_per_s"])
+        return {m: hs / float(ms[m]["tokens_per_s"]) for m in in_comparison_order([m for m in ms if m != SUBJECT])}
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
 

@@ -6,9 +6,9 @@ A stack is a small JSON file:
    "intermediate": {"path": P, "share_embeddings": true?,   # embeddings/LM head taken from T
                     "w4_kernel"/"w4_kernel_cuda": name?},   # M's own kernel (a drafter: exactness
                                                             # not needed; e.g. int4pack_cpu)
-   "e_m": {"path": P, "type": "eagle2" | "eagle3"?},      # type: default read from the checkpoint
-   "e_t": {"path": P},                                       # an EAGLE-1/2 head on T (eagle2)
-   "e_t3": {"path": P},                                      # an EAGLE-3 head on T (eagle3)
+   "e_m": {"path": P, "type": T?},   # T: a head type (HEAD_TYPES); default read from the checkpoint
+   "e_t": {"path": P},               # the head slots (HEAD_SLOTS): e_m takes any head type on M,
+   "e_t3": {"path": P},              # e_t an EAGLE-1/2 head on T, e_t3 an EAGLE-3 head on T
    "tokenizer": P?,                                          # default: the target's folder
    "draft_vocab": P?,                                        # FR-Spec token list for the heads
    "intermediate_draft_vocab": bool?,                        # M predicts over that list too
@@ -30,9 +30,11 @@ import torch
 
 from hierviz import memory
 from hierviz.config import options
-from hierviz.decoding.decoders import Models, comparison_having
+from hierviz import methods
+from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfigError
-from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, Drafter, head_type_of, load_head
+from hierviz.models.drafter import (HEAD_SLOTS, HEAD_TYPES, Drafter, head_label, head_type_of, load_head, slot_for,
+                                     uses_base_lm_head)
 from hierviz.models.llama import Transformer, WeightsError
 from hierviz.models.loading import open_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
@@ -206,13 +208,13 @@ def read_spec(name_or_path: str) -> tuple[dict[str, Any], Path]:
 
 
 def stack_comparison(name_or_path: Optional[str] = None) -> list[str]:
-    """The methods a comparison runs on a stack (COMPARISON_ORDER), read from its file without
+    """The methods a comparison runs on a stack (methods.comparison_order()), read from its file without
     loading a model: the app names them before the load."""
     name_or_path = name_or_path or DEFAULT_STACK
     if name_or_path in TINY_STACKS:        # every part but, without its flag, the EAGLE-3 head
-        return comparison_having(lambda part: part != "e_t3" or TINY_STACKS[name_or_path])
+        return methods.comparison_having(lambda part: part != "e_t3" or TINY_STACKS[name_or_path])
     spec, _ = read_spec(name_or_path)
-    return comparison_having(lambda part: bool(spec.get(part)))
+    return methods.comparison_having(lambda part: bool(spec.get(part)))
 
 
 def add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -255,8 +257,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         if spec.get("e_m") and inter is None:
             raise StackError("e_m needs an intermediate model in the stack")
         bases = {"target": target, "intermediate": inter}
-        heads = [_load_head(key, spec.get(key), base, bases[role]) for key, (role, _) in HEAD_SLOTS.items()]
-        e_m, e_t, e_t3 = heads
+        heads = {key: _load_head(key, spec.get(key), base, bases[role]) for key, (role, _) in HEAD_SLOTS.items()}
         tok_src = resolve_path(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
     except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
@@ -267,15 +268,15 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     # row-invariant W4 kernel makes that possible (BLAS's dense products are not), and then the
     # per-token attention it needs is worth its cost
     target.set_batch_invariant(dev.type != "cpu" or target.products_rows_invariant_cpu())
-    models = Models(target, inter, e_m, e_t, e_t3)
+    models = Models(target, inter, **heads)
     check_vocab(models, tokenizer)
     # before any warm-up or graph capture (they fix the W4 configurations): prove the fast W4
     # kernel variants on this GPU for these models' shapes, or use a verdict remembered on disk
     w4_status = w4_proof_summary(models, dtype, dev)
     if spec.get("draft_vocab"):
         ids = _draft_vocab(resolve_path(spec["draft_vocab"], base))
-        for h in (e_m, e_t):
-            if h is not None and h.head_type == "eagle2":     # an EAGLE-3 head has its own (d2t)
+        for h in heads.values():
+            if uses_base_lm_head(h):     # a head with its own vocabulary (EAGLE-3's d2t) keeps it
                 h.set_draft_vocab(ids)
         if inter is not None and spec.get("intermediate_draft_vocab"):
             # M only drafts for T, so it may predict over the frequent-token vocabulary too:
@@ -284,7 +285,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
             **{key: (spec.get(key) or {}).get("path") for key in HEAD_SLOTS},
-            "head_types": {key: h.head_type for key, h in zip(HEAD_SLOTS, heads) if h is not None},
+            "head_types": {key: h.head_type for key, h in heads.items() if h is not None},
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
             "intermediate_w4_kernel": m_kernel if inter is not None else None,
             "target_batch_invariant": target.batch_invariant,
@@ -312,10 +313,11 @@ def _load_head(key: str, entry: Optional[dict[str, Any]], base: Path, model: Opt
     # resolve_source: a head may be a hub id (yuhuili/EAGLE-...) as well as a local folder
     folder = resolve_source(resolve_path(entry["path"], base))
     kind = entry.get("type") or head_type_of(folder)
-    want = HEAD_SLOTS[key][1]
+    role, want = HEAD_SLOTS[key]
     if want is not None and kind != want:
+        other = slot_for(kind, role)
         raise StackError(f"{key} holds an {kind} head but {key} takes {want} heads"
-                         + (" (an EAGLE-3 head on the target goes in e_t3)" if kind == "eagle3" else ""))
+                         + (f" (an {head_label(kind)} head on the {role} goes in {other})" if other else ""))
     head = load_head(folder, model, kind)
     model.add_feature_layers(head.feature_layers)
     return head
@@ -327,9 +329,10 @@ def check_vocab(models: Models, tokenizer: Tokenizer) -> None:
     for name, m in (("intermediate", models.intermediate),):
         if m is not None and m.cfg.vocab_size != v:
             raise StackError(f"the {name} model's vocabulary ({m.cfg.vocab_size}) differs from the target's ({v})")
-    for name, h in (("E_M", models.e_m), ("E_T", models.e_t)):
-        if h is not None and h.head_type == "eagle2" and h.cfg.hidden_size != h.base.cfg.hidden_size:
-            raise StackError(f"{name}'s hidden size differs from its base model's")
+    for slot in HEAD_SLOTS:
+        h = getattr(models, slot, None)
+        if uses_base_lm_head(h) and h.cfg.hidden_size != h.base.cfg.hidden_size:
+            raise StackError(f"{slot.upper()}'s hidden size differs from its base model's")
     if tokenizer.vocab_size > v:
         raise StackError(f"the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {v}")
 
@@ -353,16 +356,18 @@ def tiny_random_stack(device: torch.device | str = "cpu", seed: int = 0, eagle3:
     """Tiny random-weight models with a byte tokenizer: loads instantly (tests, UI work). eagle3:
     also an EAGLE-3 head on T over its layers 0, 2, 3, drafting over 200 of the 259 byte tokens
     (the `tiny-random-eagle3` stack). target_format: T's weight format (hierviz.quant.formats)."""
-    models = Models(*tiny_models(ByteTokenizer.vocab_size, device, seed, target_format))
+    target, inter, e_m, e_t = tiny_models(ByteTokenizer.vocab_size, device, seed, target_format)
+    models = Models(target, inter, e_m=e_m, e_t=e_t)
     name = "tiny-random-eagle3" if eagle3 else "tiny-random"
     meta = {"stack": name, "description": "tiny random-weight models with a byte tokenizer (tests, UI work)",
             "target": ("random 4-layer W4 (RTN g32)" if target_format == "w4a16"
                        else f"random 4-layer {get_format(target_format).label}"),
             "intermediate": "2 of the target's layers",
-            "e_m": "random", "e_t": "random", "head_types": {"e_m": "eagle2", "e_t": "eagle2"},
+            "e_m": "random", "e_t": "random", "head_types": {"e_m": e_m.head_type, "e_t": e_t.head_type},
             "device": str(device), "dtype": "float32", "w4_kernel": "reference", "draft_vocab": "full"}
     if eagle3:
         models.e_t3 = synthetic_eagle3_head(models.target, seed + 3, draft_vocab_size=200, feature_layers=(0, 2, 3))
         models.target.add_feature_layers(models.e_t3.feature_layers)
-        meta.update(e_t3="random EAGLE-3, 200-token draft vocabulary", head_types={**meta["head_types"], "e_t3": "eagle3"})
+        meta.update(e_t3="random EAGLE-3, 200-token draft vocabulary",
+                    head_types={**meta["head_types"], "e_t3": models.e_t3.head_type})
     return Stack(name, models, ByteTokenizer(), meta)

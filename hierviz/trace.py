@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from hierviz.methods import METHODS
 from hierviz.settings import DecodeSettings, SettingsError
 
 SCHEMA_VERSION = 1
 MAX_TRACE_BYTES = 20 * 1024 * 1024
-METHODS = ("ar", "spec", "eagle2", "eagle3", "hierspec")
-TREE_ON_TARGET = ("eagle2", "eagle3")     # the methods whose target verifies E_T's tree itself
 # Stage names used in Step.timings_ms. "draft" is E_M (hierspec), E_T (eagle2) or M's
 # autoregressive drafting (spec); "intermediate_verify" is M verifying E_M's trees;
 # "target_verify" is every forward of the target T; "overhead" is everything else in the round.

@@ -17,7 +17,7 @@ from hierviz.decoding.state import BaseState
 from hierviz.engine import generate, output_tokens
 from hierviz.models import cuda_graphs
 from hierviz.stack import tiny_random_stack
-from hierviz.trace import METHODS
+from hierviz.methods import METHODS
 from tests.tiny import prefill_sequence_tree
 
 

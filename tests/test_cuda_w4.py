@@ -4,6 +4,8 @@ and NVRTC compiling the source for sm_80, sm_90 and Blackwell (sm_100, sm_120). 
 runs in tests/test_gpu.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -128,8 +130,9 @@ def test_shape_rules_and_the_k_split() -> None:
     assert len(set(cuda_w4.entry_names())) == len(cuda_w4.entry_names())
     # one entry per tile count, direct or staged, each built into the source
     assert sorted([*cuda_w4.DIRECT_BUILD, *cuda_w4.STAGED_BUILD]) == list(range(1, cuda_w4.MAX_TOKEN_TILES + 1))
-    assert all(f"DIRECT_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.DIRECT_BUILD)
-    assert all(f"STAGED_ENTRY({t}," in cuda_w4.KERNEL_SOURCE for t in cuda_w4.STAGED_BUILD)
+    source = cuda_w4.kernel_source()
+    assert all(f"DIRECT_ENTRY({t}," in source for t in cuda_w4.DIRECT_BUILD)
+    assert all(f"STAGED_ENTRY({t}," in source for t in cuda_w4.STAGED_BUILD)
     assert cuda_w4.ahead_chunks(1) == cuda_w4.DIRECT_BUILD[1][0] and cuda_w4.ahead_chunks(8) == cuda_w4.STAGED_BUILD[8][0]
     assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
 
@@ -148,7 +151,7 @@ def test_group_pairs_by_offset_only_where_every_slice_starts_on_a_group() -> Non
         for g in (32, 64, 128, 256, 8192):
             for per in (1, 2, 7, 8, 19, 32, 56):
                 assert cuda_w4.entry_for(tiles, cuda_w4.pair_group(tiles, g, per)) in names
-    assert all(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, 128)" in cuda_w4.KERNEL_SOURCE
+    assert all(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, 128)" in cuda_w4.kernel_source()
                for t, (a, b) in cuda_w4.DIRECT_BUILD.items())
 
 
@@ -213,14 +216,39 @@ def test_nvrtc_compiles_the_kernel(arch) -> None:
     cubin = cuda_w4.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
     with pytest.raises(cuda_w4.CompileError, match="NVRTC failed"):
-        cuda_w4.compile_cubin(arch, cuda_w4.KERNEL_SOURCE + "\nthis is not C++;\n")
+        cuda_w4.compile_cubin(arch, cuda_w4.kernel_source() + "\nthis is not C++;\n")
+
+
+def test_the_cuda_c_is_the_cu_file_beside_the_module() -> None:
+    """The kernel's CUDA C is hierviz/quant/cuda_w4.cu, not a string in the Python module: the
+    source NVRTC gets is that file, after the two constants cuda_w4.py defines and before one
+    entry line per build."""
+    path = Path(cuda_w4.__file__).with_name("cuda_w4.cu")
+    assert cuda_w4.KERNEL_FILE == path and path.is_file()
+    text = path.read_text()
+    head, entries = cuda_w4.kernel_source().split(text)
+    assert head == f'#define NBUF {cuda_w4.NBUF}\n#define ROWS_PER_BLOCK {cuda_w4.ROWS_PER_BLOCK}\n#line 1 "cuda_w4.cu"\n'
+    assert len(entries.splitlines()) == len(cuda_w4.entry_names())
+    assert all(line.split("(")[0] in ("DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "STAGED_ENTRY") for line in entries.splitlines())
+    assert "__global__" in text and "__global__" not in Path(cuda_w4.__file__).read_text()
+
+
+def test_nvrtc_reads_the_cu_file_when_it_builds_and_names_its_lines(monkeypatch, tmp_path) -> None:
+    """compile_cubin's default source is the file as it is when the kernel is built, and NVRTC's
+    messages carry the file's own line numbers."""
+    skip_without_nvrtc()
+    text = cuda_w4.KERNEL_FILE.read_text()
+    broken = tmp_path / "cuda_w4.cu"
+    broken.write_text(text + "int broken = not_declared;\n")
+    monkeypatch.setattr(cuda_w4, "KERNEL_FILE", broken)
+    with pytest.raises(cuda_w4.CompileError, match=rf"cuda_w4\.cu\({text.count(chr(10)) + 1}\): error"):
+        cuda_w4.compile_cubin("sm_80")
 
 
 def test_nvrtc_compiles_the_wgmma_probe_for_sm_90a() -> None:
     """scripts/wgmma_probe.py, which measured that wgmma gives the kernel's mma.sync bits, still builds."""
     skip_without_nvrtc()
     import importlib.util
-    from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "wgmma_probe.py"
     spec = importlib.util.spec_from_file_location("wgmma_probe", path)
     probe = importlib.util.module_from_spec(spec)

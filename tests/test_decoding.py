@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hierviz.decoding.decoders import DECODERS, Models
+from hierviz import methods
+from hierviz.decoding.decoders import Models
 from hierviz.settings import DecodeSettings
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import Sampler, verify_sequence_sampling, verify_tree_sampling
@@ -264,7 +265,7 @@ def test_hierspec_intermediate_cache_is_the_accepted_text(which, request):
     st_ = request.getfixturevalue(which)
     s = DecodeSettings(max_new_tokens=40, m_depth=3, m_topk=3, m_tree_size=8, min_draft_len=4)
     ids, max_len = prepare(st_, "hierspec", "cache invariant", s)
-    gen = DECODERS["hierspec"](st_.models, ids, s, Sampler(), st_.tokenizer.token_text, max_len)
+    gen = methods.get("hierspec").decode(st_.models, ids, s, Sampler(), st_.tokenizer.token_text, max_len)
     m_model = st_.models.intermediate
     rounds = 0
     with torch.no_grad():

@@ -261,6 +261,53 @@ def test_each_layout_round_trips(tmp_path, base, layout, options) -> None:
     assert torch.equal(head.draft_vocab_mask(), again.draft_vocab_mask())
 
 
+def _wider_head(base: Transformer, width: int, seed: int = 11) -> Eagle3Head:
+    """A random head `width` wide on `base` (hidden size H): fc reads 3 x H, everything else is
+    `width` wide, with its own embedding (a head of another width cannot use its base's)."""
+    g = torch.Generator().manual_seed(seed)
+    hd = width // HEADS
+    cfg = ModelConfig.from_dict(dict(vocab_size=VOCAB, hidden_size=width, intermediate_size=INTER, num_hidden_layers=1,
+                                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6,
+                                     bos_token_id=1, eos_token_id=2))
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    p = "midlayer."
+    w = {p + "input_layernorm.weight": torch.ones(width), p + "hidden_norm.weight": torch.ones(width),
+         p + "post_attention_layernorm.weight": torch.ones(width), p + "self_attn.q_proj.weight": r(HEADS * hd, 2 * width),
+         p + "self_attn.k_proj.weight": r(KV_HEADS * hd, 2 * width), p + "self_attn.v_proj.weight": r(KV_HEADS * hd, 2 * width),
+         p + "self_attn.o_proj.weight": r(width, HEADS * hd), p + "mlp.gate_proj.weight": r(INTER, width),
+         p + "mlp.up_proj.weight": r(INTER, width), p + "mlp.down_proj.weight": r(width, INTER),
+         "fc.weight": r(width, 3 * H), "norm.weight": torch.ones(width), "lm_head.weight": r(VOCAB, width),
+         "embed_tokens.weight": r(VOCAB, width)}
+    return Eagle3Head(cfg, w, base, default_feature_layers(LAYERS))
+
+
+def test_a_head_of_another_width_round_trips_through_the_safeailab_layout(tmp_path, base) -> None:
+    """config.json records target_hidden_size, so that a reader that sizes fc from the config
+    alone (SafeAILab's cnets.Model: 3 x target_hidden_size, else 3 x hidden_size) fits fc.weight."""
+    from hierviz.quant.gptq import load_state_dict_folder
+    head = _wider_head(base, 96)
+    base.add_feature_layers(head.feature_layers)
+    folder = save_eagle3_head(tmp_path / "wide", head, "safeailab")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_size"] == 96 and config["target_hidden_size"] == H
+    fc_in_by_config = 3 * config.get("target_hidden_size", config["hidden_size"])
+    assert tuple(load_state_dict_folder(folder)["fc.weight"].shape) == (96, fc_in_by_config)
+    again = load_head(folder, base)
+    assert again.layout == "safeailab" and again.cfg.hidden_size == 96
+    tokens = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        rows = base(tokens, torch.arange(8))
+        outs = [h.draft_logprobs(h(tokens[1:], h.project_features(rows[:-1]), torch.arange(7), h.new_cache(16)))[0]
+                for h in (head, again)]
+    assert torch.equal(outs[0], outs[1])
+    same_width = json.loads((save_eagle3_head(tmp_path / "same", synthetic_eagle3_head(base, 7), "safeailab")
+                             / "config.json").read_text())
+    assert "target_hidden_size" not in same_width      # as SafeAILab's own heads: fc reads 3 x hidden_size
+
+
 def test_written_tensors_have_the_layout_names_and_dtypes(tmp_path, base) -> None:
     from hierviz.quant.gptq import load_state_dict_folder
     head = synthetic_eagle3_head(base, 7, draft_vocab_size=100, feature_layers=(1, 3, 6))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from hierviz.decoding.decoders import METHOD_NEEDS
+from hierviz.methods import METHODS
 from hierviz.settings import DecodeSettings
 from hierviz.engine import generate
 from hierviz.stack import Stack, tiny_random_stack
@@ -136,9 +136,9 @@ def run_case(stack: Stack, path: GreedyPath, case: Case, tally: Tally, static: b
         where = f"case {case.index} ({case.regime}, {case.settings}, eos {sorted(eos)})"
         try:
             check_run(trace, method, path, case.regime, case.settings, eos, tally, vocab)
-            # the trace counts forwards under the names of the parts a method uses (METHOD_NEEDS)
+            # the trace counts forwards under the names of the parts a method uses (the registry's needs)
             check_forwards(trace, {"target": target_calls[0],
-                                   **{part: getattr(models, part).calls for part in METHOD_NEEDS[method]}})
+                                   **{part: getattr(models, part).calls for part in METHODS[method].needs}})
         except AssertionError as e:
             raise AssertionError(f"{where}: {e}") from None
         if len(trace.steps) > 1:         # a drafting round ran: the steered drafters were asked

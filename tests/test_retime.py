@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from hierviz.methods import in_comparison_order
 from hierviz.retime import (DRAFT_HEAD_MS, MEASURED, RETIMED, TIME_SCALES, CostModel, ForwardCost, acceptance_scale,
                             at_time_scale, default_time_scale, equal_token_ratios, real_scale_costs, retime_trace,
                             sequence_acceptance, step_cost_ms, time_to_tokens_ms, whatif_headline)
@@ -156,7 +157,12 @@ def expected_line(steps: dict[str, list[Step]]) -> tuple[list[float], int]:
                 return total
         raise AssertionError("run never reached N")
     hs = ms_to_n(steps["hierspec"])
-    return [round(ms_to_n(steps[m]) / hs, 2) for m in ("eagle2", "ar") if m in counts], n
+    # every other run that has tokens: HierSpec's speedup where it is ahead (in the comparison order),
+    # then each faster run's speedup over HierSpec, the fastest first
+    speedups = {m: ms_to_n(steps[m]) / hs for m in in_comparison_order(list(counts)) if m != "hierspec"}
+    ahead = [round(x, 2) for x in speedups.values() if x >= 1]
+    behind = [round(1 / x, 2) for x in sorted(x for x in speedups.values() if x < 1)]
+    return ahead + behind, n
 
 
 @pytest.mark.parametrize("time_scale", TIME_SCALES)
@@ -234,8 +240,8 @@ def test_how_it_works_quotes_the_computed_figures() -> None:
         for r in equal_token_ratios(timed):
             assert f"{r.speedup:.2f}x" in about
     projected = {t.meta["method"]: t.stats()["tokens_per_s"] for t in at_time_scale(runs, RETIMED)}
-    assert (f"about **{projected['hierspec']:.0f} tokens/s for HierSpec, {projected['eagle2']:.0f} for EAGLE-2 and "
-            f"{projected['ar']:.0f} for AR") in about
+    assert (f"about **{projected['hierspec']:.0f} tokens/s for HierSpec, {projected['eagle2']:.0f} for EAGLE-2, "
+            f"{projected['eagle3']:.0f} for EAGLE-3 and {projected['ar']:.0f} for AR") in about
     headline = whatif_headline()
     assert f"{headline['ar']:.2f}x AR and {headline['eagle2']:.2f}x" in about
     pos = opening_trace_position()
@@ -251,6 +257,10 @@ def test_first_screen_headline_shows_both_scales_for_the_opening_trace() -> None
     retimed = headline_html(runs, RETIMED)
     assert "projected" in retimed and "Over the first 126 tokens" in retimed
     assert "<b>1.20×</b> faster than EAGLE-2" in retimed and "0.69× EAGLE-2" in retimed and "cannot show the method" in retimed
+    # every method that ran is named, and a faster one says so plainly
+    assert "<b>EAGLE-3</b> is <b>1.06×</b> faster than HierSpec on this run" in retimed
+    assert "0.63× EAGLE-3" in retimed
     measured = headline_html(runs, MEASURED)
-    assert "projected" not in measured and "0.69×" in measured and "cannot show" not in measured
+    assert "projected" not in measured and "<b>EAGLE-2</b> is <b>1.44×</b>" in measured and "cannot show" not in measured
+    assert "<b>EAGLE-3</b> is <b>1.60×</b>" in measured and "faster than HierSpec on this run" in measured
     assert headline_html([], RETIMED) == ""

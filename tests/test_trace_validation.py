@@ -63,7 +63,8 @@ from hierviz import trace as trace_mod
 from hierviz.settings import DecodeSettings
 from hierviz.engine import generate
 from hierviz.stack import tiny_random_stack
-from hierviz.trace import (MAX_TRACE_BYTES, METHODS, SOURCES, DraftTree, SeqToken, Step, Trace, TraceError, TreeNode,
+from hierviz.methods import METHODS
+from hierviz.trace import (MAX_TRACE_BYTES, SOURCES, DraftTree, SeqToken, Step, Trace, TraceError, TreeNode,
                            comparison_from_json, load_trace, save_comparison, trace_from_json)
 from hierviz.viz import sample
 from tests.test_trace_stats import ar_trace, eagle2_trace, hierspec_trace, spec_trace

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any, Optional
 
+from hierviz.methods import BASELINE
 from hierviz.settings import default_settings
 from hierviz.trace import comparison_from_json, output_tokens
 
@@ -78,8 +79,8 @@ def drive(url: str, stack: str, prompt: str, max_new_tokens: int, device: str) -
         report[f"{m}_tokens"] = len(outputs[m])
         report[f"{m}_steps"] = len(tr.steps)
         report[f"{m}_tokens_per_s"] = round(tr.stats()["tokens_per_s"], 1)
-    if "ar" in outputs:
-        report["identical_to_ar"] = {m: outputs[m] == outputs["ar"] for m in outputs if m != "ar"}
+    if BASELINE in outputs:
+        report["identical_to_ar"] = {m: outputs[m] == outputs[BASELINE] for m in outputs if m != BASELINE}
     return report, path
 
 

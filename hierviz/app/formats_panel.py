@@ -12,12 +12,14 @@ from typing import Any, Optional
 
 import gradio as gr
 
+from hierviz.methods import BASELINE, PEER, SUBJECT, short
+from hierviz.viz.style import method_label
+
 ROOT = Path(__file__).resolve().parents[2]
 COST_MODEL_FILE = ROOT / "assets" / "whatif" / "cost-model-h200.json"
 COMPAT_70B = ROOT / "assets" / "whatif" / "compat-h200-llama3-70b.json"
 SWEEP_70B = ROOT / "assets" / "whatif" / "h200-llama3-70b-sweep.json"
 MAX_BYTES = 2_000_000
-TREE_NAMES = {"eagle2": "EAGLE-2", "eagle3": "EAGLE-3"}
 
 EXPLAIN = """**Which method wins on my GPU and format?** Each table is one target / intermediate pair at the
 paper's trees and the what-if's default acceptance. The calibration GPU's rows are measured
@@ -52,12 +54,12 @@ def curves_figure(compat_path: Path = COMPAT_70B, sweep_path: Path = SWEEP_70B) 
         curves = format_curves(compat, sweep)
     except (KeyError, ValueError, TypeError, ZeroDivisionError):
         return None, "The shipped compat table and sweep do not fit together."
-    tree = sweep.get("tree_method", "eagle2")
+    tree = sweep.get("tree_method", PEER)
     marks = []
     for c in curves.values():
-        x = c["crossovers"][f"hierspec_over_{tree}"]
+        x = c["crossovers"][f"{SUBJECT}_over_{tree}"]
         marks.append(f"{c['name']} from {x:.2f}" if x is not None else f"{c['name']}: no crossover in the sweep")
-    note = (f"HierSpec overtakes {TREE_NAMES.get(tree, tree)} at acceptance scale: " + "; ".join(marks)
+    note = (f"HierSpec overtakes {method_label(tree)} at acceptance scale: " + "; ".join(marks)
             + f". Llama-3-70B target, H200; {LABEL}.")
     return format_curves_figure(curves, tree), note
 
@@ -73,8 +75,8 @@ def _cell(e: dict[str, Any], tree: str) -> str:
         return "no FP8 cores" if "FP8" in e["skipped"] else "does not fit"
     sp = e["speedup_vs_ar"]
     note = f"<br>({e['layers_note']})" if "layers_note" in e else ""
-    return (f"{TREE_NAMES.get(tree, tree)} {sp.get(tree, 0):.2f}x · **HierSpec {sp.get('hierspec', 0):.2f}x**"
-            f"<br>AR {e['tokens_per_s']['ar']:.0f} tok/s{note}")
+    return (f"{method_label(tree)} {sp.get(tree, 0):.2f}x · **{method_label(SUBJECT)} {sp.get(SUBJECT, 0):.2f}x**"
+            f"<br>{short(BASELINE)} {e['tokens_per_s'][BASELINE]:.0f} tok/s{note}")
 
 
 def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from hierviz.methods import comparison_order
+
 try:
     import spaces  # type: ignore[import-not-found]
 except ImportError:          # not on a Hugging Face Space
@@ -18,7 +20,7 @@ except ImportError:          # not on a Hugging Face Space
 BASE_S, PER_TOKEN_S, MAX_S = 60, 0.15, 300
 
 
-def run_duration(settings: Any = None, methods: Any = ("hierspec", "eagle2", "ar"), *rest: Any, **kw: Any) -> int:
+def run_duration(settings: Any = None, methods: Any = tuple(comparison_order()), *rest: Any, **kw: Any) -> int:
     """The GPU time a live run asks ZeroGPU for, from its (validated) settings' new-token count and
     the number of methods; called with the device run's own arguments."""
     tokens = max(1, min(int(getattr(settings, "max_new_tokens", 64)), 8192))

@@ -25,9 +25,7 @@ from hierviz.app.shipped import shipped_runs, shipped_traces
 from hierviz.retime import TIME_SCALES
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json
 from hierviz.viz.export import step_svg
-from hierviz.engine import COMPARISON_ORDER
-
-RUN_ORDER = COMPARISON_ORDER      # a comparison's runs, HierSpec first (those a stack has: stack_comparison)
+from hierviz import methods
 
 # Inputs and outputs of each event, by component name (hierviz.app.visualizer builds the components).
 RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft",
@@ -179,7 +177,7 @@ def export_step(sess: Session, request: gr.Request) -> tuple:
 # ---- recorded traces --------------------------------------------------------------------------
 
 def sorted_runs(runs: list[Trace]) -> list[Trace]:
-    order = {m: i for i, m in enumerate(RUN_ORDER)}
+    order = {m: i for i, m in enumerate(methods.comparison_order())}   # HierSpec first
     return sorted(runs, key=lambda t: order.get(str(t.meta.get("method")), 9))
 
 

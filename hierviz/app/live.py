@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
 import anyio
 import gradio as gr
 
+from hierviz.methods import BASELINE, SUBJECT
 from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.gpu import on_gpu, run_duration
@@ -61,7 +62,7 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
     try:
         settings = checked_settings(max_new, temperature, m_depth, m_topk, m_size, min_draft, t_depth, t_topk, t_size)
         stack_name = check_stack(stack, stack_choices())
-        methods = [m for m in comparison_of(stack_name) if m != "ar" or with_ar]
+        methods = [m for m in comparison_of(stack_name) if m != BASELINE or with_ar]
         if not isinstance(prompt, str) or not prompt.strip():
             raise VisitorError("The prompt is empty: type a question or an instruction first.")
         ticket = admit(key, client_address(request))
@@ -78,7 +79,7 @@ async def run_live(prompt: Any, stack: Any, max_new: Any, temperature: Any, m_de
             if not replaced():
                 yield run_update(status=status_html("Stopped before it started: your run left the line.", "warn"))
             return
-        new = (sess if isinstance(sess, Session) else Session()).carried(view="hierspec", source=LIVE_SOURCE)
+        new = (sess if isinstance(sess, Session) else Session()).carried(view=SUBJECT, source=LIVE_SOURCE)
         pacer = Pacer(request, flags, live_pace_mode())
         async for update in in_thread(device_run(settings, methods, new, key, stack_name, prompt, pacer, stopped)):
             # an update is only taken once the one before it went out: one sent from here on

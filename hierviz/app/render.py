@@ -10,9 +10,11 @@ from typing import Any, Optional
 
 import gradio as gr
 
+from hierviz.models.drafter import HEAD_TYPES, head_label
 from hierviz.app.session import Session
 from hierviz.retime import RETIMED, TIME_SCALES, at_time_scale, default_time_scale
-from hierviz.trace import TREE_ON_TARGET, Step, Trace
+from hierviz.methods import tree_on_target
+from hierviz.trace import Step, Trace
 from hierviz.viz.compare import side_by_side_html
 from hierviz.viz.crossover import crossover_figure
 from hierviz.viz.latency import latency_figure
@@ -35,14 +37,21 @@ def tree_title(trace: Trace, i: int) -> str:
     st = trace.steps[i]
     if is_prefill(st):
         return f"Step {i + 1}: prefill"
-    if st.method == "hierspec":
+    if st.trees and st.trees[0].verifier == "intermediate":
         n = len(st.trees)
-        head = " (an EAGLE-3 head)" if (trace.meta.get("head_types") or {}).get("e_m") == "eagle3" else ""
+        head = head_note((trace.meta.get("head_types") or {}).get("e_m"))
         return (f"Step {i + 1}: {n} tree{'s' if n != 1 else ''} drafted by E_M{head} and checked by the intermediate M"
                 + _unavoidable(st))
-    if st.method in TREE_ON_TARGET:
+    if tree_on_target(st.method):
         return f"Step {i + 1}: {method_label(st.method)} tree drafted by E_T and checked by the target T" + _unavoidable(st)
     return f"Step {i + 1} ({method_label(st.method)})"
+
+
+def head_note(head_type: Optional[str]) -> str:
+    """" (an EAGLE-3 head)" for a head of any type but the default one (the EAGLE-1/2 layout)."""
+    if not head_type or head_type == next(iter(HEAD_TYPES)):
+        return ""
+    return f" (an {head_label(head_type)} head)"
 
 
 def _unavoidable(st: Step) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hierviz.methods import SUBJECT
 from hierviz.config import options
 from hierviz.trace import Step, Trace
 
@@ -55,7 +56,7 @@ class RepeatHistory:
 @dataclass
 class Session:
     runs: list[Trace] = field(default_factory=list)
-    view: str = "hierspec"          # the method whose steps the panels show
+    view: str = SUBJECT             # the method whose steps the panels show
     step: int = -1                  # inspected step of that run (-1: the latest)
     follow: bool = True             # live updates move the panels to the newest step
     source: str = ""                # "live run" or the trace file name

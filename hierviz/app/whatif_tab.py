@@ -23,6 +23,8 @@ from typing import Any, Iterator, Optional
 
 import gradio as gr
 
+from hierviz import methods
+from hierviz.methods import BASELINE, PEER, SUBJECT
 from hierviz.app.formats_panel import formats_section
 from hierviz.app.common import ROOT, TRACE_DIR, status_html
 from hierviz.app.guard import VisitorError
@@ -53,11 +55,11 @@ DEFAULT_SEQ_RATE = 0.85
 MAX_NEW_CAP = 64
 PROMPT_LEN = 64
 LIVE_TIMEOUT_S = {"cuda": 300, "cpu": 120}
-LIVE_METHODS = "ar,eagle2,hierspec"
+LIVE_METHODS = ",".join((BASELINE, PEER, SUBJECT))     # the paper's comparison
+SUBJECT_VS_PEER = f"{SUBJECT}_vs_{PEER}"                # the what-if JSON's key for that ratio
 # the live run's target format: label -> whatif --target-format (hierviz.measure.whatif.TARGET_FORMATS)
 LIVE_FORMATS = {"W4A16 (the paper's)": "w4", "W8A8-int8": "w8a8-int8", "W8A8-FP8": "w8a8-fp8",
                 "FP16 / dense": "dense"}
-SHORT = {"ar": "AR", "spec": "Spec", "eagle2": "EAGLE-2", "hierspec": "HierSpec"}
 
 EXPLAIN = f"""**Which method wins at real model sizes?** `python -m hierviz whatif` builds models of real shapes with
 random weights (the target in 4-bit W4A16, the intermediate M dense or W4A16, EAGLE heads), runs the **real** decoders —
@@ -123,13 +125,14 @@ def _fmt_x(v: Optional[float]) -> str:
 def summary_markdown(d: dict[str, Any]) -> str:
     """Table of one result: tokens/s, speedup vs AR, tau, ms/token (whatif) or the verdicts (sweep)."""
     if kind(d) == "sweep":
-        tree_name = method_label(d.get("tree_method", "eagle2"))
+        tree_name = method_label(d.get("tree_method", PEER))
+        best_subject = f"best_{SUBJECT}"
         lines = [f"| scale | best {tree_name} (tree size) | best HierSpec (min draft) | HierSpec / {tree_name} | winner |",
                  "|---|---|---|---|---|"]
         for v in sorted(d["verdicts"], key=lambda v: float(v["scale"])):
-            ratio = v["best_hierspec"] / v["best_tree"] if v["best_tree"] else None
+            ratio = v[best_subject] / v["best_tree"] if v["best_tree"] else None
             lines.append(f"| {v['scale']:g} | {v['best_tree']:.2f}x ({v['best_tree_size']}) | "
-                         f"{v['best_hierspec']:.2f}x ({v['best_min_draft_len']}) | {_fmt_x(ratio)} | "
+                         f"{v[best_subject]:.2f}x ({v['best_min_draft_len']}) | {_fmt_x(ratio)} | "
                          f"**{method_label(v['winner'])}** |")
         lines += ["", f"Speedups vs AR ({d.get('ar_tokens_per_s', 0):.1f} tokens/s), {LABEL}; scale multiplies "
                   "every acceptance rate (1 = the rates named below)."]
@@ -137,20 +140,20 @@ def summary_markdown(d: dict[str, Any]) -> str:
     ms = d["methods"]
     sp = d.get("speedup_vs_ar") or {}
     lines = ["| method | tok/s | vs AR | τ | ms/tok | rounds |", "|---|---|---|---|---|---|"]
-    for m in sorted(ms, key=lambda m: ("ar", "spec", "eagle2", "hierspec").index(m) if m in
-                    ("ar", "spec", "eagle2", "hierspec") else 9):
+    order = methods.names()
+    for m in sorted(ms, key=lambda m: order.index(m) if m in order else len(order)):
         r = ms[m]
-        lines.append(f"| {SHORT.get(m, m)} | {r['tokens_per_s']:.1f} | {_fmt_x(sp.get(m))} | "
+        lines.append(f"| {methods.short(m)} | {r['tokens_per_s']:.1f} | {_fmt_x(sp.get(m))} | "
                      f"{r['tokens_per_round']:.2f} | {r['ms_per_token']:.2f} | {r['rounds']} |")
     lines += ["", "tok/s: decode tokens per second (prefill excluded); vs AR: speedup; τ: tokens per round "
               "(per target verification); ms/tok: time per output token."]
     runs = {m: r["decode_s_runs"] for m, r in ms.items() if len(r.get("decode_s_runs") or []) > 1}
     if runs:     # --repeat N: the table shows each method's median run; say how far the runs spread
-        spread = ", ".join(f"{SHORT.get(m, m)} {min(v):.3f}-{max(v):.3f} s" for m, v in runs.items())
+        spread = ", ".join(f"{methods.short(m)} {min(v):.3f}-{max(v):.3f} s" for m, v in runs.items())
         lines += ["", f"Each method: the median of {max(len(v) for v in runs.values())} timed runs "
                       f"(decode times {spread})."]
-    if "hierspec_vs_eagle2" in d:
-        lines += ["", f"**HierSpec / EAGLE-2: {d['hierspec_vs_eagle2']:.2f}x** ({LABEL})."]
+    if SUBJECT_VS_PEER in d:
+        lines += ["", f"**{methods.label(SUBJECT)} / {methods.label(PEER)}: {d[SUBJECT_VS_PEER]:.2f}x** ({LABEL})."]
     if (d.get("acceptance") or {}).get("mode") == "rates":
         lines += ["", assumed_rates_note()]
     return "\n".join(lines)
@@ -276,7 +279,7 @@ def source_markdown(d: dict[str, Any], name: str = "") -> str:
         lines.append("**Replay check:** " + "; ".join(
             f"{method_label(m)} {'exact' if r.get('exact') else 'NOT exact'} "
             f"({r.get('rounds_identical', '?')}/{r.get('rounds_in_trace', '?')} rounds)"
-            for m, r in rep.items() if m != "ar"))
+            for m, r in rep.items() if m != BASELINE))
     if d.get("tiny"):
         lines.append("**Tiny shapes:** a plumbing check, not a measurement of any real model size.")
     cmd, verbatim = command_text(d)
@@ -333,7 +336,7 @@ def replay_traces() -> dict[str, Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         methods = {m.get("method") for m in metas}
-        if any(m.get("synthetic") for m in metas) or not {"hierspec", "eagle2"} <= methods:
+        if any(m.get("synthetic") for m in metas) or not {SUBJECT, PEER} <= methods:
             continue
         out[f"replay trace: {metas[0].get('title') or p.stem} ({p.name})"] = p
     return out
@@ -442,7 +445,7 @@ def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any
                 d = run_child(argv, LIVE_TIMEOUT_S[dev])
             d["command"] = live_command(argv, tmp)
             a, b = _plots(figures(d))
-            note = ("Done: " + (f"HierSpec / EAGLE-2 = {d['hierspec_vs_eagle2']:.2f}x, " if "hierspec_vs_eagle2" in d
+            note = ("Done: " + (f"HierSpec / EAGLE-2 = {d[SUBJECT_VS_PEER]:.2f}x, " if SUBJECT_VS_PEER in d
                                 else "") + f"{LABEL}." + ("" if cuda else " Tiny CPU shapes: these numbers only show "
                                                           "the plumbing."))
             yield status_html(note, "ok"), a, b, summary_markdown(d) + "\n\n" + source_markdown(d)

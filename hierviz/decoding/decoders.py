@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -19,46 +18,65 @@ from hierviz.decoding.tree import PendingTree, Tree, draft_tree_on_device
 from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, forced_tree_path,
                                      verify_sequence_greedy, verify_sequence_sampling, verify_tree_greedy,
                                      verify_tree_sampling)
-from hierviz.models.drafter import Drafter
+from hierviz import methods
+from hierviz.models.drafter import HEAD_SLOTS, Drafter, head_label
 from hierviz.models.llama import Transformer
 from hierviz.trace import DraftTree, SeqToken, Step, TreeNode, tree_rejected
 
 
-@dataclass
 class Models:
-    target: Transformer
-    intermediate: Optional[Transformer] = None
-    e_m: Optional[Drafter] = None       # draft head on the intermediate (HierSpec), any head type
-    e_t: Optional[Drafter] = None       # EAGLE-1/2 head on the target (the eagle2 method)
-    e_t3: Optional[Drafter] = None      # EAGLE-3 head on the target (the eagle3 method)
+    """The models of a stack: the target T, an optional intermediate M, and a draft head per
+    filled slot of HEAD_SLOTS (`models.e_m`, `models.e_t`, ...; None where the slot is empty).
+    Heads may be given positionally in HEAD_SLOTS' order or by slot name."""
+
+    def __init__(self, target: Transformer, intermediate: Optional[Transformer] = None,
+                 *heads: Optional[Drafter], **named: Optional[Drafter]) -> None:
+        slots = list(HEAD_SLOTS)
+        if len(heads) > len(slots):
+            raise TypeError(f"Models takes at most {len(slots)} heads ({', '.join(slots)})")
+        unknown = sorted(set(named) - set(slots))
+        if unknown:
+            raise TypeError(f"unknown head slot(s) {', '.join(unknown)}; slots: {', '.join(slots)}")
+        object.__setattr__(self, "heads", {**dict(zip(slots, heads)), **named})
+        self.target = target
+        self.intermediate = intermediate
+
+    def __getattr__(self, name: str) -> Optional[Drafter]:
+        if name in HEAD_SLOTS:
+            return self.__dict__["heads"].get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in HEAD_SLOTS:
+            self.__dict__["heads"][name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def part(self, name: str) -> object:
+        """A stack part by its name in Method.needs: "intermediate" or a head slot."""
+        return getattr(self, name)
 
     def present(self) -> list:
         """The models this stack has (target first)."""
-        return [m for m in (self.target, self.intermediate, self.e_m, self.e_t, self.e_t3) if m is not None]
+        return [m for m in (self.target, self.intermediate, *self.heads.values()) if m is not None]
 
     def missing(self, method: str) -> list[str]:
         """The parts `method` needs that this stack lacks, by their names in messages."""
-        return [PART_NAMES[p] for p in METHOD_NEEDS[method] if getattr(self, p) is None]
-
-
-# the Models fields each method drafts or verifies with, and their names in messages
-METHOD_NEEDS: dict[str, tuple[str, ...]] = {"ar": (), "spec": ("intermediate",), "eagle2": ("e_t",),
-                                            "eagle3": ("e_t3",), "hierspec": ("intermediate", "e_m")}
-COMPARISON_ORDER = ("hierspec", "eagle2", "eagle3", "ar")   # a comparison's runs, HierSpec first
+        return [part_name(p) for p in methods.get(method).needs if self.part(p) is None]
 
 
 def comparison_methods(models: Models) -> list[str]:
-    """The methods a side-by-side comparison runs on this stack, in COMPARISON_ORDER."""
-    return comparison_having(lambda part: getattr(models, part) is not None)
+    """The methods a side-by-side comparison runs on this stack, in the registry's comparison order."""
+    return methods.comparison_having(lambda part: models.part(part) is not None)
 
 
-def comparison_having(has: Callable[[str], bool]) -> list[str]:
-    """The methods of COMPARISON_ORDER whose every part (METHOD_NEEDS) `has` says is there."""
-    return [m for m in COMPARISON_ORDER if all(has(part) for part in METHOD_NEEDS[m])]
-
-
-PART_NAMES = {"intermediate": "intermediate model", "e_m": "draft head on the intermediate (E_M)",
-              "e_t": "EAGLE-2 head on the target (E_T)", "e_t3": "EAGLE-3 head on the target (E_T3)"}
+def part_name(part: str) -> str:
+    """A stack part's name in messages."""
+    if part == "intermediate":
+        return "intermediate model"
+    base, kind = HEAD_SLOTS[part]
+    head = f"{head_label(kind)} head" if kind else "draft head"
+    return f"{head} on the {base} ({part.upper()})"
 
 
 class StageTimer:
@@ -121,7 +139,7 @@ class StageTimer:
 TextOf = Callable[[int], str]
 
 
-def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf,
+def tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text: TextOf,
                    draftable: Optional[list[bool]] = None) -> DraftTree:
     """The trace's tree; draftable (HeadState.draftable): marks a rejection whose correct token
     lies outside the head's draft vocabulary, which no tree could have held."""
@@ -132,13 +150,14 @@ def _tree_to_trace(tree: Tree, path: list[int], bonus: int, verifier: str, text:
     return out
 
 
-def _step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,
-          **kw) -> Step:
+def make_step(index: int, method: str, timer: StageTimer, tokens: list[int], sources: list[str], text: TextOf,
+              **kw: Any) -> Step:
+    """A round's trace Step: its new tokens and their sources, the stage times (`timer` finished here)."""
     return Step(index=index, method=method, new_tokens=tokens, new_text=[text(t) for t in tokens],
                 new_sources=sources, timings_ms=timer.finish(), **kw)
 
 
-def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer: StageTimer,
+def prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer: StageTimer,
              stage_names: list[str]) -> int:
     """Run the prompt through every model; the first state's (the target's) pick is token 1."""
     first = None
@@ -154,7 +173,7 @@ def _prefill(states: list[BaseState], prompt: list[int], sampler: Sampler, timer
     return first
 
 
-def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
+def verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sampler,
                     oracle: Optional[AcceptOracle] = None, level: str = "target",
                     meanwhile: Optional[Callable[[], None]] = None):
     """Run pending + tree through the verifier and decide.
@@ -189,9 +208,12 @@ def _verify_tree_on(state: BaseState, pending_tree: PendingTree, sampler: Sample
     return tree, path, bonus, dists, commit
 
 
-def _verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
+def verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torch.Tensor]],
                         sampler: Sampler, oracle: Optional[AcceptOracle] = None,
                         meanwhile: Optional[Callable[[], None]] = None) -> tuple[int, int]:
+    """Run pending + the sequence draft through the verifier, keep the longest prefix it accepts and
+    its own next token; returns (accepted count, that token). `q`: the drafter's distribution per
+    draft token, for sampling; `oracle`, `meanwhile`: as in verify_tree_on."""
     start = state.processed
     p = len(state.pending)
     h = state.run_pending(draft)
@@ -212,15 +234,15 @@ def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sam
               max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     t = BaseState(models.target, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
-    yield _step(0, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    tok = prefill([t], prompt, sampler, timer, ["target_verify"])
+    yield make_step(0, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
         with timer.stage("target_verify"):
             tok = sampler.pick(t.next_logits())
             t.tokens.append(tok)
-        yield _step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
+        yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
                     target_bonus=tok, target_bonus_text=text(tok))
         i += 1
 
@@ -232,8 +254,8 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
     t = BaseState(models.target, max_len)
     m = BaseState(models.intermediate, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t, m], prompt, sampler, timer, ["target_verify", "draft"])
-    yield _step(0, "spec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
+    tok = prefill([t, m], prompt, sampler, timer, ["target_verify", "draft"])
+    yield make_step(0, "spec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -252,11 +274,11 @@ def decode_spec(models: Models, prompt: list[int], s: DecodeSettings, sampler: S
                 m.tokens.append(nxt)
                 draft.append(nxt)
         with timer.stage("target_verify"):
-            n, bonus = _verify_sequence_on(t, draft, q, sampler, oracle)
+            n, bonus = verify_sequence_on(t, draft, q, sampler, oracle)
         m.rollback(base_len + n)
         m.tokens.append(bonus)
         seq = [SeqToken(x, text(x), "draft") for x in draft]
-        yield _step(i, "spec", timer, draft[:n] + [bonus], ["draft"] * n + ["target_bonus"], text,
+        yield make_step(i, "spec", timer, draft[:n] + [bonus], ["draft"] * n + ["target_bonus"], text,
                     sequence=seq, target_accepted=n, target_bonus=bonus, target_bonus_text=text(bonus),
                     forwards={"target": 1, "intermediate": s.spec_k})
         i += 1
@@ -280,10 +302,11 @@ def _decode_target_tree(method: str, models: Models, prompt: list[int], s: Decod
     if missing:
         raise ValueError(f"{method} needs the stack's {', '.join(missing)}")
     t = BaseState(models.target, max_len)
-    e = HeadState(getattr(models, METHOD_NEEDS[method][0]), t, max_len)
+    slot = methods.get(method).needs[0]      # the head slot whose drafter feeds T's trees
+    e = HeadState(models.part(slot), t, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t], prompt, sampler, timer, ["target_verify"])
-    yield _step(0, method, timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    tok = prefill([t], prompt, sampler, timer, ["target_verify"])
+    yield make_step(0, method, timer, [tok], ["target_bonus"], text, forwards={"target": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -291,13 +314,13 @@ def _decode_target_tree(method: str, models: Models, prompt: list[int], s: Decod
         with timer.stage("draft"):
             drafted = draft_tree_on_device(e, s.t_depth, s.t_topk, s.t_tree_size)
         with timer.stage("target_verify"):
-            tree, path, bonus, _, commit = _verify_tree_on(t, drafted, sampler, oracle, "target")
+            tree, path, bonus, _, commit = verify_tree_on(t, drafted, sampler, oracle, "target")
             commit()
         toks = [tree.tokens[j] for j in path]
-        yield _step(i, method, timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
-                    trees=[_tree_to_trace(tree, path, bonus, "target", text, e.draftable)], target_accepted=len(path),
+        yield make_step(i, method, timer, toks + [bonus], ["tree"] * len(path) + ["target_bonus"], text,
+                    trees=[tree_to_trace(tree, path, bonus, "target", text, e.draftable)], target_accepted=len(path),
                     target_bonus=bonus, target_bonus_text=text(bonus),
-                    forwards={"target": 1, "e_t": e.forwards - e0})
+                    forwards={"target": 1, slot: e.forwards - e0})
         i += 1
 
 
@@ -310,8 +333,8 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
     m = BaseState(models.intermediate, max_len)
     e = HeadState(models.e_m, m, max_len)
     timer = StageTimer(t.model.device)
-    tok = _prefill([t, m], prompt, sampler, timer, ["target_verify", "intermediate_verify"])
-    yield _step(0, "hierspec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
+    tok = prefill([t, m], prompt, sampler, timer, ["target_verify", "intermediate_verify"])
+    yield make_step(0, "hierspec", timer, [tok], ["target_bonus"], text, forwards={"target": 1, "intermediate": 1})
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -329,7 +352,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
                 k = len(trees)
                 seq.extend(SeqToken(tree.tokens[j], text(tree.tokens[j]), "tree", k) for j in path)
                 seq.append(SeqToken(bonus, text(bonus), "intermediate_bonus", k))
-                trees.append(_tree_to_trace(tree, path, bonus, "intermediate", text, e.draftable))
+                trees.append(tree_to_trace(tree, path, bonus, "intermediate", text, e.draftable))
             unrecorded.clear()
 
         while True:
@@ -338,7 +361,7 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             with timer.stage("draft"):
                 drafted = draft_tree_on_device(e, s.m_depth, s.m_topk, s.m_tree_size)
             with timer.stage("intermediate_verify"):
-                tree, path, bonus, dists, commit_m = _verify_tree_on(m, drafted, sampler, oracle, "intermediate",
+                tree, path, bonus, dists, commit_m = verify_tree_on(m, drafted, sampler, oracle, "intermediate",
                                                                      record)
             draft += [tree.tokens[j] for j in path] + [bonus]
             if dists is not None:
@@ -356,19 +379,16 @@ def decode_hierspec(models: Models, prompt: list[int], s: DecodeSettings, sample
             record()
 
         with timer.stage("target_verify"):
-            n, bonus_t = _verify_sequence_on(t, draft, q if q else None, sampler, oracle, meanwhile)
+            n, bonus_t = verify_sequence_on(t, draft, q if q else None, sampler, oracle, meanwhile)
         m.rollback(base_len + n)
         e.rollback(base_len + n)
         m.tokens.append(bonus_t)
-        yield _step(i, "hierspec", timer, draft[:n] + [bonus_t], [x.source for x in seq[:n]] + ["target_bonus"], text,
+        yield make_step(i, "hierspec", timer, draft[:n] + [bonus_t], [x.source for x in seq[:n]] + ["target_bonus"], text,
                     trees=trees, sequence=seq, target_accepted=n, target_bonus=bonus_t,
                     target_bonus_text=text(bonus_t),
                     forwards={"target": 1, "intermediate": m.forwards - m0, "e_m": e.forwards - e0})
         i += 1
 
-
-DECODERS = {"ar": decode_ar, "spec": decode_spec, "eagle2": decode_eagle2, "eagle3": decode_eagle3,
-            "hierspec": decode_hierspec}
 
 
 def cache_margin(s: DecodeSettings) -> int:

@@ -144,3 +144,8 @@ def load_eagle_weights(folder: str | Path) -> tuple[ModelConfig, dict[str, torch
             raise WeightsError(f"{folder} is not an EAGLE-1/2 head: tensor {key!r} is missing")
     cfg.qkv_bias = "layers.0.self_attn.q_proj.bias" in weights  # Qwen2 heads carry qkv bias
     return cfg, weights
+
+
+def load_eagle_head(folder: str | Path, base: Transformer) -> EagleHead:
+    """An EAGLE-1/2 head from a local folder on `base` (the `eagle2` head type's loader)."""
+    return EagleHead(*load_eagle_weights(folder), base)

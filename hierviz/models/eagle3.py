@@ -409,6 +409,8 @@ def write_eagle3_checkpoint(folder: PathLike, tensors: dict[str, torch.Tensor], 
             raise ModelConfigError(f"the safeailab layout cannot record feature layers {ids} (it always reads "
                                    f"{list(default_feature_layers(base_num_layers))}): write specforge or speculators")
         config = dict(config_llama, draft_vocab_size=draft_vocab_size)
+        if cfg.hidden_size != base_hidden_size:     # cnets.Model sizes fc from it (else 3 x the head's width)
+            config["target_hidden_size"] = base_hidden_size
     elif layout == "specforge":
         if "embed_tokens.weight" in tensors:
             raise ModelConfigError("the specforge layout stores no embedding (SGLang uses the target's): this head "

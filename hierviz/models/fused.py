@@ -1,11 +1,10 @@
 """Fused Triton kernels for a decoder layer's non-GEMM work on the static (CUDA-graph) path.
 
-Why: `python -m hierviz op-profile --shape llama3-70b --layers 80` on an H200 (W4A16, fp16,
-CUDA graphs) measured 29.8 ms per token, of which the W4 GEMMs are 17.4 ms. The other ~45
-kernels per layer (RMSNorm's fp32 chain, RoPE's cat/neg/mul/add, the cache writes, SDPA's math
-path with its mask conversion and GQA copies, SiLU * up, residual adds) took ~110 us per layer
-plus launch gaps: ~12 ms per token, more than the weight-read floor of the whole model (9.1 ms).
-These kernels do that work in five launches per layer:
+Why: done by torch, that work is ~45 small kernels per layer (RMSNorm's fp32 chain, RoPE's
+cat/neg/mul/add, the cache writes, SDPA's math path with its mask conversion and GQA copies,
+SiLU * up, residual adds), whose time and launch gaps on a 70B target exceed the weight-read
+floor of the whole model (docs/kernels.md, "The fused layer kernels"). These kernels do that
+work in five launches per layer:
 
   rms_norm                  one program per token row (the residual adds happen inside the o /
                             down W4 products: hierviz.quant.w4.w4_linear's add_to)
@@ -32,7 +31,7 @@ import math
 import torch
 
 from hierviz.config import options
-from hierviz.machine import ticket_buffer
+from hierviz.quant.tickets import ticket_buffer
 
 try:  # must import on machines without triton
     import triton

@@ -7,8 +7,8 @@ tensor are built on first use and cached on the W4Weight object per activation d
 model pays the repack once. Importing this module registers the kernel.
 
 fp32 activations are rounded to bf16 before the call (and the result returned as fp32):
-torch 2.13's fp32 path of this op is ~16x slower than its bf16 path on this CPU (measured:
-2.2 ms vs 0.14 ms at M=1, K=576, N=1536, one thread), which would make the kernel pointless.
+torch's fp32 path of this op is ~16x slower than its bf16 path (docs/kernels.md), which would
+make the kernel pointless.
 The cost is bf16 activation rounding, ~4e-3 relative error against the fp32 reference.
 Set FP32_VIA_BF16 = False for the exact (slow) fp32 path.
 """

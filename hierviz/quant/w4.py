@@ -157,11 +157,10 @@ def quantize_linears(weights: dict[str, Any], group: int) -> dict[str, Any]:
 
 CPU_NT_MAX_ROWS = 128
 
-# Which form of x @ w^T is fastest for a few rows on the CPU depends on the machine's MKL: one
-# 2-core machine ran (w @ x^T)^T 1.5-2.5x faster than x @ w^T for 2-64 rows (and one row padded
-# to two); another ran SmolLM2-135M's one-token forward at 38 ms plainly and 71 ms that way. So each (N, K, dtype, row bucket) is timed once per process, on first use,
-# and the winner kept. HIERVIZ_CPU_MATMUL=plain|nt fixes the choice (reproducible rounding across
-# processes); the default is auto.
+# Which form of x @ w^T is fastest for a few rows on the CPU depends on the machine's MKL, by up to
+# 2x either way (docs/kernels.md, "CPU dense products"). So each (N, K, dtype, row bucket) is timed
+# once per process, on first use, and the winner kept. HIERVIZ_CPU_MATMUL=plain|nt fixes the choice
+# (reproducible rounding across processes); the default is auto.
 _CPU_FORMS: dict[tuple, str] = {}
 _FORM_MARGIN = 0.85       # another form must beat plain by 15 %: near-equal timings keep plain
 

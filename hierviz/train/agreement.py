@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from hierviz.methods import BASELINE
 from hierviz.config import recorded_command
 
 
@@ -57,8 +58,8 @@ def measure(stack, questions: list[dict[str, Any]], max_new_tokens: int, draft_l
     per_q, by_cat, skipped = [], {}, []
     for q in questions:
         try:
-            prompt_ids, _ = prepare(stack, "ar", q["prompt"], settings)
-            trace = generate(stack, "ar", q["prompt"], settings)
+            prompt_ids, _ = prepare(stack, BASELINE, q["prompt"], settings)
+            trace = generate(stack, BASELINE, q["prompt"], settings)
         except EngineError as e:        # e.g. a prompt longer than the model's context: skipped, reported
             skipped.append({"question_id": q["question_id"], "category": q["category"], "reason": str(e)})
             if progress:

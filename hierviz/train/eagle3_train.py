@@ -293,6 +293,12 @@ class Eagle3Trainer:
         (folder / "config.json").write_text(json.dumps(raw, indent=2))
         return folder
 
+    def report_fields(self) -> dict:
+        """The EAGLE-3 options, for the training report."""
+        a = self.a
+        return {"ttt_steps": a.ttt_steps, "draft_vocab": a.draft_vocab, "draft_vocab_size": a.draft_vocab_size,
+                "draft_vocab_size_m": a.draft_vocab_size_m, "head_intermediate_size": a.head_intermediate_size}
+
     @staticmethod
     def stats_line(st: dict) -> str:
         return " ".join(f"{k} {v:.3f}" for k, v in st.items())

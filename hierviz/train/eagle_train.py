@@ -3,9 +3,10 @@
     python -m hierviz train eagle --target T.gguf --intermediate M_DIR --data data.pt \
         --out-t E_T_DIR --out-m E_M_DIR --steps 3000 --time-budget 150 [--head-type eagle3 ...]
 
-One loop trains either head type; each type brings its head, loss, held-out check and writer
-(Eagle2Trainer here; hierviz.train.eagle3_train.Eagle3Trainer for EAGLE-3 with training-time
-test). EAGLE-1/2:
+One loop trains every head type that names a trainer in its registry entry
+(hierviz.models.drafter.HeadType.trainer); each trainer brings its head, loss, held-out check and
+writer (Eagle2Trainer here; hierviz.train.eagle3_train.Eagle3Trainer for EAGLE-3 with
+training-time test). EAGLE-1/2:
 
 A head is one Llama decoder layer without input norm, fed fc(cat(embed(token_{t+1}), feature_t))
 at position t, where feature_t is the base model's last hidden state after its final norm; its
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hierviz.config import recorded_command
+from hierviz.models.drafter import HEAD_TYPES, get_head_type, trainable_head_types
 from hierviz.models.llama import RMSNorm
 from hierviz.train.common import (base_dtype, Progress, TokenData, autocast, batches, build_hf, copy_into,
                                   env_info, hf_config_dict, load_base, log, pick_device, seed_all, valid_mask,
@@ -258,17 +260,21 @@ class Eagle2Trainer:
     def save(self, head: EagleTrainHead, folder: str | Path, base_cfg: dict, extra: dict) -> Path:
         return save_head(head, folder, base_cfg, extra)
 
+    def report_fields(self) -> dict:
+        """This head type's own options, for the training report (EAGLE-1/2: none beyond the loop's)."""
+        return {}
+
     @staticmethod
     def stats_line(st: dict) -> str:
         return f"v {st['vloss']:.4f} p {st['ploss']:.3f} acc {st['acc']:.3f}"
 
 
 def trainer_for(a: argparse.Namespace):
-    """The head type's trainer (--head-type)."""
-    if a.head_type == "eagle3":
-        from hierviz.train.eagle3_train import Eagle3Trainer
-        return Eagle3Trainer(a)
-    return Eagle2Trainer(a)
+    """The head type's trainer (--head-type), from its registry entry."""
+    trainer = get_head_type(a.head_type).trainer_class()
+    if trainer is None:
+        raise SystemExit(f"head type {a.head_type!r} has no trainer; trainable: {', '.join(trainable_head_types())}")
+    return trainer(a)
 
 
 def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -286,9 +292,9 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--p-w", type=float, default=0.1, help="weight of the token cross-entropy")
     ap.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width (x feature std)")
     ap.add_argument("--no-bias", action="store_true")
-    ap.add_argument("--head-type", choices=("eagle2", "eagle3"), default="eagle2",
-                    help="eagle2: EAGLE-1/2 heads (feature regression); eagle3: EAGLE-3 heads (low/middle/high "
-                         "features, own draft vocabulary, training-time test)")
+    choices = trainable_head_types()
+    ap.add_argument("--head-type", choices=choices, default=choices[0],
+                    help="; ".join(f"{n}: {HEAD_TYPES[n].description}" for n in choices))
     ap.add_argument("--ttt-steps", type=int, default=7, help="eagle3: drafting steps unrolled in training")
     ap.add_argument("--draft-vocab", default=None,
                     help="eagle3: JSON list of token ids, most frequent first (train data's FR-Spec file); "
@@ -412,9 +418,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "seconds_training": round(time.time() - prog.t0, 1), "lr": a.lr, "batch_tokens": a.batch_tokens,
               "p_w": a.p_w, "noise": a.noise, "init_t": a.init_t, "init_m": a.init_m, "head_type": a.head_type,
               "heads": {}, "env": env_info(device)}
-    if a.head_type == "eagle3":
-        report.update(ttt_steps=a.ttt_steps, draft_vocab=a.draft_vocab, draft_vocab_size=a.draft_vocab_size,
-                      draft_vocab_size_m=a.draft_vocab_size_m, head_intermediate_size=a.head_intermediate_size)
+    report.update(trainer.report_fields())
     report["heads"] = _evaluate_and_save(heads, bases, data, a, device, prog, logs, last, trainer)
     report["seconds_total"] = round(time.time() - t0, 1)
     write_json(a.report, report)

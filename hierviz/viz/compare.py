@@ -10,13 +10,19 @@ from __future__ import annotations
 
 from typing import Optional
 
+from hierviz.methods import METHODS
 from hierviz.retime import tokens_of
 from hierviz.trace import Step, Trace
 from hierviz.viz.panels import is_prefill, sequence_html, tree_html, verdict_html
 from hierviz.viz.style import esc, method_label
 
-# the run shown beside each run (the teaching comparison is HierSpec's sequence against EAGLE-2's tree)
-COUNTERPART = {"hierspec": "eagle2", "eagle2": "hierspec", "eagle3": "hierspec"}
+
+
+def counterpart(method: str) -> Optional[str]:
+    """The run shown beside a run of `method` (its registry entry's counterpart: the teaching
+    comparison is HierSpec's sequence against EAGLE-2's tree)."""
+    m = METHODS.get(method)
+    return m.counterpart if m else None
 
 
 def tokens_after(steps: list[Step], i: int) -> int:
@@ -67,12 +73,12 @@ def _note(text: str) -> str:
 
 def side_by_side_html(main: Optional[Trace], i: int, runs: list[Trace], live: bool = False) -> str:
     """The inspected step i (0-based) of `main` beside its counterpart's step at the same token count
-    (COUNTERPART); a short note when there is nothing to pair. `live`: the runs come from a live run,
+    (`counterpart`); a short note when there is nothing to pair. `live`: the runs come from a live run,
     where a method missing may simply not have started yet."""
     if main is None or not main.steps:
         return _note("Run a prompt or load a trace to compare HierSpec and EAGLE-2 step by step.")
     method = str(main.meta.get("method", main.steps[0].method))
-    other_method = COUNTERPART.get(method)
+    other_method = counterpart(method)
     if other_method is None:
         return _note("Side by side pairs HierSpec with EAGLE-2: inspect one of those two runs.")
     other = next((t for t in runs if t.meta.get("method") == other_method), None)

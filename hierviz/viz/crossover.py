@@ -17,11 +17,12 @@ from typing import Any, Optional
 
 import plotly.graph_objects as go
 
+from hierviz.methods import PEER, SUBJECT
 from hierviz.retime import RETIMED, WHATIF_SWEEP, acceptance_scale, at_time_scale, equal_token_ratios
 from hierviz.trace import Trace, TraceError, comparison_from_json
-from hierviz.viz.style import COLORS
+from hierviz.viz.style import COLORS, method_color
 from hierviz.viz.unchecked import unchecked_figure
-from hierviz.viz.whatif_fig import METHOD_COLORS, sweep_base_rates
+from hierviz.viz.whatif_fig import sweep_base_rates
 
 PAPER_SCALE = 1.0
 TITLE = "Where this run sits: HierSpec / EAGLE-2 against acceptance (projected at Llama-3-70B / 8B, H200)"
@@ -62,7 +63,7 @@ def run_point(traces: list[Trace], sweep: dict[str, Any]) -> Optional[tuple[floa
     rates, seq = sweep_base_rates(sweep)
     scale = acceptance_scale(traces, rates, seq)
     runs = {str(t.meta.get("method")): t.steps for t in at_time_scale(traces, RETIMED)}
-    ratio = next((r.speedup for r in equal_token_ratios(runs) if r.other == "eagle2"), None)
+    ratio = next((r.speedup for r in equal_token_ratios(runs) if r.other == PEER), None)
     return (scale, ratio) if scale is not None and ratio is not None else None
 
 
@@ -81,7 +82,7 @@ def sweep_figure_json() -> dict:
     if points:
         fig.add_trace(go.Scatter(
             x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers", name="what-if sweep (projected)",
-            line=dict(color=METHOD_COLORS["hierspec"], width=3),
+            line=dict(color=method_color(SUBJECT), width=3),
             hovertemplate="acceptance scale %{x}: HierSpec %{y:.2f}× EAGLE-2 (projected)<extra></extra>"))
     cross = crossover_scale(points)
     if cross is not None:

@@ -19,7 +19,7 @@ from typing import Optional
 import plotly.graph_objects as go
 
 from hierviz.trace import Step, Trace
-from hierviz.viz.compare import COUNTERPART, matching_step, side_by_side_html
+from hierviz.viz.compare import counterpart, matching_step, side_by_side_html
 from hierviz.viz.panels import legend_html, output_html, sequence_html, tree_html, verdict_html
 from hierviz.viz.style import esc, method_label
 
@@ -120,7 +120,7 @@ NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 def paired_step(trace: Trace, i: int, beside: Optional[list[Trace]]) -> Optional[tuple[Trace, int]]:
     """The other method's run and its step at step i's token count (hierviz.viz.compare), if `beside`
     holds one with such a step."""
-    other = next((t for t in beside or [] if t.meta.get("method") == COUNTERPART.get(str(trace.meta.get("method")))),
+    other = next((t for t in beside or [] if t.meta.get("method") == counterpart(str(trace.meta.get("method")))),
                  None)
     j = matching_step(other.steps, sum(len(s.new_tokens) for s in trace.steps[: i + 1])) if other else None
     return None if other is None or j is None else (other, j)

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import plotly.graph_objects as go
 
-from hierviz.viz.whatif_fig import METHOD_COLORS
+from hierviz.methods import BASELINE, PEER, SUBJECT
+from hierviz.viz.style import method_color, method_label
 
 LABEL = "projected: the W4A16 acceptance sweep repriced with each format's measured forward"
 DASHES = {"dense": "solid", "w8a8-int8": "dash", "w8a8-fp8": "dashdot", "w4": "dot"}
@@ -28,30 +29,31 @@ def format_curves(compat: dict[str, Any], sweep: dict[str, Any]) -> dict[str, An
     """{format: {"name", "scales", method: [speedup over AR per scale], "crossovers": {...}}} for the
     compat rows that ran; the sweep's best tree size and min draft at the compat's settings."""
     s = compat["settings"]
-    tree = sweep.get("tree_method", "eagle2")
+    tree = sweep.get("tree_method", PEER)
     w4 = next((r for r in compat["rows"] if r["format"] == "w4" and "error" not in r), None)
     if w4 is None:
         raise ValueError("the compat table has no W4A16 row to align the sweep with")
     rows = [r for r in sweep["rows"] if (r["method"] == tree and r.get("t_tree_size") == s["t_tree_size"] + 1)
-            or (r["method"] == "hierspec" and r.get("min_draft_len") == s["min_draft_len"])]
+            or (r["method"] == SUBJECT and r.get("min_draft_len") == s["min_draft_len"])]
     scales = sorted({r["scale"] for r in rows})
     ar_ms_w4 = 1000.0 / sweep["ar_tokens_per_s"]
     out: dict[str, Any] = {}
     for r in compat["rows"]:
         if "error" in r:
             continue
-        d_ar = 1000.0 / r["tokens_per_s"]["ar"] - 1000.0 / w4["tokens_per_s"]["ar"]
+        d_ar = 1000.0 / r["tokens_per_s"][BASELINE] - 1000.0 / w4["tokens_per_s"][BASELINE]
         curve: dict[str, Any] = {"name": r["name"], "scales": scales}
-        for m in (tree, "hierspec"):
+        for m in (tree, SUBJECT):
             delta = (_per_round_ms(r["tokens_per_s"][m], r["tokens_per_round"][m])
                      - _per_round_ms(w4["tokens_per_s"][m], w4["tokens_per_round"][m]))
             by_scale = {x["scale"]: x for x in rows if x["method"] == m}
             curve[m] = [((ar_ms_w4 + d_ar) * by_scale[sc]["tokens_per_round"]
                          / (_per_round_ms(by_scale[sc]["tokens_per_s"], by_scale[sc]["tokens_per_round"]) + delta))
                         if sc in by_scale else None for sc in scales]
-        curve["crossovers"] = {"hierspec_over_" + tree: crossing(scales, curve["hierspec"], curve[tree]),
-                               tree + "_over_ar": crossing(scales, curve[tree], [1.0] * len(scales)),
-                               "hierspec_over_ar": crossing(scales, curve["hierspec"], [1.0] * len(scales))}
+        flat = [1.0] * len(scales)
+        curve["crossovers"] = {f"{SUBJECT}_over_{tree}": crossing(scales, curve[SUBJECT], curve[tree]),
+                               f"{tree}_over_{BASELINE}": crossing(scales, curve[tree], flat),
+                               f"{SUBJECT}_over_{BASELINE}": crossing(scales, curve[SUBJECT], flat)}
         out[r["format"]] = curve
     return out
 
@@ -68,17 +70,17 @@ def crossing(xs: list[float], a: list[Optional[float]], b: list[Optional[float]]
     return None
 
 
-def format_curves_figure(curves: dict[str, Any], tree: str = "eagle2", title: str = "") -> go.Figure:
+def format_curves_figure(curves: dict[str, Any], tree: str = PEER, title: str = "") -> go.Figure:
     fig = go.Figure()
-    names = {tree: "EAGLE-2" if tree == "eagle2" else "EAGLE-3", "hierspec": "HierSpec"}
+    names = {m: method_label(m) for m in (tree, SUBJECT)}
     for fmt, c in curves.items():
-        for m in (tree, "hierspec"):
+        for m in (tree, SUBJECT):
             fig.add_trace(go.Scatter(x=c["scales"], y=c[m], mode="lines+markers",
                                      name=f"{names[m]} · {c['name']}", legendgroup=fmt,
-                                     line=dict(color=METHOD_COLORS.get(m, "#333333"), dash=DASHES.get(fmt, "solid"))))
-        x = c["crossovers"][f"hierspec_over_{tree}"]
+                                     line=dict(color=method_color(m), dash=DASHES.get(fmt, "solid"))))
+        x = c["crossovers"][f"{SUBJECT}_over_{tree}"]
         if x is not None:     # the crossover as a marker on the HierSpec curve; the panel's note lists them
-            xs, ys = c["scales"], c["hierspec"]
+            xs, ys = c["scales"], c[SUBJECT]
             k = max(i for i in range(len(xs) - 1) if xs[i] <= x)
             y = ys[k] + (ys[k + 1] - ys[k]) * (x - xs[k]) / (xs[k + 1] - xs[k])
             fig.add_trace(go.Scatter(x=[x], y=[y], mode="markers", marker=dict(symbol="x", size=11, color="#1F2937"),

@@ -9,17 +9,16 @@ from typing import Optional
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from hierviz.methods import METHODS
 from hierviz.trace import STAGES, Step, Trace
 from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, method_label
 from hierviz.viz.unchecked import unchecked_figure
 
-METHOD_STAGE_NAMES = {
-    "hierspec": {"draft": "E_M draft", "intermediate_verify": "M verifies trees", "target_verify": "T verifies sequence"},
-    "eagle2": {"draft": "E_T draft", "target_verify": "T verifies tree"},
-    "eagle3": {"draft": "E_T draft (EAGLE-3)", "target_verify": "T verifies tree"},
-    "spec": {"draft": "M drafts", "target_verify": "T verifies sequence"},
-    "ar": {"target_verify": "T forward"},
-}
+
+def stage_name(method: str, stage: str) -> str:
+    """A stage's bar label in a method's run (its registry entry's), else the stage's general label."""
+    m = METHODS.get(method)
+    return (m.stage_names if m else {}).get(stage, STAGE_LABELS[stage])
 
 
 def tokens_through(trace: Trace, step: int) -> int:
@@ -91,7 +90,7 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
             vals = [r[1].get(stage, 0.0) for r in rows]
             if not any(vals):
                 continue
-            names = [METHOD_STAGE_NAMES.get(r[2], {}).get(stage, STAGE_LABELS[stage]) for r in rows]
+            names = [stage_name(r[2], stage) for r in rows]
             traces.append(dict(
                 type="bar", y=labels, x=vals, orientation="h", name=STAGE_LABELS[stage], legendgroup=stage,
                 showlegend=row_idx == 1, marker=dict(color=STAGE_COLORS[stage]),

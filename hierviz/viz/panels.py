@@ -9,9 +9,11 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from hierviz.retime import (MEASURED, RETIMED, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
+from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, head_label
+from hierviz.retime import (MEASURED, RETIMED, Ratio, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
                             whatif_headline)
-from hierviz.trace import TREE_ON_TARGET, DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
+from hierviz.methods import BASELINE, METHODS, SUBJECT, TOKEN, tree_on_target, verifies
+from hierviz.trace import DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
                                token_label)
 from hierviz.viz.tree import bonus_status, node_status
@@ -69,19 +71,10 @@ def swatch(kind: str) -> str:
             f'color:{TEXT_ON[kind]}">{mark}</span>')
 
 
-# The roles each method's panels can show; a legend for one method lists only these.
-METHOD_ROLES = {
-    "hierspec": {"tree", "intermediate_bonus", "target_bonus", "rejected", "discarded"},
-    "eagle2": {"tree", "target_bonus", "rejected", "discarded"},
-    "eagle3": {"tree", "target_bonus", "rejected", "discarded"},
-    "spec": {"draft", "target_bonus", "rejected", "discarded"},
-    "ar": {"target_bonus"},
-}
-
-
 def legend_html(method: Optional[str] = None) -> str:
     """The colour-and-mark key; with `method`, only the roles that method's panels show."""
-    shown = METHOD_ROLES.get(method or "", {k for k, _ in LEGEND_ITEMS})
+    all_roles = {k for k, _ in LEGEND_ITEMS}
+    shown = METHODS[method].roles if method in METHODS else all_roles     # a method's panels show only its roles
     parts = [f'<span class="hv-key">{swatch(k)}{esc(v)}</span>' for k, v in LEGEND_ITEMS if k in shown]
     return f'<div class="hv-legend">{"".join(parts)}</div>'
 
@@ -97,12 +90,12 @@ def sequence_html(step: Optional[Step]) -> str:
         return _box('<p class="hv-muted">Run a prompt or load a trace to see the sequence draft.</p>')
     if is_prefill(step):
         return _box(f'<p class="hv-muted">{esc(PREFILL_TEXT)}</p>')
-    if step.method in TREE_ON_TARGET:
+    if tree_on_target(step.method):
         n = sum(len(t.nodes) for t in step.trees)
         return _box(f'<p class="hv-muted">{esc(method_label(step.method))} has no sequence draft: the target '
                     f'verifies the whole {n}-token tree itself in one forward pass.</p>')
-    if step.method == "ar":
-        return _box('<p class="hv-muted">Autoregressive decoding has no draft: one target forward, one token.</p>')
+    if verifies(step.method) == TOKEN:
+        return _box(f'<p class="hv-muted">{esc(method_label(step.method))} has no draft: one target forward, one token.</p>')
     if not step.sequence:
         return _box('<p class="hv-muted">This step has no sequence draft.</p>')
     groups: list[tuple[Optional[int], list[str]]] = []
@@ -150,15 +143,15 @@ def verdict_html(step: Optional[Step]) -> str:
     if step is None:
         return _box('<p class="hv-muted">The target\'s verdict appears here.</p>')
     bonus = step.target_bonus_text
-    if is_prefill(step) and step.method != "ar":
+    if is_prefill(step) and verifies(step.method) != TOKEN:
         text = step.new_text[0] if step.new_text else bonus
         return _box(VERDICT_HEAD + f'<div class="hv-chips">{chip(text, "target_bonus", "the target picked the first token")}</div>'
                     '<div class="hv-sum">Prefill: the target read the prompt and wrote the first token itself.</div>')
-    if step.method == "ar":
+    if verifies(step.method) == TOKEN:
         text = step.new_text[0] if step.new_text else bonus
         return _box(VERDICT_HEAD + f'<div class="hv-chips">{chip(text, "target_bonus", "target T generated this token")}</div>'
                     '<div class="hv-sum">No draft: the target ran one forward pass for one token.</div>')
-    if step.method in TREE_ON_TARGET:
+    if tree_on_target(step.method):
         tree = step.trees[0] if step.trees else None
         by_id = {n.id: n for n in tree.nodes} if tree else {}
         acc = [by_id[a] for a in tree.accepted] if tree else []
@@ -246,10 +239,7 @@ def run_setup_line(meta: dict) -> str:
         parts.append(f'M kernel {meta["intermediate_w4_kernel"]}')
     if meta.get("w4_fast_path"):          # the start-up proof of the W4 kernel's fast variants (GPU)
         parts.append(str(meta["w4_fast_path"]))
-    heads = meta.get("head_types") or {}
-    if "eagle3" in heads.values():
-        parts.append("EAGLE-3 head on " + " and ".join({"e_m": "M", "e_t": "T", "e_t3": "T"}[k]
-                                                        for k, v in heads.items() if v == "eagle3"))
+    parts += head_type_notes(meta.get("head_types") or {})
     vocab = str(meta.get("draft_vocab") or "")
     if vocab and vocab != "full":
         name = vocab.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".json")
@@ -257,9 +247,21 @@ def run_setup_line(meta: dict) -> str:
     return " · ".join(esc(p) for p in parts)
 
 
+def head_type_notes(head_types: dict[str, str]) -> list[str]:
+    """"EAGLE-3 head on M and T" for each head type but the default one (the EAGLE-1/2 layout)."""
+    default = next(iter(HEAD_TYPES))
+    on = {"intermediate": "M", "target": "T"}
+    notes = []
+    for kind in dict.fromkeys(v for v in head_types.values() if v != default):
+        bases = dict.fromkeys(on.get(HEAD_SLOTS[k][0], k) if k in HEAD_SLOTS else k
+                              for k, v in head_types.items() if v == kind)
+        notes.append(f"{head_label(kind)} head on " + " and ".join(bases))
+    return notes
+
+
 def _same_as_ar(method: str, tokens: list[int], ar: list[int], sampled: bool) -> str:
     """Lossless check of one run against AR's output, over the tokens both show."""
-    if method == "ar":
+    if method == BASELINE:
         return '<span class="hv-muted">reference</span>'
     if sampled:   # sampling is lossless in distribution, not token for token
         return '<span class="hv-muted" title="sampled: same distribution, not the same text">–</span>'
@@ -303,11 +305,32 @@ def ratio_text(speedup: float, runs: Optional[list[float]] = None, bold: bool = 
             f"over {len(runs)} runs)")
 
 
+def typical_speedup(speedup: float, runs: Optional[list[float]] = None) -> float:
+    """The speedup that decides the wording: over repeated runs (two or more) their median."""
+    return statistics.median(runs) if runs and len(runs) >= 2 else speedup
+
+
 def speed_phrase(speedup: float, other: str, runs: Optional[list[float]] = None) -> str:
     """"1.22× faster than EAGLE-2"; over repeated runs (`runs`) the median decides the wording."""
-    typical = statistics.median(runs) if runs and len(runs) >= 2 else speedup
-    faster = "faster than" if typical >= 1 else "the speed of"
+    faster = "faster than" if typical_speedup(speedup, runs) >= 1 else "the speed of"
     return f"{ratio_text(speedup, runs)} {faster} {esc(method_label(other))}"
+
+
+def speed_sentences(ratios: list[Ratio], repeats: dict[str, list[float]]) -> str:
+    """Every run against HierSpec: "HierSpec is 1.20× faster than EAGLE-2 · 1.70× faster than
+    Autoregressive", then one sentence for each method that was faster ("EAGLE-3 is 1.06× faster
+    than HierSpec on this run")."""
+    subject = esc(method_label(SUBJECT))
+    ahead = [r for r in ratios if typical_speedup(r.speedup, repeats.get(r.other)) >= 1]
+    behind = [r for r in ratios if r not in ahead]
+    parts = [f"{subject} is " + " · ".join(speed_phrase(r.speedup, r.other, repeats.get(r.other)) for r in ahead)
+             ] if ahead else []
+    if behind:
+        faster = [f"<b>{esc(method_label(r.other))}</b> is "
+                  + ratio_text(1 / r.speedup, [1 / x for x in repeats.get(r.other) or [] if x > 0])
+                  for r in sorted(behind, key=lambda r: r.speedup)]
+        parts.append(" · ".join(faster) + f" faster than {subject} on this run")
+    return ". ".join(parts)
 
 
 def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = MEASURED,
@@ -320,7 +343,7 @@ def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = 
         return ""
     n = ratios[0].n_tokens
     repeats = repeats or {}
-    line = "HierSpec is " + " · ".join(speed_phrase(r.speedup, r.other, repeats.get(r.other)) for r in ratios)
+    line = speed_sentences(ratios, repeats)
     if time_scale == RETIMED:
         where = (f're-timed at real scale, <b>projected</b>: {esc(str(meta.get("retimed_on", "")))}, the same '
                  f'tokens and accept decisions as measured on {esc(where_measured({"device": meta.get("measured_device"), "gpu": meta.get("measured_gpu")}))}')
@@ -385,9 +408,9 @@ def small_stack_html(meta: dict, time_scale: str = MEASURED) -> str:
            if device == "cuda" else
            "on a CPU a 135M target is compute-bound: every verified token costs nearly a full step")
     headline = whatif_headline()
-    real = (f' At Llama-3-70B / 8B shapes on an H200 the <b>{tab_link(WHATIF_TAB, "What-if")}</b> tab projects HierSpec at '
-            f'<b>{headline["ar"]:.2f}×</b> Autoregressive and <b>{headline["eagle2"]:.2f}×</b> EAGLE-2 '
-            f'(the paper\'s trees, assumed acceptance rates).') if headline else ""
+    real = (f' At Llama-3-70B / 8B shapes on an H200 the <b>{tab_link(WHATIF_TAB, "What-if")}</b> tab projects {esc(method_label(SUBJECT))} at '
+            + " and ".join(f'<b>{x:.2f}×</b> {esc(method_label(m))}' for m, x in headline.items())
+            + ' (the paper\'s trees, assumed acceptance rates).') if headline else ""
     shown = ("These numbers are the small stack's tokens priced at real scale; choose "
              f"“{MEASURED}” for the times it took." if time_scale == RETIMED else
              f"Choose “{RETIMED}” to price these same tokens at Llama-3-70B / 8B.")
@@ -424,10 +447,10 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None, time_sc
     body = "".join(f"<tr><td>{name}</td>" + "".join(f"<td>{f(s)}</td>" for _, s in cols) + "</tr>"
                    for name, f in rows)
     # (a hand-made trace's texts are invented: nothing to check)
-    if "ar" in shown and len(cols) > 1 and not any(t.meta.get("synthetic") for t in runs):
+    if BASELINE in shown and len(cols) > 1 and not any(t.meta.get("synthetic") for t in runs):
         sampled = float((runs[0].meta.get("settings") or {}).get("temperature") or 0) > 0
-        body += ("<tr><td>same text as Autoregressive</td>"
-                 + "".join(f"<td>{_same_as_ar(m, shown[m], shown['ar'], sampled)}</td>" for m, _ in cols) + "</tr>")
+        body += (f"<tr><td>same text as {esc(method_label(BASELINE))}</td>"
+                 + "".join(f"<td>{_same_as_ar(m, shown[m], shown[BASELINE], sampled)}</td>" for m, _ in cols) + "</tr>")
     # per-depth acceptance as small bars
     depth_rows = []
     max_d = max((max(s["per_depth_acceptance"], default=0) for _, s in cols), default=0)

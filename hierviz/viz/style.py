@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import html
 
+from hierviz import methods
+
 # Who produced a token (trace SOURCES) and the tree-node states drawn in the tree view.
 COLORS = {
     "tree": "#297B7A",                # teal: drafted by the EAGLE head and accepted by its verifier
@@ -71,13 +73,6 @@ STAGE_LABELS = {
     "target_verify": "target T verifies",
     "overhead": "overhead",
 }
-METHOD_LABELS = {
-    "hierspec": "HierSpec",
-    "eagle2": "EAGLE-2",
-    "eagle3": "EAGLE-3",
-    "spec": "Sequence spec.",
-    "ar": "Autoregressive",
-}
 
 
 def relative_luminance(color: str) -> float:
@@ -94,7 +89,13 @@ def contrast_ratio(foreground: str, background: str) -> float:
 
 
 def method_label(method: str) -> str:
-    return METHOD_LABELS.get(method, method)
+    return methods.label(method)
+
+
+def method_color(method: str) -> str:
+    """A method's colour in per-method charts (its registry entry's); grey for an unknown name."""
+    m = methods.METHODS.get(method)
+    return m.color if m else "#999999"
 
 
 def visible_token(text: str, limit: int = 12) -> str:

@@ -16,13 +16,13 @@ from typing import Any, Optional
 
 import plotly.graph_objects as go
 
-from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, esc, method_label
+from hierviz import methods
+from hierviz.methods import BASELINE, PEER, SUBJECT
+from hierviz.viz.style import STAGE_COLORS, STAGE_LABELS, esc, method_color, method_label
 
 LABEL = "projected with replayed acceptance"   # == hierviz.whatif.LABEL (kept import-free of torch)
-METHOD_ORDER = ("ar", "spec", "eagle2", "eagle3", "hierspec")
 # the roles' hues where they mean the same (HierSpec teal as accepted trees, EAGLE-2 orange as T,
 # sequence spec. lavender as M drafting alone); distinct under simulated colour blindness
-METHOD_COLORS = {"ar": "#333333", "spec": "#B286E9", "eagle2": "#C96A00", "eagle3": "#7A3E00", "hierspec": "#297B7A"}
 LABEL_TEXT_COLOR = "#1F2937"   # winner labels: the star carries the colour, the text stays readable
 STAGE_ORDER = ("draft", "intermediate_verify", "target_verify", "overhead")
 
@@ -128,7 +128,8 @@ def _title(main: str, d: dict[str, Any]) -> dict[str, Any]:
 
 def _methods(d: dict[str, Any]) -> list[str]:
     ms = d.get("methods") or {}
-    return sorted(ms, key=lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else 99)
+    order = methods.names()
+    return sorted(ms, key=lambda m: order.index(m) if m in order else len(order))
 
 
 def _layout(fig: go.Figure, height: int = 440) -> go.Figure:
@@ -143,11 +144,12 @@ def throughput_figure(d: dict[str, Any]) -> go.Figure:
     sp = d.get("speedup_vs_ar") or {}
     labels = [method_label(m) for m in names]
     tps = [float(ms[m]["tokens_per_s"]) for m in names]
-    text = [(f"{sp[m]:.2f}x vs AR" if m != "ar" else "AR (1.00x)") if m in sp else f"{v:.1f} tok/s"
+    ar = methods.short(BASELINE)
+    text = [(f"{sp[m]:.2f}x vs {ar}" if m != BASELINE else f"{ar} (1.00x)") if m in sp else f"{v:.1f} tok/s"
             for m, v in zip(names, tps)]
     fig = go.Figure(go.Bar(
         x=labels, y=tps, text=text, textposition="outside", cliponaxis=False, showlegend=False,
-        marker_color=[METHOD_COLORS.get(m, "#999999") for m in names],
+        marker_color=[method_color(m) for m in names],
         customdata=[[ms[m].get("tokens_per_round", 0.0), ms[m].get("ms_per_token", 0.0)] for m in names],
         hovertemplate="%{x}: %{y:.1f} tokens/s<br>%{customdata[0]:.2f} tokens per round, "
                       "%{customdata[1]:.2f} ms/token<extra></extra>"))
@@ -185,36 +187,37 @@ def sweep_figure(d: dict[str, Any]) -> go.Figure:
     tree method (EAGLE-2 or EAGLE-3) and best HierSpec per scale bold, a star on the winner and its
     name above each scale."""
     rows, verdicts = d.get("rows") or [], sorted(d.get("verdicts") or [], key=lambda v: float(v["scale"]))
-    tree_method = d.get("tree_method", "eagle2")
+    tree_method = d.get("tree_method", PEER)
+    best_subject = f"best_{SUBJECT}"
     fig = go.Figure()
-    for method, key, short in ((tree_method, "t_tree_size", "E_T tree size"), ("hierspec", "min_draft_len", "min draft")):
+    for method, key, short in ((tree_method, "t_tree_size", "E_T tree size"), (SUBJECT, "min_draft_len", "min draft")):
         for v in sorted({r[key] for r in rows if r.get("method") == method and key in r}):
             pts = sorted((r for r in rows if r.get("method") == method and r.get(key) == v), key=lambda r: r["scale"])
             fig.add_trace(go.Scatter(
                 x=[r["scale"] for r in pts], y=[r["speedup_vs_ar"] for r in pts], mode="lines+markers",
                 name=f"{method_label(method)}, {short} {v}", legendgroup=method, opacity=0.45,
-                line=dict(color=METHOD_COLORS[method], width=1.2, dash="dot"), marker=dict(size=5),
+                line=dict(color=method_color(method), width=1.2, dash="dot"), marker=dict(size=5),
                 hovertemplate=f"{method_label(method)}, {short} {v}<br>scale %{{x}}: %{{y:.2f}}x vs AR<extra></extra>"))
     xs = [v["scale"] for v in verdicts]
     for method, best, cfg, short in ((tree_method, "best_tree", "best_tree_size", "tree size"),
-                                     ("hierspec", "best_hierspec", "best_min_draft_len", "min draft")):
+                                     (SUBJECT, best_subject, "best_min_draft_len", "min draft")):
         fig.add_trace(go.Scatter(
             x=xs, y=[v[best] for v in verdicts], mode="lines+markers", name=f"best {method_label(method)}",
-            legendgroup=method, line=dict(color=METHOD_COLORS[method], width=3), marker=dict(size=8),
+            legendgroup=method, line=dict(color=method_color(method), width=3), marker=dict(size=8),
             customdata=[v[cfg] for v in verdicts],
             hovertemplate=f"best {method_label(method)} ({short} %{{customdata}})<br>"
                           "scale %{x}: %{y:.2f}x vs AR<extra></extra>"))
-    win_best = [v["best_hierspec"] if v["winner"] == "hierspec" else v["best_tree"] for v in verdicts]
+    win_best = [v[best_subject] if v["winner"] == SUBJECT else v["best_tree"] for v in verdicts]
     fig.add_trace(go.Scatter(
         x=xs, y=win_best, mode="markers", name="winner at this scale", hoverinfo="skip",
-        marker=dict(symbol="star", size=17, color=[METHOD_COLORS.get(v["winner"], "#333") for v in verdicts],
+        marker=dict(symbol="star", size=17, color=[method_color(v["winner"]) for v in verdicts],
                     line=dict(color="#222", width=1))))
     for v in verdicts:
         fig.add_annotation(x=v["scale"], y=1.0, yref="paper", yanchor="bottom", showarrow=False,
                            text=f"<b>{method_label(v['winner'])}</b>",
                            font=dict(color=LABEL_TEXT_COLOR, size=12))
-    fig.add_hline(y=1.0, line=dict(color=METHOD_COLORS["ar"], width=1.5, dash="dash"),
-                  annotation_text="AR (1.0x)", annotation_position="bottom right")
+    fig.add_hline(y=1.0, line=dict(color=method_color(BASELINE), width=1.5, dash="dash"),
+                  annotation_text=f"{methods.short(BASELINE)} (1.0x)", annotation_position="bottom right")
     fig.update_xaxes(title_text="acceptance scale (x every base rate)", tickvals=xs or None)
     fig.update_yaxes(title_text="speedup vs AR", rangemode="tozero")
     fig.update_layout(title=_title("Speedup vs acceptance: where each method wins", d))

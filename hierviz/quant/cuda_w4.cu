@@ -1,0 +1,387 @@
+// The CUDA MMA W4 kernel: y = x @ W.T for fp16 activations (hierviz/quant/cuda_w4.py holds its
+// weight layout, its launch and which products it serves; docs/kernels.md, "The CUDA MMA variant").
+// NVRTC compiles it at run time: cuda_w4.kernel_source() defines NBUF and ROWS_PER_BLOCK before this
+// text and adds one DIRECT_ENTRY / DIRECT_GROUP_ENTRY / STAGED_ENTRY line per build after it
+// (cuda_w4.DIRECT_BUILD, PAIR_GROUPS, STAGED_BUILD).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) U4 { u32 x, y, z, w; };
+struct __align__(8) U2 { u32 x, y; };
+
+__device__ __forceinline__ U4 load_codes(const U4* p) {   // streamed once: keep it out of L1
+  U4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ U4 load_x(const U4* p) {       // reread by the block's 8 warps: L1
+  U4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ U2 load_pair(const U2* p) {    // the (scale, offset) pairs of rows g, g + 8
+  U2 r;
+  asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {   // (a & b) | c
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+  u32 d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ float h2f(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One MMA step: the lane's 8 codes of word w (rows g, g+8) dequantized exactly to q, then
+// s * q + o in one packed FMA per pair, times T token tiles.
+template <int T>
+__device__ __forceinline__ void step(float (*acc)[4], u32 w, u32 sg, u32 og, u32 sh, u32 oh,
+                                     const u32* b0, const u32* b1) {
+  const u32 MAGIC = 0x64006400u, LO = 0x000f000fu, HI = 0x00f000f0u;
+  const u32 w8 = w >> 8;
+  u32 a0 = hsub2(lop3_and_or(w, LO, MAGIC), MAGIC);                 // 1024 + q   - 1024
+  u32 a1 = hfma2(lop3_and_or(w, HI, MAGIC), 0x2c002c00u, 0xd400d400u);  // (1024 + 16q) / 16 - 64
+  u32 a2 = hsub2(lop3_and_or(w8, LO, MAGIC), MAGIC);
+  u32 a3 = hfma2(lop3_and_or(w8, HI, MAGIC), 0x2c002c00u, 0xd400d400u);
+  a0 = hfma2(a0, sg, og);
+  a1 = hfma2(a1, sh, oh);
+  a2 = hfma2(a2, sg, og);
+  a3 = hfma2(a3, sh, oh);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) mma(acc[tt], a0, a1, a2, a3, b0[tt], b1[tt]);
+}
+
+__device__ __forceinline__ u32 smem_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void copy_async_zfill_to(u32 dst, const void* src, int bytes) {   // bytes 0: zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ U4 lds128_at(u32 a) {
+  U4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
+  return r;
+}
+
+#define PARAMS const U4* __restrict__ codes, const U2* __restrict__ so, const u16* __restrict__ x, \
+    u16* y, const u16* residual, float* partials, int* counters, int M, int N, int K, int ldx, int ldy, \
+    int chunks_per_slice, int n_groups, int group_shift, int split, long long tile_stride
+#define ARGS codes, so, x, y, residual, partials, counters, M, N, K, ldx, ldy, chunks_per_slice, n_groups, \
+    group_shift, split, tile_stride
+
+// The staged loop's codes and group pair (rows g, g + 8) of the lane's row tile, chunk after
+// chunk from the slice's first: the addresses advance rather than being recomputed per chunk.
+struct Chunks {
+  const U4* a;         // the lane's 16 bytes of the next chunk (a chunk: 32 words of a tile)
+  const U2* pairs;     // the pair of rows (g, g + 8) of group 0
+  int k, group_shift;  // the next chunk's first channel of the lane's 16
+  __device__ __forceinline__ const U2* pair() const { return pairs + ((u32)k >> group_shift) * 8u; }
+  __device__ __forceinline__ void advance() { a += 32; k += 64; }
+  __device__ __forceinline__ void get(U4& a_out, U2& so_out) {
+    a_out = load_codes(a);
+    so_out = load_pair(pair());
+    advance();
+  }
+};
+
+__device__ __forceinline__ Chunks chunks_of(PARAMS, int rt, int c_begin) {
+  const int lane = threadIdx.x & 31;
+  Chunks f;
+  f.a = codes + rt * tile_stride + c_begin * 32 + lane;
+  f.pairs = so + (size_t)rt * n_groups * 8 + (lane >> 2);
+  f.k = c_begin * 64 + 16 * (lane & 3);
+  f.group_shift = group_shift;
+  return f;
+}
+
+// The four MMA steps of one 64-channel chunk; xa, xb: the lane's 16 channels of each token tile.
+template <int T>
+__device__ __forceinline__ void chunk(float (*acc)[4], const U4& a, U2 pair, const U4* xa, const U4* xb) {
+  const u32 sg = prmt(pair.x, 0x1010u), og = prmt(pair.x, 0x3232u);
+  const u32 sh = prmt(pair.y, 0x1010u), oh = prmt(pair.y, 0x3232u);
+  u32 b0[T], b1[T];
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xa[tt].x; b1[tt] = xa[tt].y; }
+  step<T>(acc, a.x, sg, og, sh, oh, b0, b1);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xa[tt].z; b1[tt] = xa[tt].w; }
+  step<T>(acc, a.y, sg, og, sh, oh, b0, b1);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xb[tt].x; b1[tt] = xb[tt].y; }
+  step<T>(acc, a.z, sg, og, sh, oh, b0, b1);
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { b0[tt] = xb[tt].z; b1[tt] = xb[tt].w; }
+  step<T>(acc, a.w, sg, og, sh, oh, b0, b1);
+}
+
+// The lane's 16 channels of chunk c0 + s for each token tile (xp: chunk c0's, per tile).
+template <int T>
+__device__ __forceinline__ void load_tiles(U4* xa, U4* xb, const U4* const* xp, int s) {
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) { xa[tt] = load_x(xp[tt] + s * 8); xb[tt] = load_x(xp[tt] + s * 8 + 1); }
+}
+template <int T, int AHEAD>
+__device__ __forceinline__ int advance_tiles(const U4** xp) {
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) xp[tt] += AHEAD * 8;
+  return 0;
+}
+
+// Few token tiles: activations straight from global memory (L1); codes and group pairs AHEAD
+// chunks ahead in registers: no shared memory, no barrier. At one token the loop is bound by
+// instruction issue (docs/kernels.md), so it is unrolled by that depth (every register named at
+// compile time), the tile-major codes make every code address a constant offset from one pointer,
+// and while every refill lies inside the slice the loads carry no predicate (a predicated load
+// makes the compiler copy the register it may not overwrite).
+//
+// GC > 0: groups of GC chunks (64 * GC channels), the slice starting on a group and AHEAD a
+// multiple of GC, so every group-pair address is a constant offset from one pointer as well
+// (GC = 0: any group size, the pair address computed per chunk from the channel index).
+template <int T, int AHEAD, int GC>
+__device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+  static_assert(GC == 0 || AHEAD % GC == 0, "a look-ahead of whole groups");
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const U4* ap = codes + rt * tile_stride + c_begin * 32 + lane;      // chunk c0's word (32 words a chunk)
+  const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
+  int k0 = c_begin * 64 + 16 * t;                                     // chunk c0's first channel of the lane's 16
+  const U2* pp = pairs + (GC ? c_begin / GC : 0) * 8;                 // chunk c0's group pair (GC > 0)
+  // the pair of chunk c0 + j (k: its first channel of the lane's 16)
+#define PAIR_AT(k, j) (GC ? pp + ((j) / (GC ? GC : 1)) * 8 : pairs + ((u32)(k) >> group_shift) * 8u)
+  U4 ring[AHEAD];
+  U2 ring_p[AHEAD];
+#pragma unroll
+  for (int s = 0; s < AHEAD; s++)
+    if (c_begin + s < c_end) {
+      ring[s] = load_codes(ap + s * 32);
+      ring_p[s] = load_pair(PAIR_AT(k0 + s * 64, s));
+    }
+  // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
+  // only, and those columns are never stored
+  const U4* xp[T];
+#pragma unroll
+  for (int tt = 0; tt < T; tt++)
+    xp[tt] = (const U4*)(x + (size_t)min(tok0 + 8 * tt + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
+  int c0 = c_begin;
+  for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64,
+                                         pp += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8, advance_tiles<T, AHEAD>(xp)) {
+#pragma unroll
+    for (int s = 0; s < AHEAD; s++) {
+      const U4 a = ring[s];
+      const U2 pair = ring_p[s];
+      ring[s] = load_codes(ap + (s + AHEAD) * 32);              // chunk c0 + s + AHEAD
+      ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64, s + AHEAD));
+      U4 xa[T], xb[T];
+      load_tiles<T>(xa, xb, xp, s);
+      chunk<T>(acc, a, pair, xa, xb);
+    }
+  }
+  if (c0 + AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
+#pragma unroll
+    for (int s = 0; s < AHEAD; s++) {
+      U4 xa[T], xb[T];
+      load_tiles<T>(xa, xb, xp, s);
+      chunk<T>(acc, ring[s], ring_p[s], xa, xb);
+    }
+    return;
+  }
+  for (; c0 < c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64, pp += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8,
+                    advance_tiles<T, AHEAD>(xp)) {
+#pragma unroll
+    for (int s = 0; s < AHEAD; s++) {
+      if (c0 + s < c_end) {
+        const U4 a = ring[s];
+        const U2 pair = ring_p[s];
+        if (c0 + s + AHEAD < c_end) {
+          ring[s] = load_codes(ap + (s + AHEAD) * 32);
+          ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64, s + AHEAD));
+        }
+        U4 xa[T], xb[T];
+        load_tiles<T>(xa, xb, xp, s);
+        chunk<T>(acc, a, pair, xa, xb);
+      }
+    }
+  }
+#undef PAIR_AT
+}
+
+// x[tok0 .. tok0 + 8T, chunks c_first .. c_first + S) into buf (rows of S * 64 + 8 halves: the pad
+// puts the 8 token rows of a load on different banks), tokens past M and chunks past the slice as
+// zeros, with asynchronous copies (256 threads, 16 bytes each per step); no commit.
+template <int T, int S>
+__device__ __forceinline__ void stage_x(u32 buf, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
+  constexpr int PER_ROW = S * 8, ROW = S * 64 + 8, TOTAL = 8 * T * PER_ROW, ROWS_PER_PASS = 256 / PER_ROW;
+  // a thread copies the same 16 bytes of every ROWS_PER_PASS-th token row: its column and the
+  // column's bounds once, a compile-time count of copies (no division or loop per copy)
+  const int u = (int)(threadIdx.x % PER_ROW), row0 = (int)(threadIdx.x / PER_ROW);
+  const bool c_ok = c_first + u / 8 < c_end;
+  const u16* col = x + (size_t)c_first * 64 + u * 8;
+#pragma unroll
+  for (int i = 0; i < (TOTAL + 255) / 256; i++) {
+    const int row = row0 + i * ROWS_PER_PASS;
+    if (TOTAL % 256 == 0 || row < 8 * T) {
+      const bool ok = c_ok && tok0 + row < M;
+      copy_async_zfill_to(buf + 2 * (row * ROW + u * 8), ok ? col + (size_t)(tok0 + row) * ldx : x, ok ? 16 : 0);
+    }
+  }
+}
+
+// More tokens: the block's 8 warps share each stage of S chunks of activations through shared
+// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
+template <int T, int S>
+__device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+  constexpr int ROW = S * 64 + 8;
+  constexpr int STAGE_BYTES = 8 * T * ROW * 2;
+  __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
+  const u32 xs_at = smem_address(&xs[0][0]);   // shared addresses as 32-bit offsets: no conversion per load
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  Chunks f = chunks_of(ARGS, rt, c_begin);
+  U4 ring[S];
+  U2 ring_so[S];
+#pragma unroll
+  for (int p = 0; p < S; p++)
+    if (c_begin + p < c_end) f.get(ring[p], ring_so[p]);
+  // one commit group per stage, empty ones past the slice, so waiting for all but the newest
+  // NBUF - 1 groups always means "this stage has landed"
+#pragma unroll
+  for (int s = 0; s < NBUF - 1; s++) {
+    if (c_begin + s * S < c_end) stage_x<T, S>(xs_at + s * STAGE_BYTES, x, M, ldx, tok0, c_begin + s * S, c_end);
+    copy_commit();
+  }
+  int stage = 0;
+  for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
+    const int ahead = c0 + (NBUF - 1) * S;
+    if (ahead < c_end) stage_x<T, S>(xs_at + ((stage + NBUF - 1) % NBUF) * STAGE_BYTES, x, M, ldx, tok0, ahead, c_end);
+    copy_commit();
+    copy_wait<NBUF - 1>();
+    __syncthreads();
+    const u32 xrow = xs_at + (stage % NBUF) * STAGE_BYTES + 2 * (g * ROW + 16 * t);
+#pragma unroll
+    for (int p = 0; p < S; p++) {
+      const int c = c0 + p;
+      if (c < c_end) {
+        const U4 a = ring[p];
+        const U2 pair = ring_so[p];
+        if (c + S < c_end) f.get(ring[p], ring_so[p]);   // chunks in order: c + S
+        U4 xa[T], xb[T];
+#pragma unroll
+        for (int tt = 0; tt < T; tt++) {
+          xa[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64));
+          xb[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64 + 8));
+        }
+        chunk<T>(acc, a, pair, xa, xb);
+      }
+    }
+    __syncthreads();     // the buffer just read is one the copies of a later stage overwrite
+  }
+}
+
+// Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
+// which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
+// output tile sums them in slice order.
+template <int T, bool DIRECT, int S, int GC = 0>
+__device__ __forceinline__ void w4_mma(PARAMS) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tok0 = blockIdx.x * (8 * T);
+  const int row_tiles = N >> 4, chunks = K >> 6;
+  const int rt = blockIdx.y * 8 + warp;
+  const int slice = blockIdx.z;
+  const int c_begin = slice * chunks_per_slice;
+  const int c_end = min(chunks, c_begin + chunks_per_slice);
+  float acc[T][4];
+#pragma unroll
+  for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
+  // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
+  if (DIRECT) {
+    if (rt < row_tiles) product_direct<T, S, GC>(acc, ARGS, rt, tok0, c_begin, c_end);
+  } else {
+    product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
+  }
+  // acc[tt][i]: row rt*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
+  if (split == 1) {
+#pragma unroll
+    for (int tt = 0; tt < T; tt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
+        if (tok < M && rt < row_tiles) {
+          float v = acc[tt][i];
+          if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+          y[(size_t)tok * ldy + n] = f2h(v);
+        }
+      }
+    return;
+  }
+#pragma unroll
+  for (int tt = 0; tt < T; tt++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
+      if (tok < M && rt < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[tt][i];
+    }
+  // The last block of this output tile to finish sums the slices in slice order.
+  __shared__ int last;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (threadIdx.x == 0) last = atomicAdd(counters + tile, 1) == split - 1;
+  __syncthreads();
+  if (!last) return;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  const int rows = min(ROWS_PER_BLOCK, N - (int)blockIdx.y * ROWS_PER_BLOCK), toks = min(8 * T, M - tok0);
+  for (int e = threadIdx.x; e < rows * toks; e += blockDim.x) {
+    const int tok = tok0 + e / rows, n = blockIdx.y * ROWS_PER_BLOCK + e % rows;
+    const float* p = partials + (size_t)tok * N + n;
+    float v = 0.f;
+    for (int s = 0; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
+    if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+    y[(size_t)tok * ldy + n] = f2h(v);
+  }
+  if (threadIdx.x == 0) counters[tile] = 0;
+}
+
+#define DIRECT_ENTRY(T, AHEAD, BLOCKS)                                                           \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T(PARAMS) {               \
+    w4_mma<T, true, AHEAD>(ARGS);                                                                \
+  }
+#define DIRECT_GROUP_ENTRY(T, AHEAD, BLOCKS, G)                                                  \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T##_g##G(PARAMS) {        \
+    w4_mma<T, true, AHEAD, G / 64>(ARGS);                                                        \
+  }
+#define STAGED_ENTRY(T, S, BLOCKS)                                                               \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
+    w4_mma<T, false, S>(ARGS);                                                                   \
+  }
