@@ -34,6 +34,7 @@ from hierviz.measure.whatif_acceptance import (DEFAULT_RATES, DEFAULT_SEQ_RATE, 
                                                apply_imported_acceptance, load_acceptance_trace, oracle_factory)
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.drafter import head_label
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
@@ -320,7 +321,7 @@ def _check_args(a: argparse.Namespace, methods: list[str]) -> None:
         raise MeasureError(f"unknown method(s) {bad}; choose from {', '.join(choices)}")
     other_head = [m for m in methods if m in heads and m != a.head]
     if other_head:   # the run builds one head type: T's tree method is the one of --head
-        raise MeasureError(f"method {other_head[0]} drafts with {registry.label(other_head[0])} heads: it needs "
+        raise MeasureError(f"method {other_head[0]} drafts with {head_label(other_head[0])} heads: it needs "
                            f"--head {other_head[0]} (this run's heads are {a.head})")
     if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
         raise MeasureError("give either --acceptance (a trace) or --acceptance-rates, not both")
@@ -590,7 +591,7 @@ def markdown(info: dict[str, Any]) -> str:
                      f"{r['tokens_per_round']:.2f} | " +
                      " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
     lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels; "
-                 f"{registry.label(info['head'])} draft heads.")
+                 f"{head_label(info['head'])} draft heads.")
     if "sweep" in info:
         tree_name = registry.label(info["sweep"]["tree_method"])
         lines += ["", f"| scale | best {tree_name} | (tree size) | best {registry.label(SUBJECT)} | (min draft) | winner |",

@@ -31,11 +31,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from hierviz.methods import BASELINE, METHODS, label
+from hierviz.methods import BASELINE, METHODS
 from hierviz.decoding.decoders import Models, cache_margin
 from hierviz.decoding.verify import Sampler
 from hierviz.measure.common import stopwatch, write_json
-from hierviz.models.drafter import HEAD_SLOTS, Drafter
+from hierviz.models.drafter import HEAD_SLOTS, Drafter, head_label
 from hierviz.models.llama import Transformer
 from hierviz.settings import TREE_PRESETS, DecodeSettings
 
@@ -337,7 +337,7 @@ def steering_miss(row: dict[str, Any], steps: list) -> str:
 def markdown(info: dict[str, Any]) -> str:
     lines = [f"# What-if --exact: {info['shapes']['target']} / {info['shapes']['intermediate']} on "
              f"{info['machine'].get('gpu', 'CPU')}, {info['settings']['max_new_tokens']} tokens, "
-             f"{label(info['head'])} heads drafting over {info['draft_vocab']} tokens",
+             f"{head_label(info['head'])} heads drafting over {info['draft_vocab']} tokens",
              "", "| trees | drafts | method | identical to AR | tokens/round | accepted tree nodes | full-depth trees | "
              "target accepted | trees cut by the draft vocabulary |", "|---|---|---|---|---|---|---|---|---|"]
     for r in info["runs"]:
