@@ -6,8 +6,8 @@ import importlib
 import sys
 from typing import Optional
 
-from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, default_settings
 from hierviz import methods
+from hierviz.settings import add_settings_args, settings_from_args
 
 # subcommands implemented in their own modules, each exposing main(argv) -> int
 DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profile", "whatif": "hierviz.measure.whatif",
@@ -16,58 +16,8 @@ DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profi
              "synthetic-stack": "hierviz.measure.synthetic_stack", "app-check": "hierviz.app.check",
              "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
              "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench",
-             "endurance": "hierviz.measure.endurance", "compat": "hierviz.measure.compat",
+             "endurance": "hierviz.app.endurance", "compat": "hierviz.measure.compat",
              "cost-model": "hierviz.measure.cost_model"}
-
-
-TREE_ARGS = ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size")
-
-
-def add_settings_args(p: argparse.ArgumentParser) -> None:
-    d, cpu = DecodeSettings(), default_settings("cpu")
-
-    def dflt(name: str) -> str:
-        g, c = getattr(d, name), getattr(cpu, name)
-        return f"default {g}" + (f"; {c} on the CPU" if c != g else "")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--seed", type=int, default=d.seed)
-    # tree settings default per device (None here): a CPU wants small trees (settings.CPU_TREES)
-    p.add_argument("--m-depth", type=int, default=None, help=f"E_M tree depth (HierSpec; {dflt('m_depth')})")
-    p.add_argument("--m-topk", type=int, default=None, help=f"E_M tree top-k (HierSpec; {dflt('m_topk')})")
-    p.add_argument("--m-tree-size", type=int, default=None, help=f"E_M tree size (HierSpec; {dflt('m_tree_size')})")
-    p.add_argument("--min-draft-len", type=int, default=None,
-                   help=f"HierSpec minimum sequence draft ({dflt('min_draft_len')})")
-    p.add_argument("--t-depth", type=int, default=None, help=f"E_T tree depth (EAGLE-2; {dflt('t_depth')})")
-    p.add_argument("--t-topk", type=int, default=None, help=f"E_T tree top-k (EAGLE-2; {dflt('t_topk')})")
-    p.add_argument("--t-tree-size", type=int, default=None, help=f"E_T tree size (EAGLE-2; {dflt('t_tree_size')})")
-    p.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS),
-                   help="reference tree settings: eagle2 = SafeAILab EAGLE-2 defaults (E_T depth 6, 59 nodes), "
-                        "paper = SpecMQuant's HierSpec and EAGLE-2 runs (E_T depth 3, 23 nodes); the tree flags "
-                        "above override single values")
-    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens the intermediate drafts per round (spec)")
-    p.add_argument("--stack", default=None,
-                   help="preset name or stack JSON (default: smollm2-offline, the offline SmolLM2 stack; "
-                        "'tiny-random' loads instantly with random weights)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="activation dtype (default: the stack's choice for the device)")
-    p.add_argument("--w4-kernel", default=None,
-                   help="W4A16 kernel: reference, dequant_cached, int4pack_cpu (CPU), triton (CUDA)")
-
-
-def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> DecodeSettings:
-    """Settings from the parsed flags; tree flags left out take the defaults of `device` (the
-    device the stack runs on; default: --device, else this machine's)."""
-    s = default_settings(device if device is not None else a.device)
-    for k, v in TREE_PRESETS.get(getattr(a, "trees", None) or "", {}).items():
-        setattr(s, k, v)
-    for k in ("max_new_tokens", "temperature", "top_p", "seed", "spec_k") + TREE_ARGS:
-        v = getattr(a, k)
-        if v is not None:
-            setattr(s, k, v)
-    return s
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -78,6 +28,8 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--trace", default=None, help="write the trace JSON here")
     p.add_argument("--stats", action="store_true", help="print tokens/s and acceptance to stderr")
     add_settings_args(p)
+    from hierviz.stack import add_stack_args
+    add_stack_args(p)
     a = p.parse_args(argv)
     from hierviz.engine import EngineError, generate, load_stack
     from hierviz.stack import StackError
@@ -109,6 +61,8 @@ def cmd_record(argv: list[str]) -> int:
     p.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
     p.add_argument("--title", default="", help="label of the recorded trace in the app")
     add_settings_args(p)
+    from hierviz.stack import add_stack_args
+    add_stack_args(p)
     a = p.parse_args(argv)
     from hierviz.decoding.decoders import comparison_methods
     from hierviz.engine import generate, load_stack, warm_up
@@ -133,7 +87,7 @@ def cmd_record(argv: list[str]) -> int:
 
 COMMANDS = {"generate": cmd_generate, "record": cmd_record}
 HELP = """\
-  generate      generate text with ar / spec / eagle2 / hierspec (writes a trace with --trace)
+  generate      generate text with one method, --method (writes a trace with --trace)
   record        record a HierSpec / EAGLE-2 / AR comparison trace for the app's replay
   bench         side-by-side benchmark on Spec-Bench-format questions
   draft-sweep   HierSpec's sequence-draft settings against EAGLE-2, one process

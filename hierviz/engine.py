@@ -15,7 +15,7 @@ import torch
 
 from hierviz import methods
 from hierviz.decoding.decoders import cache_margin
-from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.settings import DecodeSettings, SettingsError
 from hierviz.decoding.verify import Sampler
 from hierviz.machine import gpu_name
 from hierviz.models import cuda_graphs

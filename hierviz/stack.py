@@ -18,6 +18,7 @@ installed package (the offline SmolLM2 GGUF). Presets live in assets/stacks/.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import logging
@@ -214,6 +215,18 @@ def stack_comparison(name_or_path: Optional[str] = None) -> list[str]:
         return methods.comparison_having(lambda part: part != "e_t3" or TINY_STACKS[name_or_path])
     spec, _ = read_spec(name_or_path)
     return methods.comparison_having(lambda part: bool(spec.get(part)))
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """load_stack's arguments as flags: --stack, --device, --dtype and --w4-kernel."""
+    p.add_argument("--stack", default=None,
+                   help="preset name or stack JSON (default: smollm2-offline, the offline SmolLM2 stack; "
+                        "'tiny-random' loads instantly with random weights)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="activation dtype (default: the stack's choice for the device)")
+    p.add_argument("--w4-kernel", default=None,
+                   help="W4A16 kernel: reference, dequant_cached, int4pack_cpu (CPU), triton (CUDA)")
 
 
 def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,

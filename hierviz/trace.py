@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from hierviz.decoding.settings import DecodeSettings, SettingsError
 from hierviz.methods import METHODS
+from hierviz.settings import DecodeSettings, SettingsError
 
 SCHEMA_VERSION = 1
 MAX_TRACE_BYTES = 20 * 1024 * 1024

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from hierviz.decoding.decoders import Models, cache_margin
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import KVCache, Transformer, causal_mask
 from hierviz.trace import DraftTree, Trace

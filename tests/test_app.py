@@ -492,7 +492,7 @@ def test_start_up_warm_up_leaves_the_first_run_warm() -> None:
     from hierviz.app.live import prewarm
     from hierviz.app.progress import TIMINGS
     from hierviz.app.stacks import get_stack
-    from hierviz.decoding.settings import default_settings
+    from hierviz.settings import default_settings
     from hierviz.engine import is_warm
     assert prewarm("tiny-random")
     assert is_warm(get_stack("tiny-random"), ["hierspec", "eagle2", "ar"], default_settings())

@@ -105,7 +105,7 @@ def test_warm_up_runs_each_method_once_per_tree_settings(monkeypatch):
     import dataclasses
 
     from hierviz import engine
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     from hierviz.stack import tiny_random_stack
     stack = tiny_random_stack("cpu")
     calls = []

@@ -40,3 +40,19 @@ def test_each_command_has_its_own_help(name, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([name, "--help"])
     assert e.value.code == 0 and f"usage: python -m hierviz {name} " in capsys.readouterr().out
+
+
+def test_the_drafting_flags_are_one_declaration(capsys):
+    """generate, bench and whatif take every drafting setting (hierviz.settings.DRAFT_FLAGS) and
+    --trees under the same flags, and the What-if tab rebuilds a command from that same list."""
+    from hierviz.app.whatif_tab import command_text
+    from hierviz.settings import DRAFT_FLAGS, DecodeSettings
+    flags = [f.flag for f in DRAFT_FLAGS] + ["--trees"]
+    for name in ("generate", "bench", "whatif"):
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        shown = capsys.readouterr().out
+        assert all(f"{flag} " in shown for flag in flags), name
+    changed = {f.field: getattr(DecodeSettings(), f.field) + 1 for f in DRAFT_FLAGS}
+    cmd, verbatim = command_text({"device": "cuda", "tiny": True, "settings": changed, "methods": {"ar": {}}})
+    assert not verbatim and all(f"{f.flag} {changed[f.field]}" in cmd for f in DRAFT_FLAGS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from hierviz.measure import compat
-from hierviz.measure.profile import load_shape
+from hierviz.measure.common import load_shape
 
 
 def test_compat_runs_every_format_and_writes_the_table(tmp_path):

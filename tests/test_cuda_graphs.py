@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hierviz.decoding.decoders import comparison_methods
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.state import BaseState
 from hierviz.engine import generate, output_tokens
 from hierviz.models import cuda_graphs

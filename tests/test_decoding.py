@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hierviz.decoding.decoders import Models
 from hierviz import methods
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.decoding.decoders import Models
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import Sampler, verify_sequence_sampling, verify_tree_sampling
 from hierviz.engine import generate, output_tokens
@@ -287,7 +287,7 @@ def test_hierspec_intermediate_cache_is_the_accepted_text(which, request):
 def test_the_eagle3_tree_preset_decodes_losslessly(stack):
     """SafeAILab's EAGLE-3 tree settings (8 levels of 10, 59 nodes) on the tiny stack's EAGLE-3
     head: the deepest trees any preset drafts still fit the caches and reproduce AR."""
-    from hierviz.decoding.settings import TREE_PRESETS
+    from hierviz.settings import TREE_PRESETS
     s = DecodeSettings(max_new_tokens=24, **TREE_PRESETS["eagle3"])
     want = output_tokens(generate(stack, "ar", "deep trees", s))
     tr = generate(stack, "eagle3", "deep trees", s)

@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.engine import EngineError, generate, output_tokens
 from hierviz.models.config import ModelConfig
 from hierviz.stack import StackError, load_stack, tiny_random_stack
@@ -159,8 +159,7 @@ def test_tree_defaults_follow_the_device() -> None:
     """Small trees on a CPU (the CPU sweep), the paper's on a GPU; an explicit flag always wins."""
     import argparse
 
-    from hierviz.cli import add_settings_args, settings_from_args
-    from hierviz.decoding.settings import CPU_TREES, DecodeSettings, default_settings
+    from hierviz.settings import CPU_TREES, DecodeSettings, add_settings_args, default_settings, settings_from_args
     gpu, cpu = default_settings("cuda"), default_settings("cpu")
     assert gpu == DecodeSettings() and (gpu.t_depth, gpu.t_tree_size) == (6, 59)
     assert all(getattr(cpu, k) == v for k, v in CPU_TREES.items()) and cpu.validate()

@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.engine import generate, output_tokens
 from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.models.drafter import (HEAD_TYPES, HeadType, head_label, head_type_of, is_drafter, load_head,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hierviz import methods
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from tests import toy_method
 from tests.toy_method import NAME
 

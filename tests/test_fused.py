@@ -119,7 +119,7 @@ _SCRIPT = textwrap.dedent("""
     fused.force(False)
 
     # a tiny model on the static path: fused kernels forced vs the unfused static path
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     from hierviz.decoding.state import BaseState
     from hierviz.engine import generate, output_tokens
     from hierviz.stack import tiny_random_stack

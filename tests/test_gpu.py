@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.state import BaseState, HeadState
 from hierviz.decoding.tree import draft_tree
 from hierviz.engine import generate, output_tokens
@@ -141,7 +141,7 @@ def test_verification_is_batch_invariant_on_the_static_path(dtype) -> None:
 
 def smollm2_w4_verifier(dtype: torch.dtype):
     """A synthetic SmolLM2-shaped W4 (g32) model on the GPU, batch-invariant as a target."""
-    from hierviz.measure.profile import load_shape
+    from hierviz.measure.common import load_shape
     from hierviz.models.synthetic import synthetic_model
     _, cfg = load_shape("smollm2")
     model = synthetic_model(cfg, "w4", dtype, "cuda", "triton", seed=0, group=32)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hierviz.decoding.decoders import Models
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.engine import generate, output_tokens
 from hierviz.models.llama import Transformer
 from hierviz.models.loading import load_weights

@@ -654,7 +654,7 @@ def models(tmp_path_factory):
 
 def test_the_tiny_stack_files_load(models):
     """The baseline the cases below break: target + E_T from these files load and generate."""
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     from hierviz.engine import generate
     from hierviz.stack import load_stack
     stack = load_stack(write_stack(models, '{"target": {"path": "target"}, "e_t": {"path": "e_t"}}'), "cpu")

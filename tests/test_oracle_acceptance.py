@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hierviz.methods import METHODS
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.engine import generate
 from hierviz.stack import Stack, tiny_random_stack
 from hierviz.tokenizer import ByteTokenizer

@@ -89,7 +89,7 @@ def _sharded_standin(folder: Path, seed: int) -> Path:
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_loads_with_local_standins(name: str, tmp_path: Path) -> None:
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     from hierviz.engine import generate, output_tokens
     from hierviz.models.config import ModelConfig
     target = _gptq_standin(tmp_path / "t", seed=1)

@@ -104,7 +104,7 @@ from scipy.stats import chi2, ncx2
 
 from hierviz.decoding import decoders
 from hierviz.decoding.decoders import Models
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import Sampler, verify_sequence_sampling, verify_tree_sampling
 from hierviz.engine import generate, output_tokens

@@ -14,7 +14,7 @@ from hierviz.measure.synthetic_stack import PRESET_MODELS, main
 @pytest.mark.parametrize("preset", sorted(PRESET_MODELS))
 def test_synthetic_preset_loads_and_decodes_losslessly(preset: str, tmp_path: Path) -> None:
     from hierviz import memory
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     from hierviz.engine import generate, output_tokens
     from hierviz.quant.w4 import W4Weight, dequantize
     from hierviz.stack import resolve_path, load_stack

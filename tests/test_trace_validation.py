@@ -60,7 +60,7 @@ from typing import Any, Callable
 import pytest
 
 from hierviz import trace as trace_mod
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.engine import generate
 from hierviz.stack import tiny_random_stack
 from hierviz.methods import METHODS

@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import forced_tree_path
-from hierviz.measure.whatif import RatesOracle, ReplayOracle, build_models, main, run_one, tiny_config
+from hierviz.measure.whatif import build_models, main, run_one, tiny_config
+from hierviz.measure.whatif_acceptance import RatesOracle, ReplayOracle
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["--tiny", "--device", "cpu", "--threads", "1"]
@@ -47,7 +48,7 @@ def _replay(trace: Path, out: Path, methods: str, extra: tuple[str, ...] = ()) -
 
 def _lengths(trace: Path) -> dict[str, list]:
     from hierviz.trace import comparison_from_json
-    from hierviz.measure.whatif import accepted_lengths
+    from hierviz.measure.whatif_acceptance import accepted_lengths
     return {t.meta["method"]: accepted_lengths(t.steps) for t in comparison_from_json(trace.read_bytes())}
 
 
@@ -396,7 +397,7 @@ DATA = ROOT / "tests" / "data" / "acceptance"
 
 
 def test_constant_rate_gives_the_mean():
-    from hierviz.measure.whatif import constant_rate
+    from hierviz.measure.whatif_acceptance import constant_rate
     r = constant_rate(2.0, 5)
     assert sum(r ** k for k in range(1, 6)) == pytest.approx(2.0, abs=1e-9)
     assert constant_rate(0.0, 4) == 0.0 and constant_rate(9.0, 4) == 1.0
@@ -421,7 +422,7 @@ def test_whatif_takes_a_cascade_import_per_level_and_sweeps_it(tmp_path: Path) -
     """SpecMQuant's two levels: the intermediate's rates for E_M trees, the sequence level's mean
     as the sequence rate; --sweep scales the imported rates."""
     from hierviz.measure.acceptance_import import load_acceptance
-    from hierviz.measure.whatif import constant_rate
+    from hierviz.measure.whatif_acceptance import constant_rate
     imp = load_acceptance(DATA / "specmquant_answers.jsonl")
     assert main(FAST + ["--acceptance-import", str(DATA / "specmquant_answers.jsonl"), "--sweep", "--sweep-scales",
                         "0.5,1.0", "--sweep-tree-sizes", "12", "--sweep-min-draft", "4", "--max-new-tokens", "8",

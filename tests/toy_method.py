@@ -13,7 +13,7 @@ from hierviz import methods
 from hierviz.decoding.decoders import Models, StageTimer, TextOf, make_step, prefill, verify_sequence_on
 from hierviz.decoding.state import BaseState
 from hierviz.decoding.verify import AcceptOracle, Sampler
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.trace import SeqToken, Step
 
 NAME = "repeat-last"

@@ -139,15 +139,15 @@ def failed(message: str) -> tuple:
 
 def read_acceptance(upload: str):
     """A visitor's acceptance file (any format hierviz.measure.acceptance_import reads), no larger
-    than a trace upload; AcceptanceImportError with a message for the visitor."""
-    from hierviz.measure.acceptance_import import AcceptanceImportError, load_acceptance
+    than a trace upload; AcceptanceFileError with a message for the visitor."""
+    from hierviz.measure.api import AcceptanceFileError, read_acceptance_file
     path = Path(upload)
     if path.stat().st_size > MAX_TRACE_BYTES:
-        raise AcceptanceImportError(f"acceptance file is over {MAX_TRACE_BYTES // 2**20} MB")
+        raise AcceptanceFileError(f"acceptance file is over {MAX_TRACE_BYTES // 2**20} MB")
     try:
-        return load_acceptance(path)
-    except AcceptanceImportError as e:
-        raise AcceptanceImportError(f"acceptance file {path.name}: {e}") from None
+        return read_acceptance_file(path)
+    except AcceptanceFileError as e:
+        raise AcceptanceFileError(f"acceptance file {path.name}: {e}") from None
 
 
 def acceptance_note(imp) -> str:
@@ -163,11 +163,11 @@ def analyse(shipped_path: Optional[str], upload_a: Optional[str], upload_b: Opti
     per-position figure) for trace A, and B (uploaded or recorded) overlaid when given; `step` is the
     step of A's first run to export as SVG; `acceptance_upload`, a deployment's acceptance file, goes
     beside the runs' own per-position acceptance."""
-    from hierviz.measure.acceptance_import import AcceptanceImportError
+    from hierviz.measure.api import AcceptanceFileError
     try:
         name, series = load_series(shipped_path, upload_a, upload_b, shipped_b)
         imported = read_acceptance(acceptance_upload) if acceptance_upload else None
-    except (TraceError, OSError, AcceptanceImportError) as e:
+    except (TraceError, OSError, AcceptanceFileError) as e:
         return failed(redact_paths(f"Could not analyse: {e}"))
     # the replay and the step picture show the first run: it needs a step (a trace may have none)
     if not series or not series[0].trace.steps:

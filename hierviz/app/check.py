@@ -21,7 +21,7 @@ import time
 from typing import Any, Optional
 
 from hierviz.methods import BASELINE
-from hierviz.decoding.settings import default_settings
+from hierviz.settings import default_settings
 from hierviz.trace import comparison_from_json, output_tokens
 
 

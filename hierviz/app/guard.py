@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, Optional
 
 from hierviz.config import options
-from hierviz.decoding.settings import DecodeSettings, SettingsError
+from hierviz.settings import DecodeSettings, SettingsError
 from hierviz.engine import STACK_PRESETS
 from hierviz.stack import is_local_preset
 

@@ -32,7 +32,7 @@ from hierviz.app.render import (LIVE_SOURCE, STEP_PANELS, download_update, nav_u
 from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, session_key, state_limit_mb, step_bytes
 from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
 from hierviz.config import ConfigError, options
-from hierviz.decoding.settings import DecodeSettings, SettingsError, default_settings
+from hierviz.settings import DecodeSettings, SettingsError, default_settings
 from hierviz.engine import StackError, is_warm, run_method, stack_comparison, warm_up
 from hierviz.retime import MEASURED, TIME_SCALES, real_scale_available
 from hierviz.trace import Trace, TraceError

@@ -1,7 +1,8 @@
 """The app's Profile tab: forward latency against the number of verified tokens, fp16 vs W4A16.
 
 Shows the curves `python -m hierviz profile` recorded on the H200 (assets/profile/*.json) and, on
-a machine with a GPU, measures one decoder layer live on this device."""
+a machine with a GPU, measures one decoder layer live on this device, in the server process, in its
+turn in the app's device line (hierviz.measure.api.profile_layer)."""
 from __future__ import annotations
 
 import json
@@ -56,12 +57,10 @@ def measure_profile(shape: str, request: Optional[gr.Request] = None):
     import torch
     if not torch.cuda.is_available():
         return gr.update(), "No GPU on this machine: the chart shows the H200 recording instead."
-    from hierviz.measure import profile as prof
+    from hierviz.measure.api import profile_layer
     try:
-        name, cfg = prof.load_shape(shape)
         with LINE.hold(session_key(request)), torch.no_grad():
-            d = prof.profile(cfg, name, [1, 2, 4, 8, 16, 32, 64, 128], "cuda", whole_model=False, rep_ms=20.0,
-                             log=lambda s: None)
+            d = profile_layer(shape, [1, 2, 4, 8, 16, 32, 64, 128], rep_ms=20.0)
     except VisitorError as e:          # the device line is full
         return gr.update(), str(e)
     except torch.cuda.OutOfMemoryError:
@@ -69,7 +68,7 @@ def measure_profile(shape: str, request: Optional[gr.Request] = None):
         return gr.update(), "The GPU ran out of memory for this shape; try a smaller one."
     except Exception as e:   # a measurement must never take the app down
         return gr.update(), f"Measurement failed: {type(e).__name__}: {e}"
-    return profile_figure(d), f"Measured now on {d['device']} (one decoder layer of {name})."
+    return profile_figure(d), f"Measured now on {d['device']} (one decoder layer of {d['shape']})."
 
 
 def profile_tab() -> None:

@@ -20,7 +20,7 @@ from hierviz.app.shipped import example_prompts, shipped_traces
 from hierviz.app.guard import caps
 from hierviz.app.stacks import default_stack, device_kind, stack_choices
 from hierviz.config import options
-from hierviz.decoding.settings import default_settings
+from hierviz.settings import default_settings
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.retime import MEASURED, TIME_SCALES
 from hierviz.viz.crossover import crossover_figure

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -53,7 +51,7 @@ LIVE_SHAPES = {
     "Llama-3-8B target / Llama-3.2-1B-shaped M": ("llama3-8b", "assets/configs/llama3.2-1b.json"),
 }
 RATES_SOURCE = "per-depth acceptance rates (below)"
-DEFAULT_RATES_TEXT = "0.9,0.8,0.75,0.7,0.65,0.6"    # == hierviz.measure.whatif.DEFAULT_RATES (torch-free import)
+DEFAULT_RATES_TEXT = "0.9,0.8,0.75,0.7,0.65,0.6"    # == hierviz.measure.whatif_acceptance.DEFAULT_RATES (torch-free import)
 DEFAULT_SEQ_RATE = 0.85
 MAX_NEW_CAP = 64
 PROMPT_LEN = 64
@@ -187,7 +185,7 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         cmd = " ".join(cmd)
     if isinstance(cmd, str) and cmd.strip():
         return cmd.strip(), True
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DRAFT_FLAGS, DecodeSettings
     dev = str(d.get("device", "cuda"))
     parts = ["python -m hierviz whatif"]
     sh = d.get("shapes") or {}
@@ -228,9 +226,9 @@ def command_text(d: dict[str, Any]) -> tuple[str, bool]:
         parts += ["--seq-rate", f"{seq:g}"]
     s = d.get("settings") or {}
     base = DecodeSettings()
-    for f in ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size", "spec_k"):
-        if f in s and s[f] != getattr(base, f):
-            parts += [f"--{f.replace('_', '-')}", str(s[f])]
+    for f in DRAFT_FLAGS:
+        if f.field in s and s[f.field] != getattr(base, f.field):
+            parts += [f.flag, str(s[f.field])]
     if s.get("max_new_tokens"):
         parts += ["--max-new-tokens", str(s["max_new_tokens"])]
     if s.get("seed"):
@@ -426,26 +424,18 @@ def live_command(argv: list[str], out: str) -> str:
 
 
 def run_child(argv: list[str], timeout_s: float) -> dict[str, Any]:
-    """Run the what-if command in a child process (killed after timeout_s) and read its whatif.json."""
-    from hierviz.measure.whatif import parser
+    """Run the what-if command in a child process (killed after timeout_s) and read its whatif.json;
+    a child that fails otherwise raises RuntimeError with its output (the server log's)."""
+    from hierviz.measure.api import WhatIfArgumentsError, WhatIfRefused, whatif_in_child
     try:
-        a = parser().parse_args(argv)    # the same Namespace the child builds: catch bad arguments here
-    except SystemExit:
+        return whatif_in_child(argv, timeout_s)
+    except WhatIfArgumentsError:
         raise LiveInputError("These settings are not valid what-if arguments.") from None
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "hierviz", "whatif", *argv]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except WhatIfRefused as e:
+        raise LiveInputError(f"The what-if refused these settings: {e}") from None
+    except TimeoutError:
         raise LiveInputError(f"The live run took longer than {timeout_s:.0f} s and was stopped: "
                              "try fewer new tokens or smaller shapes.") from None
-    if proc.returncode != 0:
-        err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-        if err:
-            raise LiveInputError("The what-if refused these settings: " + err[-1][len("error:"):].strip())
-        log.error("live what-if failed (exit %s): %s", proc.returncode, proc.stderr[-4000:])
-        raise RuntimeError(f"exit code {proc.returncode}")
-    return json.loads((Path(a.out) / "whatif.json").read_text(encoding="utf-8"))
 
 
 def live_run(shape: Any, source: Any, rates_text: Any, scale: Any, seq_rate: Any, max_new: Any,

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from hierviz.config import options
-from hierviz.decoding.settings import DecodeSettings
+from hierviz.settings import DecodeSettings
 from hierviz.decoding.state import BaseState, HeadState
 from hierviz.decoding.tree import PendingTree, Tree, draft_tree_on_device
 from hierviz.decoding.verify import (AcceptOracle, Sampler, forced_sequence, forced_tree_path,

@@ -22,7 +22,7 @@ import argparse
 import torch
 
 from hierviz.models.llama import KVCache
-from hierviz.measure.profile import load_shape
+from hierviz.measure.common import load_shape
 from hierviz.quant.w4 import FORMAT as W4A16
 from hierviz.quant.w4 import w4_linear
 from hierviz.models.synthetic import synthetic_model

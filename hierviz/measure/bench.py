@@ -20,9 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hierviz.cli import add_settings_args, settings_from_args
+from hierviz import methods as registry
 from hierviz.machine import machine_info
-from hierviz.methods import METHODS
+from hierviz.measure.common import refuse, write_chart, write_json
+from hierviz.methods import BASELINE, SUBJECT
+from hierviz.settings import add_settings_args, settings_from_args
+from hierviz.stack import add_stack_args
 from hierviz.trace import Trace
 
 
@@ -71,7 +74,7 @@ def _aggregate(traces: list[Trace]) -> dict[str, Any]:
 
 def summarize(results: dict[str, list[tuple[dict, Trace]]]) -> dict[str, Any]:
     from hierviz.engine import output_tokens
-    ar = {q["question_id"]: output_tokens(t) for q, t in results.get("ar", [])}
+    ar = {q["question_id"]: output_tokens(t) for q, t in results.get(BASELINE, [])}
     out: dict[str, Any] = {"methods": {}}
     cats = sorted({q["category"] for rs in results.values() for q, _ in rs})
     for method, rs in results.items():
@@ -89,17 +92,25 @@ def summarize(results: dict[str, list[tuple[dict, Trace]]]) -> dict[str, Any]:
             same = sum(cm["identical_questions"] for cm in m["per_category"].values())
             m["outputs_identical_to_ar"], m["identical_questions"] = same == len(rs), same
         out["methods"][method] = m
-    if "ar" in out["methods"]:
-        base = out["methods"]["ar"]
+    if BASELINE in out["methods"]:
+        base = out["methods"][BASELINE]
         for m in out["methods"].values():
             m["speedup_vs_ar"] = m["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
             for c, cm in m["per_category"].items():
                 b = base["per_category"].get(c, {}).get("tokens_per_s")
                 cm["speedup_vs_ar"] = cm["tokens_per_s"] / b if b else None
-    if "eagle2" in out["methods"] and "hierspec" in out["methods"]:     # the paper's comparison
-        e = out["methods"]["eagle2"]["tokens_per_s"]
-        out["hierspec_vs_eagle2"] = out["methods"]["hierspec"]["tokens_per_s"] / e if e else None
+    out.update(subject_ratios(out["methods"]))
     return out
+
+
+def subject_ratios(results: dict[str, Any]) -> dict[str, Optional[float]]:
+    """SUBJECT's tokens/s over each other compared method's that ran ("hierspec_vs_eagle2", ...;
+    over the baseline it is speedup_vs_ar)."""
+    if SUBJECT not in results:
+        return {}
+    others = [m for m in registry.comparison_order() if m not in (SUBJECT, BASELINE) and m in results]
+    return {f"{SUBJECT}_vs_{m}": (results[SUBJECT]["tokens_per_s"] / results[m]["tokens_per_s"]
+                                  if results[m]["tokens_per_s"] else None) for m in others}
 
 
 def _identical_cell(m: dict[str, Any]) -> str:
@@ -118,8 +129,10 @@ def markdown(summary: dict[str, Any]) -> str:
         rows.append(f"| {name} | {m['tokens_per_s']:.2f} | {'' if sp is None else f'{sp:.2f}x'} | "
                     f"{m['tau_target']:.2f} | {'' if ti is None else f'{ti:.2f}'} | "
                     f"{_identical_cell(m)} |")
-    if summary.get("hierspec_vs_eagle2"):
-        rows.append(f"\nHierSpec / EAGLE-2 = {summary['hierspec_vs_eagle2']:.2f}x")
+    ratios = [f"{registry.label(SUBJECT)} / {registry.label(m)} = {summary[f'{SUBJECT}_vs_{m}']:.2f}x"
+              for m in registry.comparison_order() if summary.get(f"{SUBJECT}_vs_{m}")]
+    if ratios:
+        rows.append("\n" + "; ".join(ratios))
     return "\n".join(rows) + "\n"
 
 
@@ -146,13 +159,13 @@ def _spec_bench_answer(q: dict, t: Trace, method: str, stack: str) -> dict[str, 
                          "accept_lengths": [len(s.new_tokens) for s in steps]}]}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hierviz bench", description=__doc__.splitlines()[0])
     p.add_argument("--questions", required=True, help="Spec-Bench question JSONL")
     p.add_argument("--limit", type=int, default=None, help="at most N questions per category")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--methods", default=None,
-                   help=f"comma-separated, of {', '.join(METHODS)} (default: every one the stack can run)")
+                   help=f"comma-separated, of {', '.join(registry.names())} (default: every one the stack can run)")
     p.add_argument("--out", required=True)
     p.add_argument("--warmup", choices=["auto", "short", "all"], default="auto",
                    help="short: each method once on a short prompt; all: each method on every question, "
@@ -160,28 +173,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "variants and capture graphs: seconds that would land in the figures); "
                         "auto: all on CUDA, short on the CPU")
     add_settings_args(p)
+    add_stack_args(p)
     p.set_defaults(max_new_tokens=128)
-    a = p.parse_args(argv)
-    methods = [m.strip() for m in (a.methods or ",".join(METHODS)).split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        print(f"error: unknown method(s) {bad}; choose from {', '.join(METHODS)}", file=sys.stderr)
-        return 2
+    return p
+
+
+def run_questions(stack: Any, questions: list[dict[str, Any]], methods: list[str], settings: Any, warmup: str
+                  ) -> tuple[dict[str, list[tuple[dict, Trace]]], list[dict]]:
+    """Every method on every question, interleaved per question (machine drift hits all alike),
+    after an untimed pass over every question with warmup "all": the traces per method, and the
+    generations the engine refused."""
     from tqdm import tqdm
 
-    from hierviz.engine import EngineError, generate, load_stack, warm_up
-    from hierviz.stack import StackError
-    try:
-        questions = read_questions(a.questions, a.limit, a.categories.split(",") if a.categories else None)
-        stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
-        if a.methods is None:
-            methods = [m for m in METHODS if not stack.models.missing(m)]
-        settings = settings_from_args(a, str(stack.device))
-        warm_up(stack, methods, settings)   # first-call costs (allocations, kernel packing) stay out of the figures
-    except (BenchError, EngineError, StackError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    warmup = "all" if a.warmup == "all" or (a.warmup == "auto" and stack.device.type == "cuda") else "short"
+    from hierviz.engine import EngineError, generate
     if warmup == "all":
         for q in tqdm(questions, desc="warm-up", unit="question", file=sys.stderr):
             for m in methods:
@@ -189,19 +193,51 @@ def main(argv: Optional[list[str]] = None) -> int:
                     generate(stack, m, q["prompt"], settings)
                 except EngineError:
                     pass                     # reported by the timed pass
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[tuple[dict, Trace]]] = {m: [] for m in methods}
     skipped: list[dict] = []
     bar = tqdm(total=len(questions) * len(methods), desc="bench", unit="gen", file=sys.stderr)
     for q in questions:
-        for m in methods:   # methods interleaved per question: machine drift hits all alike
+        for m in methods:
             try:
                 results[m].append((q, generate(stack, m, q["prompt"], settings)))
             except EngineError as e:
                 skipped.append({"question_id": q["question_id"], "method": m, "reason": str(e)})
             bar.update(1)
     bar.close()
+    return results, skipped
+
+
+def write_outputs(out: Path, summary: dict[str, Any], results: dict[str, list[tuple[dict, Trace]]], stack: str) -> None:
+    """summary.json, <method>.jsonl (Spec-Bench's answer layout), summary.md and chart.html."""
+    write_json(out / "summary.json", summary, indent=2)
+    for m, rs in results.items():
+        with open(out / f"{m}.jsonl", "w", encoding="utf-8") as f:
+            for q, t in rs:
+                f.write(json.dumps(_spec_bench_answer(q, t, m, stack)) + "\n")
+    (out / "summary.md").write_text(markdown(summary))
+    write_chart(out / "chart.html", lambda: chart_html(summary))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parser().parse_args(argv)
+    methods = [m.strip() for m in (a.methods or ",".join(registry.names())).split(",") if m.strip()]
+    bad = [m for m in methods if m not in registry.METHODS]
+    if bad or not methods:
+        return refuse(f"unknown method(s) {bad}; choose from {', '.join(registry.names())}")
+    from hierviz.engine import EngineError, load_stack, warm_up
+    from hierviz.stack import StackError
+    try:
+        questions = read_questions(a.questions, a.limit, a.categories.split(",") if a.categories else None)
+        stack = load_stack(a.stack, a.device, a.dtype, a.w4_kernel)
+        if a.methods is None:
+            methods = [m for m in registry.names() if not stack.models.missing(m)]
+        settings = settings_from_args(a, str(stack.device))
+        warm_up(stack, methods, settings)   # first-call costs (allocations, kernel packing) stay out of the figures
+    except (BenchError, EngineError, StackError, ValueError) as e:
+        return refuse(str(e))
+    warmup = "all" if a.warmup == "all" or (a.warmup == "auto" and stack.device.type == "cuda") else "short"
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    results, skipped = run_questions(stack, questions, methods, settings, warmup)
     summary = summarize(results)
     summary.update({"stack": stack.meta, "settings": settings.to_dict(), "questions": a.questions,
                     "limit_per_category": a.limit, "n_questions": len(questions), "skipped": skipped,
@@ -211,15 +247,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if stack.device.type != "cuda":
         from hierviz.quant.w4 import cpu_matmul_choices
         summary["machine"]["cpu_matmul"] = cpu_matmul_choices()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for m, rs in results.items():
-        with open(out / f"{m}.jsonl", "w", encoding="utf-8") as f:
-            for q, t in rs:
-                f.write(json.dumps(_spec_bench_answer(q, t, m, stack.name)) + "\n")
-    (out / "summary.md").write_text(markdown(summary))
-    try:
-        (out / "chart.html").write_text(chart_html(summary))
-    except ImportError:   # plotly is optional for a headless benchmark machine
-        print("note: plotly is not installed; chart.html skipped", file=sys.stderr)
+    write_outputs(Path(a.out), summary, results, stack.name)
     print(markdown(summary))
     return 0

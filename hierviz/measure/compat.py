@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,20 +22,17 @@ from typing import Any, Optional
 
 import torch
 
-from hierviz.config import recorded_command
-from hierviz.decoding.settings import SettingsError
-from hierviz.measure.profile import ROOT, SHAPES, load_shape
-from hierviz.measure.whatif import (HEAD_NAMES, LABEL, WhatIfError, check_request, model_bytes, parser,
-                                    run_reporting_errors, target_formats)
+from hierviz import methods as registry
+from hierviz.measure.common import (MeasureError, config_path, error_message, load_shape, run_python,
+                                    refuse, run_reporting_errors, stamp, write_report)
+from hierviz.measure.whatif import LABEL, check_request, model_bytes, parser, target_formats
+from hierviz.methods import BASELINE, SUBJECT
 from hierviz.models.config import ModelConfig
 from hierviz.quant.formats import canonical_name, get_format
+from hierviz.settings import SettingsError
 
 SCHEMA = "hierviz.compat/1"
 GPU_FILL = 0.6      # of the GPU's memory for weights: the rest holds caches, graphs, activations, slack
-
-
-def _config_path(shape: str) -> Path:
-    return ROOT / "assets" / "configs" / SHAPES[shape] if shape in SHAPES else Path(shape).expanduser()
 
 
 def fitting_layers(t_cfg: ModelConfig, m_cfg: ModelConfig, fmt: str, m_fmt: str, budget: float) -> int:
@@ -50,9 +46,9 @@ def fitting_layers(t_cfg: ModelConfig, m_cfg: ModelConfig, fmt: str, m_fmt: str,
 
 def _subset_config(shape: str, layers: int, folder: Path) -> str:
     """A copy of the shape's config.json with only `layers` decoder layers."""
-    raw = json.loads(_config_path(shape).read_text())
+    raw = json.loads(config_path(shape).read_text())
     raw["num_hidden_layers"] = layers
-    p = folder / f"{Path(_config_path(shape)).stem}-{layers}-layers.json"
+    p = folder / f"{config_path(shape).stem}-{layers}-layers.json"
     p.write_text(json.dumps(raw))
     return str(p)
 
@@ -69,14 +65,15 @@ def scaled(info: dict[str, Any], factor: float) -> dict[str, float]:
 def target_rows(method: str, result: dict[str, Any], settings: dict[str, Any]) -> float:
     """Rows one target verification forward holds, on average: the last token plus the draft
     (AR: 1; a tree: its nodes; HierSpec: M's accepted paths and M's bonus token per E_M tree)."""
-    if method == "ar":
+    m = registry.get(method)
+    if m.target_verifies == registry.TOKEN:
         return 1.0
-    if method == "spec":
+    if m.target_verifies == registry.TREE:
+        return settings["t_tree_size"] + 1.0
+    if m.tree_settings is None:       # a sequence drafted token by token
         return settings["spec_k"] + 1.0
-    if method == "hierspec":
-        drafts = [sum(t + 1 for t in a["trees"]) for a in result.get("accepted", []) if a.get("trees")]
-        return 1.0 + sum(drafts) / len(drafts) if drafts else settings["min_draft_len"] + 1.0
-    return settings["t_tree_size"] + 1.0
+    drafts = [sum(t + 1 for t in a["trees"]) for a in result.get("accepted", []) if a.get("trees")]
+    return 1.0 + sum(drafts) / len(drafts) if drafts else settings["min_draft_len"] + 1.0
 
 
 def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str) -> dict[str, Any]:
@@ -89,21 +86,20 @@ def row(fmt: str, info: dict[str, Any], layers: int, all_layers: int, tree: str)
                          "tokens_per_round": {m: v["tokens_per_round"] for m, v in info["methods"].items()},
                          "stages_ms_per_token": {m: v["stages_ms_per_token"] for m, v in info["methods"].items()}}
     r["target_rows_per_round"] = {m: target_rows(m, v, info["settings"]) for m, v in info["methods"].items()}
-    if "ar" in tps:
-        r["speedup_vs_ar"] = {m: v / tps["ar"] for m, v in tps.items()}
-    if "hierspec" in tps and tree in tps:
-        r[f"hierspec_vs_{tree}"] = tps["hierspec"] / tps[tree]
+    if BASELINE in tps:
+        r["speedup_vs_ar"] = {m: v / tps[BASELINE] for m, v in tps.items()}
+    if SUBJECT in tps and tree in tps:
+        r[f"{SUBJECT}_vs_{tree}"] = tps[SUBJECT] / tps[tree]
     return r
 
 
 def _run_format(whatif_args: list[str], out: Path) -> dict[str, Any]:
     """One format's what-if in a child process: its models, graphs and allocator pools end with it,
     so the next format starts with the whole GPU (and a failure is that format's alone)."""
-    cmd = [sys.executable, "-m", "hierviz.measure.whatif", *whatif_args, "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = run_python(["-m", "hierviz.measure.whatif", *whatif_args, "--out", str(out)])
     if done.returncode != 0:
-        err = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise WhatIfError(f"the what-if failed: {err.removeprefix('error: ')}")
+        err = error_message(done.stderr) or (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise MeasureError(f"the what-if failed: {err}")
     return json.loads((out / "whatif.json").read_text())
 
 
@@ -111,7 +107,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
     formats = [canonical_name(f.strip()) for f in a.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in target_formats()]
     if not formats or bad:
-        raise WhatIfError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(target_formats())}")
+        raise MeasureError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(target_formats())}")
     rows, infos, configs = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats:
@@ -130,7 +126,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
                         args += ["--target", _subset_config(w.target, layers, Path(tmp))]
             try:
                 info = _run_format(args, Path(tmp) / fmt)
-            except WhatIfError as e:
+            except MeasureError as e:
                 print(f"[compat] {fmt}: {e}", file=sys.stderr, flush=True)
                 rows.append({"format": fmt, "name": get_format(fmt).label, "error": str(e)})
                 continue
@@ -140,7 +136,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
             print(f"[compat] {rows[-1]['name']}: " + ", ".join(
                 f"{m} {v:.1f} tok/s" for m, v in rows[-1]["tokens_per_s"].items()), flush=True)
     if not infos:
-        raise WhatIfError("no format ran: " + "; ".join(r["error"] for r in rows))
+        raise MeasureError("no format ran: " + "; ".join(r["error"] for r in rows))
     first = next(iter(infos.values()))
     w = parser().parse_args(whatif_args + ["--out", "-"])
     shapes = first["shapes"] if w.tiny else {"target": load_shape(w.target)[0],
@@ -153,11 +149,11 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
 
 def markdown(info: dict[str, Any]) -> str:
     tree = info["head"]
-    name = HEAD_NAMES[tree]
+    name, subject, ar = registry.label(tree), registry.label(SUBJECT), registry.short(BASELINE)
     lines = [f"# Compatibility: {info['shapes']['target']} target, {info['shapes']['intermediate']} intermediate "
              f"({info['intermediate']}), {info['machine'].get('gpu') or info['device']}", "",
-             f"| target format | AR tok/s | {name} tok/s | HierSpec tok/s | {name} / AR | HierSpec / AR | "
-             f"HierSpec / {name} |", "|---|---|---|---|---|---|---|"]
+             f"| target format | {ar} tok/s | {name} tok/s | {subject} tok/s | {name} / {ar} | {subject} / {ar} | "
+             f"{subject} / {name} |", "|---|---|---|---|---|---|---|"]
     notes = []
     for r in info["rows"]:
         if "error" in r:
@@ -171,19 +167,11 @@ def markdown(info: dict[str, Any]) -> str:
                          f"(the rest do not fit the GPU); target-verification time scaled by "
                          f"{r['layers']}/{r['layers_measured']}.")
         f = lambda d, k, fmt: fmt.format(d[k]) if k in d else "–"   # noqa: E731
-        lines.append(f"| {r['name']}{mark} | {f(t, 'ar', '{:.1f}')} | {f(t, tree, '{:.1f}')} | "
-                     f"{f(t, 'hierspec', '{:.1f}')} | {f(s, tree, '{:.2f}x')} | {f(s, 'hierspec', '{:.2f}x')} | "
-                     f"{f(r, f'hierspec_vs_{tree}', '{:.2f}x')} |")
+        lines.append(f"| {r['name']}{mark} | {f(t, BASELINE, '{:.1f}')} | {f(t, tree, '{:.1f}')} | "
+                     f"{f(t, SUBJECT, '{:.1f}')} | {f(s, tree, '{:.2f}x')} | {f(s, SUBJECT, '{:.2f}x')} | "
+                     f"{f(r, f'{SUBJECT}_vs_{tree}', '{:.2f}x')} |")
     lines += ["", f"All figures {LABEL}; synthetic weights of the real shapes, real kernels."] + notes
     return "\n".join(lines) + "\n"
-
-
-def write_report(out: Path, stem: str, info: dict[str, Any], md: str) -> None:
-    """DIR/<stem>.json and DIR/<stem>.md, the table printed."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(info, indent=1))
-    (out / f"{stem}.md").write_text(md)
-    print(md)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -196,16 +184,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="folder for compat.json and compat.md")
     a, rest = ap.parse_known_args(argv)
     if "--target-format" in rest or "--sweep" in rest or "--exact" in rest:
-        print("error: compat sets --target-format itself and takes neither --sweep nor --exact", file=sys.stderr)
-        return 2
+        return refuse("compat sets --target-format itself and takes neither --sweep nor --exact")
+
     def work() -> dict[str, Any]:
         check_request(parser().parse_args(rest + ["--out", a.out]))   # the what-if's own errors, before any run
         return run_compat(a, rest)
-    info = run_reporting_errors(work, (WhatIfError, SettingsError, ValueError))
+    info = run_reporting_errors(work, (MeasureError, SettingsError, ValueError))
     if info is None:
         return 2
-    info["command"] = recorded_command("compat", argv)
-    write_report(Path(a.out), "compat", info, markdown(info))
+    write_report(Path(a.out), "compat", stamp(info, "compat", argv), markdown(info))
     return 0
 
 

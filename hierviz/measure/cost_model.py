@@ -57,14 +57,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from hierviz.config import recorded_command
+from hierviz import methods as registry
+from hierviz.measure.common import refuse, stamp, write_report
+from hierviz.methods import BASELINE, SUBJECT
 from hierviz.quant.formats import DENSE, WeightFormat, format_of_description, format_of_series, get_format
 
 SCHEMA = "hierviz.cost_model/1"
@@ -521,7 +522,7 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
     s = compat["settings"]
     t_shape, m_shape = Shape(configs["target"]), Shape(configs["intermediate"])
     m_fmt = (format_of_description(compat["intermediate"]) or DENSE).name
-    rows_of = {"ar": 1, compat["head"]: s["t_tree_size"] + 1, "hierspec": s["min_draft_len"] + 2}
+    rows_of = {BASELINE: 1, compat["head"]: s["t_tree_size"] + 1, SUBJECT: s["min_draft_len"] + 2}
     shapes = {"target": t_shape, "intermediate": m_shape}
     cache: dict[tuple[str, str, str, int], float] = {}
 
@@ -561,8 +562,8 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
                       + st.get("draft", 0.0) + st.get("overhead", 0.0))
                 tps[m] = 1000.0 / ms
             entry["tokens_per_s"] = tps
-            if "ar" in tps:
-                entry["speedup_vs_ar"] = {m: v / tps["ar"] for m, v in tps.items()}
+            if BASELINE in tps:
+                entry["speedup_vs_ar"] = {m: v / tps[BASELINE] for m, v in tps.items()}
             entry["winner"] = max(tps, key=tps.get)
             out.append(entry)
     return {"shapes": compat["shapes"], "head": compat["head"], "settings": s, "rows": out}
@@ -598,18 +599,19 @@ def markdown(info: dict[str, Any]) -> str:
         lines.append(f"\nWhole model {k}, predicted from the layer fit: {_pct(v)}")
     for proj in info.get("projections", []):
         tree = proj["head"]
+        ar, subject = registry.short(BASELINE), registry.label(SUBJECT)
         lines += ["", f"## {proj['shapes']['target']} target, {proj['shapes']['intermediate']} intermediate ({LABEL}"
                       " except the calibration GPU's own rows)", "",
-                  f"| GPU | format | AR tok/s | {tree} / AR | HierSpec / AR | HierSpec / {tree} | winner |",
+                  f"| GPU | format | {ar} tok/s | {tree} / {ar} | {subject} / {ar} | {subject} / {tree} | winner |",
                   "|---|---|---|---|---|---|---|"]
         for e in proj["rows"]:
             if "skipped" in e:
                 lines.append(f"| {e['gpu']} | {e['name']} | {e['skipped']} | | | | |")
                 continue
             sp, tps = e["speedup_vs_ar"], e["tokens_per_s"]
-            lines.append(f"| {e['gpu']}{' (projected)' if e['projected'] else ''} | {e['name']} | {tps['ar']:.1f} | "
-                         f"{sp.get(tree, 0):.2f}x | {sp.get('hierspec', 0):.2f}x | "
-                         f"{tps['hierspec'] / tps[tree]:.2f}x | {e['winner']} |")
+            lines.append(f"| {e['gpu']}{' (projected)' if e['projected'] else ''} | {e['name']} | {tps[BASELINE]:.1f} | "
+                         f"{sp.get(tree, 0):.2f}x | {sp.get(SUBJECT, 0):.2f}x | "
+                         f"{tps[SUBJECT] / tps[tree]:.2f}x | {e['winner']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -630,12 +632,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"the profiles must come from one GPU the model knows ({', '.join(GPUS)}); got {names}")
         gpus = [GPUS[g.strip()] for g in a.gpus.split(",") if g.strip()]
     except KeyError as e:
-        print(f"error: unknown GPU {e}; known: {', '.join(GPUS)}", file=sys.stderr)
-        return 2
+        return refuse(f"unknown GPU {e}; known: {', '.join(GPUS)}")
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from hierviz.measure.compat import write_report
+        return refuse(str(e))
     gpu = GPUS[next(iter(names))]
     cal = calibrate(profiles, gpu)
     info: dict[str, Any] = {"schema": SCHEMA, "label": LABEL, "calibration": cal,
@@ -643,8 +642,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for c in compats:
         configs = {"target": c["configs"]["target"], "intermediate": c["configs"]["intermediate"]}
         info["projections"].append(project(cal, c, configs, gpus))
-    info["command"] = recorded_command("cost-model", argv)
-    write_report(Path(a.out), "cost_model", info, markdown(info))
+    write_report(Path(a.out), "cost_model", stamp(info, "cost-model", argv), markdown(info))
     return 0
 
 

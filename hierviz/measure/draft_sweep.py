@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from hierviz.measure.bench import read_questions
-from hierviz.decoding.settings import default_settings
+from hierviz import methods as registry
 from hierviz.engine import generate, load_stack, warm_up
+from hierviz.measure.bench import read_questions
+from hierviz.settings import default_settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,14 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     questions = read_questions(a.questions, a.limit)
     stack = load_stack(a.stack, a.device)
     base = replace(default_settings(str(stack.device)), max_new_tokens=a.max_new_tokens)
-    configs = {"eagle2 (defaults)": ("eagle2", base),
-               "hierspec (defaults)": ("hierspec", base),
-               "hierspec drafts >= 3": ("hierspec", replace(base, min_draft_len=3)),
-               "hierspec drafts >= 4": ("hierspec", replace(base, min_draft_len=4)),
-               "hierspec E_M depth 3 / 12 nodes, drafts >= 3": ("hierspec", replace(base, m_depth=3, m_tree_size=12,
-                                                                                     min_draft_len=3))}
+    subject = registry.SUBJECT
+    tree = registry.get(subject).counterpart or subject       # the tree method it is set against
+    configs = {f"{tree} (defaults)": (tree, base),
+               f"{subject} (defaults)": (subject, base),
+               f"{subject} drafts >= 3": (subject, replace(base, min_draft_len=3)),
+               f"{subject} drafts >= 4": (subject, replace(base, min_draft_len=4)),
+               f"{subject} E_M depth 3 / 12 nodes, drafts >= 3": (subject, replace(base, m_depth=3, m_tree_size=12,
+                                                                                  min_draft_len=3))}
     for size in (int(x) for x in a.eagle_trees.split(",") if x.strip()):
-        configs[f"eagle2 tree size {size}"] = ("eagle2", replace(base, t_tree_size=size))
+        configs[f"{tree} tree size {size}"] = (tree, replace(base, t_tree_size=size))
     for method, settings in configs.values():
         warm_up(stack, [method], settings)
     totals = {name: [0.0, 0, 0] for name in configs}

@@ -22,24 +22,23 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from hierviz import methods
+from hierviz import methods as registry
 from hierviz.decoding.decoders import Models, StageTimer, cache_margin
-from hierviz.decoding.settings import DecodeSettings
 from hierviz.decoding.verify import Sampler
+from hierviz.machine import machine_info
+from hierviz.measure.common import CONFIG_DIR, ChildError, default_device, run_json, stopwatch, write_json
 from hierviz.models import cuda_graphs, fused
 from hierviz.models.config import ModelConfig
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import Transformer
 from hierviz.models.synthetic import hf_weights, synthetic_eagle3_head
 from hierviz.quant.w4 import quantize_rtn
-
-ROOT = Path(__file__).resolve().parents[2]
+from hierviz.settings import DecodeSettings
 
 
 def w4_of(weights: dict[str, torch.Tensor], group: int = 32) -> dict:
@@ -53,22 +52,17 @@ def run_decoder(models: Models, method: str, prompt: list[int], n: int, s: Decod
     fused_ops: the fused layer kernels on (True) / off (False) / as configured (None)."""
     with cuda_graphs.path_switches(static=static, fused=fused_ops):
         max_len = len(prompt) + n + cache_margin(s) + 16
-        gen = methods.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len)
+        gen = registry.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len)
         with torch.no_grad():
             first = next(gen).new_tokens
             out: list[int] = []
             rounds = 0
-            if models.target.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            while len(out) < n:
-                out += next(gen).new_tokens
-                rounds += 1
-            if models.target.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            with stopwatch(models.target.device, pause_gc=False) as took:
+                while len(out) < n:
+                    out += next(gen).new_tokens
+                    rounds += 1
         gen.close()
-        return first + out[:n], dt, rounds
+        return first + out[:n], took(), rounds
 
 
 def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
@@ -79,11 +73,11 @@ def exactness_tiny(device: str, fused_ops: bool = False) -> dict:
     s = DecodeSettings(m_depth=3, m_topk=4, m_tree_size=10, t_depth=3, t_topk=4, t_tree_size=12,
                        min_draft_len=4, spec_k=3)
     prompt = list(range(40, 60))
-    want, _, _ = run_decoder(models, "ar", prompt, 48, s, static=False)
+    want, _, _ = run_decoder(models, registry.BASELINE, prompt, 48, s, static=False)
     res = {}
     fused.force(fused_ops)
     try:
-        for m in methods.names():
+        for m in registry.names():
             got, _, _ = run_decoder(models, m, prompt, 48, s, static=True)
             res[m] = got == want
     finally:
@@ -135,13 +129,9 @@ def hf_generate(cfg_path: Path, weights: dict[str, torch.Tensor], prompt: list[i
         # size recompiles the compiled forward (inside the timed run, if the warm-up were shorter)
         for _ in range(2 if variant in COMPILED else 1):   # compile (prefill and step shapes), warm up
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        with stopwatch(device, pause_gc=False) as took:
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        dt = took()
     toks = out[0, len(prompt):].tolist()
     if _IN_CHILD[0]:
         # the result goes out before the compiled model is torn down (its process has segfaulted
@@ -164,7 +154,6 @@ def hf_generate_in_child(cfg_path: Path, weights: dict[str, torch.Tensor], promp
 
     from safetensors.torch import save_file
 
-    from hierviz.measure.child import ChildError, run_json
     code = ("import json, sys, torch; from pathlib import Path; from safetensors.torch import load_file; "
             "from hierviz.measure import engine_bench as eb; eb._IN_CHILD[0] = True; "
             "a = json.loads(sys.argv[1]); "
@@ -210,15 +199,15 @@ def _ar_speeds(t_fp16: Transformer, t_w4: Transformer, prompt: list[int], n: int
             ("ours W4A16 triton, CUDA graphs, unfused layer ops", t_w4, True, False),
             ("ours W4A16 triton, eager", t_w4, False, None)):
         cuda_graphs.drop_runners(model)      # graphs keep the path they were captured with
-        run_decoder(Models(model), "ar", prompt, 8, s, static, fused_ops)        # warm-up: kernels, graphs
-        out, dt, _ = run_decoder(Models(model), "ar", prompt, n, s, static, fused_ops)
+        run_decoder(Models(model), registry.BASELINE, prompt, 8, s, static, fused_ops)        # warm-up: kernels, graphs
+        out, dt, _ = run_decoder(Models(model), registry.BASELINE, prompt, n, s, static, fused_ops)
         rows[name] = n / dt
         toks[name] = out
         print(f"[engine] AR {name:34s} {n / dt:8.1f} tokens/s", flush=True)
         res["ar_tokens_per_s"] = rows
         save()
     StageTimer.sync = True
-    out, dt, _ = run_decoder(Models(t_w4), "ar", prompt, n, s, True)
+    out, dt, _ = run_decoder(Models(t_w4), registry.BASELINE, prompt, n, s, True)
     rows["ours W4A16 triton, CUDA graphs, trace-mode syncs"] = n / dt
     print(f"[engine] AR W4A16 graphs with per-stage syncs      {n / dt:8.1f} tokens/s", flush=True)
     StageTimer.sync = False
@@ -265,7 +254,7 @@ def _speculative_rounds(t_w4: Transformer, dense: dict, cfg_path: Path, prompt: 
     hw["fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size, device=dev) * 0.02
     models = Models(t_w4, inter, EagleHead(h_cfg, hw, inter), EagleHead(h_cfg, hw, t_w4))
     spec_rows = {}
-    for m in ("ar", "eagle2", "hierspec"):
+    for m in registry.comparison_having(lambda part: getattr(models, part) is not None):
         try:
             run_decoder(models, m, prompt, 8, s, True)
             out, dt, rounds = run_decoder(models, m, prompt, 32, s, True)
@@ -288,8 +277,8 @@ def _eagle3_feature_cost(t_w4: Transformer, prompt: list[int], n: int, s: Decode
     def ar(layers: tuple[int, ...]) -> float:
         t_w4.feature_layers = layers
         cuda_graphs.drop_runners(t_w4)       # a runner's outputs are as wide as its model's rows
-        run_decoder(Models(t_w4), "ar", prompt, 8, s, True)
-        return n / run_decoder(Models(t_w4), "ar", prompt, n, s, True)[1]
+        run_decoder(Models(t_w4), registry.BASELINE, prompt, 8, s, True)
+        return n / run_decoder(Models(t_w4), registry.BASELINE, prompt, n, s, True)[1]
     best: dict[str, float] = {}
     for _ in range(repeat):
         for name, layers in (("without features", plain), ("with EAGLE-3 features", head.feature_layers)):
@@ -299,8 +288,9 @@ def _eagle3_feature_cost(t_w4: Transformer, prompt: list[int], n: int, s: Decode
     t_w4.feature_layers = head.feature_layers
     cuda_graphs.drop_runners(t_w4)
     models = Models(t_w4, e_t3=head)
-    run_decoder(models, "eagle3", prompt, 8, s, True)
-    out, dt, rounds = run_decoder(models, "eagle3", prompt, 32, s, True)
+    method = next(m for m in registry.names() if registry.get(m).needs == ("e_t3",))   # the one drafting with it
+    run_decoder(models, method, prompt, 8, s, True)
+    out, dt, rounds = run_decoder(models, method, prompt, 32, s, True)
     row["eagle3_round"] = {"ms_per_round": 1000 * dt / rounds, "tokens_per_round": len(out[1:]) / rounds}
     t_w4.feature_layers = plain
     cuda_graphs.drop_runners(t_w4)
@@ -312,7 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz engine-bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=default_device())
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf", default=None, metavar="VARIANT[,VARIANT]",
                     help=f"the transformers variants to run (default: all of {', '.join(HF_VARIANTS)})")
@@ -324,16 +314,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if unknown:
             ap.error(f"unknown --hf variant(s) {', '.join(unknown)}; choose from {', '.join(HF_VARIANTS)}")
     dev, n = a.device, a.tokens
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "tokens": n}
+    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "tokens": n,
+                 "machine": machine_info(dev)}
 
     def save() -> None:
         if a.out:
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / "engine.json").write_text(json.dumps(res, indent=1))
+            write_json(Path(a.out) / "engine.json", res)
 
     _exactness(res, dev)
     save()
-    cfg_path = ROOT / "assets" / "configs" / "smollm2-135m.json"
+    cfg_path = CONFIG_DIR / "smollm2-135m.json"
     cfg = ModelConfig.from_file(cfg_path)
     dense = hf_weights(cfg, dev)
     dtype = torch.float16 if dev == "cuda" else torch.float32

@@ -18,7 +18,6 @@ uses the best; the winners are what hierviz.quant.triton_w4.TUNED holds.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -29,7 +28,9 @@ from typing import Callable, Optional
 
 import torch
 
-from hierviz.config import options, recorded_command
+from hierviz.config import options
+from hierviz.machine import machine_info
+from hierviz.measure.common import median_seconds, stamp, write_json
 from hierviz.measure.fbgemm_peer import fbgemm_layers
 from hierviz.measure.gemlite_peer import gemlite_layers
 from hierviz.measure.marlin_peer import marlin_operands
@@ -156,7 +157,7 @@ def _bench_device(dry: bool) -> tuple[str, dict, Callable]:
         props = torch.cuda.get_device_properties(0)
         name, sms, bw = props.name, props.multi_processor_count, _copy_bandwidth()
     info = {"device": name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(),
+            "machine": machine_info(dev),
             "timing": f"CUDA-graph replay median, {ROTATE} rotating weight copies", "copy_bandwidth_TBps": bw / 1e12}
     print(f"{name}, {sms} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -348,15 +349,7 @@ def gpu_bench(k: int, n: int, g: int, ms: list[int], tune: bool, rep_ms: float,
 # ---- the CPU benchmark (int4pack_cpu) -------------------------------------------------------
 
 def _cpu_time_us(fn: Callable[[], object], min_s: float = 0.5) -> float:
-    fn()
-    times = []
-    t_end = time.perf_counter() + min_s
-    while time.perf_counter() < t_end or len(times) < 5:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return 1e6 * times[len(times) // 2]
+    return 1e6 * median_seconds(fn, min_s, min_reps=5)
 
 
 def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
@@ -381,7 +374,8 @@ def cpu_bench(k: int, n: int, g: int, ms: list[int]) -> dict:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     info = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "load_average_1min": load,
-            "torch": torch.__version__, "shape": {"K": k, "N": n, "G": g}, "timing": "wall-clock median"}
+            "torch": torch.__version__, "machine": machine_info("cpu"), "shape": {"K": k, "N": n, "G": g},
+            "timing": "wall-clock median"}
     return {"info": info, "rows": rows}
 
 
@@ -480,9 +474,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = (gpu_bench(k, n, g, ms, a.tune, a.rep_ms, a.dry, tune_ms, a.family, a.marlin_src)
                if use_gpu
                else cpu_bench(k, n, g, ms))
-        res["command"] = recorded_command("kernel-bench", argv)
         stem = ("kernel_bench" if use_gpu else "kernel_bench_cpu") + (f"_{k}x{n}g{g}" if len(shapes) > 1 else "")
-        (a.out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+        write_json(a.out / f"{stem}.json", stamp(res, "kernel-bench", argv))
         print(f"K={k} N={n} group {g}")
         print(table(res))
         chart = write_chart(res, a.out, stem if len(shapes) > 1 else "kernel_bench")

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from hierviz.measure.child import ChildError, run_json
+from hierviz.measure.common import ChildError, run_json
 
 SOURCES = ("marlin/__init__.py", "marlin/marlin_cuda.cpp", "marlin/marlin_cuda_kernel.cu")
 BUILDS = ("published", "without-l2-hints")

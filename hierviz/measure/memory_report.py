@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from hierviz import methods as registry
+from hierviz.measure.common import refuse
 from hierviz.memory import DEFAULT_CONTEXT, GB, shape_estimate, stack_estimate, table
 from hierviz.stack import PRESET_DIR, TINY_STACKS, preset_names, resolve_path
 
@@ -26,7 +28,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--stack", default=None, help="a preset name or stack JSON (default: every GPU preset)")
     ap.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="longest prompt + new tokens")
     ap.add_argument("--load", default=None, help="load this stack and measure it (on this machine's device)")
-    ap.add_argument("--compare", default=None, help="with --load: a prompt run with ar, eagle2 and hierspec")
+    ap.add_argument("--compare", default=None, help="with --load: a prompt run with every method of the stack's comparison")
     ap.add_argument("--trace", default=None, help="with --compare: write the comparison trace here")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     a = ap.parse_args(argv)
@@ -38,16 +40,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             spec, base = _stack_file(name)
         except (OSError, json.JSONDecodeError) as e:
-            print(f"error: cannot read stack {name!r}: {e}", file=sys.stderr)
-            return 2
+            return refuse(f"cannot read stack {name!r}: {e}")
         # one stack: its own models' configs (local or fetched); the preset table: bundled shapes
         parts = stack_estimate(spec, _resolver(base), a.context) if a.stack else None
         if parts is None:
             parts = shape_estimate(spec, a.context)
         if parts is None:
             if a.stack:
-                print(f"error: cannot read the model configs of stack {name!r}", file=sys.stderr)
-                return 2
+                return refuse(f"cannot read the model configs of stack {name!r}")
             continue
         rows.append((spec.get("name", name), parts))
     print(table(rows))
@@ -107,8 +107,7 @@ def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new
     try:
         stack = load_stack(name)
     except StackError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     load_s = time.perf_counter() - t0
     rss_after, peak = host_rss_gb()
     out: dict[str, Any] = {"stack": stack.name, "device": str(stack.device), "load_s": round(load_s, 1),
@@ -126,20 +125,20 @@ def measure_load(name: str, prompt: Optional[str], trace: Optional[str], max_new
         if parts is not None:
             out["estimate_gb"] = {k: round(v / GB, 2) for k, v in parts.items()}
     if prompt:
-        from hierviz.decoding.settings import default_settings
+        from hierviz.settings import default_settings
         from hierviz.engine import generate, output_tokens, warm_up
         from hierviz.trace import save_comparison
         s = default_settings(str(stack.device))
         s.max_new_tokens = max_new
         runs, outputs = [], {}
-        methods = ["hierspec", "eagle2", "ar"]
+        methods = registry.comparison_having(lambda part: getattr(stack.models, part, None) is not None)
         warm_up(stack, methods, s)     # first-call costs (compiles, graph captures) stay out of the timings
         for method in methods:
             tr = generate(stack, method, prompt, s)
             runs.append(tr)
             outputs[method] = output_tokens(tr)
             out[f"{method}_tokens_per_s"] = round(tr.stats()["tokens_per_s"], 1)
-        out["identical_to_ar"] = {m: outputs[m] == outputs["ar"] for m in ("hierspec", "eagle2")}
+        out["identical_to_ar"] = {m: outputs[m] == outputs[registry.BASELINE] for m in methods if m != registry.BASELINE}
         if cuda:
             out["gpu_peak_after_runs_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
         if trace:

@@ -15,16 +15,14 @@ without CUDA graphs. Writes DIR/op_profile.json.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from hierviz.config import recorded_command
-from hierviz.machine import gpu_name, w4_fp16_kernel
+from hierviz.machine import gpu_name, machine_info, w4_fp16_kernel
+from hierviz.measure.common import (MeasureError, add_device_args, default_device, environment, load_shape, refuse, stamp,
+                                    stopwatch, write_json)
 
 SCHEMA = "hierviz.op_profile/1"
 
@@ -53,12 +51,10 @@ def _step(state: Any, tokens: int) -> None:
 
 def _step_ms(state: Any, steps: int, cuda: bool, tokens: int = 1) -> float:
     """Wall time of one decode step (`_step`)."""
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _step(state, tokens)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1000.0 / steps
+    with stopwatch(state.model.device, pause_gc=False) as took:
+        for _ in range(steps):
+            _step(state, tokens)
+    return took() * 1000.0 / steps
 
 
 def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, steps: int,
@@ -67,7 +63,6 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
 
     from hierviz.decoding.state import BaseState
     from hierviz.models import cuda_graphs
-    from hierviz.measure.profile import load_shape
     from hierviz.models.synthetic import synthetic_model
     from hierviz.quant.w4 import FORMAT as W4A16
 
@@ -89,7 +84,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     out: dict[str, Any] = {"schema": SCHEMA, "shape": name, "layers": cfg.num_layers, "device": device,
                            "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "steps": steps,
                            "prompt_tokens": prompt_len, "tokens_per_forward": tokens,
-                           "gpu": gpu_name(device), "torch": torch.__version__}
+                           "gpu": gpu_name(device), "machine": machine_info(device)}
     if cuda:   # reference: the same step replayed from CUDA graphs, as the engine runs it
         # w4_kernel names the engine's kernel family, "triton" also when fp16 products run the CUDA variant
         out["w4_fp16_kernel"] = w4_fp16_kernel(torch.device(device))
@@ -142,10 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hierviz op-profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-70b", help="llama3-8b | llama3-70b | smollm2 | a config.json")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers to build (the shape's count at most)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
-                    help="default: float16 on CUDA, float32 on CPU")
-    ap.add_argument("--w4-kernel", default=None, help="default: triton on CUDA, reference on CPU")
+    add_device_args(ap, default_device())
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1,
@@ -153,23 +145,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--top", type=int, default=25, help="operators to keep in the table")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA GPU here; use --device cpu", file=sys.stderr)
-        return 2
-    if a.steps < 1 or a.prompt_len < 1 or not 1 <= a.tokens <= 128:
-        print("error: --steps and --prompt-len must be at least 1, --tokens 1..128", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, a.dtype or ("float16" if a.device == "cuda" else "float32"))
-    kernel = a.w4_kernel or ("triton" if a.device == "cuda" else "reference")
     try:
-        info = run(a.shape, a.layers, a.device, dtype, kernel, a.steps, a.prompt_len, a.top, a.tokens)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    info["command"] = recorded_command("op-profile", argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "op_profile.json").write_text(json.dumps(info, indent=1))
+        device, dtype, kernel = environment(a.device, a.dtype, a.w4_kernel, "no CUDA GPU here; use --device cpu")
+        if a.steps < 1 or a.prompt_len < 1 or not 1 <= a.tokens <= 128:
+            raise MeasureError("--steps and --prompt-len must be at least 1, --tokens 1..128")
+        info = run(a.shape, a.layers, device, dtype, kernel, a.steps, a.prompt_len, a.top, a.tokens)
+    except ValueError as e:      # MeasureError included
+        return refuse(str(e))
+    write_json(Path(a.out) / "op_profile.json", stamp(info, "op-profile", argv))
     print(table(info))
     return 0
 

@@ -20,19 +20,14 @@ Writes DIR/profile.json (schema below, `SCHEMA`) and DIR/profile.html (plotly).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from hierviz.config import recorded_command
-from hierviz.machine import device_name
+from hierviz.machine import device_name, machine_info
+from hierviz.measure.common import SHAPES, load_shape, median_seconds, refuse, stamp, write_json
 from hierviz.models.config import ModelConfig, rope_frequencies
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm
 from hierviz.models.synthetic import layer_weights, random_dense
@@ -40,24 +35,12 @@ from hierviz.quant.formats import DEFAULT_FORMAT, DENSE, WeightFormat, check_run
 from hierviz.quant.w4 import W4Weight, register_kernel
 
 SCHEMA = "hierviz.profile/1"
-ROOT = Path(__file__).resolve().parents[2]
-SHAPES = {"llama3-8b": "llama3-8b.json", "llama3-70b": "llama3-70b.json", "smollm2": "smollm2-135m.json",
-          "vicuna-7b": "vicuna-7b.json", "vicuna-13b": "vicuna-13b.json"}
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 TINYGEMM = "tinygemm"     # torch's int4 kernel, a comparison curve of this tool
 NO_GPU = ("no CUDA GPU found: `python -m hierviz profile` measures GPU forward latency. "
           "The curve recorded on an H200 is assets/profile/h200.json (the app's Profile tab shows it); "
           "`--device cpu` runs a small CPU version of the same measurement.")
 
-
-def load_shape(shape: str) -> tuple[str, ModelConfig]:
-    """A preset name (llama3-8b, llama3-70b, smollm2) or a path to a config.json."""
-    if shape in SHAPES:
-        return shape, ModelConfig.from_file(ROOT / "assets" / "configs" / SHAPES[shape])
-    p = Path(shape).expanduser()
-    if not p.exists():
-        raise ValueError(f"unknown shape {shape!r}: not one of {', '.join(SHAPES)} and not a config.json file")
-    return p.stem, ModelConfig.from_file(p)
 
 
 def _tinygemm(x: torch.Tensor, w: W4Weight) -> torch.Tensor:
@@ -136,14 +119,7 @@ def _time_cuda_us(fn: Callable[[], object], rep_ms: float) -> float:
 
 
 def _time_cpu_us(fn: Callable[[], object], min_s: float = 0.05, max_reps: int = 20) -> float:
-    fn()
-    times = []
-    t_end = time.perf_counter() + min_s
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    return 1e6 * median_seconds(fn, min_s, 3, max_reps)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -250,13 +226,11 @@ def _header(cfg: ModelConfig, shape: str, tokens: list[int], device: str, contex
             "config": {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                    "num_kv_heads", "head_dim", "vocab_size")},
             "device": device_name(device),
-            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "machine": machine_info(device),
             "context": context, "group_size": group_size, "tokens": list(tokens),
             "copy_bandwidth_GBps": bw / 1e9, "series": [], "notes": []}
     if cuda:
-        import triton
         from hierviz.quant import act_quant
-        info["versions"]["triton"] = triton.__version__
         info["activation_quantizer"] = act_quant.name_on(torch.device(device))
     return info
 
@@ -331,9 +305,7 @@ def profile(cfg: ModelConfig, shape: str, tokens: list[int], device: str = "cuda
 
 
 def write_outputs(info: dict, out: Path) -> tuple[Path, Optional[Path]]:
-    out.mkdir(parents=True, exist_ok=True)
-    j = out / "profile.json"
-    j.write_text(json.dumps(info, indent=1))
+    j = write_json(out / "profile.json", info)
     try:
         from hierviz.viz.profile_fig import profile_figure
         html = out / "profile.html"
@@ -366,23 +338,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not tokens or min(tokens) < 1 or max(tokens) > 1024:
             raise ValueError
     except ValueError:
-        print("error: --tokens takes comma-separated counts between 1 and 1024, e.g. 1,2,4,8", file=sys.stderr)
-        return 2
+        return refuse("--tokens takes comma-separated counts between 1 and 1024, e.g. 1,2,4,8")
     if a.device == "cuda" and not torch.cuda.is_available():
-        print(f"error: {NO_GPU}", file=sys.stderr)
-        return 2
+        return refuse(NO_GPU)
     try:
         shape, cfg = load_shape(a.shape)
     except Exception as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     formats = [f.strip() for f in a.formats.split(",")] if a.formats else None
     g = a.group_size or next((g for g in (128, 64, 32) if all(
         d % g == 0 for d in (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim))), 32)
     with torch.no_grad():
         info = profile(cfg, shape, tokens, a.device, a.context, g, not a.layer_only, formats, a.rep_ms)
-    info["command"] = recorded_command("profile", argv)
-    j, html = write_outputs(info, Path(a.out))
+    j, html = write_outputs(stamp(info, "profile", argv), Path(a.out))
     print(f"wrote {j}" + (f" and {html}" if html else ""))
     return 0
 

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from hierviz.measure.common import refuse
 from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.models.synthetic import CheckpointWeights
 from hierviz.quant.formats import get_format
@@ -201,8 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.tokenizer_from is not None and not (a.tokenizer_from / "tokenizer.json").exists() \
             and not (a.tokenizer_from / "tokenizer.model").exists():
-        print(f"error: {a.tokenizer_from} holds no tokenizer.json or tokenizer.model", file=sys.stderr)
-        return 2
+        return refuse(f"{a.tokenizer_from} holds no tokenizer.json or tokenizer.model")
     info = write_stack(a.preset, a.out, a.scale, a.tokenizer_from, a.device)
     print(json.dumps(info))
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,8 +36,9 @@ from typing import Optional
 
 import torch
 
-from hierviz.config import overrides, recorded_command
-from hierviz.machine import gpu_name
+from hierviz.config import overrides
+from hierviz.machine import gpu_name, machine_info
+from hierviz.measure.common import refuse, stamp, write_json
 from hierviz.memory import CONFIGS, PRESET_SHAPES
 from hierviz.models.config import ModelConfig
 from hierviz.quant import kernel_guard
@@ -131,11 +131,11 @@ def sweep_device() -> Optional[str]:
     """"cuda", or "cpu" under the Triton interpreter; None (and the reason printed) otherwise."""
     from hierviz.quant import triton_w4
     if not triton_w4.HAVE_TRITON:
-        print("error: w4-sweep needs the triton package", file=sys.stderr)
+        refuse("w4-sweep needs the triton package")
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not triton_w4.interpreting():
-        print("error: w4-sweep needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU", file=sys.stderr)
+        refuse("w4-sweep needs a CUDA GPU, or TRITON_INTERPRET=1 on the CPU")
         return None
     return device
 
@@ -163,8 +163,7 @@ def quick(a: argparse.Namespace) -> int:
             raise ValueError(f"bad --dtypes {a.dtypes!r}: expected float16 and/or bfloat16")
         dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     if sweep_device() is None:
         return 2
     t0 = time.perf_counter()
@@ -176,8 +175,7 @@ def quick(a: argparse.Namespace) -> int:
     print(f"w4-sweep --quick: {len(shapes)} shape{'s' if len(shapes) != 1 else ''} x {len(rows)} row "
           f"count{'s' if len(rows) != 1 else ''} in {time.perf_counter() - t0:.1f} s")
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "w4_proof.json").write_text(json.dumps([v.to_dict() for v in verdicts], indent=1))
+        write_json(a.out / "w4_proof.json", [v.to_dict() for v in verdicts])
     failed = any(v.failures(name) for v in verdicts for name in v.supported)
     return 1 if failed else 0
 
@@ -278,8 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         names = list(MODELS) if a.models == "all" else a.models.split(",")
         unknown = [m for m in names if m not in MODELS]
         if unknown:
-            print(f"error: unknown model(s) {unknown}; choose from {', '.join(MODELS)}", file=sys.stderr)
-            return 2
+            return refuse(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
         shapes = model_shapes(names)
     rows = parse_rows(a.rows) if a.rows else list(range(1, 129)) + PREFILL_ROWS
     with overrides(w4_cuda="on"):        # what this GPU could run, the CUDA variant included
@@ -287,17 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     paths = a.paths.split(",") if a.paths else [p for p, vs in PATH_VARIANTS.items() if vs <= set(supported)]
     unknown = [p for p in paths if p not in PATH_VARIANTS]
     if unknown:
-        print(f"error: unknown path(s) {unknown}; choose from {', '.join(PATH_VARIANTS)}", file=sys.stderr)
-        return 2
-    acts = {"both": [False, True], "off": [False], "on": [True]}[a.act_order]
-    jobs = []
-    for (k, n), layers in sorted(shapes.items()):
-        for gs in a.groups.split(","):
-            g = k if gs == "channel" else int(gs)
-            if k % g or not triton_supports(g):
-                continue
-            for act in acts:
-                jobs.append(((k, n), layers, g, act))
+        return refuse(f"unknown path(s) {unknown}; choose from {', '.join(PATH_VARIANTS)}")
+    jobs = sweep_jobs(shapes, a.groups.split(","), {"both": [False, True], "off": [False], "on": [True]}[a.act_order])
     t0 = time.perf_counter()
     dtypes = a.dtypes.split(",")
     if a.workers > 1:
@@ -317,11 +305,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"w4-sweep: {products} products over {len(results)} (shape, group, act-order, dtype, path, mode) cases: "
           f"{len(wrong)} with wrong rows, {len(variant)} not bit-invariant ({summary['seconds']} s)")
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        env = {"torch": torch.__version__, "python": platform.python_version(),
-               "triton": kernel_guard.triton_version(), "device": gpu_name(device) or "cpu (TRITON_INTERPRET=1)", "command": recorded_command("w4-sweep", argv)}
-        (a.out / "w4_sweep.json").write_text(json.dumps({"env": env, "summary": summary, "results": results}, indent=1))
+        env = stamp({**machine_info(device), "triton": kernel_guard.triton_version(),
+                     "device": gpu_name(device) or "cpu (TRITON_INTERPRET=1)"}, "w4-sweep", argv)
+        write_json(a.out / "w4_sweep.json", {"env": env, "summary": summary, "results": results})
     return 1 if wrong or variant else 0
+
+
+def sweep_jobs(shapes: dict[tuple[int, int], list[str]], groups: list[str], acts: list[bool]) -> list[tuple]:
+    """((K, N), layer names, group size, act order) per case the Triton kernel supports; group
+    "channel" is per-channel (G = K)."""
+    jobs = []
+    for (k, n), layers in sorted(shapes.items()):
+        for gs in groups:
+            g = k if gs == "channel" else int(gs)
+            if k % g or not triton_supports(g):
+                continue
+            for act in acts:
+                jobs.append(((k, n), layers, g, act))
+    return jobs
 
 
 if __name__ == "__main__":

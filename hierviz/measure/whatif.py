@@ -18,51 +18,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
-import json
-import random
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from hierviz import methods
-from hierviz.config import recorded_command
+from hierviz import methods as registry
+from hierviz.methods import BASELINE, SUBJECT
 from hierviz.decoding.decoders import Models, StageTimer, cache_margin
-from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings, SettingsError
-from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.machine import machine_info
+from hierviz.measure.common import (MeasureError, add_device_args, environment, int_list, load_shape, run_reporting_errors,
+                                    stamp, stopwatch, write_chart, write_json)
+from hierviz.measure.whatif_acceptance import (DEFAULT_RATES, DEFAULT_SEQ_RATE, OracleMaker, accepted_lengths,
+                                               apply_imported_acceptance, load_acceptance_trace, oracle_factory)
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
+from hierviz.models.drafter import head_label
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
-from hierviz.measure.profile import load_shape
 from hierviz.models.synthetic import random_codes, synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
 from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, by_width, canonical_name, check_runs_on, format_of_description,
                                    get_format)
-from hierviz.trace import Step, TraceError, comparison_from_json
+from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError, add_draft_args, apply_draft_args
+from hierviz.trace import Step
 
 SCHEMA = "hierviz.whatif/1"
 LABEL = "projected with replayed acceptance"
-METHODS = ("ar", "spec", "eagle2", "hierspec", "eagle3")
-HEADS = ("eagle2", "eagle3")      # --head: the draft heads' type; each is also the method of T's own tree
-HEAD_NAMES = {"eagle2": "EAGLE-2", "eagle3": "EAGLE-3"}
-# Default rates when neither a trace nor rates are given. They are an assumption, not a
-# measurement: per-depth conditional acceptance chosen so that EAGLE-2 accepts ~3.3 draft
-# tokens per round at depth 5 (tau ~ 4.3 with the bonus token), the regime the EAGLE-2 paper
-# reports for LLaMA-3-Instruct on MT-bench; see docs/whatif.md.
-DEFAULT_RATES = (0.9, 0.8, 0.75, 0.7, 0.65, 0.6)
-DEFAULT_SEQ_RATE = 0.85   # T accepting each of M's draft tokens (Llama-3-8B drafting for 70B): assumption
 SHARPEN = 12.0            # see SharpDraft
 CPU_LIMIT_BYTES = 4e9
-
-
-class WhatIfError(ValueError):
-    """A request that cannot run; the message is fit to show a user."""
 
 
 # ---- synthetic models -------------------------------------------------------------------------
@@ -132,19 +117,20 @@ def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] =
 
 
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
-                 seed: int = 0, m_format: str = DENSE.name, head: str = "eagle2",
+                 seed: int = 0, m_format: str = DENSE.name, head: Optional[str] = None,
                  draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT) -> Models:
     """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
     dense as in the paper's stack by default) and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3) drafting over
     `draft_vocab` token ids (None: the full vocabulary)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
-        raise WhatIfError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
+        raise MeasureError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
-    if head not in HEADS:
-        raise WhatIfError(f"unknown head type {head!r}; choose one of {', '.join(HEADS)}")
+    head = head or registry.tree_methods()[0]
+    if head not in registry.tree_methods():
+        raise MeasureError(f"unknown head type {head!r}; choose one of {', '.join(registry.tree_methods())}")
     if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
-        raise WhatIfError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
+        raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
@@ -160,90 +146,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
             h.set_draft_vocab(ids)
     return Models(target, inter, e_m, e_t)
 
-
-# ---- forced acceptance ------------------------------------------------------------------------
-
-def accepted_lengths(steps: list[Step]) -> list[dict[str, Any]]:
-    """Per decode round (prefill excluded): the accepted tree path lengths (verifier M for
-    HierSpec, T for EAGLE-2) and the target's accepted count for sequence drafts."""
-    out = []
-    for s in steps:
-        if s.index == 0:
-            continue
-        row: dict[str, Any] = {"trees": [len(t.accepted) for t in s.trees]}
-        if s.method in ("hierspec", "spec"):
-            row["target"] = s.target_accepted
-        out.append(row)
-    return out
-
-
-class ReplayOracle(AcceptOracle):
-    """Replays a trace's accepted lengths in order, per level; wraps around when the what-if
-    asks for more rounds than the trace has (the report's `replay` gives both round counts)."""
-
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
-        self.trees = [n for r in rows for n in r["trees"]]
-        self.seq = [r["target"] for r in rows if "target" in r]
-        self.i_tree = self.i_seq = 0
-
-    def _next(self, q: list[int], attr: str) -> int:
-        i = getattr(self, attr)
-        if not q:
-            return 0
-        setattr(self, attr, i + 1)
-        return q[i % len(q)]
-
-    def tree(self, level: str, tree: Tree) -> int:
-        return self._next(self.trees, "i_tree")
-
-    def sequence(self, level: str, draft: list[int]) -> int:
-        return self._next(self.seq, "i_seq")
-
-
-class RatesOracle(AcceptOracle):
-    """Tree level: depth d is accepted (given d-1 was) with probability rates[d-1] (the last
-    rate repeats). Sequence level: each of M's draft tokens with probability seq_rate."""
-
-    def __init__(self, rates: list[float], seq_rate: float, seed: int, m_rates: Optional[list[float]] = None) -> None:
-        self.rates, self.m_rates, self.seq_rate = list(rates), list(m_rates or rates), seq_rate
-        self.rng = random.Random(seed)
-
-    def _run(self, rates: list[float], most: int) -> int:
-        n = 0
-        while n < most and self.rng.random() < rates[min(n, len(rates) - 1)]:
-            n += 1
-        return n
-
-    def tree(self, level: str, tree: Tree) -> int:
-        return self._run(self.m_rates if level == "intermediate" else self.rates, max(tree.depths, default=0))
-
-    def sequence(self, level: str, draft: list[int]) -> int:
-        return self._run([self.seq_rate], len(draft))
-
-
-def load_acceptance_trace(path: str) -> dict[str, list[dict[str, Any]]]:
-    """Accepted lengths per method from a trace or comparison file, plus each run's settings."""
-    try:
-        runs = comparison_from_json(Path(path).read_bytes())
-    except OSError as e:
-        raise WhatIfError(f"cannot read acceptance trace {path}: {e.strerror}") from None
-    except TraceError as e:
-        raise WhatIfError(f"acceptance trace {path}: {e}") from None
-    out: dict[str, Any] = {}
-    for t in runs:
-        m = t.meta.get("method") or (t.steps[0].method if t.steps else None)
-        if m and m not in out:
-            out[m] = {"rows": accepted_lengths(t.steps), "settings": t.meta.get("settings", {}),
-                      "tokens": sum(len(s.new_tokens) for s in t.steps), "stack": t.meta.get("stack")}
-    return out
-
-
 # ---- running one method -----------------------------------------------------------------------
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
 
 def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[AcceptOracle],
             prompt: list[int], max_len: Optional[int] = None) -> dict[str, Any]:
@@ -251,26 +154,18 @@ def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[Acc
     max_len: the KV cache length (default: what these settings need); a warm-up passes the
     timed run's, so both lease the same pooled runners and graphs."""
     max_len = max_len or len(prompt) + s.max_new_tokens + cache_margin(s)
-    gen = methods.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
-    dev = models.target.device
+    gen = registry.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
     steps: list[Step] = []
     made = 0
     with torch.no_grad():
         steps.append(next(gen))        # prefill round
         made += len(steps[0].new_tokens)
-        _sync(dev)
-        gc.collect()
-        gc.disable()                   # as timeit does: a collection pass inside a round is host jitter
-        try:
-            t0 = time.perf_counter()
+        with stopwatch(models.target.device) as took:
             while made < s.max_new_tokens:
                 st = next(gen)
                 made += len(st.new_tokens)
                 steps.append(st)
-            _sync(dev)
-            wall = time.perf_counter() - t0
-        finally:
-            gc.enable()
+    wall = took()
     gen.close()
     decode = steps[1:]
     tokens = sum(len(x.new_tokens) for x in decode)
@@ -288,7 +183,7 @@ def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[Acc
             "forwards": forwards, "accepted": accepted_lengths(steps)}
 
 
-def run_repeated(models: Models, method: str, s: DecodeSettings, make, prompt: list[int],
+def run_repeated(models: Models, method: str, s: DecodeSettings, make: OracleMaker, prompt: list[int],
                  max_len: Optional[int], repeat: int) -> dict[str, Any]:
     """run_one `repeat` times, each with a fresh oracle from `make` (the same forced decisions);
     returns the run with the median decode time, all runs' times in decode_s_runs. One run is
@@ -302,26 +197,6 @@ def run_repeated(models: Models, method: str, s: DecodeSettings, make, prompt: l
 
 
 # ---- the command ------------------------------------------------------------------------------
-
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise WhatIfError(f"{what} must be comma-separated numbers, got {text!r}") from None
-    if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
-        raise WhatIfError(f"{what} must be probabilities between 0 and 1, got {text!r}")
-    return vals
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise WhatIfError(f"{what} must be comma-separated whole numbers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise WhatIfError(f"{what} must be positive, got {text!r}")
-    return vals
-
 
 def _formats_help() -> str:
     return "; ".join(f"{f.name} ({f.description or f.label}" + (", the paper's)" if f.name == DEFAULT_FORMAT else ")")
@@ -351,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--acceptance-model", default=None, help="the model to take from a scrape that holds several")
     ap.add_argument("--seq-rate", type=float, default=DEFAULT_SEQ_RATE,
                     help="rates mode: probability T accepts each token of M's sequence draft")
-    ap.add_argument("--head", default="eagle2", choices=HEADS,
+    ap.add_argument("--head", default=registry.tree_methods()[0], choices=registry.tree_methods(),
                     help="draft heads E_M and E_T: eagle2 (EAGLE-1/2) or eagle3 (EAGLE-3: fc over three layer "
                          "features, its own LM head over its draft vocabulary); the method of T's tree is named alike")
     ap.add_argument("--methods", default=None,
@@ -360,10 +235,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="default: the trace's length when replaying, else 128")
     ap.add_argument("--prompt-len", type=int, default=128, help="synthetic prompt length (tokens)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                    help="default: float16 on CUDA, float32 on CPU")
-    ap.add_argument("--w4-kernel", default=None, help="default: triton on CUDA, reference on CPU")
+    add_device_args(ap)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes instead of --target/--intermediate (CPU tests)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
@@ -375,15 +247,7 @@ def parser() -> argparse.ArgumentParser:
                          "time is reported, every run's time is kept (decode_s_runs)")
     ap.add_argument("--no-stage-sync", action="store_true",
                     help="no CUDA sync around stages: end-to-end times without sync overhead, stage times = dispatch")
-    for name, default, hlp in (("m-depth", None, "E_M tree depth"), ("m-topk", None, "E_M top-k"),
-                               ("m-tree-size", None, "E_M tree size"), ("min-draft-len", None, "HierSpec min draft"),
-                               ("t-depth", None, "E_T tree depth"), ("t-topk", None, "E_T top-k"),
-                               ("t-tree-size", None, "E_T tree size"), ("spec-k", None, "spec draft length")):
-        ap.add_argument(f"--{name}", type=int, default=default,
-                        help=f"{hlp} (default: the trace's settings when replaying, else {getattr(d, name.replace('-', '_'))})")
-    ap.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS),
-                    help="reference tree settings (eagle2: SafeAILab EAGLE-2 defaults; paper: SpecMQuant's runs); "
-                         "single tree flags override them")
+    add_draft_args(ap, lambda field: f"default: the trace's settings when replaying, else {getattr(d, field)}")
     ap.add_argument("--exact", action="store_true",
                     help="no forced acceptance: check every method's output equals AR's, with the drafts as drawn "
                          "and seeded from AR's continuation (hierviz/measure/whatif_exact.py); exit code 1 on a difference")
@@ -403,27 +267,12 @@ def parser() -> argparse.ArgumentParser:
 
 def _settings(a: argparse.Namespace, base: dict[str, Any], max_new: int) -> DecodeSettings:
     s = DecodeSettings(**{k: v for k, v in base.items() if k in DecodeSettings.__dataclass_fields__})
-    for k, v in TREE_PRESETS.get(getattr(a, "trees", None) or "", {}).items():
-        setattr(s, k, v)
-    for f in ("m_depth", "m_topk", "m_tree_size", "min_draft_len", "t_depth", "t_topk", "t_tree_size", "spec_k"):
-        if getattr(a, f) is not None:
-            setattr(s, f, getattr(a, f))
+    apply_draft_args(s, a)
     s.max_new_tokens, s.temperature, s.seed = max_new, 0.0, a.seed
     try:
         return s.validate()
     except SettingsError as e:
-        raise WhatIfError(str(e)) from None
-
-
-def _environment(a: argparse.Namespace) -> tuple[str, torch.dtype, str]:
-    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev not in ("cpu", "cuda"):
-        raise WhatIfError(f"unknown device {dev!r}; use cuda or cpu")
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise WhatIfError("no CUDA GPU found: use --device cpu --tiny for the CPU version")
-    dtype_name = a.dtype or ("float16" if dev == "cuda" else "float32")
-    kernel = a.w4_kernel or ("triton" if dev == "cuda" else "reference")
-    return dev, getattr(torch, dtype_name), kernel
+        raise MeasureError(str(e)) from None
 
 
 def _shapes(a: argparse.Namespace, dev: str) -> tuple[dict[str, str], ModelConfig, ModelConfig]:
@@ -432,41 +281,18 @@ def _shapes(a: argparse.Namespace, dev: str) -> tuple[dict[str, str], ModelConfi
     try:
         (t_name, t_cfg), (m_name, m_cfg) = load_shape(a.target), load_shape(a.intermediate)
     except (ModelConfigError, OSError) as e:
-        raise WhatIfError(f"cannot read a shape config: {e}") from None
+        raise MeasureError(f"cannot read a shape config: {e}") from None
     except ValueError as e:
-        raise WhatIfError(str(e)) from None
+        raise MeasureError(str(e)) from None
     try:
         check_runs_on(get_format(a.target_format), dev)      # refuses a format unproven on this GPU
     except ValueError as e:
-        raise WhatIfError(str(e)) from None
+        raise MeasureError(str(e)) from None
     need = model_bytes(t_cfg, a.target_format) + model_bytes(m_cfg, a.intermediate_format)
     if dev == "cpu" and need > CPU_LIMIT_BYTES:
-        raise WhatIfError(f"{t_name} + {m_name} need ~{need / 1e9:.0f} GB of weights: too big for a CPU run "
+        raise MeasureError(f"{t_name} + {m_name} need ~{need / 1e9:.0f} GB of weights: too big for a CPU run "
                           "(use --tiny, small config.json shapes, or --device cuda)")
     return {"target": t_name, "intermediate": m_name}, t_cfg, m_cfg
-
-
-def _oracle_factory(a: argparse.Namespace, trace: Optional[dict[str, Any]], scale: float = 1.0):
-    """A fresh oracle per run (same seed per method: every run of a method draws the same luck)."""
-    rates = [min(1.0, r * scale) for r in _floats(a.acceptance_rates, "--acceptance-rates")] if a.acceptance_rates \
-        else [min(1.0, r * scale) for r in DEFAULT_RATES]
-    m_rates = [min(1.0, r * scale) for r in _floats(a.m_acceptance_rates, "--m-acceptance-rates")] \
-        if a.m_acceptance_rates else None
-    seq = min(1.0, a.seq_rate * scale)
-
-    def make(method: str) -> Optional[AcceptOracle]:
-        if method == "ar":
-            return None
-        if trace is not None:
-            return ReplayOracle(trace[method]["rows"])
-        return RatesOracle(rates, seq, _method_seed(a.seed, method), m_rates)
-    return make, {"rates": rates, "m_rates": m_rates or rates, "seq_rate": seq}
-
-
-def _method_seed(seed: int, method: str) -> int:
-    """A stable per-method seed (Python's str hash is salted per process). eagle3 draws eagle2's:
-    T's tree gets the same forced decisions whichever head type drafts it."""
-    return seed * 1000 + METHODS.index("eagle2" if method == "eagle3" else method)
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -487,34 +313,35 @@ def _format_text(fmt: str, cfg: ModelConfig, kernel: str, dtype: torch.dtype) ->
 
 def _methods(a: argparse.Namespace) -> list[str]:
     """--methods as a list; its default names the --head's tree method."""
-    text = a.methods if a.methods is not None else f"ar,{a.head},hierspec"
+    text = a.methods if a.methods is not None else f"{BASELINE},{a.head},{SUBJECT}"
     return [m.strip() for m in text.split(",") if m.strip()]
 
 
 def _check_args(a: argparse.Namespace, methods: list[str]) -> None:
     """Flag values that cannot run, refused before any model is built."""
-    bad = [m for m in methods if m not in METHODS]
+    heads = registry.tree_methods()     # each head type is also the method of T's own tree
+    bad = [m for m in methods if m not in registry.METHODS]
     if bad or not methods:
-        choices = [m for m in METHODS if m not in HEADS or m == a.head]
-        raise WhatIfError(f"unknown method(s) {bad}; choose from {', '.join(choices)}")
-    other_head = [m for m in methods if m in HEADS and m != a.head]
+        choices = [m for m in registry.names() if m not in heads or m == a.head]
+        raise MeasureError(f"unknown method(s) {bad}; choose from {', '.join(choices)}")
+    other_head = [m for m in methods if m in heads and m != a.head]
     if other_head:   # the run builds one head type: T's tree method is the one of --head
-        raise WhatIfError(f"method {other_head[0]} drafts with {HEAD_NAMES[other_head[0]]} heads: it needs "
-                          f"--head {other_head[0]} (this run's heads are {a.head})")
+        raise MeasureError(f"method {other_head[0]} drafts with {head_label(other_head[0])} heads: it needs "
+                           f"--head {other_head[0]} (this run's heads are {a.head})")
     if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
-        raise WhatIfError("give either --acceptance (a trace) or --acceptance-rates, not both")
+        raise MeasureError("give either --acceptance (a trace) or --acceptance-rates, not both")
     if a.acceptance and a.sweep:
-        raise WhatIfError("--sweep varies acceptance rates: use --acceptance-rates (or the defaults), not a trace")
+        raise MeasureError("--sweep varies acceptance rates: use --acceptance-rates (or the defaults), not a trace")
     if not 0.0 <= a.seq_rate <= 1.0:
-        raise WhatIfError(f"--seq-rate must be between 0 and 1, got {a.seq_rate}")
+        raise MeasureError(f"--seq-rate must be between 0 and 1, got {a.seq_rate}")
     if a.prompt_len < 1:
-        raise WhatIfError("--prompt-len must be at least 1")
+        raise MeasureError("--prompt-len must be at least 1")
     if not 1 <= a.repeat <= 20:
-        raise WhatIfError(f"--repeat must be between 1 and 20, got {a.repeat}")
+        raise MeasureError(f"--repeat must be between 1 and 20, got {a.repeat}")
     if a.max_new_tokens is not None and a.max_new_tokens < 2:
-        raise WhatIfError("--max-new-tokens must be at least 2")
+        raise MeasureError("--max-new-tokens must be at least 2")
     if a.threads is not None and a.threads < 1:
-        raise WhatIfError("--threads must be at least 1")
+        raise MeasureError("--threads must be at least 1")
 
 
 def _trace_and_settings(a: argparse.Namespace, methods: list[str]) -> tuple[Optional[dict], DecodeSettings, int]:
@@ -524,9 +351,9 @@ def _trace_and_settings(a: argparse.Namespace, methods: list[str]) -> tuple[Opti
     base_settings: dict[str, Any] = {}
     if a.acceptance:
         trace = load_acceptance_trace(a.acceptance)
-        missing = [m for m in methods if m != "ar" and m not in trace]
+        missing = [m for m in methods if m != BASELINE and m not in trace]
         if missing:
-            raise WhatIfError(f"the trace has no run of {', '.join(missing)} (it has {', '.join(trace) or 'none'}): "
+            raise MeasureError(f"the trace has no run of {', '.join(missing)} (it has {', '.join(trace) or 'none'}): "
                               "drop those from --methods or use --acceptance-rates")
         spec = next((trace[m] for m in methods if m in trace), None)
         base_settings = spec["settings"] if spec else {}
@@ -551,15 +378,15 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
                         **({"imported": a.imported} if getattr(a, "imported", None) else {})}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
-        "methods": results, "machine": _machine(dev)}
+        "methods": results, "machine": machine_info(dev)}
     if a.head == "eagle3":
         info["feature_layers"] = _feature_layers_info(t_cfg, m_cfg)
     if trace:
         info["replay"] = {m: _replay_check(trace[m]["rows"], results[m]["accepted"]) for m in results if m in trace}
-    info["speedup_vs_ar"] = ({m: r["tokens_per_s"] / results["ar"]["tokens_per_s"] for m, r in results.items()}
-                             if "ar" in results else {})
-    if "hierspec" in results and a.head in results:
-        info[f"hierspec_vs_{a.head}"] = results["hierspec"]["tokens_per_s"] / results[a.head]["tokens_per_s"]
+    info["speedup_vs_ar"] = ({m: r["tokens_per_s"] / results[BASELINE]["tokens_per_s"] for m, r in results.items()}
+                             if BASELINE in results else {})
+    if SUBJECT in results and a.head in results:
+        info[f"{SUBJECT}_vs_{a.head}"] = results[SUBJECT]["tokens_per_s"] / results[a.head]["tokens_per_s"]
     return info
 
 
@@ -569,87 +396,31 @@ def _feature_layers_info(t_cfg: ModelConfig, m_cfg: ModelConfig) -> dict[str, li
             "intermediate": list(eagle3_feature_layers(m_cfg.num_layers))}
 
 
-def constant_rate(mean_accepted: float, draft_length: int) -> float:
-    """The per-position rate r with r + r^2 + ... + r^K = the mean accepted length (K = draft_length):
-    one rate standing for a level known only by its mean."""
-    if mean_accepted <= 0:
-        return 0.0
-    if mean_accepted >= draft_length:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** k for k in range(1, draft_length + 1)) < mean_accepted else (lo, mid)
-    return (lo + hi) / 2
-
-
-def apply_imported_acceptance(a: argparse.Namespace) -> Optional[dict[str, Any]]:
-    """--acceptance-import: the file's rates become --acceptance-rates (the target's level),
-    --m-acceptance-rates (an intermediate level) and --seq-rate (a sequence level); a level known
-    only by its mean gets the one rate that gives that mean. Returns what the outputs record."""
-    if not a.acceptance_import:
-        return None
-    from hierviz.measure.acceptance_import import AcceptanceImportError, load_acceptance
-    if a.acceptance or a.acceptance_rates or a.m_acceptance_rates:
-        raise WhatIfError("give one source of acceptance: --acceptance-import, --acceptance or --acceptance-rates")
-    try:
-        imp = load_acceptance(Path(a.acceptance_import), a.acceptance_format, model=a.acceptance_model)
-    except AcceptanceImportError as e:
-        raise WhatIfError(f"--acceptance-import {a.acceptance_import}: {e}") from None
-    except OSError as e:
-        raise WhatIfError(f"cannot read {a.acceptance_import}: {e.strerror}") from None
-
-    warnings = list(imp.warnings)
-    depth = _settings(a, {}, 16).t_depth     # the run's tree depth (flags and --trees)
-
-    def rates_of(level) -> list[float]:
-        if level.rates:
-            return list(level.rates)
-        if not level.draft_length:
-            warnings.append(f"draft length unknown: the mean is spread over {depth} positions (the run's tree depth)")
-        return [constant_rate(level.mean_accepted_length, level.draft_length or depth)]
-
-    top = imp.levels.get("target", imp)
-    if "target" not in imp.levels and "sequence" in imp.levels:
-        warnings.append("no tree level verified by the target: T's tree rates are the sequence level's")
-    if not rates_of(top) or top.steps == 0:
-        raise WhatIfError(f"--acceptance-import {a.acceptance_import}: no verification steps to take rates from")
-    a.acceptance_rates = ",".join(f"{r:.6f}" for r in rates_of(top))
-    if "intermediate" in imp.levels:
-        a.m_acceptance_rates = ",".join(f"{r:.6f}" for r in rates_of(imp.levels["intermediate"]))
-    if "sequence" in imp.levels:
-        seq = imp.levels["sequence"]
-        a.seq_rate = constant_rate(seq.mean_accepted_length, seq.draft_length or max(1, len(seq.rates)))
-    return {"source": a.acceptance_import, "format": imp.source_format, "definition": imp.definition,
-            "steps": imp.steps, "mean_accepted_length": imp.mean_accepted_length, "rates": list(imp.rates),
-            "levels": sorted(imp.levels), "warnings": warnings}
-
-
-def check_request(a: argparse.Namespace) -> None:
+def check_request(a: argparse.Namespace) -> tuple[list[str], Optional[dict], DecodeSettings, int]:
     """What run_whatif refuses before it builds a model (methods, settings, acceptance sources),
-    for a caller that runs the what-if elsewhere (hierviz.measure.compat)."""
-    a.imported = apply_imported_acceptance(a)
+    also for a caller that runs the what-if elsewhere (hierviz.measure.compat): the methods, the
+    acceptance trace (if any), the settings and the number of new tokens."""
+    # an imported file's rates spread over the run's E_T depth (flags and --trees) where it gives no draft length
+    a.imported = apply_imported_acceptance(a, lambda: _settings(a, {}, 16).t_depth)
     methods = _methods(a)
     _check_args(a, methods)
-    _trace_and_settings(a, methods)
+    return (methods, *_trace_and_settings(a, methods))
 
 
 def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
-    a.imported = apply_imported_acceptance(a)
-    methods = _methods(a)
-    _check_args(a, methods)
-    trace, s, max_new = _trace_and_settings(a, methods)
+    methods, trace, s, max_new = check_request(a)
     sweep_settings: list[DecodeSettings] = []
     if a.sweep:   # check the sweep's lists before building (possibly 70B-sized) models
         _scales(a.sweep_scales)
-        sweep_settings = ([_settings_copy(s, t_tree_size=z) for z in _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")]
-                          + [_settings_copy(s, min_draft_len=d) for d in _ints(a.sweep_min_draft, "--sweep-min-draft")])
-    dev, dtype, kernel = _environment(a)
+        sweep_settings = ([_settings_copy(s, t_tree_size=z) for z in int_list(a.sweep_tree_sizes, "--sweep-tree-sizes")]
+                          + [_settings_copy(s, min_draft_len=d) for d in int_list(a.sweep_min_draft, "--sweep-min-draft")])
+    dev, dtype, kernel = environment(a.device, a.dtype, a.w4_kernel, "no CUDA GPU found: use --device cpu --tiny for "
+                                                                     "the CPU version")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     names, t_cfg, m_cfg = _shapes(a, dev)
     if a.prompt_len + max_new + cache_margin(s) > t_cfg.max_position:
-        raise WhatIfError(f"prompt ({a.prompt_len}) + new tokens ({max_new}) + draft room exceed the "
+        raise MeasureError(f"prompt ({a.prompt_len}) + new tokens ({max_new}) + draft room exceed the "
                           f"{t_cfg.max_position}-token context of the target shape")
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
@@ -659,7 +430,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
         return _run_exact(a, models, s, methods, names, dev)
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
-    make, rates_info = _oracle_factory(a, trace)
+    make, rates_info = oracle_factory(a, trace)
     warm = dataclasses.replace(s, max_new_tokens=min(16, max_new))
     # one cache length for every run: all lease the same pooled runners, captured in the warm-up
     cache_len = len(prompt) + max_new + max(cache_margin(x) for x in [s] + sweep_settings)
@@ -679,22 +450,22 @@ def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods
     presets = [p.strip() for p in a.exact_trees.split(",") if p.strip()]
     bad = [p for p in presets if p not in TREE_PRESETS]
     if bad or not presets:
-        raise WhatIfError(f"unknown tree preset(s) {bad}; choose from {', '.join(TREE_PRESETS)}")
+        raise MeasureError(f"unknown tree preset(s) {bad}; choose from {', '.join(TREE_PRESETS)}")
     if a.acceptance or a.sweep:
-        raise WhatIfError("--exact takes no --acceptance or --sweep")
+        raise MeasureError("--exact takes no --acceptance or --sweep")
     prompt = _prompt(models.target.cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
     if a.exact_miss_every < 2:
-        raise WhatIfError("--exact-miss-every must be at least 2")
+        raise MeasureError("--exact-miss-every must be at least 2")
     variants = tuple(v.strip() for v in a.exact_variants.split(",") if v.strip())
     if not variants or any(v not in whatif_exact.VARIANTS for v in variants):
-        raise WhatIfError(f"--exact-variants takes {', '.join(whatif_exact.VARIANTS)} (comma-separated)")
-    res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != "ar"], a.exact_miss_every,
+        raise MeasureError(f"--exact-variants takes {', '.join(whatif_exact.VARIANTS)} (comma-separated)")
+    res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != BASELINE], a.exact_miss_every,
                                  log=lambda line: print(line, flush=True), variants=variants)
     return {"exact": True, "shapes": names, "head": a.head,
             "draft_vocab": a.draft_vocab or models.target.cfg.vocab_size, "device": dev,
             "dtype": str(models.target.dtype).replace("torch.", ""), "settings": s.to_dict(),
-            "tree_presets": {p: TREE_PRESETS[p] for p in presets}, "machine": _machine(dev), **res}
+            "tree_presets": {p: TREE_PRESETS[p] for p in presets}, "machine": machine_info(dev), **res}
 
 
 def _check_finite(models: Models, prompt: list[int]) -> None:
@@ -706,7 +477,7 @@ def _check_finite(models: Models, prompt: list[int]) -> None:
         with torch.no_grad():
             logits = model.logits(model(toks, torch.arange(len(toks), device=toks.device)))
         if not bool(torch.isfinite(logits).all()):
-            raise WhatIfError(f"the synthetic {name} produced non-finite logits in {model.dtype}: "
+            raise MeasureError(f"the synthetic {name} produced non-finite logits in {model.dtype}: "
                               "its weights are scaled wrongly for this shape")
 
 
@@ -717,17 +488,13 @@ def _replay_check(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict
             "exact": len(want) == len(got) and same == n}
 
 
-def _machine(dev: str) -> dict[str, Any]:
-    return machine_info(dev)
-
-
 def _scales(text: str) -> list[float]:
     try:
         scales = [float(x) for x in text.split(",") if x.strip()] or [1.0]
     except ValueError:
-        raise WhatIfError(f"--sweep-scales must be comma-separated numbers, got {text!r}") from None
+        raise MeasureError(f"--sweep-scales must be comma-separated numbers, got {text!r}") from None
     if any(not x > 0 for x in scales):
-        raise WhatIfError("--sweep-scales must be positive")
+        raise MeasureError("--sweep-scales must be positive")
     return scales
 
 
@@ -736,13 +503,14 @@ def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: 
     """AR once; T's own tree method (EAGLE-2, or EAGLE-3 with --head eagle3) per (scale, E_T tree
     size); HierSpec per (scale, min draft length); each the median of --repeat runs."""
     scales = _scales(a.sweep_scales)
-    sizes = _ints(a.sweep_tree_sizes, "--sweep-tree-sizes")
-    drafts = _ints(a.sweep_min_draft, "--sweep-min-draft")
+    sizes = int_list(a.sweep_tree_sizes, "--sweep-tree-sizes")
+    drafts = int_list(a.sweep_min_draft, "--sweep-min-draft")
     tree_method = a.head          # the head type is also the method of T's own tree
-    ar = base["ar"] if "ar" in base else run_repeated(models, "ar", s, lambda m: None, prompt, cache_len, a.repeat)
+    ar = base[BASELINE] if BASELINE in base else run_repeated(models, BASELINE, s, lambda m: None, prompt, cache_len,
+                                                              a.repeat)
     rows = []
     for sc in scales:
-        make, rinfo = _oracle_factory(a, None, sc)
+        make, rinfo = oracle_factory(a, None, sc)
         for size in sizes:
             st = _settings_copy(s, t_tree_size=size)
             r = run_repeated(models, tree_method, st, make, prompt, cache_len, a.repeat)
@@ -751,19 +519,19 @@ def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: 
                          "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
         for md in drafts:
             st = _settings_copy(s, min_draft_len=md)
-            r = run_repeated(models, "hierspec", st, make, prompt, cache_len, a.repeat)
-            rows.append({"method": "hierspec", "scale": sc, "min_draft_len": md, "rates": rinfo["rates"],
+            r = run_repeated(models, SUBJECT, st, make, prompt, cache_len, a.repeat)
+            rows.append({"method": SUBJECT, "scale": sc, "min_draft_len": md, "rates": rinfo["rates"],
                          "seq_rate": rinfo["seq_rate"], "tokens_per_s": r["tokens_per_s"],
                          "tokens_per_round": r["tokens_per_round"],
                          "speedup_vs_ar": r["tokens_per_s"] / ar["tokens_per_s"]})
     verdicts = []
     for sc in scales:
         e = [r for r in rows if r["scale"] == sc and r["method"] == tree_method]
-        h = [r for r in rows if r["scale"] == sc and r["method"] == "hierspec"]
+        h = [r for r in rows if r["scale"] == sc and r["method"] == SUBJECT]
         be, bh = max(e, key=lambda r: r["tokens_per_s"]), max(h, key=lambda r: r["tokens_per_s"])
         verdicts.append({"scale": sc, "best_tree": be["speedup_vs_ar"], "best_tree_size": be["t_tree_size"],
                          "best_hierspec": bh["speedup_vs_ar"], "best_min_draft_len": bh["min_draft_len"],
-                         "winner": "hierspec" if bh["tokens_per_s"] > be["tokens_per_s"] else tree_method})
+                         "winner": SUBJECT if bh["tokens_per_s"] > be["tokens_per_s"] else tree_method})
     return {"label": LABEL, "tree_method": tree_method, "ar_tokens_per_s": ar["tokens_per_s"], "rows": rows,
             "verdicts": verdicts}
 
@@ -772,7 +540,7 @@ def _settings_copy(s: DecodeSettings, **kw: Any) -> DecodeSettings:
     try:
         return dataclasses.replace(s, **kw).validate()
     except SettingsError as e:
-        raise WhatIfError(str(e)) from None
+        raise MeasureError(str(e)) from None
 
 
 # ---- outputs ----------------------------------------------------------------------------------
@@ -805,12 +573,12 @@ def sweep_html(info: dict[str, Any]) -> str:
     import plotly.graph_objects as go
     sw = info["sweep"]
     fig = go.Figure()
-    for key, method in (("t_tree_size", sw.get("tree_method", "eagle2")), ("min_draft_len", "hierspec")):
+    for key, method in (("t_tree_size", sw["tree_method"]), ("min_draft_len", SUBJECT)):
         for v in sorted({r[key] for r in sw["rows"] if r["method"] == method}):
             pts = [r for r in sw["rows"] if r["method"] == method and r[key] == v]
             fig.add_trace(go.Scatter(x=[r["scale"] for r in pts], y=[r["speedup_vs_ar"] for r in pts],
                                      mode="lines+markers", name=f"{method} {key}={v}",
-                                     line={"dash": "dot" if method == "eagle2" else "solid"}))
+                                     line={"dash": registry.get(method).dash}))
     fig.update_layout(title=f"Speedup vs AR against acceptance scale — {_title(info)}",
                       xaxis_title="acceptance-rate scale (x the base per-depth rates)",
                       yaxis_title=f"speedup vs AR ({LABEL})", template="plotly_white")
@@ -828,10 +596,10 @@ def markdown(info: dict[str, Any]) -> str:
                      f"{r['tokens_per_round']:.2f} | " +
                      " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
     lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels; "
-                 f"{HEAD_NAMES[info['head']]} draft heads.")
+                 f"{head_label(info['head'])} draft heads.")
     if "sweep" in info:
-        tree_name = HEAD_NAMES[info["sweep"].get("tree_method", "eagle2")]
-        lines += ["", f"| scale | best {tree_name} | (tree size) | best HierSpec | (min draft) | winner |",
+        tree_name = registry.label(info["sweep"]["tree_method"])
+        lines += ["", f"| scale | best {tree_name} | (tree size) | best {registry.label(SUBJECT)} | (min draft) | winner |",
                   "|---|---|---|---|---|---|"]
         for v in info["sweep"]["verdicts"]:
             lines.append(f"| {v['scale']} | {v['best_tree']:.2f}x | {v['best_tree_size']} | "
@@ -840,46 +608,27 @@ def markdown(info: dict[str, Any]) -> str:
 
 
 def write_outputs(info: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """whatif.json, whatif.md and whatif.html; with a sweep also sweep.json (the run's context and
+    the sweep) and sweep.html."""
     sweep = info.pop("sweep", None)
-    (out / "whatif.json").write_text(json.dumps(info, indent=1))
+    write_json(out / "whatif.json", info)
     if sweep is not None:
-        (out / "sweep.json").write_text(json.dumps({**{k: info[k] for k in ("schema", "shapes", "formats", "device",
-                                                                             "machine", "settings", "w4_kernel",
-                                                                             "tiny", "stage_sync", "draft_vocab",
-                                                                             "acceptance")
-                                                       if k in info},
-                                                    **({"command": info["command"]} if "command" in info else {}),
-                                                    **sweep}, indent=1))
+        context = ("schema", "shapes", "formats", "device", "machine", "settings", "w4_kernel", "tiny", "stage_sync",
+                   "draft_vocab", "acceptance", "command")
+        write_json(out / "sweep.json", {**{k: info[k] for k in context if k in info}, **sweep})
         info["sweep"] = sweep
     (out / "whatif.md").write_text(markdown(info))
-    try:
-        (out / "whatif.html").write_text(chart_html(info))
-        if sweep is not None:
-            (out / "sweep.html").write_text(sweep_html(info))
-    except ImportError:   # plotly is optional on a headless GPU box
-        print("note: plotly is not installed; charts skipped", file=sys.stderr)
-
-
-def run_reporting_errors(work: Callable[[], dict[str, Any]],
-                         errors: tuple[type[Exception], ...] = (WhatIfError, SettingsError)) -> Optional[dict[str, Any]]:
-    """work()'s result; None after printing `error: ...` for a refused request or a full GPU."""
-    try:
-        return work()
-    except errors as e:
-        print(f"error: {e}", file=sys.stderr)
-    except torch.cuda.OutOfMemoryError:
-        print("error: the GPU ran out of memory for these shapes", file=sys.stderr)
-    return None
+    if write_chart(out / "whatif.html", lambda: chart_html(info)) and sweep is not None:
+        write_chart(out / "sweep.html", lambda: sweep_html(info))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
-    info = run_reporting_errors(lambda: run_whatif(a))
+    info = run_reporting_errors(lambda: run_whatif(a), (MeasureError, SettingsError))
     if info is None:
         return 2
-    info["command"] = recorded_command("whatif", argv)
+    stamp(info, "whatif", argv)
     if info.get("exact"):
         from hierviz.measure import whatif_exact
         whatif_exact.write(info, Path(a.out))

@@ -11,7 +11,7 @@ or EAGLE-3 heads), decodes with AR, then with every speculative method twice:
   verifies with its own logits, so every accept/reject decision still comes from the models.
 
 Each method's output must equal AR's token for token, for every tree preset asked for
-(`--exact-trees`, default eagle2,paper: hierviz.decoding.settings.TREE_PRESETS). Exit code 1 on
+(`--exact-trees`, default eagle2,paper: hierviz.settings.TREE_PRESETS). Exit code 1 on
 any difference, and on a steering miss: a seeded run that accepts no tree node or draft token, or
 that makes 2 tokens per round or fewer with every draft seeded, proves nothing.
 
@@ -26,20 +26,18 @@ works inside the CUDA graphs of the static path, where a forward runs only at ca
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from hierviz import methods
+from hierviz.methods import BASELINE, METHODS
 from hierviz.decoding.decoders import Models, cache_margin
-from hierviz.decoding.settings import TREE_PRESETS, DecodeSettings
 from hierviz.decoding.verify import Sampler
-from hierviz.measure.whatif import HEAD_NAMES
-from hierviz.models.drafter import Drafter
+from hierviz.measure.common import stopwatch, write_json
+from hierviz.models.drafter import HEAD_SLOTS, Drafter, head_label
 from hierviz.models.llama import Transformer
+from hierviz.settings import TREE_PRESETS, DecodeSettings
 
 BOOST = 30.0           # above every other logit of a row: the steered token ranks first
 
@@ -216,7 +214,7 @@ def _steer_tree_graphs() -> None:
 def decode(models: Models, method: str, s: DecodeSettings, prompt: list[int]) -> tuple[list[int], list]:
     """Greedy output tokens (at most max_new_tokens) and the steps, no oracle."""
     max_len = len(prompt) + s.max_new_tokens + cache_margin(s)
-    gen = methods.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=None)
+    gen = METHODS[method].decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=None)
     tokens: list[int] = []
     steps = []
     with torch.no_grad():
@@ -249,7 +247,7 @@ def outside_draft_vocab(models: Models, tokens: list[int]) -> dict[str, int]:
     """Per head: how many of `tokens` (AR's continuation) its draft vocabulary lacks, which no
     steering can make it draft."""
     out = {}
-    for name in ("e_m", "e_t", "e_t3"):
+    for name in HEAD_SLOTS:
         head = getattr(models, name)
         if head is not None:
             mask = head.draft_vocab_mask()
@@ -268,10 +266,10 @@ def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: 
     registry = _Registry(SuccessorTable(len(prompt) + base.max_new_tokens + cache_margin(base) + 64,
                                         models.target.device))
     steer_model(models.intermediate, registry)
-    for head in (models.e_m, models.e_t, models.e_t3):
+    for head in (getattr(models, name) for name in HEAD_SLOTS):
         if head is not None:
             steer_head(head, registry)
-    want, _ = decode(models, "ar", base, prompt)
+    want, _ = decode(models, BASELINE, base, prompt)
     outside = outside_draft_vocab(models, want)
     log(f"AR: {len(want)} tokens" + "".join(f"; {n} outside {name}'s draft vocabulary"
                                              for name, n in outside.items() if n))
@@ -285,9 +283,9 @@ def run_exact(models: Models, prompt: list[int], base: DecodeSettings, presets: 
             else:
                 registry.table.clear()
             for method in methods:
-                t0 = time.perf_counter()
-                got, steps = decode(models, method, s, prompt)
-                secs = round(time.perf_counter() - t0, 1)
+                with stopwatch(models.target.device, pause_gc=False) as took:
+                    got, steps = decode(models, method, s, prompt)
+                secs = round(took(), 1)
                 first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
                                   None if len(got) == len(want) else min(len(got), len(want)))
                 row = {"trees": preset, "seeded": seeded, "miss_every": miss, "method": method, "identical": first_diff is None,
@@ -325,7 +323,8 @@ def steering_miss(row: dict[str, Any], steps: list) -> str:
     judged = [st for st in rounds if not any(t.undraftable and t.verifier == "target" for t in st.trees)]
     total = _tally(rounds)
     some_tree_uncut = total["undraftable_trees"] < total["trees_n"]
-    if row["method"] != "spec" and total["accepted_tree_nodes"] == 0 and some_tree_uncut:
+    drafts_trees = METHODS[row["method"]].tree_settings is not None
+    if drafts_trees and total["accepted_tree_nodes"] == 0 and some_tree_uncut:
         return "no tree node accepted"
     if judged and total["target_accepted"] == 0:
         return "the target accepted no draft token"
@@ -338,7 +337,7 @@ def steering_miss(row: dict[str, Any], steps: list) -> str:
 def markdown(info: dict[str, Any]) -> str:
     lines = [f"# What-if --exact: {info['shapes']['target']} / {info['shapes']['intermediate']} on "
              f"{info['machine'].get('gpu', 'CPU')}, {info['settings']['max_new_tokens']} tokens, "
-             f"{HEAD_NAMES[info['head']]} heads drafting over {info['draft_vocab']} tokens",
+             f"{head_label(info['head'])} heads drafting over {info['draft_vocab']} tokens",
              "", "| trees | drafts | method | identical to AR | tokens/round | accepted tree nodes | full-depth trees | "
              "target accepted | trees cut by the draft vocabulary |", "|---|---|---|---|---|---|---|---|---|"]
     for r in info["runs"]:
@@ -357,6 +356,5 @@ def _drafts(r: dict[str, Any]) -> str:
 
 
 def write(info: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "whatif_exact.json").write_text(json.dumps(info, indent=1, default=str))
+    write_json(out / "whatif_exact.json", info)
     (out / "whatif_exact.md").write_text(markdown(info) + "\n")

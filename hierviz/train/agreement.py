@@ -50,7 +50,7 @@ def _summary(agree: list[bool], runs: list[int]) -> dict[str, Any]:
 
 def measure(stack, questions: list[dict[str, Any]], max_new_tokens: int, draft_len: int,
             progress=None) -> dict[str, Any]:
-    from hierviz.decoding.settings import DecodeSettings
+    from hierviz.settings import DecodeSettings
     from hierviz.engine import EngineError, generate, output_tokens, prepare
     if stack.models.intermediate is None:
         raise ValueError(f"stack {stack.name!r} has no intermediate model")

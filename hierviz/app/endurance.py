@@ -29,9 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from hierviz.config import recorded_command
+from hierviz.app.common import TRACE_DIR
+from hierviz.config import ENV_NAMES, recorded_command
 
-SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "assets" / "traces" / "tiny-random-plumbing.json"
+SHIPPED_TRACE = TRACE_DIR / "tiny-random-plumbing.json"
 # What a visitor's session costs the server beside their runs: Gradio's per-session copy of the
 # page's config and last outputs, and the allocator's slack (measured 1.6-2.1 MB on the 2-core CPU)
 SESSION_MB = 3
@@ -131,7 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix="hierviz-endurance-")
         atexit.register(shutil.rmtree, os.environ["GRADIO_TEMP_DIR"], True)
     # this one machine plays every visitor: the per-address limit would refuse it after 20 runs a minute
-    os.environ.setdefault("HIERVIZ_RUNS_PER_ADDRESS", "6000")
+    os.environ.setdefault(ENV_NAMES["runs_per_address"], "6000")
     import gradio_client
 
     from hierviz.app.check import start_app

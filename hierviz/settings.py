@@ -1,8 +1,12 @@
-"""Decoding parameters shared by every method, with validation that gives clear messages."""
+"""Decoding parameters shared by every method, with validation that gives clear messages, and
+their command-line flags: every tool that decodes declares them through this module."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Optional
+from typing import Callable, Optional
+
+from hierviz import methods
 
 
 class SettingsError(ValueError):
@@ -58,13 +62,8 @@ class DecodeSettings:
         return asdict(self)
 
 
-# Tree settings for a compute-bound CPU, where every verified token costs: the tree-size sweep on
-# the 2-core machine (docs/benchmarks.md, offline SmolLM2 stack) took EAGLE-2 from 5.04 to 6.69
-# tokens/s (60 -> 24 nodes) and HierSpec from 2.88 to 6.85 (E_M trees of 10 nodes at depth 2,
-# 2-token sequence drafts). GPUs keep the defaults above. The CPU target runs the
-# int4 kernel in its batch-invariant mode, where a verified token costs more (a 24-node tree 2x
-# the fp32 kernel's); EAGLE-2 re-swept (python -m hierviz draft-sweep --eagle-trees 6,12): 6 nodes 18.96 tok/s,
-# 12 13.90, 24 10.19, so its CPU trees are 6 nodes now.
+# Small trees for a compute-bound CPU, where every verified token costs (docs/configuration.md gives
+# the sweep that chose them); GPUs keep the defaults above.
 CPU_TREES = {"m_depth": 2, "m_tree_size": 10, "min_draft_len": 2, "t_depth": 5, "t_tree_size": 6}
 
 # Reference tree settings in hierviz's counting. SafeAILab's EAGLE counts the root in
@@ -98,3 +97,80 @@ def default_settings(device: Optional[str] = None) -> DecodeSettings:
         return replace(DecodeSettings(), **CPU_TREES)
     return DecodeSettings()
 
+
+
+# ---- command-line flags ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DraftFlag:
+    """A drafting setting as a flag, named after its DecodeSettings field."""
+    field: str
+    what: str
+    tree: str = ""        # the Method.tree_settings of the methods that read it ("t", "m"; "" none)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+# The drafting settings every tool takes under the same flags; TREE_FIELDS are the ones a tree
+# preset (--trees) sets
+DRAFT_FLAGS = (DraftFlag("m_depth", "E_M tree depth", "m"), DraftFlag("m_topk", "E_M tree top-k", "m"),
+               DraftFlag("m_tree_size", "E_M tree size", "m"),
+               DraftFlag("min_draft_len", "minimum sequence draft for T", "m"),
+               DraftFlag("t_depth", "E_T tree depth", "t"), DraftFlag("t_topk", "E_T tree top-k", "t"),
+               DraftFlag("t_tree_size", "E_T tree size", "t"),
+               DraftFlag("spec_k", "tokens the intermediate drafts per round (sequence speculation)"))
+TREE_FIELDS = tuple(f.field for f in DRAFT_FLAGS if f.tree)
+TREES_HELP = ("reference tree settings: eagle2 = SafeAILab EAGLE-2 defaults (E_T depth 6, 59 nodes), eagle3 = "
+              "SafeAILab EAGLE-3 defaults (E_T depth 8), paper = SpecMQuant's HierSpec and EAGLE-2 runs (E_T depth 3, "
+              "23 nodes); single tree flags override them")
+
+
+def _readers(tree: str) -> str:
+    """The labels of the methods that read a tree's settings, for a flag's help."""
+    return ", ".join(m.label for m in methods.METHODS.values() if tree and m.tree_settings == tree)
+
+
+def add_draft_args(p: argparse.ArgumentParser, default_help: Callable[[str], str]) -> None:
+    """DRAFT_FLAGS and --trees, each defaulting to None (a flag left out keeps the value the caller
+    starts from; default_help(field) says what that is)."""
+    for f in DRAFT_FLAGS:
+        readers = _readers(f.tree)
+        p.add_argument(f.flag, type=int, default=None,
+                       help=f"{f.what} ({readers + '; ' if readers else ''}{default_help(f.field)})")
+    p.add_argument("--trees", default=None, choices=sorted(TREE_PRESETS), help=TREES_HELP)
+
+
+def apply_draft_args(s: DecodeSettings, a: argparse.Namespace) -> DecodeSettings:
+    """`s` with the --trees preset, then every drafting flag given, set on it (in place)."""
+    for k, v in TREE_PRESETS.get(getattr(a, "trees", None) or "", {}).items():
+        setattr(s, k, v)
+    for f in DRAFT_FLAGS:
+        if getattr(a, f.field, None) is not None:
+            setattr(s, f.field, getattr(a, f.field))
+    return s
+
+
+def add_settings_args(p: argparse.ArgumentParser) -> None:
+    """Every decode setting as a flag; drafting flags left out take the run device's defaults."""
+    d, cpu = DecodeSettings(), default_settings("cpu")
+
+    def dflt(name: str) -> str:
+        g, c = getattr(d, name), getattr(cpu, name)
+        return f"default {g}" + (f"; {c} on the CPU" if c != g else "")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=d.seed)
+    add_draft_args(p, dflt)
+
+
+def settings_from_args(a: argparse.Namespace, device: Optional[str] = None) -> DecodeSettings:
+    """Settings from the parsed flags; drafting flags left out take the defaults of `device` (the
+    device the stack runs on; default: --device, else this machine's)."""
+    s = apply_draft_args(default_settings(device if device is not None else getattr(a, "device", None)), a)
+    for k in ("max_new_tokens", "temperature", "top_p", "seed"):
+        if getattr(a, k) is not None:
+            setattr(s, k, getattr(a, k))
+    return s

@@ -1,0 +1,187 @@
+"""Where a what-if's accept/reject decisions come from (hierviz.measure.whatif): a recorded trace's
+accepted lengths replayed in order, per-depth rates drawn with a seeded generator, or a
+deployment's acceptance (hierviz.measure.acceptance_import) turned into such rates."""
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from hierviz import methods
+from hierviz.decoding.tree import Tree
+from hierviz.decoding.verify import AcceptOracle
+from hierviz.measure.common import MeasureError, probabilities
+from hierviz.trace import Step, TraceError, comparison_from_json
+
+# Default rates when neither a trace nor rates are given. They are an assumption, not a
+# measurement: per-depth conditional acceptance chosen so that EAGLE-2 accepts ~3.3 draft
+# tokens per round at depth 5 (tau ~ 4.3 with the bonus token), the regime the EAGLE-2 paper
+# reports for LLaMA-3-Instruct on MT-bench; see docs/whatif.md.
+DEFAULT_RATES = (0.9, 0.8, 0.75, 0.7, 0.65, 0.6)
+DEFAULT_SEQ_RATE = 0.85   # T accepting each of M's draft tokens (Llama-3-8B drafting for 70B): assumption
+
+
+def accepted_lengths(steps: list[Step]) -> list[dict[str, Any]]:
+    """Per decode round (prefill excluded): the accepted tree path lengths (verifier M for
+    HierSpec, T for EAGLE-2) and the target's accepted count for sequence drafts."""
+    out = []
+    for s in steps:
+        if s.index == 0:
+            continue
+        row: dict[str, Any] = {"trees": [len(t.accepted) for t in s.trees]}
+        if methods.get(s.method).target_verifies == methods.SEQUENCE:
+            row["target"] = s.target_accepted
+        out.append(row)
+    return out
+
+
+class ReplayOracle(AcceptOracle):
+    """Replays a trace's accepted lengths in order, per level; wraps around when the what-if
+    asks for more rounds than the trace has (the report's `replay` gives both round counts)."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.trees = [n for r in rows for n in r["trees"]]
+        self.seq = [r["target"] for r in rows if "target" in r]
+        self.i_tree = self.i_seq = 0
+
+    def _next(self, q: list[int], attr: str) -> int:
+        i = getattr(self, attr)
+        if not q:
+            return 0
+        setattr(self, attr, i + 1)
+        return q[i % len(q)]
+
+    def tree(self, level: str, tree: Tree) -> int:
+        return self._next(self.trees, "i_tree")
+
+    def sequence(self, level: str, draft: list[int]) -> int:
+        return self._next(self.seq, "i_seq")
+
+
+class RatesOracle(AcceptOracle):
+    """Tree level: depth d is accepted (given d-1 was) with probability rates[d-1] (the last
+    rate repeats). Sequence level: each of M's draft tokens with probability seq_rate."""
+
+    def __init__(self, rates: list[float], seq_rate: float, seed: int, m_rates: Optional[list[float]] = None) -> None:
+        self.rates, self.m_rates, self.seq_rate = list(rates), list(m_rates or rates), seq_rate
+        self.rng = random.Random(seed)
+
+    def _run(self, rates: list[float], most: int) -> int:
+        n = 0
+        while n < most and self.rng.random() < rates[min(n, len(rates) - 1)]:
+            n += 1
+        return n
+
+    def tree(self, level: str, tree: Tree) -> int:
+        return self._run(self.m_rates if level == "intermediate" else self.rates, max(tree.depths, default=0))
+
+    def sequence(self, level: str, draft: list[int]) -> int:
+        return self._run([self.seq_rate], len(draft))
+
+
+def load_acceptance_trace(path: str) -> dict[str, list[dict[str, Any]]]:
+    """Accepted lengths per method from a trace or comparison file, plus each run's settings."""
+    try:
+        runs = comparison_from_json(Path(path).read_bytes())
+    except OSError as e:
+        raise MeasureError(f"cannot read acceptance trace {path}: {e.strerror}") from None
+    except TraceError as e:
+        raise MeasureError(f"acceptance trace {path}: {e}") from None
+    out: dict[str, Any] = {}
+    for t in runs:
+        m = t.meta.get("method") or (t.steps[0].method if t.steps else None)
+        if m and m not in out:
+            out[m] = {"rows": accepted_lengths(t.steps), "settings": t.meta.get("settings", {}),
+                      "tokens": sum(len(s.new_tokens) for s in t.steps), "stack": t.meta.get("stack")}
+    return out
+
+
+OracleMaker = Callable[[str], Optional[AcceptOracle]]
+
+
+def oracle_factory(a: argparse.Namespace, trace: Optional[dict[str, Any]], scale: float = 1.0
+                   ) -> tuple[OracleMaker, dict[str, Any]]:
+    """A fresh oracle per run (same seed per method: every run of a method draws the same luck),
+    and the rates it draws from; a method that drafts nothing gets none."""
+    rates = [min(1.0, r * scale) for r in probabilities(a.acceptance_rates, "--acceptance-rates")] \
+        if a.acceptance_rates else [min(1.0, r * scale) for r in DEFAULT_RATES]
+    m_rates = [min(1.0, r * scale) for r in probabilities(a.m_acceptance_rates, "--m-acceptance-rates")] \
+        if a.m_acceptance_rates else None
+    seq = min(1.0, a.seq_rate * scale)
+
+    def make(method: str) -> Optional[AcceptOracle]:
+        if methods.get(method).target_verifies == methods.TOKEN:
+            return None
+        if trace is not None:
+            return ReplayOracle(trace[method]["rows"])
+        return RatesOracle(rates, seq, method_seed(a.seed, method), m_rates)
+    return make, {"rates": rates, "m_rates": m_rates or rates, "seq_rate": seq}
+
+
+def method_seed(seed: int, method: str) -> int:
+    """A stable per-method seed (Python's str hash is salted per process): the method's place
+    among the registered methods that keep their own acceptance record. One priced with another's
+    record (Method.acceptance_as: EAGLE-3's tree as EAGLE-2's) draws that method's: T's tree gets
+    the same forced decisions whichever head type drafts it."""
+    own = [m for m in methods.names() if methods.get(m).acceptance_as is None]
+    return seed * 1000 + own.index(methods.get(method).acceptance_as or method)
+
+
+
+def constant_rate(mean_accepted: float, draft_length: int) -> float:
+    """The per-position rate r with r + r^2 + ... + r^K = the mean accepted length (K = draft_length):
+    one rate standing for a level known only by its mean."""
+    if mean_accepted <= 0:
+        return 0.0
+    if mean_accepted >= draft_length:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** k for k in range(1, draft_length + 1)) < mean_accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+def apply_imported_acceptance(a: argparse.Namespace, tree_depth: Callable[[], int]) -> Optional[dict[str, Any]]:
+    """--acceptance-import: the file's rates become --acceptance-rates (the target's level),
+    --m-acceptance-rates (an intermediate level) and --seq-rate (a sequence level); a level known
+    only by its mean gets the one rate that gives that mean, over tree_depth() positions (the
+    run's E_T depth) where the file gives no draft length. Returns what the outputs record."""
+    if not a.acceptance_import:
+        return None
+    from hierviz.measure.acceptance_import import AcceptanceImportError, load_acceptance
+    if a.acceptance or a.acceptance_rates or a.m_acceptance_rates:
+        raise MeasureError("give one source of acceptance: --acceptance-import, --acceptance or --acceptance-rates")
+    try:
+        imp = load_acceptance(Path(a.acceptance_import), a.acceptance_format, model=a.acceptance_model)
+    except AcceptanceImportError as e:
+        raise MeasureError(f"--acceptance-import {a.acceptance_import}: {e}") from None
+    except OSError as e:
+        raise MeasureError(f"cannot read {a.acceptance_import}: {e.strerror}") from None
+
+    warnings = list(imp.warnings)
+    depth = tree_depth()
+
+    def rates_of(level) -> list[float]:
+        if level.rates:
+            return list(level.rates)
+        if not level.draft_length:
+            warnings.append(f"draft length unknown: the mean is spread over {depth} positions (the run's tree depth)")
+        return [constant_rate(level.mean_accepted_length, level.draft_length or depth)]
+
+    top = imp.levels.get("target", imp)
+    if "target" not in imp.levels and "sequence" in imp.levels:
+        warnings.append("no tree level verified by the target: T's tree rates are the sequence level's")
+    if not rates_of(top) or top.steps == 0:
+        raise MeasureError(f"--acceptance-import {a.acceptance_import}: no verification steps to take rates from")
+    a.acceptance_rates = ",".join(f"{r:.6f}" for r in rates_of(top))
+    if "intermediate" in imp.levels:
+        a.m_acceptance_rates = ",".join(f"{r:.6f}" for r in rates_of(imp.levels["intermediate"]))
+    if "sequence" in imp.levels:
+        seq = imp.levels["sequence"]
+        a.seq_rate = constant_rate(seq.mean_accepted_length, seq.draft_length or max(1, len(seq.rates)))
+    return {"source": a.acceptance_import, "format": imp.source_format, "definition": imp.definition,
+            "steps": imp.steps, "mean_accepted_length": imp.mean_accepted_length, "rates": list(imp.rates),
+            "levels": sorted(imp.levels), "warnings": warnings}
+
