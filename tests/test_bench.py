@@ -144,11 +144,12 @@ def test_agreement_with_the_target_as_intermediate_is_total(questions):
     """With M = T every position agrees, and tau_bound is 1 + the capped run to the answer's end."""
     import dataclasses
 
+    from hierviz.decoding.decoders import Models
     from hierviz.measure.bench import read_questions
     from hierviz.stack import tiny_random_stack
     from hierviz.train.agreement import measure
     stack = tiny_random_stack("cpu")
-    stack = dataclasses.replace(stack, models=dataclasses.replace(stack.models, intermediate=stack.models.target))
+    stack = dataclasses.replace(stack, models=Models(stack.models.target, stack.models.target, **stack.models.heads))
     r = measure(stack, read_questions(questions), max_new_tokens=9, draft_len=3)
     for q in r["questions"]:
         n = q["positions"]
