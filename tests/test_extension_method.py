@@ -120,3 +120,19 @@ def test_whatif_figures_show_it(toy) -> None:
     fig = throughput_figure(d)
     assert list(fig.data[0].x) == ["Autoregressive", "Repeat-last"]
     assert list(fig.data[0].marker.color) == [methods.get("ar").color, "#6B8E23"]
+
+
+def test_whatif_runs_it_at_real_decoders(toy, tmp_path) -> None:
+    """The what-if builds synthetic models and runs the registered decoder with forced acceptance."""
+    import torch
+
+    from hierviz.measure.whatif import main
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--tiny", "--device", "cpu", "--threads", "1", "--methods", f"ar,{NAME}", "--max-new-tokens", "8",
+                     "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    info = json.loads((tmp_path / "whatif.json").read_text())
+    assert list(info["methods"]) == ["ar", NAME] and info["speedup_vs_ar"][NAME] > 0
+    assert f"| {NAME} |" in (tmp_path / "whatif.md").read_text()
