@@ -43,7 +43,7 @@ import torch
 
 from hierviz.config import options, overrides
 from hierviz.quant import kernel_guard
-from hierviz.quant.tickets import ticket_buffer
+from hierviz.quant.tickets import multiprocessor_count, ticket_buffer
 from hierviz.quant.triton_w4_kernels import HAVE_TRITON, triton
 from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_of, codes_released, dequantize, pack_codes,
                               register_kernel, release_codes, unpack_codes)
@@ -154,17 +154,9 @@ def invariant_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_S
     return dataclasses.replace(cfg, split_k=one.split_k, factored=one.factored)
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (off CUDA: those of the GPU TUNED was measured on)."""
-    if device.type != "cuda":
-        return TUNED_SMS
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNTS:
-        _SM_COUNTS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNTS[i]
+    return multiprocessor_count(device) if device.type == "cuda" else TUNED_SMS
 
 
 # ---- weight layout --------------------------------------------------------------------------
