@@ -43,8 +43,9 @@ def w4_fp16_kernel(device: torch.device) -> str:
     """Which kernel runs fp16 W4 products on `device`: "cuda_mma", "triton", or with
     HIERVIZ_W4_CUDA=target "cuda_mma for the target, triton for the rest"."""
     from hierviz.quant import kernel_guard
+    from hierviz.quant.w4_verdicts import CUDA_VARIANT
     mode = kernel_guard.cuda_mode()
-    if mode == "off" or kernel_guard.CUDA_VARIANT not in kernel_guard.fast_variants(device, torch.float16):
+    if mode == "off" or CUDA_VARIANT not in kernel_guard.fast_variants(device, torch.float16):
         return "triton"
-    return kernel_guard.CUDA_VARIANT if mode == "on" else f"{kernel_guard.CUDA_VARIANT} for the target, triton for the rest"
+    return CUDA_VARIANT if mode == "on" else f"{CUDA_VARIANT} for the target, triton for the rest"
 

@@ -167,16 +167,16 @@ def test_bad_operands_are_refused_before_any_launch() -> None:
 
 def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
     pytest.importorskip("triton")
-    from hierviz.quant import kernel_guard, triton_w4
+    from hierviz.quant import kernel_guard, triton_w4, w4_verdicts
     w = random_weight(64, 128, 32)
     verifier = random_weight(64, 128, 32)
     verifier.batch_invariant = True
     x = torch.zeros(4, 128, dtype=torch.float16)
-    every = frozenset(kernel_guard.FAST_VARIANTS)
+    every = frozenset(w4_verdicts.FAST_VARIANTS)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
     assert cuda_w4.serves(w) and cuda_w4.serves(verifier)
     assert not triton_w4.chosen_config(x, w, variants=every).cuda   # CPU tensors
-    assert kernel_guard.CUDA_VARIANT not in kernel_guard.supported_variants(torch.device("cpu"))
+    assert w4_verdicts.CUDA_VARIANT not in kernel_guard.supported_variants(torch.device("cpu"))
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")        # a verifier's (the target's) weights only
     assert cuda_w4.serves(verifier) and not cuda_w4.serves(w)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
@@ -192,11 +192,11 @@ def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
     on and the variant allowed on the device."""
     pytest.importorskip("triton")
     from hierviz import machine
-    from hierviz.quant import kernel_guard
+    from hierviz.quant import kernel_guard, w4_verdicts
     monkeypatch.setattr(machine, "gpu_name", lambda device: "NVIDIA H200")
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"          # not allowed on a CPU
-    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({kernel_guard.CUDA_VARIANT}))
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma for the target, triton for the rest"

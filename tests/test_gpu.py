@@ -352,12 +352,12 @@ def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_pat
     from hierviz.measure.w4_sweep import config_shapes
     from hierviz.models.config import ModelConfig
     from hierviz.models.synthetic import synthetic_model
-    from hierviz.quant import kernel_guard, triton_w4, w4_proof
+    from hierviz.quant import kernel_guard, triton_w4, w4_proof, w4_verdicts
     monkeypatch.setenv("HIERVIZ_CACHE", str(tmp_path))
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")      # the Triton variants first, whatever the caller's setting
     monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset())
     monkeypatch.setattr(kernel_guard, "PROVEN_CUDA_PLATFORMS", frozenset())
-    w4_proof.forget_in_memory()
+    w4_verdicts.forget_in_memory()
     dev = torch.device("cuda")
     try:
         cfg = ModelConfig.from_file(Path(__file__).resolve().parents[1] / "assets" / "configs" / "llama3-8b.json")
@@ -374,17 +374,17 @@ def test_w4_start_up_proof_enables_the_fast_variants_on_llama3_8b_shapes(tmp_pat
         assert triton_w4.chosen_config(torch.zeros(1, 4096, device="cuda", dtype=torch.float16), gate_up).gemv
         assert triton_w4.chosen_config(torch.zeros(8, 4096, device="cuda", dtype=torch.float16), gate_up).tma
         assert w4_proof.prove_models([model], torch.float16, dev).source == "remembered"
-        w4_proof.forget_in_memory()
+        w4_verdicts.forget_in_memory()
         assert kernel_guard.platform_proven(dev)          # from the disk cache
         # asking for the CUDA MMA variant: the next load proves it on the same shapes, then uses it
         monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
-        assert kernel_guard.CUDA_VARIANT not in kernel_guard.fast_variants(dev)
+        assert w4_verdicts.CUDA_VARIANT not in kernel_guard.fast_variants(dev)
         verdict = w4_proof.prove_models([model], torch.float16, dev, log=print)
-        assert verdict.source == "proved" and verdict.passed() and verdict.products(kernel_guard.CUDA_VARIANT) > 0
-        assert kernel_guard.CUDA_VARIANT in kernel_guard.fast_variants(dev) and kernel_guard.platform_proven(dev)
+        assert verdict.source == "proved" and verdict.passed() and verdict.products(w4_verdicts.CUDA_VARIANT) > 0
+        assert w4_verdicts.CUDA_VARIANT in kernel_guard.fast_variants(dev) and kernel_guard.platform_proven(dev)
         assert triton_w4.chosen_config(torch.zeros(1, 4096, device="cuda", dtype=torch.float16), gate_up).cuda
     finally:
-        w4_proof.forget_in_memory()
+        w4_verdicts.forget_in_memory()
 
 
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 128, 300])

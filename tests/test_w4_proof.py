@@ -1,9 +1,9 @@
-"""The start-up proof of the W4 kernel's fast variants (hierviz.quant.w4_proof) and how its verdicts
-reach the kernels (kernel_guard.fast_variants, triton_w4.chosen_config), on the CPU: the verdict
-logic with a product function standing in for the kernel, the per-platform cache on disk, a CUDA
-platform faked through torch.cuda's queries, and the real kernels under TRITON_INTERPRET=1 (in a
-subprocess: the interpreter must be on before triton is imported). tests/test_gpu.py proves real
-model shapes on a GPU."""
+"""The start-up proof of the W4 kernel's fast variants (hierviz.quant.w4_proof), how its verdicts are
+kept (hierviz.quant.w4_verdicts) and how they reach the kernels (kernel_guard.fast_variants,
+triton_w4.chosen_config), on the CPU: the verdict logic with a product function standing in for
+the kernel, the per-platform cache on disk, a CUDA platform faked through torch.cuda's queries,
+and the real kernels under TRITON_INTERPRET=1 (in a subprocess: the interpreter must be on before
+triton is imported). tests/test_gpu.py proves real model shapes on a GPU."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from hierviz.measure import w4_sweep  # noqa: E402
 from hierviz.models.config import ModelConfig  # noqa: E402
-from hierviz.quant import kernel_guard, triton_w4, w4_proof  # noqa: E402
+from hierviz.quant import kernel_guard, triton_w4, w4_proof, w4_verdicts  # noqa: E402
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, dequantize  # noqa: E402
 from tests.tiny import run_interpreted
 
@@ -33,9 +33,9 @@ ROWS = [1, 5, 17, 40, 100]
 def fresh_verdicts(tmp_path, monkeypatch):
     """Each test starts with no verdict in memory and an empty cache directory."""
     monkeypatch.setenv("HIERVIZ_CACHE", str(tmp_path / "cache"))
-    w4_proof.forget_in_memory()
+    w4_verdicts.forget_in_memory()
     yield
-    w4_proof.forget_in_memory()
+    w4_verdicts.forget_in_memory()
 
 
 def rowwise_product(wrong_tma_at: int = 0, batch_dependent: bool = False):
@@ -83,7 +83,7 @@ def test_invariant_mode_catches_a_row_that_depends_on_the_batch() -> None:
 
 
 def test_verdict_lines_for_the_other_outcomes() -> None:
-    key = w4_proof.platform_key(CPU)
+    key = w4_verdicts.platform_key(CPU)
     off = w4_proof.prove([WIDE], [1, 17], torch.float16, CPU, product=rowwise_product(wrong_tma_at=17),
                          check_bits=True, remember_verdict=False)
     assert off.enabled() == {"gemv"}
@@ -99,18 +99,18 @@ def test_verdict_lines_for_the_other_outcomes() -> None:
     crashed = w4_proof.prove([WIDE], [1, 2], torch.float16, CPU, product=no_gemv, remember_verdict=False)
     assert crashed.enabled() == {"tma"} and crashed.failures("gemv")[0]["error"].startswith("RuntimeError")
     assert "CUDA-core one-token variant failed to run at 256x8192 g128, 1 row" in crashed.summary()
-    ampere = w4_proof.Verdict({**key, "gpu": "NVIDIA A100", "capability": "8.0"}, "float16", ())
+    ampere = w4_verdicts.Verdict({**key, "gpu": "NVIDIA A100", "capability": "8.0"}, "float16", ())
     assert ampere.summary().startswith("W4 fast path: not available on this GPU (NVIDIA A100, Triton ")
-    assert w4_proof.Verdict(key, "float16", ("tma", "gemv"), source="static").enabled() == {"tma", "gemv"}
-    static = w4_proof.Verdict(key, "float16", ("tma", "gemv"), source="static")
+    assert w4_verdicts.Verdict(key, "float16", ("tma", "gemv"), source="static").enabled() == {"tma", "gemv"}
+    static = w4_verdicts.Verdict(key, "float16", ("tma", "gemv"), source="static")
     assert "CUDA MMA" not in static.summary()
-    with_cuda = w4_proof.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
+    with_cuda = w4_verdicts.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
     assert with_cuda.summary().endswith(" — fp16 products in the CUDA MMA variant")   # HIERVIZ_W4_CUDA=on
 
 
 def test_the_status_line_says_when_only_the_target_runs_the_cuda_variant(monkeypatch) -> None:
-    key = w4_proof.platform_key(CPU)
-    with_cuda = w4_proof.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
+    key = w4_verdicts.platform_key(CPU)
+    with_cuda = w4_verdicts.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
     assert with_cuda.summary().endswith(" — the target's fp16 products in the CUDA MMA variant")
 
@@ -127,7 +127,7 @@ def test_proof_rows_cover_every_row_count_a_fast_variant_changes() -> None:
         for invariant in (False, True):
             w.batch_invariant = invariant
             for m in (129, 256, 1000, 2048):
-                assert not any(w4_proof._exercises(x, w, m, v) for v in kernel_guard.FAST_VARIANTS), (k, n, m)
+                assert not any(w4_proof._exercises(x, w, m, v) for v in w4_verdicts.FAST_VARIANTS), (k, n, m)
             assert w4_proof._exercises(x, w, INVARIANT_MAX_ROWS if invariant else 64, "tma")
 
 
@@ -135,34 +135,34 @@ def test_verdicts_are_kept_on_disk_per_platform() -> None:
     product = rowwise_product(wrong_tma_at=17)
     w4_proof.prove([(256, 192, 64)], [1, 17], torch.float16, CPU, product=product)
     w4_proof.prove([(256, 96, 128)], [1, 2], torch.float16, CPU, product=product)     # merged, not replaced
-    key = w4_proof.platform_key(CPU)
-    path = w4_proof.cache_file(key)
+    key = w4_verdicts.platform_key(CPU)
+    path = w4_verdicts.cache_file(key)
     assert path.parent == Path(os.environ["HIERVIZ_CACHE"]) / "w4-proof"
-    w4_proof.forget_in_memory()
-    known = w4_proof.known_records(key, torch.float16)
+    w4_verdicts.forget_in_memory()
+    known = w4_verdicts.known_records(key, torch.float16)
     assert sorted(known) == ["256x192g64", "256x96g128"]
     assert known["256x192g64"]["variants"]["tma"]["failures"][0]["rows"] == 17
-    assert w4_proof.known_records(key, torch.bfloat16) == {}
+    assert w4_verdicts.known_records(key, torch.bfloat16) == {}
     for other in ({"gpu": "NVIDIA H100"}, {"triton": "3.6.0"}, {"torch": "2.11.0+cu130"}, {"driver": "550.54"}):
-        assert w4_proof.known_records({**key, **other}, torch.float16) == {}, other
+        assert w4_verdicts.known_records({**key, **other}, torch.float16) == {}, other
     assert json.loads(path.read_text())["platform"] == key
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 1, "platform": {"gpu": "another"}, "dtypes": {}}),
                                      json.dumps([1, 2]), "PLATFORM_WITH_A_BAD_RECORD"])
 def test_a_corrupt_or_foreign_cache_file_is_ignored_with_a_warning(content) -> None:
-    key = w4_proof.platform_key(CPU)
-    path = w4_proof.cache_file(key)
+    key = w4_verdicts.platform_key(CPU)
+    path = w4_verdicts.cache_file(key)
     path.parent.mkdir(parents=True)
     if content == "PLATFORM_WITH_A_BAD_RECORD":
         content = json.dumps({"format": 1, "platform": key, "dtypes": {"float16": {"256x192g64": {"K": "x"}}}})
     path.write_text(content)
     with pytest.warns(RuntimeWarning, match="W4 proof cache .* ignored"):
-        assert w4_proof.known_records(key, torch.float16) == {}
+        assert w4_verdicts.known_records(key, torch.float16) == {}
     with pytest.warns(RuntimeWarning, match="ignored"):     # the next proof replaces the file
         w4_proof.prove([(256, 192, 64)], [1], torch.float16, CPU, product=rowwise_product())
-    w4_proof.forget_in_memory()
-    assert list(w4_proof.known_records(key, torch.float16)) == ["256x192g64"]
+    w4_verdicts.forget_in_memory()
+    assert list(w4_verdicts.known_records(key, torch.float16)) == ["256x192g64"]
 
 
 @pytest.fixture
@@ -170,11 +170,11 @@ def fake_hopper(monkeypatch):
     """torch.cuda's device queries answer for an sm_90 GPU (no GPU is used: nothing runs on it)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "Fake H200")
-    monkeypatch.setattr(w4_proof, "driver_version", lambda: "570.1")
+    monkeypatch.setattr(w4_verdicts, "driver_version", lambda: "570.1")
     monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset())
-    kernel_guard.verdicts_changed()
+    w4_verdicts.verdicts_changed()
     yield
-    w4_proof.forget_in_memory()
+    w4_verdicts.forget_in_memory()
 
 
 def record(shape: tuple[int, int, int], tma_failures: int = 0) -> dict:
@@ -185,28 +185,28 @@ def record(shape: tuple[int, int, int], tma_failures: int = 0) -> dict:
 
 
 def test_platform_proven_honours_a_passing_verdict_and_the_static_list(fake_hopper, monkeypatch) -> None:
-    key = w4_proof.platform_key(GPU)
+    key = w4_verdicts.platform_key(GPU)
     assert key["gpu"] == "Fake H200" and key["capability"] == "9.0" and key["driver"] == "570.1"
     assert not kernel_guard.platform_proven(GPU) and kernel_guard.fast_variants(GPU) == frozenset()
     assert not w4_proof.proven_for(GPU, [WIDE])
     triton_w4._VERIFIED[("stale",)] = None
-    w4_proof.remember(key, torch.float16, {"256x8192g128": record(WIDE)})
+    w4_verdicts.remember(key, torch.float16, {"256x8192g128": record(WIDE)})
     assert ("stale",) not in triton_w4._VERIFIED           # choices made under the old verdict start over
     assert kernel_guard.platform_proven(GPU) and w4_proof.proven_for(GPU, [WIDE])
     assert not w4_proof.proven_for(GPU, [(256, 192, 64)])  # a shape never proven here
     assert not kernel_guard.platform_proven(GPU, torch.bfloat16)
     # a failure recorded on another shape turns the failing variant off for the whole platform
-    w4_proof.remember(key, torch.float16, {"256x192g64": record((256, 192, 64), tma_failures=1)})
+    w4_verdicts.remember(key, torch.float16, {"256x192g64": record((256, 192, 64), tma_failures=1)})
     assert kernel_guard.fast_variants(GPU) == {"gemv"} and not kernel_guard.platform_proven(GPU)
     assert not w4_proof.proven_for(GPU, [WIDE])
-    w4_proof.forget_in_memory()                            # a restart: the verdict comes from disk
+    w4_verdicts.forget_in_memory()                         # a restart: the verdict comes from disk
     assert kernel_guard.fast_variants(GPU) == {"gemv"}
     # the static list holds the pair: every variant, unless a failure was recorded here
     monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset({(9, kernel_guard.triton_version())}))
-    kernel_guard.verdicts_changed()
+    w4_verdicts.verdicts_changed()
     assert kernel_guard.fast_variants(GPU) == {"gemv"}
     monkeypatch.setenv("HIERVIZ_CACHE", str(Path(os.environ["HIERVIZ_CACHE"]) / "elsewhere"))
-    w4_proof.forget_in_memory()
+    w4_verdicts.forget_in_memory()
     assert kernel_guard.platform_proven(GPU) and w4_proof.proven_for(GPU, [(1024, 1024, 128)])
 
 
@@ -229,14 +229,14 @@ def test_prove_models_collects_the_engine_shapes_and_skips_what_is_known(fake_ho
     model, cfg = tiny_w4_model()
     shapes = w4_proof.model_shapes([model, None])
     assert shapes == w4_sweep.config_shapes(cfg, 64)        # what --quick proves for a preset is what loads
-    key = w4_proof.platform_key(GPU)
+    key = w4_verdicts.platform_key(GPU)
     proved: list[list] = []
 
     def fake_prove(shapes, rows, dtype, device, log=None):
         proved.append(shapes)
-        w4_proof.remember(key, dtype, {w4_proof.shape_id(s): record(s) for s in shapes})
+        w4_verdicts.remember(key, dtype, {w4_verdicts.shape_id(s): record(s) for s in shapes})
     monkeypatch.setattr(w4_proof, "prove", fake_prove)
-    w4_proof.remember(key, torch.float16, {w4_proof.shape_id(shapes[0]): record(shapes[0])})
+    w4_verdicts.remember(key, torch.float16, {w4_verdicts.shape_id(shapes[0]): record(shapes[0])})
     first = w4_proof.prove_models([model], torch.float16, GPU)
     assert proved == [shapes[1:]] and first.source == "proved" and first.passed()
     assert first.summary().startswith(f"W4 fast path: proven here (Fake H200, Triton {kernel_guard.triton_version()}, "
@@ -327,7 +327,7 @@ def test_asking_for_the_cuda_variant_where_it_cannot_load_warns_and_keeps_triton
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
     kernel_guard._WARNED.clear()
     with pytest.warns(RuntimeWarning, match="HIERVIZ_W4_CUDA=on, but the CUDA W4 kernel is not available"):
-        assert kernel_guard.supported_variants(GPU) == kernel_guard.TRITON_VARIANTS
+        assert kernel_guard.supported_variants(GPU) == w4_verdicts.TRITON_VARIANTS
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (7, 5))
     with pytest.warns(RuntimeWarning, match="needs tensor-core MMA"):
         assert kernel_guard.supported_variants(GPU) == ()
@@ -338,8 +338,8 @@ def test_a_record_at_fewer_rows_does_not_cover_a_load(fake_hopper, monkeypatch) 
     whose decoders use every row count: the load proves it again at PROOF_ROWS."""
     model, _ = tiny_w4_model()
     shapes = w4_proof.model_shapes([model, None])
-    key = w4_proof.platform_key(GPU)
-    w4_proof.remember(key, torch.float16, {w4_proof.shape_id(s): {**record(s), "rows": [1, 2]} for s in shapes})
+    key = w4_verdicts.platform_key(GPU)
+    w4_verdicts.remember(key, torch.float16, {w4_verdicts.shape_id(s): {**record(s), "rows": [1, 2]} for s in shapes})
     assert w4_proof.proven_for(GPU, shapes, rows=[1, 2]) and not w4_proof.proven_for(GPU, shapes)
     proved: list[tuple] = []
     monkeypatch.setattr(w4_proof, "prove", lambda shapes, rows, dtype, device, log=None: proved.append((shapes, rows)))
@@ -353,9 +353,9 @@ def test_the_static_list_covers_a_platform_only_for_every_variant_it_supports(fa
     'on the static list' and a load proves it."""
     monkeypatch.setattr(kernel_guard, "PROVEN_PLATFORMS", frozenset({(9, kernel_guard.triton_version())}))
     assert kernel_guard.on_static_list(GPU)
-    monkeypatch.setattr(kernel_guard, "supported_variants", lambda device: (*kernel_guard.TRITON_VARIANTS, kernel_guard.CUDA_VARIANT))
-    kernel_guard.verdicts_changed()
-    assert kernel_guard.statically_proven(GPU) == frozenset(kernel_guard.TRITON_VARIANTS)
+    monkeypatch.setattr(kernel_guard, "supported_variants", lambda device: (*w4_verdicts.TRITON_VARIANTS, w4_verdicts.CUDA_VARIANT))
+    w4_verdicts.verdicts_changed()
+    assert kernel_guard.statically_proven(GPU) == frozenset(w4_verdicts.TRITON_VARIANTS)
     assert not kernel_guard.on_static_list(GPU) and not w4_proof.proven_for(GPU, [WIDE])
     model, _ = tiny_w4_model()
     proved: list = []

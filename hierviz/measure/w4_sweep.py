@@ -45,7 +45,8 @@ from hierviz.quant import kernel_guard
 from hierviz.quant.formats import get_format
 from hierviz.quant.w4 import FORMAT as W4A16
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
-from hierviz.quant.w4_proof import PROOF_ROWS, Shape, check_products, prove, reference, synthetic_weight
+from hierviz.quant.w4_proof import PROOF_ROWS, check_products, prove, reference, synthetic_weight
+from hierviz.quant.w4_verdicts import CUDA_VARIANT, TRITON_VARIANTS, Shape
 
 # hidden, intermediate, key/value width (kv heads x head dim) of the models the presets name, and
 # of the offline default (SmolLM2-135M), whose W4 shapes also run on a GPU
@@ -182,7 +183,7 @@ def quick(a: argparse.Namespace) -> int:
 
 # the fast variants each path may use: `tma` what Hopper runs in Triton, `cuda` the CUDA MMA kernel
 # (hierviz.quant.cuda_w4), `pointer` none (what an A100 runs without the CUDA kernel)
-PATH_VARIANTS = {"tma": frozenset(kernel_guard.TRITON_VARIANTS), "cuda": frozenset({kernel_guard.CUDA_VARIANT}),
+PATH_VARIANTS = {"tma": frozenset(TRITON_VARIANTS), "cuda": frozenset({CUDA_VARIANT}),
                  "pointer": frozenset()}
 
 

@@ -49,8 +49,8 @@ from typing import Optional
 
 import torch
 
-from hierviz.quant import kernel_guard
-from hierviz.quant.tickets import ticket_buffer
+from hierviz.config import options
+from hierviz.quant.tickets import multiprocessor_count, ticket_buffer
 from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
 
 _CACHE_KEY = "cuda_w4"
@@ -145,7 +145,7 @@ def serves(w: W4Weight) -> bool:
     rows but slower than the Triton kernel on some tree verifications (docs/kernels.md), and a
     weight's products must all run one kernel (a verifier's rows keep their bits only within one
     kernel), so the choice is per weight, never per M."""
-    mode = kernel_guard.cuda_mode()
+    mode = options().w4_cuda
     return mode == "on" or (mode == "target" and w.batch_invariant)
 
 
@@ -451,8 +451,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
         raise ValueError("the CUDA W4 kernel reads its codes tile by tile (cuda_w4.pack_layout)")
     x = x.contiguous()
     if split is None:
-        from hierviz.quant.triton_w4 import sm_count
-        split = split_for(n, k, sm_count(x.device))
+        split = split_for(n, k, multiprocessor_count(x.device))
     split, per = slice_plan(k, split)
     tiles = tiles or token_tiles(m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:

@@ -5,8 +5,9 @@ Three checks, used by hierviz.quant.triton_w4 for every launch it chooses itself
 * `fast_variants` / `platform_proven`: the Hopper-only variants (TMA descriptor loads, the
   CUDA-core one-token kernel) run where the full correctness sweep (`python -m hierviz w4-sweep`,
   docs/kernels.md) passed on the (GPU architecture, Triton version) pair, or where the start-up
-  proof on this very platform passed (hierviz.quant.w4_proof). Elsewhere the pointer-load MMA
-  kernel runs, which the sweep proved with TMA forced off (the path an A100 takes).
+  proof on this very platform passed (hierviz.quant.w4_proof proves, hierviz.quant.w4_verdicts
+  keeps the verdicts, `enabled_variants` reads them). Elsewhere the pointer-load MMA kernel runs,
+  which the sweep proved with TMA forced off (the path an A100 takes).
 * `async_register_hazards`: a structural check of the compiled TTGIR. A wgmma whose weight
   operand comes from registers computed inside the loop must complete before the loop's next
   iteration; the PTX ISA leaves rewriting those registers before `wgmma.wait_group` undefined,
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from hierviz.config import options
+from hierviz.quant import w4_verdicts
 from hierviz.quant.w4 import W4Weight, codes_of, dequantize
 
 # (compute capability major, Triton "major.minor") on which `hierviz w4-sweep` found 0 wrong rows
@@ -53,14 +55,6 @@ def triton_version() -> Optional[str]:
     return ".".join(triton.__version__.split(".")[:2])
 
 
-# The variants only a proven platform uses: codes through TMA descriptors (`Config.tma`), the
-# CUDA-core one-token kernel (`Config.gemv`), and the CUDA MMA kernel (`Config.cuda`,
-# hierviz.quant.cuda_w4: tensor-core MMA from sm_80 on, compiled at run time by NVRTC).
-TRITON_VARIANTS: tuple[str, ...] = ("tma", "gemv")
-CUDA_VARIANT = "cuda_mma"
-FAST_VARIANTS: tuple[str, ...] = (*TRITON_VARIANTS, CUDA_VARIANT)
-
-
 def cuda_mode() -> str:
     """HIERVIZ_W4_CUDA: "off", "on" (every fp16 W4 product of the shapes it takes runs the CUDA MMA
     variant) or "target" (only a verifier's: hierviz.quant.cuda_w4.serves)."""
@@ -77,13 +71,13 @@ def supported_variants(device: torch.device) -> tuple[str, ...]:
     driver loads it; under the interpreter the Triton ones (it emulates TMA; the CUDA kernel needs
     a GPU)."""
     if device.type != "cuda":
-        return TRITON_VARIANTS
+        return w4_verdicts.TRITON_VARIANTS
     major = torch.cuda.get_device_capability(_index(device))[0]
-    found = TRITON_VARIANTS if major >= 9 else ()
+    found = w4_verdicts.TRITON_VARIANTS if major >= 9 else ()
     if cuda_mode() != "off":
         from hierviz.quant import cuda_w4      # imported here: it compiles only when asked
         if cuda_w4.available(device):
-            found = (*found, CUDA_VARIANT)
+            found = (*found, w4_verdicts.CUDA_VARIANT)
         else:
             _warn_once(f"HIERVIZ_W4_CUDA={cuda_mode()}, but {cuda_w4.unavailable_reason(device)}: the Triton W4 kernel runs")
     return found
@@ -110,11 +104,11 @@ def statically_proven(device: torch.device) -> frozenset[str]:
     if device.type != "cuda":
         return frozenset()
     major, triton = gpu_platform(device)
-    found = set(TRITON_VARIANTS) if (major, triton) in PROVEN_PLATFORMS else set()
+    found = set(w4_verdicts.TRITON_VARIANTS) if (major, triton) in PROVEN_PLATFORMS else set()
     if PROVEN_CUDA_PLATFORMS and cuda_mode() != "off":
         from hierviz.quant import cuda_w4
         if (major, cuda_w4.nvrtc_version()) in PROVEN_CUDA_PLATFORMS:
-            found.add(CUDA_VARIANT)
+            found.add(w4_verdicts.CUDA_VARIANT)
     return frozenset(found)
 
 
@@ -127,23 +121,31 @@ def on_static_list(device: torch.device) -> bool:
     return bool(proven) and set(supported_variants(device)) <= proven
 
 
+def enabled_variants(device: torch.device, dtype: torch.dtype) -> frozenset[str]:
+    """The fast variants this platform may use for dtype: those that failed no recorded product
+    here and either passed one or are on the static list (a failure recorded here outranks it)."""
+    supported = supported_variants(device)
+    key = w4_verdicts.platform_key(device)
+    verdict = w4_verdicts.Verdict(key, w4_verdicts.dtype_name(dtype), supported, w4_verdicts.known_records(key, dtype))
+    static = statically_proven(device)
+    return frozenset(v for v in supported if not verdict.failures(v) and (v in static or verdict.products(v)))
+
+
 # (device index, activation dtype, HIERVIZ_W4_CUDA) -> the fast variants in use: asked on every
 # product, so the answer (device queries, the verdict cache) is kept until a verdict changes
 _PROVEN: dict[tuple[int, torch.dtype, str], frozenset[str]] = {}
-_ON_CHANGE: list[Callable[[], None]] = []
+w4_verdicts.when_verdicts_change(_PROVEN.clear)
 
 
 def fast_variants(device: torch.device, dtype: torch.dtype = torch.float16) -> frozenset[str]:
     """The fast variants products of dtype may use on device: on the static list all it supports,
-    else those a start-up proof on this platform passed (hierviz.quant.w4_proof.enabled_variants:
-    in memory after a proof, or from the disk cache); under the interpreter the Triton ones."""
+    else those a start-up proof on this platform passed (`enabled_variants`: the verdicts in
+    memory after a proof, or from the disk cache); under the interpreter the Triton ones."""
     if device.type != "cuda":
-        return frozenset(TRITON_VARIANTS)   # the interpreter: the CPU tests check it
+        return frozenset(w4_verdicts.TRITON_VARIANTS)   # the interpreter: the CPU tests check it
     key = (_index(device), dtype, cuda_mode())
     if key not in _PROVEN:
-        # imported here: w4_proof imports the kernel module, which imports this one
-        from hierviz.quant import w4_proof
-        _PROVEN[key] = w4_proof.enabled_variants(torch.device("cuda", key[0]), dtype)
+        _PROVEN[key] = enabled_variants(torch.device("cuda", key[0]), dtype)
     return _PROVEN[key]
 
 
@@ -152,18 +154,6 @@ def platform_proven(device: torch.device, dtype: torch.dtype = torch.float16) ->
     verdict; an older GPU with none: False); under the interpreter, always."""
     supported = frozenset(supported_variants(device))
     return bool(supported) and fast_variants(device, dtype) >= supported
-
-
-def when_verdicts_change(callback: Callable[[], None]) -> None:
-    """Call back (no arguments) whenever a verdict changes: caches of choices made under it drop."""
-    _ON_CHANGE.append(callback)
-
-
-def verdicts_changed() -> None:
-    """Forget the answers kept per device and tell the caches that depend on them."""
-    _PROVEN.clear()
-    for callback in _ON_CHANGE:
-        callback()
 
 
 _DOT = re.compile(r"^\s*(%[\w#:]+)\s*=\s*ttng\.warp_group_dot\s+(%[\w]+)(?:#\d+)?\s*,.*?\}\s*:\s*(\S+)")

@@ -42,8 +42,8 @@ from typing import Optional
 import torch
 
 from hierviz.config import options, overrides
-from hierviz.quant import kernel_guard
-from hierviz.quant.tickets import ticket_buffer
+from hierviz.quant import kernel_guard, w4_verdicts
+from hierviz.quant.tickets import multiprocessor_count, ticket_buffer
 from hierviz.quant.triton_w4_kernels import HAVE_TRITON, triton
 from hierviz.quant.w4 import (INVARIANT_MAX_ROWS, W4Weight, codes_of, codes_released, dequantize, pack_codes,
                               register_kernel, release_codes, unpack_codes)
@@ -154,17 +154,9 @@ def invariant_config(m: int, n: int, k: int, group_size: int, sms: int = TUNED_S
     return dataclasses.replace(cfg, split_k=one.split_k, factored=one.factored)
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (off CUDA: those of the GPU TUNED was measured on)."""
-    if device.type != "cuda":
-        return TUNED_SMS
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNTS:
-        _SM_COUNTS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNTS[i]
+    return multiprocessor_count(device) if device.type == "cuda" else TUNED_SMS
 
 
 # ---- weight layout --------------------------------------------------------------------------
@@ -363,17 +355,17 @@ def triton_w4_matmul(x: torch.Tensor, w: W4Weight, config: Optional[Config] = No
 def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = None,
                   variants: Optional[frozenset[str]] = None) -> Config:
     """The configuration a product gets on x's device: the tuned one (batch-invariant where the
-    weight asks for it), using only the fast variants (kernel_guard.FAST_VARIANTS: TMA loads, the
-    CUDA-core one-token kernel) the platform may use (kernel_guard.fast_variants: the static
-    list or a start-up proof); without them the same tiles with pointer loads.
+    weight asks for it), using only the fast variants (w4_verdicts.FAST_VARIANTS: TMA loads, the
+    CUDA-core one-token kernel, the CUDA MMA one) the platform may use (kernel_guard.fast_variants:
+    the static lists or a start-up proof); without them the same tiles with pointer loads.
     hopper_paths=True / False allows all / none of them anywhere (the sweep's tma and pointer
     paths); variants names the allowed ones exactly (the start-up proof, one at a time)."""
     m, k = x.shape
     n = w.out_features
     if variants is None:
         variants = (kernel_guard.fast_variants(x.device, x.dtype) if hopper_paths is None
-                    else frozenset(kernel_guard.FAST_VARIANTS) if hopper_paths else frozenset())
-    if kernel_guard.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
+                    else frozenset(w4_verdicts.FAST_VARIANTS) if hopper_paths else frozenset())
+    if w4_verdicts.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
         from hierviz.quant import cuda_w4
         if cuda_w4.serves(w) and cuda_w4.supports_shape(n, k, w.group_size):
             tiles = cuda_w4.token_tiles(m)
@@ -397,7 +389,7 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
 _VERIFIED: dict[tuple, Optional[Config]] = {}
 _HAZARDS: dict[int, list[str]] = {}     # compiled kernel -> its TTGIR hazards
 # a new verdict changes which configurations are chosen: their first-use results start over
-kernel_guard.when_verdicts_change(_VERIFIED.clear)
+w4_verdicts.when_verdicts_change(_VERIFIED.clear)
 
 
 def _verified(x: torch.Tensor, w: W4Weight, cfg: Config) -> Optional[Config]:
