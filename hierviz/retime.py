@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -211,7 +212,8 @@ def equal_token_ratios(runs: dict[str, list[Step]]) -> list[Ratio]:
     ratios = []
     for m in others:
         hs_ms, other_ms = time_to_tokens_ms(hs, n), time_to_tokens_ms(runs[m], n)
-        if hs_ms and other_ms:
+        # a ratio that over- or underflows (absurd stage times in a loaded file) says nothing
+        if hs_ms and other_ms and 0.0 < other_ms / hs_ms < math.inf:
             ratios.append(Ratio(m, n, hs_ms, other_ms))
     return ratios
 

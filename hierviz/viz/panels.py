@@ -12,7 +12,7 @@ from typing import Optional
 from hierviz.models.drafter import HEAD_SLOTS, HEAD_TYPES, head_label
 from hierviz.retime import (MEASURED, RETIMED, Ratio, at_time_scale, equal_token_ratios, is_small_stack, real_scale_available,
                             whatif_headline)
-from hierviz.methods import BASELINE, METHODS, SUBJECT, TOKEN, tree_on_target, verifies
+from hierviz.methods import BASELINE, METHODS, SUBJECT, TOKEN, short, tree_on_target, verifies
 from hierviz.trace import DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
                                token_label)
@@ -389,11 +389,11 @@ def headline_html(runs: list[Trace], time_scale: str = MEASURED, repeats: Option
     measured = ""
     if time_scale == RETIMED:
         ratios = equal_token_ratios({run_method(t): t.steps for t in runs})
+        # one short line under the headline: short method names, the why by the statistics
         measured = ('<div class="hv-muted">As measured on ' + esc(where_measured(runs[0].meta)) + ": "
                     + " · ".join(f"{ratio_text(r.speedup, repeats.get(MEASURED, {}).get(r.other), False)} "
-                                 f"{esc(method_label(r.other))}" for r in ratios)
-                    + " (a 135M target cannot show the method: see the note by the statistics, and the "
-                    + tab_link(WHATIF_TAB, "What-if tab") + " for the real-scale result).</div>"
+                                 f"{esc(short(r.other))}" for r in ratios)
+                    + " — a 135M target cannot show the method: " + tab_link(WHATIF_TAB, "What-if tab") + ".</div>"
                     if is_small_stack(runs[0].meta) and ratios else "")
     return f'<div class="hv-headline">{line}{measured}</div>'
 
