@@ -77,7 +77,7 @@ class GPU:
     name: str
     bandwidth_GBps: float           # memory bandwidth, spec sheet
     memory_GB: float
-    tflops: dict[str, float]        # dense tensor-core rates: "fp16" (fp32 accumulate), "int8", "fp8"
+    tflops: dict[str, float]        # dense tensor-core rates by operand type: "f16" (fp32 accumulate), "i8", "f8"
     capability: tuple[int, int]
     sms: int                        # multiprocessors: the W4 kernel picks its tiles by them
     note: str = ""
@@ -88,12 +88,12 @@ class GPU:
 
 # Spec-sheet figures, dense (no sparsity), FP16 with FP32 accumulation.
 GPUS = {g.name: g for g in (
-    GPU("NVIDIA H200", 4800, 141, {"fp16": 989.5, "int8": 1979, "fp8": 1979}, (9, 0), 132),
-    GPU("NVIDIA H100 SXM", 3350, 80, {"fp16": 989.5, "int8": 1979, "fp8": 1979}, (9, 0), 132),
-    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"fp16": 312, "int8": 624}, (8, 0), 108, "no FP8 tensor cores"),
-    GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"fp16": 165.2, "int8": 660.6, "fp8": 330.3}, (8, 9), 128),
-    GPU("NVIDIA L4", 300, 24, {"fp16": 121, "int8": 242.5, "fp8": 242.5}, (8, 9), 58),
-    GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"fp16": 500, "int8": 1000, "fp8": 1000}, (12, 0), 188,
+    GPU("NVIDIA H200", 4800, 141, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132),
+    GPU("NVIDIA H100 SXM", 3350, 80, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132),
+    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"f16": 312, "i8": 624}, (8, 0), 108, "no FP8 tensor cores"),
+    GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"f16": 165.2, "i8": 660.6, "f8": 330.3}, (8, 9), 128),
+    GPU("NVIDIA L4", 300, 24, {"f16": 121, "i8": 242.5, "f8": 242.5}, (8, 9), 58),
+    GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"f16": 500, "i8": 1000, "f8": 1000}, (12, 0), 188,
         "tensor rates derived from the 4,000 sparse FP4 TOPS of the spec sheet (/8, /4)"),
 )}
 # An assumption for every cuBLAS / cuBLASLt product: 128 bytes of K a step (64 fp16, 128 int8 / fp8
@@ -120,7 +120,7 @@ class Kernel:
     kind: str            # "stream", "gemm" or "dequant_mm" (a product that dequantizes in the warps that multiply)
     bytes: float
     flops: float = 0.0
-    math: str = ""       # the tensor rate of its arithmetic: fp16, fp8, int_mm
+    math: str = ""       # the tensor rate of its arithmetic (a GPU.tflops key: f16, f8), or int_mm
     stages: float = 0.0  # gemm, dequant_mm: pipeline stages per K step of a program (the fill it waits for)
 
 
@@ -177,7 +177,7 @@ def w4_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shap
     acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
     # split-K meets in a fixed order (triton_w4._store_product): fp32 partials written, then read back
     partials = 8.0 * split * t * n if split > 1 else 0.0
-    return [Kernel("dequant_mm", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "fp16", stages)]
+    return [Kernel("dequant_mm", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "f16", stages)]
 
 
 def gemm_stages(k: int, elem: int) -> float:
@@ -188,7 +188,7 @@ def gemm_stages(k: int, elem: int) -> float:
 def dense_kernels(t: int, k: int, n: int, add: bool, weight_bytes: Optional[float] = None) -> list[Kernel]:
     """One library GEMM over dense [n, k] weights (fp16 unless `weight_bytes` says)."""
     w = 2.0 * n * k if weight_bytes is None else weight_bytes
-    out = [Kernel("gemm", w + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "fp16", gemm_stages(k, 2))]
+    out = [Kernel("gemm", w + 2.0 * t * k + 2.0 * t * n, 2.0 * t * n * k, "f16", gemm_stages(k, 2))]
     return out + ([Kernel("stream", 6.0 * t * n)] if add else [])
 
 
@@ -220,7 +220,7 @@ def fp8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list[
     m = FP8_ROWS * -(-t // FP8_ROWS)
     pad = [Kernel("stream", float((m - t) * k)), Kernel("stream", 2.0 * m * k)] if t < m else []
     ones = Kernel("stream", 4.0 * FP8_ROWS)
-    mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "fp8", gemm_stages(k, 1))
+    mm = Kernel("gemm", float(n * k + 4 * n + m * k + 4 * m * n), 2.0 * m * n * k, "f8", gemm_stages(k, 1))
     tn = t * n      # * token scales, -> fp16
     rescale = [Kernel("stream", 8.0 * tn + 4 * t), Kernel("stream", 6.0 * tn)]
     return quantize_kernels(t, k, False, fused) + [ones] + pad + [mm] + rescale + ([Kernel("stream", 6.0 * tn)] if add else [])
@@ -229,10 +229,10 @@ def fp8_kernels(t: int, k: int, n: int, add: bool, fused: bool = False) -> list[
 # what a format's product launches on a GPU (its entry's `gpu_product`, hierviz.quant.formats):
 # (its kernels, the tensor rate of its arithmetic for `tensor_tflops`)
 PRODUCTS = {
-    "gemm": (gemm_kernels, "fp16"),
-    "triton_w4": (w4_kernels, "fp16"),
+    "gemm": (gemm_kernels, "f16"),
+    "triton_w4": (w4_kernels, "f16"),
     "int_mm": (lambda fmt, t, k, n, add, where, gpu: int8_kernels(t, k, n, add, gpu.fused_act_quant), "int_mm"),
-    "scaled_mm": (lambda fmt, t, k, n, add, where, gpu: fp8_kernels(t, k, n, add, gpu.fused_act_quant), "fp8"),
+    "scaled_mm": (lambda fmt, t, k, n, add, where, gpu: fp8_kernels(t, k, n, add, gpu.fused_act_quant), "f8"),
 }
 
 
@@ -302,7 +302,7 @@ def tensor_tflops(gpu: GPU, math_: str) -> float:
     a workspace, which on Hopper leaves it the sm80-class int8 kernels (pytorch/pytorch#187094
     reports the same on sm_103): an assumption, modelled as the FP16 rate on compute capability 9.0."""
     if math_ == "int_mm":
-        return gpu.tflops["fp16"] if gpu.capability == (9, 0) else gpu.tflops["int8"]
+        return gpu.tflops["f16"] if gpu.capability == (9, 0) else gpu.tflops["i8"]
     return gpu.tflops[math_]
 
 
