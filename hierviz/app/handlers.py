@@ -3,8 +3,9 @@ input values to output updates.
 
 Each handler returns (or yields) a tuple in the order of its event's outputs, named by the
 *_OUTPUTS constants below; hierviz.app.visualizer wires the components of those names. An output
-a handler leaves alone is `gr.skip()`. Every bad input ends in a message in the status box (the one
-message area, replaced each time; no toasts, which pile up), never a stack trace in the page, and one line in the server log (guard.log_refusal).
+a handler leaves alone is `gr.skip()`. Every bad input ends in a message in the status box (replaced
+each time; no toasts, which pile up), and a bad upload's also under the upload (hierviz.app.notes),
+never a stack trace in the page, and one line in the server log (guard.log_refusal).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.guard import RATE, log_refusal
 from hierviz.app.line import LINE
+from hierviz.app.notes import note_html
 from hierviz.app.render import (PANELS, SIDE, STEP_PANELS, download_update, headline_update, nav_updates,
                                 panel_updates, run_label, runs_shown_updates, side_update)
 from hierviz.app.session import SESSIONS, Session, SessionFlags, session_key, state_bytes, state_limit_mb
@@ -29,12 +31,14 @@ from hierviz.viz.export import step_svg
 from hierviz import methods
 
 # Inputs and outputs of each event, by component name (hierviz.app.visualizer builds the components).
-RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft",
-              "t_depth", "t_topk", "t_size", "with_ar", "session")
+SETTING_INPUTS = ("max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft", "t_depth", "t_topk", "t_size")
+RUN_INPUTS = ("prompt", "stack", *SETTING_INPUTS, "with_ar", "session")
 # API clients read these by position: new outputs go at the end
 RUN_CORE = ("status", "session", "download", "step", "view", *PANELS)
 RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover", "headline", SIDE)
-LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline", SIDE)
+# the trace's message also goes under the upload and the list of traces (on a phone they are screens
+# below the status box); a refused upload is taken out of the upload box, ready for the next file
+LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline", SIDE, "trace_note", "upload")
 TIME_SCALE_OUTPUTS = (*PANELS, "headline")
 PLAY_OUTPUTS = ("status", "step", *PANELS, SIDE)
 VIEW_OUTPUTS = (*PANELS, "step", "view", SIDE)
@@ -42,7 +46,7 @@ SCRUB_OUTPUTS = (*PANELS, SIDE)
 STEP_OUTPUTS = ("step", *PANELS, SIDE)
 MIN_SPEED, MAX_SPEED = 0.2, 20.0      # replay speeds offered, steps per second
 REPLAY_SLOW_S = 0.5
-TREE_REST = 2.0          # a replay leaves the page this many times a tree's drawing time before the next
+TREE_REST = 4.0          # a replay leaves the page this many times a tree's drawing time before the next
 TREE_WAIT_MAX_S = 1.0    # a tree whose drawing is not reported by then counts as drawn
 
 OPEN_STATUS = "Showing a recorded trace. Press Run for a live one, or Play to replay it."
@@ -197,17 +201,27 @@ def check_holdable(runs: list[Trace]) -> None:
                          f"{most} MB per visitor")
 
 
+# how a JSON text can start (a trace is an object, but an array or a word is JSON too, and refused
+# as no trace by the schema's own message); a UTF-8 byte-order mark is left to the parser to name
+JSON_STARTS = ("{", "[", '"', "-", *"0123456789", "true", "false", "null", "\ufeff")
+
+
 def read_upload(path: str) -> list[Trace]:
     """The runs of an uploaded trace file: TraceError (or OSError) with a message for the visitor."""
     if not path.lower().endswith(".json"):
-        raise TraceError("a trace is a .json file")
+        raise TraceError("not a trace file (a trace is a .json file)")
     size = Path(path).stat().st_size
     if size > MAX_TRACE_BYTES:
         raise TraceError(f"the file is {size / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise TraceError("it is not a text file (a trace is JSON text)") from None
+        raise TraceError("not a trace file (it is not text; a trace is JSON text)") from None
+    start = text.lstrip(" \t\r\n")
+    if not start:
+        raise TraceError("not a trace file (it is empty)")
+    if not start.startswith(JSON_STARTS):
+        raise TraceError("not a trace file (it is not JSON)")
     runs = comparison_from_json(text)
     check_holdable(runs)
     return runs
@@ -230,10 +244,11 @@ def trace_updates(name: str, read: Any, download: Optional[str], shown: Optional
     except (TraceError, OSError) as e:
         message = f"Could not read {name}: {e}"
         log_refusal("trace", message)
-        return {"status": status_html(message, "error")}
+        return {"status": status_html(message, "error"), "trace_note": note_html(message, "error")}
     sess = (shown if isinstance(shown, Session) else Session()).carried(
         runs=runs, view=str(runs[0].meta.get("method")), source=name, download=download)
-    return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay.")
+    message = f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay."
+    return {**loaded_updates(sess, message), "trace_note": note_html(message, "ok")}
 
 
 def shown_instead(updates: dict[str, Any], request: Optional[gr.Request]) -> dict[str, Any]:
@@ -249,15 +264,18 @@ def load_file(path: Optional[str], shown: Optional[Session] = None, request: Opt
     """/load_trace: an uploaded trace file. Nothing is offered for download: the visitor has the file."""
     if not path:
         return pack(LOAD_OUTPUTS, {})
-    return pack(LOAD_OUTPUTS, shown_instead(trace_updates(Path(path).name, lambda: read_upload(path), None, shown),
-                                            request))
+    updates = trace_updates(Path(path).name, lambda: read_upload(path), None, shown)
+    if "session" not in updates:         # refused: the message names the file
+        updates["upload"] = None
+    return pack(LOAD_OUTPUTS, shown_instead(updates, request))
 
 
 def shipped_updates(path: Optional[str], shown: Optional[Session] = None) -> dict[str, Any]:
     """The updates of showing a recorded trace; only the listed ones are read (the browser sends a
     path). Its download is the shipped file itself."""
     if not path or path not in {p for _, p in shipped_traces()}:
-        return {"status": status_html("Pick one of the recorded traces first.", "error")}
+        message = "Pick one of the recorded traces first."
+        return {"status": status_html(message, "error"), "trace_note": note_html(message, "error")}
     return trace_updates(Path(path).name, lambda: shipped_runs(path), path, shown)
 
 
@@ -273,6 +291,7 @@ def on_open() -> tuple:
         return pack(LOAD_OUTPUTS, {})
     out = shipped_updates(shipped[0][1])
     out["status"] = status_html(OPEN_STATUS)
+    out.pop("trace_note", None)          # nothing was asked for: nothing to answer beside the list
     return pack(LOAD_OUTPUTS, out)
 
 
