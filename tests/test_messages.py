@@ -203,18 +203,21 @@ def test_measure_is_off_without_a_gpu_and_says_why_beside_the_button():
 # ---- the replay's tree pacing -------------------------------------------------------------------
 
 def test_a_replay_sends_a_tree_once_the_page_drew_the_last_and_rested():
-    from hierviz.app.handlers import TREE_REST, TREE_WAIT_MAX_S, TreePace, replay_panels
+    from hierviz.app.handlers import TREE_REST, TREE_SHARE, TREE_WAIT_MAX_S, TreePace, replay_panels
     from hierviz.app.session import SessionFlags
-    assert TreePace(None).ready(5.0)                 # an API client: every tree
+    assert TreePace(None, 10.0).ready(5.0)           # an API client: every tree
     flags = SessionFlags(reporting=True)
-    pace = TreePace(flags)
+    pace = TreePace(flags, 10.0)
     assert pace.ready(10.0)
     pace.sent(10.0)
     assert not pace.ready(10.3)                      # being drawn
-    flags.tree_drawn_at = 10.4                       # drawn in 0.4 s
-    assert not pace.ready(10.4 + 0.4 * TREE_REST - 0.01) and pace.ready(10.4 + 0.4 * TREE_REST)
+    flags.tree_drawn = ('Step 1', 10.5)                      # drawn in 0.5 s: five steps' time
+    assert not pace.ready(10.5 + 0.5 * TREE_REST - 0.01) and pace.ready(10.5 + 0.5 * TREE_REST)
     pace.sent(20.0)
-    assert pace.ready(20.0 + TREE_WAIT_MAX_S)        # a report that never came holds nothing up for long
+    flags.tree_drawn = ('Step 2', 20.0 + TREE_SHARE / 16.0)  # drawn in under half a step: the next step takes a tree
+    assert pace.ready(20.1)
+    pace.sent(30.0)
+    assert pace.ready(30.0 + TREE_WAIT_MAX_S)        # a report that never came holds nothing up for long
     light = replay_panels(False, 0.0, 0.0, 10.0, page_ready=False)
     assert light == {"seq", "verdict", "output", "side"}
     assert replay_panels(False, 1.0, 0.0, 10.0, page_ready=True) == light | {"tree", "latency", "stats"}

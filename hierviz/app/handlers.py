@@ -46,7 +46,8 @@ SCRUB_OUTPUTS = (*PANELS, SIDE)
 STEP_OUTPUTS = ("step", *PANELS, SIDE)
 MIN_SPEED, MAX_SPEED = 0.2, 20.0      # replay speeds offered, steps per second
 REPLAY_SLOW_S = 0.5
-TREE_REST = 4.0          # a replay leaves the page this many times a tree's drawing time before the next
+TREE_SHARE = 0.5         # a tree drawn in this share of a replay step's time goes with every step
+TREE_REST = 4.0          # else the page has this many times a tree's drawing time before the next
 TREE_WAIT_MAX_S = 1.0    # a tree whose drawing is not reported by then counts as drawn
 
 OPEN_STATUS = "Showing a recorded trace. Press Run for a live one, or Play to replay it."
@@ -98,9 +99,9 @@ def report_rendered(request: gr.Request) -> None:
     SESSIONS.mark_rendered(session_key(request))
 
 
-def report_tree_drawn(request: gr.Request) -> None:
-    """The page's report that it drew the last draft tree it was sent (a replay's pace, TreePace)."""
-    SESSIONS.mark_tree_drawn(session_key(request))
+def report_tree_drawn(title: Any, request: gr.Request) -> None:
+    """The page's report of the draft tree it has drawn, by its title (a replay's pace, TreePace)."""
+    SESSIONS.mark_tree_drawn(session_key(request), str(title)[:300])
 
 
 def forget_session(request: gr.Request) -> None:
@@ -307,21 +308,24 @@ def replay_start(main: Trace, shown: Any) -> int:
 
 @dataclass
 class TreePace:
-    """Whether a replay step may send the draft tree. A page reports each tree it has drawn
-    (report_tree_drawn); a tree takes a browser several times longer to draw than the rest of a step,
-    so while one is being drawn the steps go on without one, and after each the page has a rest of
-    TREE_REST times its drawing time for the lighter panels: the steps keep their pace on the
-    page. An API client never reports drawing and gets every tree."""
+    """Whether a replay step may send the draft tree. The page reports the tree it has drawn, by its
+    title (report_tree_drawn); a browser takes far longer to draw a tree than the rest of a step. A
+    tree drawn within TREE_SHARE of a step's time goes with every step. A slower one goes once the
+    last one is drawn and the page has had TREE_REST times its drawing time for the lighter panels
+    (the steps go on without a tree meanwhile), so the steps keep their pace on the page. An API
+    client never reports drawing and gets every tree."""
     flags: Optional[SessionFlags]
+    rate: float                 # steps per second
     sent_at: float = 0.0        # when the tree being drawn was sent (0: none)
 
     def ready(self, now: float) -> bool:
         if self.flags is None or not self.flags.reporting or not self.sent_at:
             return True
-        drawn = self.flags.tree_drawn_at
+        drawn = self.flags.tree_drawn[1]
         if drawn < self.sent_at:            # still drawing it, unless its report was lost
             return now - self.sent_at >= TREE_WAIT_MAX_S
-        return now - drawn >= TREE_REST * (drawn - self.sent_at)
+        took = drawn - self.sent_at
+        return took <= TREE_SHARE / self.rate or now - drawn >= TREE_REST * took
 
     def sent(self, now: float) -> None:
         self.sent_at = now
@@ -342,7 +346,7 @@ def replay(sess: Session, speed: Any, shown: Any = 0, request: Optional[gr.Reque
         rate = 1.0
     n, start = len(main.steps), replay_start(main, shown)
     mine = sess.stop_replay()          # a replay still running (a second Play) stops here
-    pace = TreePace(SESSIONS.flags(session_key(request)) if request is not None else None)
+    pace = TreePace(SESSIONS.flags(session_key(request)) if request is not None else None, rate)
     t0 = last_slow = time.monotonic()
     for i in range(start, n):
         due = t0 + (i - start) / rate

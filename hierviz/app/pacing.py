@@ -25,9 +25,12 @@ RENDERED_JS = """() => new Promise((done) => requestAnimationFrame(() => request
     const idle = window.requestIdleCallback || ((f) => setTimeout(f, 50));
     idle(() => done([]), {timeout: 900});
 })))"""
-# Resolves once the page has painted the update (a replay's tree: the page is busy with the next
-# steps meanwhile, so it would not go idle before RENDERED_JS's timeout).
-PAINTED_JS = "() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => done([]))))"
+# The draft tree's title once the page has painted it (the page reports the tree on every update
+# of the plot, changed or not: the title tells a new tree). A replay's tree pace (handlers.TreePace)
+# waits for it; the page is busy with the next steps meanwhile, so it would not go idle before
+# RENDERED_JS's timeout.
+TREE_PAINTED_JS = """() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() =>
+    done([document.querySelector('#hv-tree .gtitle')?.textContent || '']))))"""
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost"}
 
 

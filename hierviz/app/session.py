@@ -155,7 +155,7 @@ class SessionFlags:
     running: int = 0          # live runs of the visitor in flight (waiting in line included)
     rendered: threading.Event = field(default_factory=threading.Event)  # the page drew the last update
     reporting: bool = False   # the page has reported drawing at least once (API clients never do)
-    tree_drawn_at: float = 0.0   # when the page last reported drawing a new draft tree (a replay's pace)
+    tree_drawn: tuple[str, float] = ("", 0.0)   # the last draft tree the page drew (its title) and when
     used: float = field(default_factory=time.monotonic)   # when an event of the visitor last asked
 
     def stop_signal(self) -> Callable[[], bool]:
@@ -221,11 +221,13 @@ class SessionRegistry:
         flags.reporting = True
         flags.rendered.set()
 
-    def mark_tree_drawn(self, key: str) -> None:
-        """The page `key` reports that it drew the draft tree it was last sent."""
+    def mark_tree_drawn(self, key: str, title: str) -> None:
+        """The page `key` reports the draft tree on screen, by its title, once it is drawn; it reports
+        again when nothing changed, so only a new title counts."""
         flags = self.flags(key)
         flags.reporting = True
-        flags.tree_drawn_at = time.monotonic()
+        if title != flags.tree_drawn[0]:
+            flags.tree_drawn = (title, time.monotonic())
 
     def is_reporting(self, key: str) -> bool:
         with self._lock:

@@ -15,7 +15,7 @@ from hierviz.app.common import status_html
 from hierviz.app.fields import NumberField, SliderField, TraceUpload
 from hierviz.app.live import run_live
 from hierviz.app.notes import NOTES, setting_notes
-from hierviz.app.pacing import PAINTED_JS, RENDERED_JS
+from hierviz.app.pacing import RENDERED_JS, TREE_PAINTED_JS
 from hierviz.app.session import SESSION_TTL_S, Session
 from hierviz.app.shipped import example_prompts, shipped_traces
 from hierviz.app.guard import caps
@@ -256,9 +256,11 @@ def wire_replay(ui: Components) -> Any:
     stop it."""
     play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"], ui["step"]], pick(ui, h.PLAY_OUTPUTS),
                                 show_progress="hidden", api_visibility="private")
-    # the page reports each draft tree it has drawn: a replay sends the next one when it is ready (TreePace)
-    ui["tree"].change(h.report_tree_drawn, None, None, queue=False, show_progress="hidden", api_visibility="private",
-                      js=PAINTED_JS)
+    # the page reports the draft tree it has drawn (its title, in a hidden box): a replay sends the
+    # next one when it is ready (handlers.TreePace)
+    drawn = gr.Textbox(visible=False)
+    ui["tree"].change(h.report_tree_drawn, [drawn], None, queue=False, show_progress="hidden", api_visibility="private",
+                      js=TREE_PAINTED_JS)
     # the message is sent only after the cancellation went through, so a late step update from
     # the cancelled replay cannot overwrite it; the step on screen stays, and Play resumes from it
     ui["pause_btn"].click(None, None, None, cancels=[play], queue=False, api_visibility="private").then(
