@@ -69,6 +69,28 @@ def test_the_eta_follows_this_runs_pace_and_hands_it_to_the_next_run() -> None:
     assert nxt.left_s() == pytest.approx(36.0)
 
 
+def test_the_eta_counts_the_steps_and_the_updates_they_send() -> None:
+    """Each decoding step sends an update when 0.2 s passed since the last: short steps share one,
+    and for a page the run waits for (drawing every update), the drawing counts."""
+    from hierviz.app.progress import step_wall_s
+    assert step_wall_s(0.05, 0.0, 0.2) == 0.05                  # nothing to send: the computing alone
+    assert step_wall_s(0.05, 0.1, 0.2) == pytest.approx(0.1)    # one update every other step
+    assert step_wall_s(0.3, 0.1, 0.2) == pytest.approx(0.4)     # an update after every step
+    assert step_wall_s(0.01, 0.5, 0.2) == pytest.approx(0.51)   # drawing slower than the steps: every step waits
+    t = timings(ar=(0.0, 0.0, 0.01), hierspec=(0.0, 0.0, 0.01))
+    t.costs[("s", "hierspec", ())] = MethodCost(0.0, 0.0, 0.01, tokens_per_step=4.0)
+    plan = RunPlan("s", ["hierspec", "ar"], 41, timings=t, paced=True)
+    # a page the run waits for, and none of its updates timed yet: no guess
+    assert "cannot be estimated yet: this page's drawing of an update is not timed yet" in plan.method_text("ar", 0, 0)
+    plan.update_sent(0.5)                                        # it takes half a second to draw one
+    # AR: 40 steps of 0.01 s, each waiting 0.5 s; HierSpec: 10 steps of 4 tokens; and each prefill's update
+    assert plan.left_s() == pytest.approx(0.5 + 10 * 0.54 + 0.5 + 40 * 0.51)
+    plan.method_done("hierspec", 41, 11, 6.4)
+    plan.method_done("ar", 41, 41, 20.9)
+    plan.run_done()
+    assert t.update_s[True] == 0.5 and RunPlan("s", ["ar"], 41, timings=t, paced=True).update_s() == 0.5
+
+
 def test_the_eta_says_so_when_it_cannot_be_estimated() -> None:
     t = timings(hierspec=(0.0, 0.0, 0.1), eagle2=(0.0, 0.0, 0.1))      # AR never measured
     plan = RunPlan("s", METHODS, 41, timings=t)
@@ -91,7 +113,7 @@ def text(html: str) -> str:
 def test_the_live_headline_says_what_runs_and_what_it_measured_so_far() -> None:
     hierspec, eagle2, ar = hand_runs()        # 1 ms a step; HierSpec 1 + 5 tokens, EAGLE-2 1 + 3, AR 1 a step
     before = text(live_headline_html([hierspec], METHODS, "hierspec", "CPU"))
-    assert before.startswith("Live on this CPU: now running HierSpec (method 1 of 3).") and "×" not in before
+    assert before.startswith("Live on this CPU: now running HierSpec (method 1 of 3) ") and "×" not in before
     assert "HierSpec, EAGLE-2 and Autoregressive run in turn" in before
     # a run that has only its prefill is not compared yet
     assert "×" not in text(live_headline_html([hierspec, replace(eagle2, steps=eagle2.steps[:1])], METHODS, "eagle2", "CPU"))
@@ -107,7 +129,7 @@ def test_the_live_headline_says_what_runs_and_what_it_measured_so_far() -> None:
     retimed = text(live_headline_html([hierspec, eagle2], METHODS, "eagle2", "GPU", RETIMED))
     assert retimed.startswith("Live on this GPU, re-timed at real scale (projected) so far")
     assert text(live_headline_html([], METHODS, None, "CPU", MEASURED)).startswith(
-        "Live on this CPU: loading and warming up the models.")
+        "Live on this CPU: loading and warming up the models ")
 
 
 # ---- a live comparison on the tiny-random stack, as the page drives it ---------------------------
@@ -175,6 +197,7 @@ def test_a_live_run_owns_the_page_and_its_eta_holds_from_the_first_update(fresh_
     # the page is the live run's from its first update: its headline, measured time scale, no recorded mark
     first = updates[0][1]
     assert text(first[headline]).startswith("Live on this CPU") and first[time_scale].value == MEASURED
+    assert [t.name for t in first[crossover].data if t.name.startswith(("this run", "live run"))] == []
     headlines = [text(out[headline]) for _, out in updates if isinstance(out[headline], str)]
     assert all(hl.startswith("Live on this CPU") for hl in headlines[:-1]), headlines
     assert any("HierSpec is" in hl or "faster than HierSpec" in hl for hl in headlines[:-1])   # measured so far

@@ -26,13 +26,13 @@ from hierviz.app.gpu import on_gpu, run_duration
 from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, client_address, log_refusal, redact_paths
 from hierviz.app.handlers import RUN_OUTPUTS, input_error, pack, run_update
 from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
-from hierviz.app.pacing import Pacer, pace_mode
+from hierviz.app.pacing import Pacer, pace_mode, should_pace
 from hierviz.app.progress import TIMINGS, RunPlan, fitted_cost, settings_key, with_heartbeat
 from hierviz.app.render import (LIVE_SOURCE, STEP_PANELS, crossover_panel, download_update, headline_update,
-                                nav_updates, panel_updates, run_label, runs_shown_updates, time_scale_update)
-from hierviz.app.shipped import example_prompts
+                                nav_updates, panel_updates, run_label, runs_shown_updates)
 from hierviz.app.session import (SESSIONS, LiveRun, Session, SessionFlags, run_bytes, session_key, state_limit_mb,
                                  step_bytes)
+from hierviz.app.shipped import example_prompts
 from hierviz.app.stacks import clear_stacks, device_kind, get_stack, is_loaded, stack_choices
 from hierviz.config import ConfigError, options
 from hierviz.settings import DecodeSettings, SettingsError, default_settings
@@ -224,7 +224,8 @@ class StateBudget:
 def live_comparison(new: Session, key: str, stack_name: str, prompt: str, methods: list[str],
                     settings: DecodeSettings, pacer: Pacer, stopped: Callable[[], bool]) -> Iterator[tuple]:
     """Load and warm the stack, run each method into `new`, then the final state with the download."""
-    plan = RunPlan(stack_name, methods, settings.max_new_tokens, settings_key(settings))
+    plan = RunPlan(stack_name, methods, settings.max_new_tokens, settings_key(settings),
+                   paced=should_pace(pacer.request, pacer.mode), update_every_s=FAST_S)
     plan.use_prompt(prompt)
     # the page is the live run's from its first update: its headline says what runs, its time
     # scale is the one this stack's runs are shown at, and nothing of the trace shown before stays
@@ -233,12 +234,19 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
     new.time_scale = default_time_scale_of([{"stack": stack_name, "device": kind}])
     load_s, warm_s = before_methods_s(plan, settings)
     loading = status_html(plan.stage_text(LOADING, load_s, 0, warm_s))
-    # the status first, with the headline (text only): with the panels in the same update the page
-    # redraws the previous run's plots before the visitor sees the run begin
-    yield run_update(status=loading, headline=headline_update(new), time_scale=time_scale_update(new))
+    # the status first, with what must not show the trace's figures a moment longer (the headline,
+    # the time scale, the crossover's mark): with the panels in the same update the page redraws
+    # the previous run's plots before the visitor sees the run begin
+    yield run_update(status=loading, **runs_shown_updates(new))
     # then clear the panels of the previous run or trace, so nothing stale is on screen (the status
     # again: every update of a run carries one, for API clients that read each)
-    yield run_update(status=loading, session=new, **panel_updates(new), **nav_updates(new), **runs_shown_updates(new))
+    pacer.before_update()
+    sent = time.monotonic()
+    yield run_update(status=loading, session=new, **panel_updates(new), **nav_updates(new))
+    if plan.paced and plan.update_s() is None:
+        # a page this run waits for, and no update of such a page timed yet: this one is the first measure
+        pacer.wait()
+        TIMINGS.update_s[True] = time.monotonic() - sent
     stack = yield from timed_stage(plan, LOADING, TIMINGS.load_s, lambda: get_stack(stack_name), warm_s)
     plan.use_prompt(prompt, len(stack.tokenizer.encode_chat(prompt)))
     if not is_warm(stack, methods, settings) or not plan.measured():
@@ -327,7 +335,7 @@ def calibrate(stack_name: str, stack: Any, methods: list[str], settings: DecodeS
             except ValueError:     # a context too short for the long prompt (EngineError): a flat prefill
                 points.append(points[0])
         if decode_s is not None:
-            TIMINGS.costs[(stack_name, method, key)] = fitted_cost(points[0], points[1], decode_s)
+            TIMINGS.costs[(stack_name, method, key)] = fitted_cost(points[0], points[1], *decode_s)
 
 
 def prefill_point(stack: Any, method: str, prompt: str, settings: DecodeSettings) -> tuple[int, float]:
@@ -336,14 +344,16 @@ def prefill_point(stack: Any, method: str, prompt: str, settings: DecodeSettings
     return runs[0][0], min(steps_s[0] for _, steps_s, _ in runs)
 
 
-def decode_cost(stack: Any, method: str, prompt: str, settings: DecodeSettings) -> Optional[float]:
-    """Seconds per new token after the prefill: the mean decoding step's time (the slowest left
-    out) over the tokens a step wrote on average; None when the run wrote none after its prefill."""
+def decode_cost(stack: Any, method: str, prompt: str, settings: DecodeSettings) -> Optional[tuple[float, float]]:
+    """(seconds per new token after the prefill, new tokens per decoding step): the mean decoding
+    step's time (the slowest left out) over the tokens a step wrote on average; None when the run
+    wrote none after its prefill."""
     _, steps_s, tokens = timed_steps(stack, method, prompt, settings, CALIBRATION_TOKENS)
     if len(steps_s) < 2 or sum(tokens[1:]) == 0:
         return None
     kept = sorted(steps_s[1:])[:-1] or steps_s[1:]
-    return statistics.fmean(kept) * (len(steps_s) - 1) / sum(tokens[1:])
+    per_step = sum(tokens[1:]) / (len(steps_s) - 1)
+    return statistics.fmean(kept) / per_step, per_step
 
 
 def timed_steps(stack: Any, method: str, prompt: str, settings: DecodeSettings,
@@ -392,10 +402,12 @@ def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: 
         slow = throttle.due(time.monotonic())
         if slow is None:
             continue
+        sent = time.monotonic()
         pacer.before_update()
-        progress = plan.method_text(method, n_tok, time.monotonic() - started, n_steps)
+        progress = plan.method_text(method, n_tok, sent - started, n_steps)
         yield step_update(new, method, progress, slow)
         pacer.wait()
+        plan.update_sent(time.monotonic() - sent)   # built, sent and, when waited for, drawn
     plan.method_done(method, n_tok, n_steps, time.monotonic() - started)
 
 

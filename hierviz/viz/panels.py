@@ -422,9 +422,9 @@ def live_headline_html(runs: list[Trace], methods: list[str], running: Optional[
     live = f"<b>Live</b> on this {esc(where)}"
     if not ratios:
         names = and_list([esc(method_label(m)) for m in methods])
-        return (f'<div class="hv-headline hv-live"><div class="hv-speedup">{live}: {now[0].lower() + now[1:]}. '
-                f'{names} run in turn on your prompt; their speeds are compared over equal tokens as soon as '
-                'two have tokens.</div></div>')
+        return (f'<div class="hv-headline hv-live"><div class="hv-speedup">{live}: {now[0].lower() + now[1:]}</div>'
+                f'<div class="hv-muted">{names} run in turn on your prompt; their speeds are compared here over '
+                'equal tokens as soon as two of them are decoding.</div></div>')
     n = ratios[0].n_tokens
     how = "re-timed at real scale (<b>projected</b>)" if time_scale == RETIMED else "measured"
     line = (f"{live}, {how} so far (first {n} token{'s' if n != 1 else ''} of each run): "
