@@ -131,6 +131,63 @@ def test_run_a_prompt_and_see_every_panel(page):
     wait_status(pg, "Step 2:", "#hv-tree")
 
 
+# Every half second from a live run's first update ("Loading…", "Warming up…", "Running…") to its
+# end: the headline, the time scale chosen and the crossover chart's legend, as the page shows them
+LIVE_SAMPLER_JS = r"""() => {
+    window.hvSamples = [];
+    const read = () => ({
+        t: performance.now(), status: document.querySelector('#hv-status').innerText,
+        headline: document.querySelector('#hv-headline').innerText.trim(),
+        scale: document.querySelector('#hv-time-scale input:checked')?.closest('label')?.innerText.trim(),
+        marks: [...document.querySelectorAll('#hv-crossover .legendtext')].map((e) => e.textContent)});
+    const timer = setInterval(() => {
+        const now = read();
+        if (!/Loading the model stack|Warming up|Running |Done\./.test(now.status)) return;   // not started yet
+        window.hvSamples.push(now);
+        if (now.status.includes('Done.')) clearInterval(timer);
+    }, 500);
+}"""
+
+
+def test_a_live_run_owns_the_page_from_its_first_update(page):
+    """While a live run goes, no figure of the recorded trace the page opened on is on screen: the
+    headline is the live run's (measured on this CPU, never the trace's line projected at H200
+    costs), the time scale says "as measured", and the crossover chart marks the live run or
+    nothing, never the trace's run; at the end one line gives every method."""
+    from hierviz.retime import MEASURED, RETIMED
+    pg = page
+    # the recorded trace's figures are on screen first: the ones that must go
+    wait_count(pg, "#hv-crossover .legendtext", 4)
+    assert "1.20×" in pg.inner_text("#hv-headline") and "H200" in pg.inner_text("#hv-headline")
+    assert pg.evaluate("document.querySelector('#hv-time-scale input:checked').value") == RETIMED
+    assert "this run (scale 0.91)" in pg.inner_text("#hv-crossover")
+    pg.locator("#hv-settings button").first.click()
+    box = pg.locator("#hv-max-new input[type=number]")
+    box.fill("48")                  # a run of several seconds, sampled many times
+    box.press("Enter")
+    pg.evaluate(LIVE_SAMPLER_JS)
+    pg.click("#hv-run")
+    wait_status(pg, "Running EAGLE-2")
+    pg.screenshot(path=str(ARTIFACTS / "browser-live-run.png"))
+    wait_status(pg, "Done.")
+    pg.wait_for_function("() => window.hvSamples.at(-1)?.status.includes('Done.')")
+    samples = pg.evaluate("window.hvSamples")
+    during = [s for s in samples if "Done." not in s["status"]]
+    assert len(during) >= 4, samples
+    print(f"{len(during)} samples over {(samples[-1]['t'] - samples[0]['t']) / 1000:.1f} s")
+    for s in during:
+        seen = (s["status"][:60], s["headline"][:120], s["scale"], s["marks"])
+        assert s["headline"].startswith("Live on this CPU"), seen
+        assert not any(word in s["headline"] for word in ("H200", "re-timed", "projected")), seen
+        assert s["scale"] == MEASURED, seen
+        assert not any(m.startswith("this run") for m in s["marks"]), seen
+    assert any("HierSpec is" in s["headline"] or "faster than HierSpec" in s["headline"] for s in during)
+    assert pg.inner_text("#hv-headline").startswith("Your live run:")
+    pg.wait_for_function("() => [...document.querySelectorAll('#hv-crossover .legendtext')]"
+                         ".some((e) => e.textContent.startsWith('your live run'))")
+    pg.screenshot(path=str(ARTIFACTS / "browser-live-done.png"))
+
+
 def test_malformed_trace_upload_shows_an_error(page, tmp_path):
     pg = page
     bad = tmp_path / "broken-trace.json"
