@@ -10,7 +10,11 @@ from hierviz import methods
 
 
 class SettingsError(ValueError):
-    """Parameters that make no sense; the message is fit to show a user."""
+    """Parameters that make no sense; the message is fit to show a user. `setting`: the field refused."""
+
+    def __init__(self, message: str, setting: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclass
@@ -34,28 +38,38 @@ class DecodeSettings:
     t_tree_size: int = 59
     spec_k: int = 5                # sequence speculative decoding: tokens M drafts per round
 
-    def validate(self) -> "DecodeSettings":
-        def check(ok: bool, msg: str) -> None:
+    def validate(self, names: Optional[dict[str, str]] = None) -> "DecodeSettings":
+        """Self with each field of its type, or a SettingsError naming the first field it refuses
+        (`setting`). `names`: what the messages call each field (an app's labels for them); the
+        field names by default, and the tree fields' ranges in words (E_M tree depth)."""
+        names = names or {}
+
+        def check(ok: bool, field: str, msg: str) -> None:
             if not ok:
-                raise SettingsError(msg)
+                raise SettingsError(msg, setting=field)
         for f in fields(self):
             v = getattr(self, f.name)
             want = float if f.type in ("float", float) else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
-                raise SettingsError(f"{f.name} must be a number{' (whole)' if want is int else ''}, got {v!r}")
+                raise SettingsError(f"{names.get(f.name, f.name)} must be a {'whole ' if want is int else ''}number, "
+                                    f"got {v!r}", setting=f.name)
             setattr(self, f.name, want(v))
-        check(1 <= self.max_new_tokens <= 8192, "max_new_tokens must be between 1 and 8192")
-        check(0.0 <= self.temperature <= 10.0, "temperature must be between 0 and 10 (0 = greedy)")
-        check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        for field, lo, hi, said in (("max_new_tokens", 1, 8192, ""), ("temperature", 0.0, 10.0, " (0 = greedy)")):
+            check(lo <= getattr(self, field) <= hi, field,
+                  f"{names.get(field, field)} must be between {lo:g} and {hi:g}{said}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"{names.get('top_p', 'top_p')} must be in (0, 1]")
         for prefix, name in (("m", "E_M"), ("t", "E_T")):
             depth, topk, size = (getattr(self, f"{prefix}_{k}") for k in ("depth", "topk", "tree_size"))
-            check(1 <= depth <= 32, f"{name} tree depth must be between 1 and 32, got {depth}")
-            check(1 <= topk <= 64, f"{name} tree top-k must be between 1 and 64, got {topk}")
-            check(1 <= size <= 512, f"{name} tree size must be between 1 and 512, got {size}")
+            for key, value, most, words in (("depth", depth, 32, "depth"), ("topk", topk, 64, "top-k"),
+                                            ("tree_size", size, 512, "size")):
+                field = f"{prefix}_{key}"
+                check(1 <= value <= most, field,
+                      f"{names.get(field, f'{name} tree {words}')} must be between 1 and {most}, got {value}")
             most = topk + (depth - 1) * topk * topk
-            check(size <= most, f"{name} tree size {size} exceeds the {most} candidates that depth {depth} and top-k {topk} draft")
-        check(1 <= self.min_draft_len <= 64, "min_draft_len must be between 1 and 64")
-        check(1 <= self.spec_k <= 64, "spec_k must be between 1 and 64")
+            check(size <= most, f"{prefix}_tree_size", f"{names.get(f'{prefix}_tree_size', f'{name} tree size')} "
+                  f"{size} exceeds the {most} candidates that depth {depth} and top-k {topk} draft")
+        for field in ("min_draft_len", "spec_k"):
+            check(1 <= getattr(self, field) <= 64, field, f"{names.get(field, field)} must be between 1 and 64")
         return self
 
     def to_dict(self) -> dict:

@@ -278,7 +278,8 @@ def test_step_buttons_and_replay_bounds():
     (["   "] + SMALL[1:], "prompt is empty"),
     (SMALL[:4] + [0] + SMALL[5:], "E_M tree depth must be between 1 and 32"),
     (SMALL[:6] + [500] + SMALL[7:], "exceeds"),
-    (SMALL[:4] + [None] + SMALL[5:], "must be a number"),
+    (SMALL[:4] + [None] + SMALL[5:], "E_M tree depth must be a whole number, got None"),
+    (SMALL[:2] + [2.5] + SMALL[3:], "Check the settings: Max new tokens must be a whole number, got 2.5"),
 ])
 def test_bad_run_inputs_show_a_message(client, args, message):
     final = client.predict(*args, api_name="/run")

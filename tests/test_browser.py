@@ -352,3 +352,126 @@ def test_layouts_fit_their_screens(app_url):
                 pg.close()
         finally:
             browser.close()
+
+
+# ---- messages beside what caused them; the replay's pace ----------------------------------------
+
+IN_VIEW_JS = """(sel) => { const r = document.querySelector(sel).getBoundingClientRect();
+    return {top: Math.round(r.top), bottom: Math.round(r.bottom), height: innerHeight}; }"""
+
+
+def in_view(pg, sel: str) -> dict:
+    """Where `sel` is on the screen (px from the top of the viewport) and whether all of it is there."""
+    box = pg.evaluate(IN_VIEW_JS, sel)
+    return {**box, "in view": 0 <= box["top"] and box["bottom"] <= box["height"]}
+
+
+def near_the_bottom(pg, sel: str) -> None:
+    """Scrolls the page so that `sel` ends just above the screen's bottom edge: a message under it
+    starts out of view (the hardest place for the message to be seen from)."""
+    pg.wait_for_selector(sel)
+    pg.evaluate("(s) => window.scrollBy(0, document.querySelector(s).getBoundingClientRect().bottom - innerHeight + 8)",
+                sel)
+
+
+def wait_text(pg, sel: str, text: str) -> None:
+    pg.wait_for_function("([s, t]) => (document.querySelector(s)?.innerText || '').includes(t)", arg=[sel, text])
+
+
+@pytest.mark.parametrize("width, height", [(390, 844), (1440, 900)])
+def test_a_message_shows_beside_the_control_that_caused_it(app_url, tmp_path, width, height):
+    """A bad upload's and a bad setting's message are on the screen together with the control, on a
+    phone too (where the status box is screens above them); a .txt gets the app's answer there, no
+    Gradio toast; a clamped value is said aloud."""
+    positions = {}
+    with opened_page(app_url, width, height, BOUND_MS) as pg:
+        letter = tmp_path / "letter.txt"
+        letter.write_text("Dear visitor, this is no trace.")
+        near_the_bottom(pg, "#hv-upload")
+        pg.set_input_files("#hv-upload input[type=file]", str(letter))
+        wait_text(pg, "#hv-trace-note", "Could not read letter.txt: not a trace file (a trace is a .json file)")
+        positions["upload"] = (in_view(pg, "#hv-upload"), in_view(pg, "#hv-trace-note .hv-note"))
+        assert pg.locator(".toast-body").count() == 0 and "Could not read letter.txt" in status_text(pg)
+        pg.screenshot(path=str(ARTIFACTS / f"browser-message-upload-{width}x{height}.png"))
+        words = tmp_path / "words.json"
+        words.write_text("Dear visitor, this is no trace either.")
+        near_the_bottom(pg, "#hv-upload")
+        pg.set_input_files("#hv-upload input[type=file]", str(words))
+        wait_text(pg, "#hv-trace-note", "Could not read words.json: not a trace file (it is not JSON)")
+        positions["non-JSON upload"] = (in_view(pg, "#hv-upload"), in_view(pg, "#hv-trace-note .hv-note"))
+
+        pg.locator("#hv-settings button").first.click()
+        box = pg.locator("#hv-max-new input[type=number]")
+        near_the_bottom(pg, "#hv-max-new")
+        box.fill("999")
+        box.press("Tab")                      # the page clamps the box when it loses focus
+        wait_text(pg, "#hv-run-note", "Max new tokens: 256 is the most; using 256.")
+        assert box.input_value() == "256"
+        positions["clamped setting"] = (in_view(pg, "#hv-max-new"), in_view(pg, "#hv-run-note .hv-note"))
+        pg.screenshot(path=str(ARTIFACTS / f"browser-message-clamp-{width}x{height}.png"))
+        depth = pg.locator("#hv-m-depth input")
+        near_the_bottom(pg, "#hv-m-depth")
+        depth.fill("2.5")
+        wait_text(pg, "#hv-m-note", "E_M tree depth must be a whole number, got 2.5.")
+        positions["bad setting"] = (in_view(pg, "#hv-m-depth"), in_view(pg, "#hv-m-note .hv-note"))
+        pg.screenshot(path=str(ARTIFACTS / f"browser-message-setting-{width}x{height}.png"))
+        assert "Traceback" not in pg.content()
+    print(f"{width}x{height} (control, message) on screen:", positions)
+    assert all(control["in view"] and message["in view"] for control, message in positions.values()), positions
+
+
+def test_replay_at_10_steps_a_second_shows_10_steps_a_second(page):
+    """The page's status line is watched while the opening trace (49 HierSpec steps) replays at 10
+    steps a second: the steps it shows come at 7.5 to 12.5 a second. The trees are drawn as often
+    as the page can without slowing the steps (handlers.TreePace); how often is reported."""
+    pg = page
+    speed = pg.locator("#hv-speed input[type=number]")
+    speed.fill("10")
+    speed.press("Enter")
+    pg.wait_for_function("() => +document.querySelector('#hv-speed input[type=number]').value === 10")
+    pg.evaluate("""() => {
+        window.hvShown = []; window.hvPainted = []; window.hvTrees = [];
+        const status = document.querySelector('#hv-status'), tree = document.querySelector('#hv-tree');
+        const step = () => { const m = status.innerText.match(/step (\\d+) of/); return m ? +m[1] : null; };
+        new MutationObserver(() => { const v = step(), last = window.hvShown.at(-1);
+            if (v !== null && (!last || last.v !== v)) window.hvShown.push({t: performance.now(), v}); })
+            .observe(status, {subtree: true, childList: true, characterData: true});
+        new MutationObserver(() => { const t = tree.querySelector('.gtitle')?.textContent || '';
+            if (t !== window.hvTrees.at(-1)) window.hvTrees.push(t); })
+            .observe(tree, {subtree: true, childList: true, characterData: true});
+        const frame = () => { const v = step(), last = window.hvPainted.at(-1);
+            if (v !== null && (!last || last.v !== v)) window.hvPainted.push({t: performance.now(), v});
+            if (!status.innerText.includes('Replay finished')) requestAnimationFrame(frame); };
+        requestAnimationFrame(frame);
+    }""")
+    pg.click("#hv-play")
+    wait_status(pg, "Replay finished")
+    shown, painted, trees = (pg.evaluate(f"window.{name}") for name in ("hvShown", "hvPainted", "hvTrees"))
+
+    def rate(seen: list[dict]) -> float:
+        return (len(seen) - 1) / ((seen[-1]["t"] - seen[0]["t"]) / 1000)
+
+    report = (f"{len(shown)} steps shown at {rate(shown):.1f}/s ({len(painted)} painted, {rate(painted):.1f}/s); "
+              f"{len(set(trees))} trees drawn")
+    print(report)
+    assert [s["v"] for s in shown] == list(range(1, len(shown) + 1)) and len(shown) >= 40, shown
+    assert 7.5 <= rate(shown) <= 12.5, report
+    assert "Step 49:" in pg.inner_text("#hv-tree")                # the last step draws every panel
+
+
+def test_profile_measures_only_on_a_gpu_and_answers_beside_the_button(app_url):
+    """Without a GPU the button is off and says why right under it; the chart (log y, tinygemm off)
+    is looked at in test-artifacts/browser-profile-1280x720.png."""
+    import torch
+    with opened_page(app_url, 1280, 720, BOUND_MS) as pg:
+        pg.get_by_role("tab", name="Profile").click()
+        pg.wait_for_selector("#hv-profile-plot .js-plotly-plot")
+        pg.screenshot(path=str(ARTIFACTS / "browser-profile-1280x720.png"))
+        ticks = pg.locator("#hv-profile-plot .ytick text").all_text_contents()
+        assert {"100", "200", "500", "1000"} <= set(ticks), ticks            # a log axis, round labels
+        assert pg.locator("#hv-profile-plot .shapelayer path").count() >= 1  # the crossing's line
+        button, answer = in_view(pg, "#hv-profile-measure"), in_view(pg, "#hv-profile-answer")
+        if not torch.cuda.is_available():
+            assert pg.locator("#hv-profile-measure").is_disabled()
+            assert "No GPU" in pg.inner_text("#hv-profile-answer")
+        assert 0 <= answer["top"] - button["bottom"] < 40 and answer["in view"], (button, answer)

@@ -83,7 +83,9 @@ def test_profile_figure_hand_made() -> None:
     assert fig.layout.xaxis.type == "log" and fig.layout.xaxis2.type == "log"
     assert list(fig.layout.xaxis.tickvals) == [1, 8, 64]
     # the model panel is in ms (values > 5 ms), the layer panel in µs: every point is the profile's
-    assert fig.layout.yaxis.title.text == "forward latency (µs)" and fig.layout.yaxis2.title.text == "forward latency (ms)"
+    assert fig.layout.yaxis.title.text == "forward latency (µs, log scale)"
+    assert fig.layout.yaxis2.title.text == "forward latency (ms, log scale)"
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
     lines = [t for t in fig.data if "floor" not in t.name]
     floors = [t for t in fig.data if "floor" in t.name]
     for row, line, floor in zip(HAND["series"], lines, floors):

@@ -36,7 +36,6 @@ second trace (B), recorded or uploaded, to overlay it on the first (A), e.g. two
 prompt, or the H200 run against the CPU one. Upload your own deployment's acceptance (a vLLM `/metrics` scrape or
 per-request metrics, SGLang `meta_info`, Spec-Bench, EAGLE or SpecMQuant answers) to set it beside the run's, position
 by position."""
-ACCEPTANCE_TYPES = [".json", ".jsonl", ".txt", ".prom"]
 
 UPLOADS_AT_ONCE = 4
 NO_TRACE_B = "none (A only)"
@@ -132,9 +131,11 @@ def worst_rows(series: list[Series]) -> list[list[Any]]:
 
 
 def failed(message: str) -> tuple:
-    """The outputs of a failed load: the message, everything else left as it was."""
+    """The outputs of a failed load: the message, and no chart, table or download of the trace
+    shown before, which the message is not about."""
     log_refusal("analyse", message)
-    return (status_html(message, "error"), *(gr.skip() for _ in range(len(DOWNLOADS) + 5)))
+    return (status_html(message, "error"), None, None, "", None,
+            *(gr.update(value=None, interactive=False) for _ in DOWNLOADS), None)
 
 
 def read_acceptance(upload: str):
@@ -219,15 +220,17 @@ def analyse_tab() -> None:
         with gr.Column(scale=2):
             gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
             choice = gr.Dropdown(shipped, value=first, label="recorded trace (A)")
+            # any file is taken and answered in the status box under Analyse: a type Gradio
+            # refused would be a toast beside it
             upload_a = TraceUpload(label=f"…or upload a trace JSON as A (max {MAX_TRACE_BYTES // 2**20} MB)",
-                                   file_types=[".json"], type="filepath")
+                                   type="filepath")
             # B: none, a recorded trace, or an upload (which wins, as for A)
             choice_b = gr.Dropdown([(NO_TRACE_B, ""), *shipped], value="",
                                    label="optional: a second trace (B) to compare")
-            upload_b = TraceUpload(label="…or upload a trace JSON as B", file_types=[".json"], type="filepath")
+            upload_b = TraceUpload(label="…or upload a trace JSON as B", type="filepath")
             acceptance_up = TraceUpload(label="optional: your deployment's acceptance (vLLM /metrics, SGLang, "
                                               "Spec-Bench, EAGLE or SpecMQuant file)",
-                                        file_types=ACCEPTANCE_TYPES, type="filepath")
+                                        type="filepath")
             go_btn = gr.Button("Analyse", variant="primary")
             status = gr.HTML(opening["status"])
             steps_btn = gr.DownloadButton("Per-step CSV", value=None, interactive=False)

@@ -59,14 +59,17 @@ def caps(device: str) -> dict[str, int]:
     return {"max_new_tokens": o.max_new_tokens or base["max_new_tokens"], "tree_size": o.max_tree_size or base["tree_size"]}
 
 
-def check_caps(s: DecodeSettings, device: str) -> None:
-    """SettingsError when a validated run asks for more than this server gives one run."""
-    c = caps(device)
+def check_caps(s: DecodeSettings, device: str, names: Optional[dict[str, str]] = None) -> None:
+    """SettingsError when a validated run asks for more than this server gives one run; `names`:
+    what the message calls each setting (DecodeSettings.validate's)."""
+    c, names = caps(device), names or {}
     if s.max_new_tokens > c["max_new_tokens"]:
-        raise SettingsError(f"max_new_tokens must be at most {c['max_new_tokens']} on this server")
-    for name, size in (("E_M", s.m_tree_size), ("E_T", s.t_tree_size)):
-        if size > c["tree_size"]:
-            raise SettingsError(f"{name} tree size must be at most {c['tree_size']} on this server")
+        raise SettingsError(f"{names.get('max_new_tokens', 'max_new_tokens')} must be at most "
+                            f"{c['max_new_tokens']} on this server", setting="max_new_tokens")
+    for field, name in (("m_tree_size", "E_M"), ("t_tree_size", "E_T")):
+        if getattr(s, field) > c["tree_size"]:
+            raise SettingsError(f"{names.get(field, f'{name} tree size')} must be at most {c['tree_size']} "
+                                "on this server", setting=field)
 
 
 def redact_paths(message: str) -> str:

@@ -3,12 +3,14 @@ input values to output updates.
 
 Each handler returns (or yields) a tuple in the order of its event's outputs, named by the
 *_OUTPUTS constants below; hierviz.app.visualizer wires the components of those names. An output
-a handler leaves alone is `gr.skip()`. Every bad input ends in a message in the status box (the one
-message area, replaced each time; no toasts, which pile up), never a stack trace in the page, and one line in the server log (guard.log_refusal).
+a handler leaves alone is `gr.skip()`. Every bad input ends in a message in the status box (replaced
+each time; no toasts, which pile up), and a bad upload's also under the upload (hierviz.app.notes),
+never a stack trace in the page, and one line in the server log (guard.log_refusal).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -18,9 +20,10 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.guard import RATE, log_refusal
 from hierviz.app.line import LINE
+from hierviz.app.notes import note_html
 from hierviz.app.render import (PANELS, SIDE, STEP_PANELS, download_update, headline_update, nav_updates,
                                 panel_updates, run_label, runs_shown_updates, side_update)
-from hierviz.app.session import SESSIONS, Session, session_key, state_bytes, state_limit_mb
+from hierviz.app.session import SESSIONS, Session, SessionFlags, session_key, state_bytes, state_limit_mb
 from hierviz.app.shipped import shipped_runs, shipped_traces
 from hierviz.retime import TIME_SCALES
 from hierviz.trace import MAX_TRACE_BYTES, Trace, TraceError, comparison_from_json
@@ -28,12 +31,14 @@ from hierviz.viz.export import step_svg
 from hierviz import methods
 
 # Inputs and outputs of each event, by component name (hierviz.app.visualizer builds the components).
-RUN_INPUTS = ("prompt", "stack", "max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft",
-              "t_depth", "t_topk", "t_size", "with_ar", "session")
+SETTING_INPUTS = ("max_new", "temperature", "m_depth", "m_topk", "m_size", "min_draft", "t_depth", "t_topk", "t_size")
+RUN_INPUTS = ("prompt", "stack", *SETTING_INPUTS, "with_ar", "session")
 # API clients read these by position: new outputs go at the end
 RUN_CORE = ("status", "session", "download", "step", "view", *PANELS)
 RUN_OUTPUTS = (*RUN_CORE, "time_scale", "crossover", "headline", SIDE)
-LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline", SIDE)
+# the trace's message also goes under the upload and the list of traces (on a phone they are screens
+# below the status box); a refused upload is taken out of the upload box, ready for the next file
+LOAD_OUTPUTS = (*RUN_CORE, "prompt", "time_scale", "crossover", "headline", SIDE, "trace_note", "upload")
 TIME_SCALE_OUTPUTS = (*PANELS, "headline")
 PLAY_OUTPUTS = ("status", "step", *PANELS, SIDE)
 VIEW_OUTPUTS = (*PANELS, "step", "view", SIDE)
@@ -41,6 +46,8 @@ SCRUB_OUTPUTS = (*PANELS, SIDE)
 STEP_OUTPUTS = ("step", *PANELS, SIDE)
 MIN_SPEED, MAX_SPEED = 0.2, 20.0      # replay speeds offered, steps per second
 REPLAY_SLOW_S = 0.5
+TREE_REST = 4.0          # a replay leaves the page this many times a tree's drawing time before the next
+TREE_WAIT_MAX_S = 1.0    # a tree whose drawing is not reported by then counts as drawn
 
 OPEN_STATUS = "Showing a recorded trace. Press Run for a live one, or Play to replay it."
 
@@ -89,6 +96,11 @@ def run_button_ready() -> Any:
 def report_rendered(request: gr.Request) -> None:
     """The page's report that it drew the last status update (render pacing, hierviz.app.pacing)."""
     SESSIONS.mark_rendered(session_key(request))
+
+
+def report_tree_drawn(request: gr.Request) -> None:
+    """The page's report that it drew the last draft tree it was sent (a replay's pace, TreePace)."""
+    SESSIONS.mark_tree_drawn(session_key(request))
 
 
 def forget_session(request: gr.Request) -> None:
@@ -189,17 +201,27 @@ def check_holdable(runs: list[Trace]) -> None:
                          f"{most} MB per visitor")
 
 
+# how a JSON text can start (a trace is an object, but an array or a word is JSON too, and refused
+# as no trace by the schema's own message); a UTF-8 byte-order mark is left to the parser to name
+JSON_STARTS = ("{", "[", '"', "-", *"0123456789", "true", "false", "null", "\ufeff")
+
+
 def read_upload(path: str) -> list[Trace]:
     """The runs of an uploaded trace file: TraceError (or OSError) with a message for the visitor."""
     if not path.lower().endswith(".json"):
-        raise TraceError("a trace is a .json file")
+        raise TraceError("not a trace file (a trace is a .json file)")
     size = Path(path).stat().st_size
     if size > MAX_TRACE_BYTES:
         raise TraceError(f"the file is {size / 2**20:.1f} MB; the limit is {MAX_TRACE_BYTES / 2**20:.0f} MB")
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise TraceError("it is not a text file (a trace is JSON text)") from None
+        raise TraceError("not a trace file (it is not text; a trace is JSON text)") from None
+    start = text.lstrip(" \t\r\n")
+    if not start:
+        raise TraceError("not a trace file (it is empty)")
+    if not start.startswith(JSON_STARTS):
+        raise TraceError("not a trace file (it is not JSON)")
     runs = comparison_from_json(text)
     check_holdable(runs)
     return runs
@@ -222,10 +244,11 @@ def trace_updates(name: str, read: Any, download: Optional[str], shown: Optional
     except (TraceError, OSError) as e:
         message = f"Could not read {name}: {e}"
         log_refusal("trace", message)
-        return {"status": status_html(message, "error")}
+        return {"status": status_html(message, "error"), "trace_note": note_html(message, "error")}
     sess = (shown if isinstance(shown, Session) else Session()).carried(
         runs=runs, view=str(runs[0].meta.get("method")), source=name, download=download)
-    return loaded_updates(sess, f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay.")
+    message = f"Loaded {name}: " + ", ".join(run_label(t) for t in runs) + ". Press Play to replay."
+    return {**loaded_updates(sess, message), "trace_note": note_html(message, "ok")}
 
 
 def shown_instead(updates: dict[str, Any], request: Optional[gr.Request]) -> dict[str, Any]:
@@ -241,15 +264,18 @@ def load_file(path: Optional[str], shown: Optional[Session] = None, request: Opt
     """/load_trace: an uploaded trace file. Nothing is offered for download: the visitor has the file."""
     if not path:
         return pack(LOAD_OUTPUTS, {})
-    return pack(LOAD_OUTPUTS, shown_instead(trace_updates(Path(path).name, lambda: read_upload(path), None, shown),
-                                            request))
+    updates = trace_updates(Path(path).name, lambda: read_upload(path), None, shown)
+    if "session" not in updates:         # refused: the message names the file
+        updates["upload"] = None
+    return pack(LOAD_OUTPUTS, shown_instead(updates, request))
 
 
 def shipped_updates(path: Optional[str], shown: Optional[Session] = None) -> dict[str, Any]:
     """The updates of showing a recorded trace; only the listed ones are read (the browser sends a
     path). Its download is the shipped file itself."""
     if not path or path not in {p for _, p in shipped_traces()}:
-        return {"status": status_html("Pick one of the recorded traces first.", "error")}
+        message = "Pick one of the recorded traces first."
+        return {"status": status_html(message, "error"), "trace_note": note_html(message, "error")}
     return trace_updates(Path(path).name, lambda: shipped_runs(path), path, shown)
 
 
@@ -265,6 +291,7 @@ def on_open() -> tuple:
         return pack(LOAD_OUTPUTS, {})
     out = shipped_updates(shipped[0][1])
     out["status"] = status_html(OPEN_STATUS)
+    out.pop("trace_note", None)          # nothing was asked for: nothing to answer beside the list
     return pack(LOAD_OUTPUTS, out)
 
 
@@ -278,7 +305,29 @@ def replay_start(main: Trace, shown: Any) -> int:
     return i if 0 <= i < len(main.steps) else 0
 
 
-def replay(sess: Session, speed: Any, shown: Any = 0) -> Iterator[tuple]:
+@dataclass
+class TreePace:
+    """Whether a replay step may send the draft tree. A page reports each tree it has drawn
+    (report_tree_drawn); a tree takes a browser several times longer to draw than the rest of a step,
+    so while one is being drawn the steps go on without one, and after each the page has a rest of
+    TREE_REST times its drawing time for the lighter panels: the steps keep their pace on the
+    page. An API client never reports drawing and gets every tree."""
+    flags: Optional[SessionFlags]
+    sent_at: float = 0.0        # when the tree being drawn was sent (0: none)
+
+    def ready(self, now: float) -> bool:
+        if self.flags is None or not self.flags.reporting or not self.sent_at:
+            return True
+        drawn = self.flags.tree_drawn_at
+        if drawn < self.sent_at:            # still drawing it, unless its report was lost
+            return now - self.sent_at >= TREE_WAIT_MAX_S
+        return now - drawn >= TREE_REST * (drawn - self.sent_at)
+
+    def sent(self, now: float) -> None:
+        self.sent_at = now
+
+
+def replay(sess: Session, speed: Any, shown: Any = 0, request: Optional[gr.Request] = None) -> Iterator[tuple]:
     """Animate the viewed run step by step at `speed` steps per second, from the step after
     `shown` (1-based). Each step is due at a fixed time from the start, so the time spent
     rendering is not added to the wait and the speed holds."""
@@ -293,6 +342,7 @@ def replay(sess: Session, speed: Any, shown: Any = 0) -> Iterator[tuple]:
         rate = 1.0
     n, start = len(main.steps), replay_start(main, shown)
     mine = sess.stop_replay()          # a replay still running (a second Play) stops here
+    pace = TreePace(SESSIONS.flags(session_key(request)) if request is not None else None)
     t0 = last_slow = time.monotonic()
     for i in range(start, n):
         due = t0 + (i - start) / rate
@@ -300,25 +350,31 @@ def replay(sess: Session, speed: Any, shown: Any = 0) -> Iterator[tuple]:
         # stopped (Pause, another step, run or trace) while waiting: its step must not land
         if not sess.replay_moves(mine, lambda i=i: inspect_step(sess, main, i)):
             return
+        now = time.monotonic()
+        only = replay_panels(i == n - 1, now - last_slow, now - due, rate, pace.ready(now))
+        if only is None or "tree" in only:
+            pace.sent(now)
+        if only is None or "stats" in only:
+            last_slow = now
         yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replaying {run_label(main)}: step {i + 1} of {n}"),
-                                  "step": gr.Slider(value=i + 1),
-                                  **panel_updates(sess, i, replay_panels(i == n - 1, time.monotonic() - last_slow,
-                                                                         time.monotonic() - due, rate))})
-        last_slow = time.monotonic() if i == n - 1 or time.monotonic() - last_slow >= REPLAY_SLOW_S else last_slow
+                                  "step": gr.Slider(value=i + 1), **panel_updates(sess, i, only)})
     time.sleep(max(0.0, t0 + (n - start) / rate - time.monotonic()))
     if sess.replay == mine:
         yield pack(PLAY_OUTPUTS, {"status": status_html(f"Replay finished ({n} steps).", "ok")})
 
 
-def replay_panels(last: bool, since_slow: float, late: float, rate: float) -> Optional[set[str]]:
-    """The panels a replay step sends (None: all). The slower growing ones (latency, stats) go at
-    most every REPLAY_SLOW_S and at the last step; the tree, the one slow figure of a step, is left
-    out of a step that is already a step late, so a speed faster than this machine draws trees
-    keeps its pace (every step's sequence, verdict and output are still shown)."""
+def replay_panels(last: bool, since_slow: float, late: float, rate: float, page_ready: bool = True) -> Optional[set[str]]:
+    """The panels a replay step sends (None: all). Every step's sequence, verdict and output are
+    sent. The slower growing ones (latency, stats) go at most every REPLAY_SLOW_S and at the last
+    step; the tree, the one slow figure of a step, goes when the page is ready for it (TreePace)
+    and the step is not already a step late on this machine, so a speed faster than trees are
+    drawn keeps its pace. The figures go only with the tree: they take the page's time too."""
     if last:
         return None
-    only = set(PANELS) if since_slow >= REPLAY_SLOW_S else STEP_PANELS | {"output"}
-    return only - {"tree"} if late > 1.0 / rate else only
+    only = STEP_PANELS | {"output"}
+    if not page_ready or late > 1.0 / rate:
+        return only - {"tree"}
+    return only | {"latency", "stats"} if since_slow >= REPLAY_SLOW_S else only
 
 
 def replay_stopped(sess: Optional[Session] = None) -> str:

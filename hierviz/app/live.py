@@ -26,6 +26,7 @@ from hierviz.app.gpu import on_gpu, run_duration
 from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, client_address, log_refusal, redact_paths
 from hierviz.app.handlers import RUN_OUTPUTS, input_error, pack, run_update
 from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
+from hierviz.app.notes import SETTING_LABELS
 from hierviz.app.pacing import Pacer, pace_mode, should_pace
 from hierviz.app.progress import TIMINGS, RunPlan, fitted_cost, settings_key, with_heartbeat
 from hierviz.app.render import (LIVE_SOURCE, STEP_PANELS, crossover_panel, download_update, headline_update,
@@ -110,8 +111,8 @@ def checked_settings(max_new: Any, temperature: Any, m_depth: Any, m_topk: Any, 
     try:
         settings = DecodeSettings(max_new_tokens=max_new, temperature=temperature, m_depth=m_depth, m_topk=m_topk,
                                   m_tree_size=m_size, min_draft_len=min_draft, t_depth=t_depth, t_topk=t_topk,
-                                  t_tree_size=t_size).validate()
-        check_caps(settings, device_kind())
+                                  t_tree_size=t_size).validate(SETTING_LABELS)
+        check_caps(settings, device_kind(), SETTING_LABELS)
     except SettingsError as e:
         raise VisitorError(f"Check the settings: {e}") from None
     return settings

@@ -25,6 +25,9 @@ RENDERED_JS = """() => new Promise((done) => requestAnimationFrame(() => request
     const idle = window.requestIdleCallback || ((f) => setTimeout(f, 50));
     idle(() => done([]), {timeout: 900});
 })))"""
+# Resolves once the page has painted the update (a replay's tree: the page is busy with the next
+# steps meanwhile, so it would not go idle before RENDERED_JS's timeout).
+PAINTED_JS = "() => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => done([]))))"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost"}
 
 

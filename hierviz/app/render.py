@@ -75,26 +75,33 @@ def chosen_time_scale(runs: list[Trace], time_scale: Optional[str]) -> str:
     return time_scale if time_scale in TIME_SCALES else default_time_scale(runs)
 
 
-def render_panels(sess: Session, step: Optional[int] = None, time_scale: Optional[str] = None) -> dict[str, Any]:
-    """Everything the panels show for the inspected run and step (None or -1: the latest).
-    `time_scale`: one of hierviz.retime.TIME_SCALES for the speed line and stats (None: the default
-    for these runs); the panels of tokens and trees are the same either way."""
+def render_panels(sess: Session, step: Optional[int] = None, time_scale: Optional[str] = None,
+                  only: Optional[set[str]] = None) -> dict[str, Any]:
+    """What the panels named in `only` (default: all) show for the inspected run and step (None or
+    -1: the latest). `time_scale`: one of hierviz.retime.TIME_SCALES for the speed line and stats
+    (None: the default for these runs); the panels of tokens and trees are the same either way.
+    Only the panels asked for are built: a replay step sends a few, and building the others would
+    take the CPU the page draws with."""
     main = sess.run()
     if main is None or not main.steps:
-        return dict(empty_panels())
+        return {k: v for k, v in empty_panels().items() if only is None or k in only}
     last = len(main.steps) - 1
     i = last if step is None or step < 0 else min(step, last)
     st = main.steps[i]
-    empty = PREFILL_TEXT if is_prefill(st) else NO_TREE_TEXT
     scale = chosen_time_scale(sess.runs, time_scale or sess.time_scale)
-    # the latency bars follow the time scale too: the same runs, re-timed when asked
-    timed = dict(zip(map(id, sess.runs), at_time_scale(sess.runs, scale)))
-    main_timed = timed.get(id(main), main)
-    others = [timed.get(id(t), t) for t in sess.others(main)]
-    return dict(tree=tree_figure(st.trees, tree_title(main, i), empty), seq=sequence_html(st),
-                verdict=verdict_html(st), output=output_html(main, i, i),
-                latency=latency_figure(main_timed, i, others, projected=main_timed.meta.get("time_scale") == RETIMED),
-                stats=stats_html(sess.runs, {main.meta.get("method", ""): i}, scale), side=side_panel(sess, i))
+
+    def latency() -> Any:
+        # the latency bars follow the time scale too: the same runs, re-timed when asked
+        timed = dict(zip(map(id, sess.runs), at_time_scale(sess.runs, scale)))
+        main_timed = timed.get(id(main), main)
+        others = [timed.get(id(t), t) for t in sess.others(main)]
+        return latency_figure(main_timed, i, others, projected=main_timed.meta.get("time_scale") == RETIMED)
+
+    build = dict(tree=lambda: tree_figure(st.trees, tree_title(main, i), PREFILL_TEXT if is_prefill(st) else NO_TREE_TEXT),
+                 seq=lambda: sequence_html(st), verdict=lambda: verdict_html(st), output=lambda: output_html(main, i, i),
+                 latency=latency, stats=lambda: stats_html(sess.runs, {main.meta.get("method", ""): i}, scale),
+                 side=lambda: side_panel(sess, i))
+    return {k: make() for k, make in build.items() if only is None or k in only}
 
 
 def side_panel(sess: Session, i: int) -> str:
@@ -113,7 +120,7 @@ def side_update(sess: Session) -> Any:
 def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[str]] = None,
                   time_scale: Optional[str] = None) -> dict[str, Any]:
     """render_panels, limited to the panels named in `only` (default: all)."""
-    return {k: v for k, v in render_panels(sess, step, time_scale).items() if only is None or k in only}
+    return render_panels(sess, step, time_scale, only)
 
 
 def time_scale_update(sess: Session) -> Any:

@@ -164,6 +164,7 @@ class SessionFlags:
     running: int = 0          # live runs of the visitor in flight (waiting in line included)
     rendered: threading.Event = field(default_factory=threading.Event)  # the page drew the last update
     reporting: bool = False   # the page has reported drawing at least once (API clients never do)
+    tree_drawn_at: float = 0.0   # when the page last reported drawing a new draft tree (a replay's pace)
     used: float = field(default_factory=time.monotonic)   # when an event of the visitor last asked
 
     def stop_signal(self) -> Callable[[], bool]:
@@ -228,6 +229,12 @@ class SessionRegistry:
         flags = self.flags(key)
         flags.reporting = True
         flags.rendered.set()
+
+    def mark_tree_drawn(self, key: str) -> None:
+        """The page `key` reports that it drew the draft tree it was last sent."""
+        flags = self.flags(key)
+        flags.reporting = True
+        flags.tree_drawn_at = time.monotonic()
 
     def is_reporting(self, key: str) -> bool:
         with self._lock:

@@ -14,7 +14,8 @@ from hierviz.app import handlers as h
 from hierviz.app.common import status_html
 from hierviz.app.fields import NumberField, SliderField, TraceUpload
 from hierviz.app.live import run_live
-from hierviz.app.pacing import RENDERED_JS
+from hierviz.app.notes import NOTES, setting_notes
+from hierviz.app.pacing import PAINTED_JS, RENDERED_JS
 from hierviz.app.session import SESSION_TTL_S, Session
 from hierviz.app.shipped import example_prompts, shipped_traces
 from hierviz.app.guard import caps
@@ -84,6 +85,7 @@ def visualizer_tab(stack_default: str | None = None) -> Components:
     wire_run(ui, play)
     wire_inspect(ui, play)
     wire_loads(ui, play)
+    wire_notes(ui)
     return ui
 
 
@@ -118,11 +120,14 @@ def settings_panel(ui: Components, stack_default: str | None) -> None:
     ui["max_new"] = SliderField(1, most, value=min(d.max_new_tokens, most), step=1, label="Max new tokens",
                                 elem_id="hv-max-new")
     ui["temperature"] = SliderField(0.0, 2.0, value=d.temperature, step=0.05, label="Temperature (0 = greedy)")
+    ui["run_note"] = gr.HTML("", elem_id="hv-run-note", padding=False)   # under the settings it is about (notes)
     gr.Markdown("**HierSpec: E_M tree, checked by M**")
     tree_controls(ui, "m", (d.m_depth, d.m_topk, d.m_tree_size))
+    ui["m_note"] = gr.HTML("", elem_id="hv-m-note", padding=False)
     ui["min_draft"] = SliderField(1, 32, value=d.min_draft_len, step=1, label="Min sequence-draft length for T")
     gr.Markdown("**EAGLE-2 baseline: E_T tree, checked by T**")
     tree_controls(ui, "t", (d.t_depth, d.t_topk, d.t_tree_size))
+    ui["t_note"] = gr.HTML("", elem_id="hv-t-note", padding=False)
     ui["with_ar"] = gr.Checkbox(True, label="Also run plain autoregressive decoding (for the speedup)",
                                 elem_id="hv-with-ar")
 
@@ -141,8 +146,10 @@ def replay_panel(ui: Components) -> None:
     shipped = shipped_traces()
     ui["trace_pick"] = gr.Dropdown(shipped, value=shipped[0][1] if shipped else None, label="Recorded traces",
                                    elem_id="hv-trace-pick")
+    # any file is taken and the app answers it under the upload: a type Gradio refused would be a toast
     ui["upload"] = TraceUpload(label=f"…or upload a trace JSON (max {MAX_TRACE_BYTES // 2**20} MB)",
-                               file_types=[".json"], type="filepath", elem_id="hv-upload")
+                               type="filepath", elem_id="hv-upload")
+    ui["trace_note"] = gr.HTML("", elem_id="hv-trace-note", padding=False)
 
 
 def replay_controls(ui: Components) -> None:
@@ -249,6 +256,9 @@ def wire_replay(ui: Components) -> Any:
     stop it."""
     play = ui["play_btn"].click(h.replay, [ui["session"], ui["speed"], ui["step"]], pick(ui, h.PLAY_OUTPUTS),
                                 show_progress="hidden", api_visibility="private")
+    # the page reports each draft tree it has drawn: a replay sends the next one when it is ready (TreePace)
+    ui["tree"].change(h.report_tree_drawn, None, None, queue=False, show_progress="hidden", api_visibility="private",
+                      js=PAINTED_JS)
     # the message is sent only after the cancellation went through, so a late step update from
     # the cancelled replay cannot overwrite it; the step on screen stays, and Play resumes from it
     ui["pause_btn"].click(None, None, None, cancels=[play], queue=False, api_visibility="private").then(
@@ -268,6 +278,22 @@ def wire_loads(ui: Components, play: Any) -> None:
     ui["trace_pick"].input(h.load_shipped, [ui["trace_pick"], ui["session"]], outputs, show_progress="hidden",
                            api_visibility="private", cancels=[play])
 
+
+def wire_notes(ui: Components) -> None:
+    """Each setting is checked as the visitor changes it, its message under its group (hierviz.app.notes).
+    The values go unprocessed: a slider's number box holds what was typed until the page clamps it,
+    and what was typed is what the message answers. A new message beside a control is scrolled into view."""
+    inputs, outputs = pick(ui, h.SETTING_INPUTS), pick(ui, NOTES)
+    for i, name in enumerate(h.SETTING_INPUTS):
+        ui[name].input(setting_notes, inputs, outputs, preprocess=False, queue=False, show_progress="hidden",
+                       trigger_mode="always_last", **(dict(api_name="check_settings") if i == 0 else
+                                                      dict(api_visibility="private")))
+    for name in (*NOTES, "trace_note"):
+        ui[name].change(None, None, None, js=SHOW_NOTE_JS.replace("ID", ui[name].elem_id), api_visibility="private")
+
+
+# A new message beside a control is scrolled into view, as little as it takes (the control stays in view).
+SHOW_NOTE_JS = "() => { document.querySelector('#ID .hv-note')?.scrollIntoView({block: 'nearest'}); return []; }"
 
 # After an export, the hidden download button holds the new picture: clicking it downloads that file.
 CLICK_STEP_PICTURE_JS = "() => { document.querySelector('#hv-step-svg')?.click(); return []; }"

@@ -9,6 +9,9 @@ scaled from one layer) are dashed and say so in the legend.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -19,8 +22,12 @@ from hierviz.quant.formats import DEFAULT_FORMAT, format_of_series
 DENSE_COLOR = "#0072B2"
 W4_COLOR = "#C96A00"
 KERNEL_COLORS = {"tinygemm": "#B286E9"}      # a comparison kernel's curve (hierviz.measure.profile)
+# kernels drawn for comparison only, off until asked for: torch's tinygemm int4 kernel turns
+# compute-bound so early that it rules any axis, and the chart is about fp16 against this app's W4
+COMPARISON_KERNELS = ("tinygemm",)
 _FALLBACK = ["#297B7A", "#333333", "#56B4E9", "#999999"]
 SCOPE_TITLES = {"layer": "one decoder layer", "model": "whole model"}
+
 
 
 def _color(row: dict, seen: dict[str, str]) -> str:
@@ -39,8 +46,85 @@ def _color(row: dict, seen: dict[str, str]) -> str:
     return seen[name]
 
 
-def profile_figure(profile_json: dict) -> go.Figure:
-    """Latency (µs, or ms for slower curves) vs tokens, log x; fp16 vs W4A16 with floors."""
+def log_ticks(values: list[float]) -> Optional[list[float]]:
+    """Round values (1, 2, 5 times a power of ten) across `values`, for a log axis's labels: whole
+    numbers instead of plotly's bare minor digits."""
+    shown = [v for v in values if v > 0]
+    if not shown:
+        return None
+    lo, hi = min(shown), max(shown)
+    ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+             for m in (1, 2, 5)]
+    return [t for t in ticks if lo / 1.5 <= t <= hi * 1.5] or None
+
+
+def crossing(tokens: list[float], dense: list[float], w4: list[float]) -> Optional[float]:
+    """The token count where the W4 curve first rises above the dense one, interpolated along the
+    log x axis (None: it stays below, or starts above)."""
+    pairs = list(zip(tokens, dense, w4))
+    for (t0, d0, w0), (t1, d1, w1) in zip(pairs, pairs[1:]):
+        if w0 < d0 and w1 >= d1 and t0 > 0 and t1 > t0:
+            f = (d0 - w0) / ((d0 - w0) + (w1 - d1))
+            return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+    return None
+
+
+def _is_dense(row: dict) -> bool:
+    fmt = format_of_series(row["format"])
+    return fmt is not None and fmt.dense
+
+
+def _is_w4_curve(row: dict) -> bool:
+    fmt = format_of_series(row["format"])
+    return fmt is not None and fmt.name == DEFAULT_FORMAT and row.get("kernel") not in COMPARISON_KERNELS
+
+
+def _mark_crossing(fig: go.Figure, rows: list[dict], tokens: list[float], col: int) -> None:
+    """A dotted vertical line where W4A16 turns slower than fp16 in this panel, and its words."""
+    dense = next((r for r in rows if _is_dense(r)), None)
+    w4 = next((r for r in rows if _is_w4_curve(r)), None)
+    at = crossing(tokens, dense["us"], w4["us"]) if dense and w4 else None
+    if at is None:
+        return
+    xref, yref = ("x", "y domain") if col == 1 else (f"x{col}", f"y{col} domain")
+    fig.add_shape(type="line", x0=at, x1=at, y0=0, y1=1, xref=xref, yref=yref,
+                  line=dict(color="#333333", width=1.5, dash="dot"))
+    # an annotation's position on a log axis is the log of the value
+    fig.add_annotation(x=math.log10(at), y=1, xref=xref, yref=yref,
+                       text=f"{w4['format']} slower than<br>{dense['format']} from ≈{at:.0f} tokens",
+                       showarrow=False, xanchor="right", yanchor="top", align="right", font=dict(size=12),
+                       bgcolor="rgba(255,255,255,0.85)")
+
+
+def _add_curves(fig: go.Figure, rows: list[dict], profile_json: dict, col: int, div: float, unit: str,
+                colors: dict[str, str], show_comparison: bool) -> None:
+    """One panel's curves and their bandwidth floors; a comparison kernel's are off unless asked for."""
+    for r in rows:
+        name = r["format"]
+        c = _color(r, colors)
+        est = bool(r.get("estimated"))
+        off = r.get("kernel") in COMPARISON_KERNELS and not show_comparison
+        label = name + (" (estimated)" if est else "") + (" (off: click to show)" if off else "")
+        visible = "legendonly" if off else True
+        ys = [u / div for u in r["us"]]
+        toks = profile_json.get("tokens", list(range(1, len(ys) + 1)))
+        fig.add_trace(go.Scatter(
+            x=toks, y=ys, mode="lines+markers", name=label, legendgroup=name, showlegend=col == 1 or est,
+            visible=visible, line=dict(color=c, width=2.5, dash="dash" if est else "solid"), marker=dict(size=6),
+            hovertemplate=f"{label}<br>%{{x}} tokens: %{{y:.3g}} {unit}<extra></extra>"), row=1, col=col)
+        floor = r.get("floor_us")
+        if floor and toks:
+            fig.add_trace(go.Scatter(
+                x=[min(toks), max(toks)], y=[floor / div] * 2, mode="lines", name=f"{name} bandwidth floor",
+                legendgroup=name, showlegend=col == 1, visible=visible, line=dict(color=c, width=1.5, dash="dot"),
+                hovertemplate=f"{name}: weight bytes / copy bandwidth = %{{y:.3g}} {unit}<extra></extra>"),
+                row=1, col=col)
+
+
+def profile_figure(profile_json: dict, show_comparison: bool = False) -> go.Figure:
+    """Latency (µs, or ms for slower curves) vs tokens, both axes log; fp16 vs W4A16 with floors,
+    and where W4A16 turns slower. A comparison kernel's curves (COMPARISON_KERNELS) are off unless
+    `show_comparison`; a click on their legend entry shows them."""
     series = profile_json.get("series") or []
     scopes = [s for s in ("layer", "model") if any(r.get("scope") == s for r in series)] or ["layer"]
     cfg = profile_json.get("config") or {}
@@ -52,29 +136,17 @@ def profile_figure(profile_json: dict) -> go.Figure:
     tokens_all = sorted({t for t in profile_json.get("tokens", [])})
     for col, scope in enumerate(scopes, start=1):
         rows = [r for r in series if r.get("scope") == scope]
-        slow = any(max(r.get("us") or [0]) > 5000 for r in rows)
+        drawn = [r for r in rows if show_comparison or r.get("kernel") not in COMPARISON_KERNELS]
+        slow = any(max(r.get("us") or [0]) > 5000 for r in drawn)
         unit, div = ("ms", 1000.0) if slow else ("µs", 1.0)
-        for r in rows:
-            name = r["format"]
-            c = _color(r, colors)
-            est = bool(r.get("estimated"))
-            label = name + (" (estimated)" if est else "")
-            ys = [u / div for u in r["us"]]
-            toks = profile_json.get("tokens", list(range(1, len(ys) + 1)))
-            fig.add_trace(go.Scatter(
-                x=toks, y=ys, mode="lines+markers", name=label, legendgroup=name, showlegend=col == 1 or est,
-                line=dict(color=c, width=2.5, dash="dash" if est else "solid"), marker=dict(size=6),
-                hovertemplate=f"{label}<br>%{{x}} tokens: %{{y:.3g}} {unit}<extra></extra>"), row=1, col=col)
-            floor = r.get("floor_us")
-            if floor and toks:
-                fig.add_trace(go.Scatter(
-                    x=[min(toks), max(toks)], y=[floor / div] * 2, mode="lines", name=f"{name} bandwidth floor",
-                    legendgroup=name, showlegend=col == 1, line=dict(color=c, width=1.5, dash="dot"),
-                    hovertemplate=f"{name}: weight bytes / copy bandwidth = %{{y:.3g}} {unit}<extra></extra>"),
-                    row=1, col=col)
+        _add_curves(fig, rows, profile_json, col, div, unit, colors, show_comparison)
+        _mark_crossing(fig, rows, profile_json.get("tokens") or [], col)
         fig.update_xaxes(type="log", title_text="tokens verified in one forward",
                          tickvals=tokens_all or None, row=1, col=col)
-        fig.update_yaxes(title_text=f"forward latency ({unit})", rangemode="tozero", row=1, col=col)
+        # log: a comparison kernel many times slower would squash the others' curves on a linear axis
+        ys = [u / div for r in drawn for u in [*(r.get("us") or []), *([r["floor_us"]] if r.get("floor_us") else [])]]
+        fig.update_yaxes(type="log", title_text=f"forward latency ({unit}, log scale)", tickvals=log_ticks(ys),
+                         row=1, col=col)
     dev = profile_json.get("device", "?")
     bw = profile_json.get("copy_bandwidth_GBps")
     sub = f"{profile_json.get('shape', '?')} · {dev}" + (f" · copy {bw:.0f} GB/s" if bw else "")
