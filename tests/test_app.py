@@ -351,11 +351,11 @@ def test_runs_wait_in_the_apps_line_not_in_gradios_queue():
     runs = [f for f in fns if f.name == "run_live"]
     assert runs and all(f.concurrency_limit is None for f in runs)
     assert demo._queue.max_size == layout.EVENT_BACKLOG > 10 * options().queue_size
-    others = [f for f in fns if f.name in ("live_run", "measure_profile")]
+    others = [f for f in fns if f.name in ("live_run", "measure_here")]
     assert len(others) == 2 and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in others)
     for fn in (whatif_tab.live_run, profile_tab.measure_profile):
         assert "LINE.hold(" in inspect.getsource(fn)
-    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("measure_profile", "live_run"))
+    assert all(f.concurrency_id != "gpu" for f in fns if f.name not in ("measure_here", "live_run"))
 
 
 def test_tabs_are_pluggable():
