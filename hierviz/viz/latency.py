@@ -60,7 +60,7 @@ def latency_rows(main: Trace, step: int, others: list[Trace]) -> tuple[list[tupl
     return step_rows, cum_rows
 
 
-TOTAL_TEXT_PX = 90   # room right of the plot for the longest total ("  2356.6 ms") at any width
+TOTAL_TEXT_PX = 72   # room right of the plot for the longest total (" 2356.6 ms") at any width
 
 
 @functools.lru_cache(maxsize=4)
@@ -106,7 +106,7 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
                 showlegend=row_idx == 1, marker=dict(color=STAGE_COLORS[stage]),
                 customdata=names, hovertemplate="%{customdata}: %{x:.2f} ms<extra></extra>", **axes))
         totals = [sum(r[1].values()) for r in rows]
-        traces.append(dict(type="scatter", y=labels, x=totals, mode="text", text=[f"  {t:.1f} ms" for t in totals],
+        traces.append(dict(type="scatter", y=labels, x=totals, mode="text", text=[f" {t:.1f} ms" for t in totals],
                            textposition="middle right", showlegend=False, hoverinfo="skip", cliponaxis=False,
                            textfont=dict(size=13), **axes))
         layout[f"xaxis{sfx}"].update(
