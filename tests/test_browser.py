@@ -298,6 +298,33 @@ TEXT_SIZES_JS = """() => {
 }"""
 
 
+# Small defects a screen size once showed, each as a list of what is wrong: a text of the latency
+# chart (a title, a bar's total, a label) past the chart's edge; the statistics table scrolling
+# sideways (desktop sizes); the recorded-trace chooser's arrow over its text.
+SMALL_DEFECTS_JS = """(desktop) => {
+    const bad = [], inside = (r, b) => r.left >= b.left - 1 && r.right <= b.right + 1;
+    const chart = document.querySelector('#hv-latency .main-svg').getBoundingClientRect();
+    for (const t of document.querySelectorAll('#hv-latency svg text')) {
+        const r = t.getBoundingClientRect();
+        if (r.width && !inside(r, chart)) bad.push(`latency text "${t.textContent}" cut`);
+    }
+    const table = document.querySelector('#hv-stats .hv-table-scroll');
+    if (desktop && table.scrollWidth > table.clientWidth + 1) bad.push(`stats ${table.scrollWidth} px in ${table.clientWidth}`);
+    const text = document.querySelector('#hv-trace-pick input').getBoundingClientRect();
+    const arrow = document.querySelector('#hv-trace-pick .icon-wrap').getBoundingClientRect();
+    if (text.right > arrow.left + 1) bad.push("the trace chooser's arrow covers its text");
+    return bad;
+}"""
+
+
+def acceptance_chart_height(pg) -> float:
+    """The plot area's height of the Analyse tab's acceptance-by-depth chart (a phone: tabs in a menu)."""
+    pg.click('button[aria-label="More tabs"]')
+    pg.locator(".overflow-dropdown button", has_text="Analyse").click()
+    chart = pg.locator(".block", has=pg.locator("label", has_text="acceptance by depth")).locator(".nsewdrag").first
+    return chart.bounding_box()["height"]
+
+
 def widest_step() -> int:
     """The step (from 1) of the opening trace's inspected run whose tree figure is the widest."""
     from hierviz.app.shipped import shipped_runs, shipped_traces
@@ -371,7 +398,9 @@ def test_layouts_fit_their_screens(app_url):
     390x844: nothing wider than its box without a scroll container; at the desktop sizes the
     headline, tree, sequence and verdict in the first screen and the tree's box holds every tree of
     the opening trace's widest step or says where they are; on a projector text grows; side by side
-    stands where the tree stood; on a phone the tree comes right after the prompt, Run and the status."""
+    stands where the tree stood; on a phone the tree comes right after the prompt, Run and the status,
+    and the Analyse tab's acceptance chart keeps its height under its legend. No chart text is cut,
+    no chooser's arrow covers its text, and the statistics fit a desktop screen."""
     from playwright.sync_api import sync_playwright
     wide = widest_step()
     with sync_playwright() as p:
@@ -396,12 +425,15 @@ def test_layouts_fit_their_screens(app_url):
                     assert pg.locator("h1").is_visible()
                 if width < 700:
                     assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
+                assert pg.evaluate(SMALL_DEFECTS_JS, present) == [], (width, height)
                 show_step(pg, wide)
                 pg.screenshot(path=str(ARTIFACTS / f"browser-widest-step-{width}x{height}.png"))
                 check_tree_box(pg, width, height, first_screen=present)
                 if (width, height) == (1280, 720):
                     check_projector_sizes(pg)
                 check_side_by_side(pg, width, height, tree_top)
+                if width < 700:         # under its legend of 13 entries, a chart a phone can read
+                    assert acceptance_chart_height(pg) >= 150
                 pg.close()
         finally:
             browser.close()

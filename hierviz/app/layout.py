@@ -123,8 +123,8 @@ document.addEventListener("click", (e) => {
 #   - or - Click to Upload"; a name must hold the visible words (WCAG 2.5.3), so it becomes them;
 #   the footer's settings icon beside the word "Settings" is decoration (alt="");
 # - the tree's box and the side-by-side panel end on the first screen (their tops, for assets/app.css);
-# - a table or panel that may scroll (on a phone, or capped to the screen) takes keyboard focus, so
-#   a keyboard can scroll it, and a name;
+# - a table, chart or panel that may scroll (on a phone, or capped to the screen) takes keyboard
+#   focus, so a keyboard can scroll it, and a name;
 # - the tree's box says when trees, or part of one, lie past its edge (#hv-tree-cue);
 # - the presentation layout follows the window's width (a laptop plugged into a projector) until
 #   the visitor sets the checkbox.
@@ -132,7 +132,9 @@ PAGE_JS = """<script>
 (() => {
   const UPLOAD_NAME = "Click to upload or drop files";
   const REGIONS = {"hv-whatif-table": "What-if results table", "hv-whatif-live-table": "Live what-if results table",
-                   "hv-side-by-side": "Side by side with EAGLE-2", "hv-tree": "Draft tree(s)"};
+                   "hv-side-by-side": "Side by side with EAGLE-2", "hv-tree": "Draft tree(s)",
+                   "hv-latency": "Latency per stage", "hv-seq": "Sequence draft", "hv-verdict": "Target T's verdict"};
+  const WHEN_SCROLLING = new Set(["hv-seq", "hv-verdict"]);     // rarely wider than their box
   const nameUploads = () => {
     for (const el of document.querySelectorAll(`[aria-label="${UPLOAD_NAME}"]`)) {
       const shown = el.innerText.replace(/\\s+/g, " ").trim();
@@ -143,7 +145,8 @@ PAGE_JS = """<script>
   const focusableRegions = () => {
     for (const [id, name] of Object.entries(REGIONS)) {
       const el = document.getElementById(id);
-      if (el && el.textContent.trim() && !el.hasAttribute("tabindex")) {
+      if (!el || !el.textContent.trim() || el.hasAttribute("tabindex")) continue;
+      if (!WHEN_SCROLLING.has(id) || el.scrollWidth > el.clientWidth + 1) {
         el.tabIndex = 0;
         el.setAttribute("role", "region");
         el.setAttribute("aria-label", name);
@@ -173,7 +176,6 @@ PAGE_JS = """<script>
     if (cue.textContent !== text) cue.textContent = text;
     cue.hidden = !text;
     box.classList.toggle("hv-more-right", right);
-    box.classList.toggle("hv-more-down", down);
   };
   let queued = false;
   const tidy = () => { queued = false; nameUploads(); fitToScreen(); focusableRegions(); treeCue(); };
