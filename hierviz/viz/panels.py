@@ -16,7 +16,7 @@ from hierviz.methods import BASELINE, METHODS, SUBJECT, TOKEN, short, tree_on_ta
 from hierviz.trace import DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
                                token_label)
-from hierviz.viz.tree import bonus_status, node_status
+from hierviz.viz.tree import KEY_NAMES, STATUS_ORDER, bonus_status, node_status
 
 UNKNOWN_ROLE_COLOR = "#E5E7EB"
 
@@ -82,6 +82,12 @@ def legend_html(method: Optional[str] = None) -> str:
 def tree_key_html() -> str:
     """The tree view's key as lines, for the teaching text beside the tree."""
     return "<br>\n".join(f"{swatch(k)} {esc(v)}" for k, v in TREE_KEY_ITEMS)
+
+
+def tree_key_line() -> str:
+    """The tree figure's key in one wrapping line above it, outside the figure's scroll box."""
+    parts = "".join(f'<span class="hv-key">{swatch(k)}{esc(KEY_NAMES[k])}</span>' for k in STATUS_ORDER)
+    return f'<div class="hv-legend hv-tree-key"><b>Draft tree</b>{parts}</div>'
 
 
 def sequence_html(step: Optional[Step]) -> str:
@@ -507,5 +513,5 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None, time_sc
         note += f'<div class="hv-muted">Ran on {setup}.</div>'
     # the table scrolls sideways on a narrow screen; focusable, so a keyboard can scroll it too
     return _box(speed_html + '<div class="hv-table-scroll" tabindex="0" role="region" aria-label="Statistics table">'
-                f'<table class="hv-stats"><thead><tr><th></th>{head}</tr></thead>'
+                f'<table class="hv-stats"><thead><tr><th><span class="hv-sr-only">measure</span></th>{head}</tr></thead>'
                 f'<tbody>{body}{"".join(depth_rows)}</tbody></table></div>' + note)
