@@ -156,7 +156,13 @@ def is_small_stack(meta: dict) -> bool:
 def default_time_scale(runs: list[Trace]) -> str:
     """Re-timed at real scale for a small stack recorded on a GPU (its measured times cannot show the
     method, as on the trace the app opens on); as measured for everything else."""
-    small_on_gpu = bool(runs) and all(is_small_stack(t.meta) and t.meta.get("device") == "cuda" for t in runs)
+    return default_time_scale_of([t.meta for t in runs])
+
+
+def default_time_scale_of(metas: list[dict]) -> str:
+    """default_time_scale of runs with these metas ("stack" and "device" decide; a live run knows
+    both before its first step)."""
+    small_on_gpu = bool(metas) and all(is_small_stack(m) and m.get("device") == "cuda" for m in metas)
     return RETIMED if small_on_gpu and real_scale_available() else MEASURED
 
 

@@ -13,7 +13,7 @@ if [ "${1:-}" = "--test" ]; then
   fi
   # axe-core (pinned) for tests/test_accessibility.py, into the gitignored .cache/npm
   if command -v npm >/dev/null; then
-    npm install --prefix .cache/npm --silent axe-core@4.10.2 \
+    npm install --prefix .cache/npm --silent axe-core@4.14.1 \
       || echo "warning: could not install axe-core; the accessibility test will be skipped"
   else
     echo "warning: npm is not installed; the accessibility test will be skipped"

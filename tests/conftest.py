@@ -45,7 +45,7 @@ FILE_SECONDS = {
     "test_sampling_power.py": 200, "test_browser.py": 123, "test_whatif.py": 92, "test_hardening.py": 87,
     "test_triton_w4.py": 64, "test_triton_compile.py": 55, "test_oracle_acceptance.py": 54, "test_fused.py": 37,
     "test_gguf.py": 35, "test_train_stack.py": 34, "test_decoding.py": 22, "test_engine_bench.py": 21, "test_train.py": 17,
-    "test_model.py": 16, "test_ui_whatif.py": 15, "test_app.py": 15, "test_greedy_oracle.py": 11,
+    "test_model.py": 16, "test_ui_whatif.py": 15, "test_app.py": 15, "test_live_eta.py": 15, "test_greedy_oracle.py": 11,
     "test_formats.py": 11,
 }
 

@@ -216,7 +216,8 @@ def test_a_recorded_trace_as_b_is_overlaid_with_a_column_per_run(download_root, 
         [f"B: {m}" for m in ("HierSpec", "EAGLE-2", "Autoregressive")]
     assert [t.name for t in tau.data] == labels
     assert {t.name.split(" · ")[0] for t in depth.data} == set(labels[:3] + labels[4:6])    # AR drafts nothing
-    assert re.findall(r"<th>(.*?)</th>", table) == ["", *labels]
+    corner, *heads = re.findall(r"<th>(.*?)</th>", table)
+    assert heads == labels and "measure" in corner        # the row names' column is named for a screen reader
     # an upload as B wins over the recorded choice, as for A
     up = tmp_path / "b.json"
     up.write_text(eagle2().to_json(), encoding="utf-8")

@@ -123,21 +123,18 @@ def test_loading_a_trace_stops_a_live_run_which_then_sends_nothing(client):
 
 
 def test_progress_says_method_tokens_and_time_left():
-    """The status of a live run: method k of n, tokens done of asked, and the time left from this
-    run's rate and the earlier runs' measured rates; the stages before it say the time spent."""
-    from hierviz.app.progress import RunPlan, Timings
-    timings = Timings(load_s={"s": 20.0}, tokens_per_s={("s", "eagle2"): 10.0})
-    plan = RunPlan("s", ["hierspec", "eagle2", "ar"], 40, timings)
-    text = plan.method_text("hierspec", 10, 2.0)           # 5 tokens/s: 6 s left of HierSpec
-    assert text.startswith("Running HierSpec (method 1 of 3): 10 of 40 tokens;") and "the rest not measured" in text
-    timings.tokens_per_s[("s", "ar")] = 4.0                # EAGLE-2 4 s, AR 10 s
-    assert "about 20 s left" in plan.method_text("hierspec", 10, 2.0)
+    """The status of a live run: method k of n, tokens done of asked, and the time left of the whole
+    run from the measured costs and this run's pace; the stages before it say the time spent."""
+    from hierviz.app.progress import MethodCost, RunPlan, Timings
+    costs = {("s", m, ()): MethodCost(0.0, 0.0, rate) for m, rate in (("hierspec", 0.1), ("eagle2", 0.1), ("ar", 0.25))}
+    timings = Timings(load_s={"s": 20.0}, costs=costs)
+    plan = RunPlan("s", ["hierspec", "eagle2", "ar"], 41, timings=timings)     # 4 + 4 + 10 s
+    text = plan.method_text("hierspec", 11, 1.0, steps=5)          # at the measured pace: 3 + 4 + 10 s left
+    assert text.startswith("Running HierSpec (method 1 of 3), step 5: 11 of 41 tokens;") and "about 17 s left" in text
     assert "about 14 s left" in plan.method_text("eagle2", 0, 0.0)
-    assert plan.method_text("eagle2", 8, 1.0, steps=3).startswith("Running EAGLE-2 (method 2 of 3), step 3: 8 of 40")
-    assert "no earlier run here" in plan.stage_text("Loading the model stack", 20.0, 6.0)   # HierSpec unmeasured
-    timings.tokens_per_s[("s", "hierspec")] = 8.0          # 5 s: 14 s of loading left, then 5 + 4 + 10
-    assert "about 33 s left" in plan.stage_text("Loading the model stack", 20.0, 6.0)
-    assert "no earlier run here" in RunPlan("new", ["ar"], 8, Timings()).stage_text("Warming up", None, 3.0)
+    assert plan.method_text("eagle2", 8, 1.0, steps=3).startswith("Running EAGLE-2 (method 2 of 3), step 3: 8 of 41")
+    assert "about 33 s left" in plan.stage_text("Loading the model stack", 20.0, 5.0)    # 15 s of loading, then 18
+    assert "cannot be estimated yet" in RunPlan("new", ["ar"], 8, timings=Timings()).stage_text("Warming up", None, 3.0)
 
 
 def test_a_blocking_stage_reports_every_second():
@@ -354,7 +351,7 @@ def test_runs_wait_in_the_apps_line_not_in_gradios_queue():
     runs = [f for f in fns if f.name == "run_live"]
     assert runs and all(f.concurrency_limit is None for f in runs)
     assert demo._queue.max_size == layout.EVENT_BACKLOG > 10 * options().queue_size
-    others = [f for f in fns if f.name in ("live_run", "measure_here")]      # measure_here calls measure_profile
+    others = [f for f in fns if f.name in ("live_run", "measure_here")]
     assert len(others) == 2 and all(f.concurrency_id == "gpu" and f.concurrency_limit == 1 for f in others)
     for fn in (whatif_tab.live_run, profile_tab.measure_profile):
         assert "LINE.hold(" in inspect.getsource(fn)
@@ -491,11 +488,13 @@ def test_start_up_warm_up_leaves_the_first_run_warm() -> None:
     warm (no warm-up on the first click) and the measured times give the first ETA; a stack that
     cannot load is logged, never raised (the server keeps serving)."""
     from hierviz.app.live import prewarm
-    from hierviz.app.progress import TIMINGS
+    from hierviz.app.progress import TIMINGS, settings_key
     from hierviz.app.stacks import get_stack
     from hierviz.settings import default_settings
     from hierviz.engine import is_warm
     assert prewarm("tiny-random")
     assert is_warm(get_stack("tiny-random"), ["hierspec", "eagle2", "ar"], default_settings())
     assert "tiny-random" in TIMINGS.load_s
+    # and each method's costs with those settings, for the first run's time left
+    assert all(TIMINGS.costs.get(("tiny-random", m, settings_key(default_settings()))) for m in ("hierspec", "eagle2", "ar"))
     assert not prewarm("no-such-stack")

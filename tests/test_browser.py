@@ -131,6 +131,63 @@ def test_run_a_prompt_and_see_every_panel(page):
     wait_status(pg, "Step 2:", "#hv-tree")
 
 
+# Every half second from a live run's first update ("Loading…", "Warming up…", "Running…") to its
+# end: the headline, the time scale chosen and the crossover chart's legend, as the page shows them
+LIVE_SAMPLER_JS = r"""() => {
+    window.hvSamples = [];
+    const read = () => ({
+        t: performance.now(), status: document.querySelector('#hv-status').innerText,
+        headline: document.querySelector('#hv-headline').innerText.trim(),
+        scale: document.querySelector('#hv-time-scale input:checked')?.closest('label')?.innerText.trim(),
+        marks: [...document.querySelectorAll('#hv-crossover .legendtext')].map((e) => e.textContent)});
+    const timer = setInterval(() => {
+        const now = read();
+        if (!/Loading the model stack|Warming up|Running |Done\./.test(now.status)) return;   // not started yet
+        window.hvSamples.push(now);
+        if (now.status.includes('Done.')) clearInterval(timer);
+    }, 500);
+}"""
+
+
+def test_a_live_run_owns_the_page_from_its_first_update(page):
+    """While a live run goes, no figure of the recorded trace the page opened on is on screen: the
+    headline is the live run's (measured on this CPU, never the trace's line projected at H200
+    costs), the time scale says "as measured", and the crossover chart marks the live run or
+    nothing, never the trace's run; at the end one line gives every method."""
+    from hierviz.retime import MEASURED, RETIMED
+    pg = page
+    # the recorded trace's figures are on screen first: the ones that must go
+    wait_count(pg, "#hv-crossover .legendtext", 4)
+    assert "1.20×" in pg.inner_text("#hv-headline") and "H200" in pg.inner_text("#hv-headline")
+    assert pg.evaluate("document.querySelector('#hv-time-scale input:checked').value") == RETIMED
+    assert "this run (scale 0.91)" in pg.inner_text("#hv-crossover")
+    pg.locator("#hv-settings button").first.click()
+    box = pg.locator("#hv-max-new input[type=number]")
+    box.fill("48")                  # a run of several seconds, sampled many times
+    box.press("Enter")
+    pg.evaluate(LIVE_SAMPLER_JS)
+    pg.click("#hv-run")
+    wait_status(pg, "Running EAGLE-2")
+    pg.screenshot(path=str(ARTIFACTS / "browser-live-run.png"))
+    wait_status(pg, "Done.")
+    pg.wait_for_function("() => window.hvSamples.at(-1)?.status.includes('Done.')")
+    samples = pg.evaluate("window.hvSamples")
+    during = [s for s in samples if "Done." not in s["status"]]
+    assert len(during) >= 4, samples
+    print(f"{len(during)} samples over {(samples[-1]['t'] - samples[0]['t']) / 1000:.1f} s")
+    for s in during:
+        seen = (s["status"][:60], s["headline"][:120], s["scale"], s["marks"])
+        assert s["headline"].startswith("Live on this CPU"), seen
+        assert not any(word in s["headline"] for word in ("H200", "re-timed", "projected")), seen
+        assert s["scale"] == MEASURED, seen
+        assert not any(m.startswith("this run") for m in s["marks"]), seen
+    assert any("HierSpec is" in s["headline"] or "faster than HierSpec" in s["headline"] for s in during)
+    assert pg.inner_text("#hv-headline").startswith("Your live run:")
+    pg.wait_for_function("() => [...document.querySelectorAll('#hv-crossover .legendtext')]"
+                         ".some((e) => e.textContent.startsWith('your live run'))")
+    pg.screenshot(path=str(ARTIFACTS / "browser-live-done.png"))
+
+
 def test_malformed_trace_upload_shows_an_error(page, tmp_path):
     pg = page
     bad = tmp_path / "broken-trace.json"
@@ -268,11 +325,141 @@ UNREACHABLE_JS = """(panels) => {
 }"""
 
 
+# The boxes of the story's core and what must be in the first screen at a desktop size
+FIRST_SCREEN = ("#hv-headline", "#hv-tree", "#hv-seq", "#hv-verdict")
+
+# The tree's box at the step on screen: does it scroll, which trees' labels lie past its right edge,
+# the cue's text and box, the key's box and words.
+TREE_BOX_JS = """() => {
+    const box = document.querySelector('#hv-tree'), r = box.getBoundingClientRect();
+    const cue = document.querySelector('#hv-tree-cue'), key = document.querySelector('#hv-tree-head .hv-tree-key');
+    const rect = (e) => { const b = e.getBoundingClientRect(); return {x: b.x, y: b.y, right: b.right, bottom: b.bottom}; };
+    const labels = [...box.querySelectorAll('.annotation-text')].filter(t => /^tree \\d+$/.test(t.textContent));
+    return {box: rect(box), scrolls: box.scrollWidth > box.clientWidth + 1 || box.scrollHeight > box.clientHeight + 1,
+            past: labels.filter(t => t.getBoundingClientRect().left > r.right - 24).map(t => t.textContent.slice(5)),
+            trees: labels.length, cue: cue.hidden ? null : {text: cue.innerText, ...rect(cue)},
+            key: {text: key.innerText, ...rect(key)}};
+}"""
+
+# Font size and height of every control with words in the first screen: buttons, tabs, the run chooser's options
+CONTROL_SIZES_JS = """() => [...document.querySelectorAll('button, [role=tab], label:has(input[type=radio])')]
+    .filter(b => b.offsetParent && b.innerText.trim() && b.getBoundingClientRect().height > 2
+                 && b.getBoundingClientRect().bottom > 0 && b.getBoundingClientRect().top < innerHeight)
+    .map(b => [b.innerText.trim().slice(0, 30), parseFloat(getComputedStyle(b).fontSize), b.getBoundingClientRect().height])"""
+
+TEXT_SIZES_JS = """() => {
+    const px = (sel, not) => [...document.querySelectorAll(sel)].filter(e => !not || !not.test(e.textContent))
+        .map(e => parseFloat(getComputedStyle(e).fontSize));
+    return {qualifiers: px('#hv-headline .hv-muted'), chips: px('#hv-seq .hv-chip, #hv-verdict .hv-chip'),
+            tree_chips: px('#hv-tree .annotation-text', /^tree \\d+$/)};
+}"""
+
+
+# Small defects a screen size once showed, each as a list of what is wrong: a text of the latency
+# chart (a title, a bar's total, a label) past the chart's edge; the statistics table scrolling
+# sideways (desktop sizes); the recorded-trace chooser's arrow over its text.
+SMALL_DEFECTS_JS = """(desktop) => {
+    const bad = [], inside = (r, b) => r.left >= b.left - 1 && r.right <= b.right + 1;
+    const chart = document.querySelector('#hv-latency .main-svg').getBoundingClientRect();
+    for (const t of document.querySelectorAll('#hv-latency svg text')) {
+        const r = t.getBoundingClientRect();
+        if (r.width && !inside(r, chart)) bad.push(`latency text "${t.textContent}" cut`);
+    }
+    const table = document.querySelector('#hv-stats .hv-table-scroll');
+    if (desktop && table.scrollWidth > table.clientWidth + 1) bad.push(`stats ${table.scrollWidth} px in ${table.clientWidth}`);
+    const text = document.querySelector('#hv-trace-pick input').getBoundingClientRect();
+    const arrow = document.querySelector('#hv-trace-pick .icon-wrap').getBoundingClientRect();
+    if (text.right > arrow.left + 1) bad.push("the trace chooser's arrow covers its text");
+    return bad;
+}"""
+
+
+def acceptance_chart_height(pg) -> float:
+    """The plot area's height of the Analyse tab's acceptance-by-depth chart (a phone: tabs in a menu)."""
+    pg.click('button[aria-label="More tabs"]')
+    pg.locator(".overflow-dropdown button", has_text="Analyse").click()
+    chart = pg.locator(".block", has=pg.locator("label", has_text="acceptance by depth")).locator(".nsewdrag").first
+    return chart.bounding_box()["height"]
+
+
+def widest_step() -> int:
+    """The step (from 1) of the opening trace's inspected run whose tree figure is the widest."""
+    from hierviz.app.shipped import shipped_runs, shipped_traces
+    from hierviz.viz.tree import tree_figure
+    main = shipped_runs(shipped_traces()[0][1])[0]
+    widths = [tree_figure(st.trees).layout.width or 0 for st in main.steps]
+    return widths.index(max(widths)) + 1
+
+
+def show_step(pg, step: int) -> None:
+    box = pg.locator("#hv-step input[type=number]")
+    box.fill(str(step))
+    box.press("Enter")
+    pg.wait_for_function("(s) => document.querySelector('#hv-tree .gtitle')?.textContent.startsWith(`Step ${s}:`)", arg=step)
+
+
+def check_tree_box(pg, width: int, height: int, first_screen: bool) -> None:
+    """Every tree of the step is inside the tree's box, or a visible cue over the box names the ones
+    past its edge; the tree's key right above the box; with `first_screen`, key, box and cue in it."""
+    tree = pg.evaluate(TREE_BOX_JS)
+    where = (width, height, tree)
+    assert all(w in tree["key"]["text"] for w in ("accepted", "rejected", "bonus")), where
+    assert tree["key"]["bottom"] <= tree["box"]["y"] and tree["key"]["right"] <= width, where
+    if first_screen:
+        assert 0 <= tree["key"]["y"] and tree["box"]["bottom"] <= height, where
+    if not tree["scrolls"]:
+        assert tree["cue"] is None and not tree["past"], where
+        return
+    cue = tree["cue"]
+    assert cue and cue["text"].startswith("Scroll"), where
+    # over the box
+    assert tree["box"]["x"] <= cue["x"] and cue["right"] <= tree["box"]["right"], where
+    assert tree["box"]["y"] <= cue["y"] and cue["bottom"] <= tree["box"]["bottom"], where
+    assert all(n in cue["text"] for n in tree["past"]), where
+
+
+def check_projector_sizes(pg) -> None:
+    """On a projector text grows: qualifiers, chips, tree chips and controls' words at 16 px or
+    more, buttons 32 px tall or more."""
+    sizes = pg.evaluate(TEXT_SIZES_JS)
+    assert all(sizes[k] and min(sizes[k]) >= 16 for k in sizes), sizes
+    controls = pg.evaluate(CONTROL_SIZES_JS)
+    small = [c for c in controls if c[1] < 16 or c[2] < 32]
+    assert len(controls) >= 10 and not small, small
+
+
+# An element's box in the page (top: from the page's top, whatever the scroll) and in the screen (y)
+PAGE_BOX_JS = """(sel) => { const b = document.querySelector(sel).getBoundingClientRect();
+    return {top: b.top + scrollY, y: b.y, x: b.x, right: b.right, height: b.height}; }"""
+
+
+def check_side_by_side(pg, width: int, height: int, tree_top: float) -> None:
+    """Side by side takes the tree panel's place (`tree_top`: the top of the tree's key in the page),
+    no taller than the screen, both columns in view at a desktop size; turned off, the tree comes back."""
+    pg.click("#hv-side-by-side-on input")
+    pg.wait_for_selector("#hv-side-by-side .hv-pair-col")
+    pg.wait_for_function("() => !document.querySelector('#hv-tree')?.offsetParent")
+    side = pg.evaluate(PAGE_BOX_JS, "#hv-side-by-side")
+    pg.screenshot(path=str(ARTIFACTS / f"browser-side-by-side-{width}x{height}.png"))
+    assert abs(side["top"] - tree_top) <= 8 and side["height"] <= height, (width, height, side, tree_top)
+    if width >= 1200:
+        assert side["y"] + side["height"] <= height, (width, height, side)
+        cols = [pg.evaluate(PAGE_BOX_JS, f"#hv-side-by-side .hv-pair-col:nth-child({k})") for k in (1, 2)]
+        assert all(c["y"] < height - 100 and c["x"] >= 0 and c["right"] <= width for c in cols), (width, height, cols)
+    pg.click("#hv-side-by-side-on input")
+    pg.wait_for_selector("#hv-tree .js-plotly-plot")
+
+
 def test_layouts_fit_their_screens(app_url):
-    """At 1440x900, 1280x720 (presentation layout, on by default there) and 390x844: nothing wider
-    than its box without a scroll container; tree and verdict on the first screen of 1280x720; on
-    a phone the tree comes right after the prompt, Run and the status."""
+    """At 1440x900 and 1280x720 (the presentation layout, on by default from 1200 px wide) and at
+    390x844: nothing wider than its box without a scroll container; at the desktop sizes the
+    headline, tree, sequence and verdict in the first screen and the tree's box holds every tree of
+    the opening trace's widest step or says where they are; on a projector text grows; side by side
+    stands where the tree stood; on a phone the tree comes right after the prompt, Run and the status,
+    and the Analyse tab's acceptance chart keeps its height under its legend. No chart text is cut,
+    no chooser's arrow covers its text, and the statistics fit a desktop screen."""
     from playwright.sync_api import sync_playwright
+    wide = widest_step()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -282,16 +469,28 @@ def test_layouts_fit_their_screens(app_url):
                 pg.goto(app_url)
                 pg.wait_for_selector("#hv-tree .js-plotly-plot")
                 wait_status(pg, "recorded trace")
-                present = width <= 1280 and height <= 720
+                present = width >= 1200
                 pg.wait_for_function("(on) => document.body.classList.contains('hv-present') === on", arg=present)
                 assert pg.is_checked("#hv-present input") == present
                 pg.screenshot(path=str(ARTIFACTS / f"browser-layout-{width}x{height}.png"))
                 assert pg.evaluate(UNREACHABLE_JS, list(PANELS)) == [], (width, height)
-                top = {sel: pg.locator(sel).bounding_box() for sel in ("#hv-tree", "#hv-verdict", "#hv-settings")}
+                top = {sel: pg.locator(sel).bounding_box() for sel in (*FIRST_SCREEN, "#hv-settings")}
+                tree_top = pg.evaluate(PAGE_BOX_JS, "#hv-tree-head")["top"]
                 if present:
-                    assert top["#hv-tree"]["y"] < height and top["#hv-verdict"]["y"] + top["#hv-verdict"]["height"] <= height
+                    off = {sel: b for sel, b in top.items() if sel in FIRST_SCREEN and (b["y"] < 0 or b["y"] + b["height"] > height)}
+                    assert not off, (width, height, off)
+                    assert pg.locator("h1").is_visible()
                 if width < 700:
                     assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
+                assert pg.evaluate(SMALL_DEFECTS_JS, present) == [], (width, height)
+                show_step(pg, wide)
+                pg.screenshot(path=str(ARTIFACTS / f"browser-widest-step-{width}x{height}.png"))
+                check_tree_box(pg, width, height, first_screen=present)
+                if (width, height) == (1280, 720):
+                    check_projector_sizes(pg)
+                check_side_by_side(pg, width, height, tree_top)
+                if width < 700:         # under its legend of 13 entries, a chart a phone can read
+                    assert acceptance_chart_height(pg) >= 150
                 pg.close()
         finally:
             browser.close()

@@ -111,7 +111,7 @@ def test_prompt_longer_than_context(tiny):
                                     ({"m_tree_size": 200, "m_topk": 2, "m_depth": 2}, "exceeds the 6 candidates"),
                                     ({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_new_tokens"),
                                     ({"top_p": 0}, "top_p"), ({"min_draft_len": 0}, "min_draft_len"),
-                                    ({"m_topk": 2.5}, "must be a number")])
+                                    ({"m_topk": 2.5}, "must be a whole number")])
 def test_nonsense_tree_parameters(tiny, kw, msg):
     with pytest.raises(EngineError, match=msg):
         generate(tiny, "hierspec", "hi", DecodeSettings(**kw))

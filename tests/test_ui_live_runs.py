@@ -53,6 +53,14 @@ def test_a_live_run_shows_the_side_by_side_panel() -> None:
     assert f"HierSpec, step {len(hs.steps)} of {len(hs.steps)}" in text and f"after {produced} token" in text
 
 
+def shown_speedups(ratios: list[float]) -> list[float]:
+    """The figures the headline shows for HierSpec's speedups over one method in repeated runs: as
+    they are where HierSpec is ahead (their median at least 1), else each inverted, since the line
+    then says how much faster the other method is (the tiny stack's timings go either way)."""
+    typical = statistics.median(ratios) if len(ratios) >= 2 else ratios[0]
+    return ratios if typical >= 1 else [1 / r for r in ratios]
+
+
 def test_repeated_runs_report_the_median_and_range_and_a_change_starts_afresh() -> None:
     sess, finals = Session(), []
     for _ in range(3):
@@ -60,9 +68,10 @@ def test_repeated_runs_report_the_median_and_range_and_a_change_starts_afresh() 
         sess = finals[-1][SESSION]
     ratios = [whole_run_ratios(f[SESSION].runs)["eagle2"] for f in finals]
     first, second, third = (f[HEADLINE] for f in finals)
-    assert "median" not in first and f"<b>{ratios[0]:.2f}×</b>" in first
-    assert f"<b>median {statistics.median(ratios[:2]):.2f}×</b>" in second and "over 2 runs" in second
-    assert (f"<b>median {statistics.median(ratios):.2f}×</b> (range {min(ratios):.2f}–{max(ratios):.2f} over 3 runs)"
+    one, two, three = shown_speedups(ratios[:1]), shown_speedups(ratios[:2]), shown_speedups(ratios)
+    assert "median" not in first and f"<b>{one[0]:.2f}×</b>" in first
+    assert f"<b>median {statistics.median(two):.2f}×</b>" in second and "over 2 runs" in second
+    assert (f"<b>median {statistics.median(three):.2f}×</b> (range {min(three):.2f}–{max(three):.2f} over 3 runs)"
             in third and "Median and range over your 3 runs" in third)
     # the time scale's choice redraws the headline with the same history
     assert "over 3 runs" in h.set_time_scale(sess, None)[h.TIME_SCALE_OUTPUTS.index("headline")]

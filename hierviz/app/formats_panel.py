@@ -112,7 +112,7 @@ def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
 def formats_section() -> None:
     d = load_cost_model()
     labels = pair_labels(d)
-    gr.Markdown("### Formats and GPUs")
+    gr.Markdown("## Formats and GPUs")
     gr.Markdown(EXPLAIN, elem_classes=["hv-teach"])
     pick = gr.Dropdown(labels, value=labels[0] if labels else None, label="model pair", elem_id="hv-formats-pick")
     table = gr.Markdown(table_markdown(d, labels[0] if labels else None), elem_id="hv-formats-table")

@@ -18,8 +18,12 @@ from hierviz.app.whatif_tab import whatif_tab
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.panels import WHATIF_TAB
 
+# The one line says the method where the presentation layout and a phone show it; the paragraph
+# says it at length beside the teaching notes (assets/app.css picks one).
 HEADER = """<div class="hv-header"><h1>HierSpec, step by step</h1>
-<p>A tiny draft head guesses a <b>tree</b> of tokens → a mid-size model <b>M</b> checks the tree and turns it into a
+<p class="hv-oneline">A tiny head drafts a <b>tree</b> → mid-size <b>M</b> turns it into a short <b>sequence</b> →
+big <b>4-bit T</b> checks only that sequence.</p>
+<p class="hv-intro">A tiny draft head guesses a <b>tree</b> of tokens → a mid-size model <b>M</b> checks the tree and turns it into a
 short <b>sequence</b> → the big <b>4-bit target T</b> checks only that sequence. Same text as T alone, fewer expensive
 passes. Compare it live with EAGLE-2, where T checks the whole tree itself.</p></div>"""
 
@@ -66,8 +70,8 @@ def build_app(stack_default: Optional[str] = None) -> gr.Blocks:
                 about_tab()
         wire_tab_links(tabs)
         demo.load(on_open, None, pick(viz, LOAD_OUTPUTS), show_progress="hidden", api_visibility="private")
-        # a projector-sized screen opens in the presentation layout; the checkbox's change sets the class
-        demo.load(None, None, [viz["present"]], js=PRESENT_ON_SMALL_SCREENS_JS, api_visibility="private")
+        # a desktop screen opens in the presentation layout; the checkbox's change sets the class
+        demo.load(None, None, [viz["present"]], js=PRESENT_ON_WIDE_SCREENS_JS, api_visibility="private")
         demo.unload(forget_session)
     demo.queue(max_size=EVENT_BACKLOG, default_concurrency_limit=8)
     return demo
@@ -82,7 +86,9 @@ def wire_tab_links(tabs: gr.Tabs) -> None:
                api_visibility="private")
 
 
-PRESENT_ON_SMALL_SCREENS_JS = "() => window.innerWidth <= 1280 && window.innerHeight <= 720"
+# From this width the tree, the sequence and the verdict stand side by side (the presentation layout)
+PRESENT_FROM_PX = 1200
+PRESENT_ON_WIDE_SCREENS_JS = f"() => window.innerWidth >= {PRESENT_FROM_PX}"
 
 # Keyboard shortcuts of the Visualizer (the keys are listed on the page, visualizer.KEYS_HELP):
 # they click the step and replay buttons, and never act while focus is in a text field. Links to a
@@ -112,11 +118,92 @@ document.addEventListener("click", (e) => {
 </script>"""
 
 
+# The page's own care for what Gradio draws, redone whenever the page changes (once a frame at most):
+# - Gradio's upload areas are named "Click to upload or drop files" over the visible "Drop File Here
+#   - or - Click to Upload"; a name must hold the visible words (WCAG 2.5.3), so it becomes them;
+#   the footer's settings icon beside the word "Settings" is decoration (alt="");
+# - the tree's box and the side-by-side panel end on the first screen (their tops, for assets/app.css);
+# - a table, chart or panel that may scroll (on a phone, or capped to the screen) takes keyboard
+#   focus, so a keyboard can scroll it, and a name;
+# - the tree's box says when trees, or part of one, lie past its edge (#hv-tree-cue);
+# - the presentation layout follows the window's width (a laptop plugged into a projector) until
+#   the visitor sets the checkbox.
+PAGE_JS = """<script>
+(() => {
+  const UPLOAD_NAME = "Click to upload or drop files";
+  const REGIONS = {"hv-whatif-table": "What-if results table", "hv-whatif-live-table": "Live what-if results table",
+                   "hv-side-by-side": "Side by side with EAGLE-2", "hv-tree": "Draft tree(s)",
+                   "hv-latency": "Latency per stage", "hv-seq": "Sequence draft", "hv-verdict": "Target T's verdict"};
+  const WHEN_SCROLLING = new Set(["hv-seq", "hv-verdict"]);     // rarely wider than their box
+  const nameUploads = () => {
+    for (const el of document.querySelectorAll(`[aria-label="${UPLOAD_NAME}"]`)) {
+      const shown = el.innerText.replace(/\\s+/g, " ").trim();
+      if (shown) el.setAttribute("aria-label", shown);
+    }
+    for (const img of document.querySelectorAll('footer img[alt="Settings"]')) img.alt = "";
+  };
+  const focusableRegions = () => {
+    for (const [id, name] of Object.entries(REGIONS)) {
+      const el = document.getElementById(id);
+      if (!el || !el.textContent.trim() || el.hasAttribute("tabindex")) continue;
+      if (!WHEN_SCROLLING.has(id) || el.scrollWidth > el.clientWidth + 1) {
+        el.tabIndex = 0;
+        el.setAttribute("role", "region");
+        el.setAttribute("aria-label", name);
+      }
+    }
+  };
+  // the tree's box and the side-by-side panel end on the first screen: their tops, for app.css
+  const fitToScreen = () => {
+    for (const [id, name] of [["hv-tree", "--hv-tree-top"], ["hv-side-by-side", "--hv-side-top"]]) {
+      const el = document.getElementById(id);
+      const top = el && el.offsetParent ? Math.round(el.getBoundingClientRect().top + scrollY) + "px" : "";
+      if (top && document.body.style.getPropertyValue(name) !== top) document.body.style.setProperty(name, top);
+    }
+  };
+  const treeCue = () => {
+    const box = document.getElementById("hv-tree"), cue = document.getElementById("hv-tree-cue");
+    if (!box || !cue) return;
+    const right = box.scrollWidth - box.clientWidth - box.scrollLeft > 2;
+    const down = box.scrollHeight - box.clientHeight - box.scrollTop > 2;
+    const edge = box.getBoundingClientRect().right - 24;
+    const past = [...box.querySelectorAll(".annotation-text")]
+      .filter((t) => /^tree \\d+$/.test(t.textContent) && t.getBoundingClientRect().left > edge)
+      .map((t) => t.textContent.slice(5));
+    const way = right && down ? "→ ↓" : right ? "→" : "↓";
+    const what = past.length ? `tree${past.length > 1 ? "s" : ""} ${past.join(", ")}` : "the rest of the tree";
+    const text = right || down ? `Scroll ${way} for ${what}` : "";
+    if (cue.textContent !== text) cue.textContent = text;
+    cue.hidden = !text;
+    box.classList.toggle("hv-more-right", right);
+  };
+  let queued = false;
+  const tidy = () => { queued = false; nameUploads(); fitToScreen(); focusableRegions(); treeCue(); };
+  const soon = () => { if (!queued) { queued = true; requestAnimationFrame(tidy); } };
+  new MutationObserver(soon).observe(document.documentElement,
+                                     {childList: true, subtree: true, attributes: true, attributeFilter: ["aria-label"]});
+  document.addEventListener("scroll", soon, true);
+  let chosen = false, syncing = false;
+  document.addEventListener("click", (e) => {
+    if (!syncing && e.target.closest && e.target.closest("#hv-present")) chosen = true;
+  }, true);
+  addEventListener("resize", () => {
+    soon();
+    const box = document.querySelector("#hv-present input");
+    if (chosen || !box || box.checked === (innerWidth >= PRESENT_FROM_PX)) return;
+    syncing = true;
+    box.click();
+    syncing = false;
+  });
+})();
+</script>""".replace("PRESENT_FROM_PX", str(PRESENT_FROM_PX))
+
+
 def launch_kwargs() -> dict:
     """Theme, CSS and limits; Gradio 6 takes these in launch()."""
     css_file = ASSETS / "app.css"
     css = css_file.read_text(encoding="utf-8") if css_file.exists() else ""
     theme = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "DejaVu Sans", "sans-serif"),
                            font_mono=("DejaVu Sans Mono", "ui-monospace", "monospace"))
-    return dict(css=css, theme=theme, head=KEYS_JS, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False,
+    return dict(css=css, theme=theme, head=KEYS_JS + PAGE_JS, max_file_size=f"{MAX_TRACE_BYTES // 2**20 + 1}mb", show_error=False,
                 state_session_capacity=STATE_CAPACITY)

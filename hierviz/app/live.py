@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
@@ -23,19 +24,21 @@ from hierviz.app import downloads
 from hierviz.app.common import status_html
 from hierviz.app.gpu import on_gpu, run_duration
 from hierviz.app.guard import RATE, VisitorError, check_caps, check_stack, client_address, log_refusal, redact_paths
-from hierviz.app.handlers import RUN_OUTPUTS, error_update, input_error, pack, run_update
+from hierviz.app.handlers import RUN_OUTPUTS, input_error, pack, run_update
 from hierviz.app.line import LINE, POLL_S, Ticket, waiting_text
 from hierviz.app.notes import SETTING_LABELS
-from hierviz.app.pacing import Pacer, pace_mode
-from hierviz.app.progress import TIMINGS, RunPlan, record_method, with_heartbeat
-from hierviz.app.render import (LIVE_SOURCE, STEP_PANELS, download_update, nav_updates, panel_updates, run_label,
-                                runs_shown_updates)
-from hierviz.app.session import SESSIONS, Session, SessionFlags, run_bytes, session_key, state_limit_mb, step_bytes
-from hierviz.app.stacks import clear_stacks, device_kind, get_stack, stack_choices
+from hierviz.app.pacing import Pacer, pace_mode, should_pace
+from hierviz.app.progress import TIMINGS, RunPlan, fitted_cost, settings_key, with_heartbeat
+from hierviz.app.render import (LIVE_SOURCE, STEP_PANELS, crossover_panel, download_update, headline_update,
+                                nav_updates, panel_updates, run_label, runs_shown_updates)
+from hierviz.app.session import (SESSIONS, LiveRun, Session, SessionFlags, run_bytes, session_key, state_limit_mb,
+                                 step_bytes)
+from hierviz.app.shipped import example_prompts
+from hierviz.app.stacks import clear_stacks, device_kind, get_stack, is_loaded, stack_choices
 from hierviz.config import ConfigError, options
 from hierviz.settings import DecodeSettings, SettingsError, default_settings
 from hierviz.engine import StackError, is_warm, run_method, stack_comparison, warm_up
-from hierviz.retime import MEASURED, TIME_SCALES, real_scale_available
+from hierviz.retime import MEASURED, TIME_SCALES, default_time_scale_of, real_scale_available, tokens_of
 from hierviz.trace import Trace, TraceError
 from hierviz.viz.panels import whole_run_ratios
 
@@ -174,22 +177,32 @@ def device_run(settings: DecodeSettings, methods: list[str], new: Session, key: 
     except (SettingsError, TraceError, ValueError) as e:   # EngineError and StackError are ValueErrors
         msg = str(e) if options().allow_custom_stacks else redact_paths(str(e))
         log_refusal("run", msg)
-        yield run_update(status=status_html(f"Could not run: {msg}", "error"), session=new,
+        yield run_update(status=status_html(f"Could not run: {msg}", "error"), session=new, **ended_updates(new),
                          **(panel_updates(new) | nav_updates(new) if new.runs else {}))
     except MemoryError:
         clear_stacks()
-        yield error_update("Out of memory: try fewer new tokens or smaller trees.")
+        yield failed_update("Out of memory: try fewer new tokens or smaller trees.", new)
     except Exception as e:  # last resort: keep the page usable, log the details server-side
         log.exception("run failed")
-        yield unexpected_error(e)
+        yield unexpected_error(e, new)
 
 
-def unexpected_error(e: Exception) -> tuple:
+def ended_updates(new: Session) -> dict[str, Any]:
+    """A run that failed is no longer live: the headline and the crossover say what its runs so far showed."""
+    new.live = None
+    return runs_shown_updates(new)
+
+
+def failed_update(message: str, new: Session) -> tuple:
+    return run_update(status=status_html(message, "error"), **ended_updates(new))
+
+
+def unexpected_error(e: Exception, new: Session) -> tuple:
     if "out of memory" in str(e).lower():
         clear_stacks()
-        return error_update("The device ran out of memory: try fewer new tokens or smaller trees.")
-    return error_update(f"Internal error ({type(e).__name__}). The details are in the server log; "
-                        "the app is still usable.")
+        return failed_update("The device ran out of memory: try fewer new tokens or smaller trees.", new)
+    return failed_update(f"Internal error ({type(e).__name__}). The details are in the server log; "
+                        "the app is still usable.", new)
 
 
 @dataclass
@@ -212,23 +225,37 @@ class StateBudget:
 def live_comparison(new: Session, key: str, stack_name: str, prompt: str, methods: list[str],
                     settings: DecodeSettings, pacer: Pacer, stopped: Callable[[], bool]) -> Iterator[tuple]:
     """Load and warm the stack, run each method into `new`, then the final state with the download."""
-    plan = RunPlan(stack_name, methods, settings.max_new_tokens)
-    # the status first, alone: with the panels in the same update the page redraws the previous
-    # run's plots before the visitor sees the run begin
-    loading = status_html(plan.stage_text("Loading the model stack", TIMINGS.load_s.get(stack_name), 0))
-    yield run_update(status=loading)
+    plan = RunPlan(stack_name, methods, settings.max_new_tokens, settings_key(settings),
+                   paced=should_pace(pacer.request, pacer.mode), update_every_s=FAST_S)
+    plan.use_prompt(prompt)
+    # the page is the live run's from its first update: its headline says what runs, its time
+    # scale is the one this stack's runs are shown at, and nothing of the trace shown before stays
+    kind = device_kind()
+    new.live = LiveRun(tuple(methods), "CPU" if kind == "cpu" else "GPU")
+    new.time_scale = default_time_scale_of([{"stack": stack_name, "device": kind}])
+    load_s, warm_s = before_methods_s(plan, settings)
+    loading = status_html(plan.stage_text(LOADING, load_s, 0, warm_s))
+    # the status first, with what must not show the trace's figures a moment longer (the headline,
+    # the time scale, the crossover's mark): with the panels in the same update the page redraws
+    # the previous run's plots before the visitor sees the run begin
+    yield run_update(status=loading, **runs_shown_updates(new))
     # then clear the panels of the previous run or trace, so nothing stale is on screen (the status
     # again: every update of a run carries one, for API clients that read each)
+    pacer.before_update()
+    sent = time.monotonic()
     yield run_update(status=loading, session=new, **panel_updates(new), **nav_updates(new))
-    stack = yield from timed_stage(plan, "Loading the model stack", TIMINGS.load_s, lambda: get_stack(stack_name))
-    if not is_warm(stack, methods, settings):
+    if plan.paced and plan.update_s() is None:
+        # a page this run waits for, and no update of such a page timed yet: this one is the first measure
+        pacer.wait()
+        TIMINGS.update_s[True] = time.monotonic() - sent
+    stack = yield from timed_stage(plan, LOADING, TIMINGS.load_s, lambda: get_stack(stack_name), warm_s)
+    plan.use_prompt(prompt, len(stack.tokenizer.encode_chat(prompt)))
+    if not is_warm(stack, methods, settings) or not plan.measured():
         # else the first method pays every first-call cost and the comparison is skewed
-        per_method = TIMINGS.warm_s_per_method.get(stack_name)
-        expected = None if per_method is None else per_method * len(methods)
-        stage = "Warming up the models (first run with these settings)"
-        yield run_update(status=status_html(plan.stage_text(stage, expected, 0)))
+        stage = "Warming up the models and timing them (first run with these settings)"
+        yield run_update(status=status_html(plan.stage_text(stage, warm_s, 0)))
         yield from with_heartbeat(lambda: timed_warm_up(stack_name, stack, methods, settings), lambda elapsed: run_update(
-            status=status_html(plan.stage_text(stage, expected, elapsed))))
+            status=status_html(plan.stage_text(stage, warm_s, elapsed))))
     budget = StateBudget(state_limit_mb())
     for method in methods:
         if stopped() or budget.full:
@@ -239,10 +266,25 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
         # a whole run: its ratios join the visitor's history of runs of this prompt and settings
         new.history = new.history.add(repeat_key(stack_name, prompt, settings, methods), run_ratios(new.runs))
         new.counted = True
+        plan.run_done()
     new.download = downloads.save(key, new.runs)
     # the comparison's subject is HierSpec: the final screen shows it, the other runs are a click away
     new.view, new.step, new.follow = methods[0], -1, True
     yield finished_update(new, stopped(), budget, pacer.paced)
+
+
+LOADING = "Loading the model stack"
+
+
+def before_methods_s(plan: RunPlan, settings: DecodeSettings) -> tuple[Optional[float], Optional[float]]:
+    """The expected seconds of loading the stack and of warming it up: 0 for a stage the run
+    skips, None for one it needs that was never timed here."""
+    per_method = TIMINGS.warm_s_per_method.get(plan.stack)
+    warm_s = None if per_method is None else per_method * len(plan.methods)
+    if not is_loaded(plan.stack):
+        return TIMINGS.load_s.get(plan.stack), warm_s
+    warm = is_warm(get_stack(plan.stack), plan.methods, settings) and plan.measured()
+    return 0.0, 0.0 if warm else warm_s
 
 
 def repeat_key(stack_name: str, prompt: str, settings: DecodeSettings, methods: list[str]) -> tuple:
@@ -257,18 +299,84 @@ def run_ratios(runs: list[Trace]) -> dict[str, dict[str, float]]:
 
 
 def timed_warm_up(stack_name: str, stack: Any, methods: list[str], settings: DecodeSettings) -> None:
-    """engine.warm_up, its time per method recorded for later runs' estimates."""
+    """engine.warm_up, then each method's costs measured warm (`calibrate`); the time per method
+    recorded for later runs' estimates."""
     started = time.monotonic()
     warm_up(stack, methods, settings)
+    calibrate(stack_name, stack, methods, settings)
     TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
 
 
-def timed_stage(plan: RunPlan, stage: str, record: dict[str, float], work: Callable[[], T]) -> Iterator[Any]:
+# What `calibrate` runs for each method: one run of CALIBRATION_TOKENS new tokens on the page's
+# first example prompt (the one it opens with: the prompt run most), and twice each the prefill
+# alone of that prompt and of the prompt said LONG_PROMPT_TIMES times (how the prefill grows with
+# the prompt). The machine may be shared: the slowest step (another process took the cores) is
+# left out of the decoding cost, and each prefill is the faster of its two.
+FALLBACK_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+CALIBRATION_TOKENS = 32
+LONG_PROMPT_TIMES = 8
+
+
+def calibration_prompt() -> str:
+    examples = example_prompts()
+    return examples[0][0] if examples else FALLBACK_PROMPT
+
+
+def calibrate(stack_name: str, stack: Any, methods: list[str], settings: DecodeSettings) -> None:
+    """Each method's costs with these settings on this machine (progress.MethodCost), from warm
+    runs: the time left of a live run is estimated from them."""
+    key, prompt = settings_key(settings), calibration_prompt()
+    prompts = (prompt, " ".join([prompt] * LONG_PROMPT_TIMES))
+    for method in methods:
+        decode_s = decode_cost(stack, method, prompt, settings)
+        points: list[tuple[int, float]] = []
+        for prompt in prompts:
+            try:
+                points.append(prefill_point(stack, method, prompt, settings))
+            except ValueError:     # a context too short for the long prompt (EngineError): a flat prefill
+                points.append(points[0])
+        if decode_s is not None:
+            TIMINGS.costs[(stack_name, method, key)] = fitted_cost(points[0], points[1], *decode_s)
+
+
+def prefill_point(stack: Any, method: str, prompt: str, settings: DecodeSettings) -> tuple[int, float]:
+    """(prompt tokens, seconds of its prefill): the faster of two prefills."""
+    runs = [timed_steps(stack, method, prompt, settings, 1) for _ in range(2)]
+    return runs[0][0], min(steps_s[0] for _, steps_s, _ in runs)
+
+
+def decode_cost(stack: Any, method: str, prompt: str, settings: DecodeSettings) -> Optional[tuple[float, float]]:
+    """(seconds per new token after the prefill, new tokens per decoding step): the mean decoding
+    step's time (the slowest left out) over the tokens a step wrote on average; None when the run
+    wrote none after its prefill."""
+    _, steps_s, tokens = timed_steps(stack, method, prompt, settings, CALIBRATION_TOKENS)
+    if len(steps_s) < 2 or sum(tokens[1:]) == 0:
+        return None
+    kept = sorted(steps_s[1:])[:-1] or steps_s[1:]
+    per_step = sum(tokens[1:]) / (len(steps_s) - 1)
+    return statistics.fmean(kept) / per_step, per_step
+
+
+def timed_steps(stack: Any, method: str, prompt: str, settings: DecodeSettings,
+                tokens: int) -> tuple[int, list[float], list[int]]:
+    """One run of at most `tokens` new tokens, timed as a live run goes: (prompt tokens, each
+    step's seconds, each step's new tokens); the first step is the prefill."""
+    asked = type(settings)(**{**settings.to_dict(), "max_new_tokens": tokens})
+    times, trace, last = [], None, time.monotonic()
+    for trace in run_method(stack, method, prompt, asked):
+        times.append(time.monotonic() - last)
+        last = time.monotonic()
+    assert trace is not None       # a run yields after every step, the prefill first
+    return trace.prompt_tokens, times, [len(s.new_tokens) for s in trace.steps]
+
+
+def timed_stage(plan: RunPlan, stage: str, record: dict[str, float], work: Callable[[], T],
+                after_s: Optional[float] = 0.0) -> Iterator[Any]:
     """`work()` with a status update every second; its duration is recorded when it took a while
     (an already loaded stack returns at once and must not spoil the estimate of a real load)."""
     started = time.monotonic()
     value = yield from with_heartbeat(work, lambda elapsed: run_update(
-        status=status_html(plan.stage_text(stage, record.get(plan.stack), elapsed))))
+        status=status_html(plan.stage_text(stage, record.get(plan.stack), elapsed, after_s))))
     if time.monotonic() - started > 1.0:
         record[plan.stack] = time.monotonic() - started
     return value
@@ -280,22 +388,28 @@ def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: 
     follow the running method unless the visitor moved away from the newest step."""
     if new.follow:
         new.view, new.step = method, -1
-    yield run_update(status=status_html(plan.method_text(method, 0, 0.0)))
+    if new.live is not None:
+        new.live.running = method
+    # the crossover chart marks the live run once two runs are done (HierSpec and EAGLE-2 first)
+    marked = {"crossover": crossover_panel(new)} if len(new.runs) >= 2 else {}
+    yield run_update(status=status_html(plan.method_text(method, 0, 0.0)), headline=headline_update(new), **marked)
     throttle = Throttle()
-    started, n_tok = time.monotonic(), 0
+    started, n_tok, n_steps = time.monotonic(), 0, 0
     for trace in run_method(stack, method, prompt, settings, should_stop=should_stop):
         if not new.runs or new.runs[-1] is not trace:
             new.runs.append(trace)
         budget.count(trace)
-        n_tok = sum(len(s.new_tokens) for s in trace.steps)
+        n_tok, n_steps = tokens_of(trace.steps), len(trace.steps)
         slow = throttle.due(time.monotonic())
         if slow is None:
             continue
+        sent = time.monotonic()
         pacer.before_update()
-        progress = plan.method_text(method, n_tok, time.monotonic() - started, len(trace.steps))
+        progress = plan.method_text(method, n_tok, sent - started, n_steps)
         yield step_update(new, method, progress, slow)
         pacer.wait()
-    record_method(plan.stack, method, n_tok, time.monotonic() - started)
+        plan.update_sent(time.monotonic() - sent)   # built, sent and, when waited for, drawn
+    plan.method_done(method, n_tok, n_steps, time.monotonic() - started)
 
 
 @dataclass
@@ -323,10 +437,13 @@ def step_update(new: Session, method: str, progress: str, slow: bool) -> tuple:
         upd.update(nav_updates(new))
     elif slow:
         upd.update(panel_updates(new, new.step, {"latency", "stats"}))
+    if slow:
+        upd["headline"] = headline_update(new)
     return pack(RUN_OUTPUTS, upd)
 
 
 def finished_update(new: Session, stopped: bool, budget: StateBudget, paced: bool) -> tuple:
+    new.live = None          # the headline now says where every method stands
     head = ("Stopped. " if stopped else
             f"Stopped at this server's limit of {budget.limit_mb} MB of runs per visitor. "
             if budget.full else "Done. ")
@@ -341,8 +458,9 @@ def finished_update(new: Session, stopped: bool, budget: StateBudget, paced: boo
 
 def prewarm(stack_name: str) -> bool:
     """Load and warm `stack_name` with the page's default settings at start-up, in its turn on the
-    device line, so that the first visitor's run pays neither; the times measured give the first
-    runs their ETA. A failure is logged and left to the first run to report. True when warmed."""
+    device line, so that the first visitor's run pays neither; the times and costs measured
+    (`calibrate`) give the first runs their ETA. A failure is logged and left to the first run to
+    report. True when warmed."""
     try:
         methods = stack_comparison(stack_name)
         with LINE.hold("start-up warm-up"):
@@ -350,7 +468,8 @@ def prewarm(stack_name: str) -> bool:
             stack = get_stack(stack_name)
             TIMINGS.load_s[stack_name] = time.monotonic() - started
             settings = default_settings()
-            if not is_warm(stack, methods, settings):
+            measured = RunPlan(stack_name, methods, settings.max_new_tokens, settings_key(settings)).measured()
+            if not is_warm(stack, methods, settings) or not measured:
                 timed_warm_up(stack_name, stack, methods, settings)
         return True
     except Exception:          # a broken stack must not keep the server from serving

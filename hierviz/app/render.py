@@ -18,8 +18,8 @@ from hierviz.trace import Step, Trace
 from hierviz.viz.compare import side_by_side_html
 from hierviz.viz.crossover import crossover_figure
 from hierviz.viz.latency import latency_figure
-from hierviz.viz.panels import (PREFILL_TEXT, headline_html, is_prefill, output_html, sequence_html, stats_html,
-                                verdict_html)
+from hierviz.viz.panels import (PREFILL_TEXT, headline_html, is_prefill, live_headline_html, output_html,
+                                sequence_html, stats_html, verdict_html)
 from hierviz.viz.style import method_label
 from hierviz.viz.tree import tree_figure
 
@@ -124,9 +124,9 @@ def panel_updates(sess: Session, step: Optional[int] = None, only: Optional[set[
 
 
 def time_scale_update(sess: Session) -> Any:
-    """The time-scale choice, set to the default for the runs just loaded or run (a new Session,
-    whose own choice is None: the default)."""
-    return gr.Radio(choices=list(TIME_SCALES), value=default_time_scale(sess.runs))
+    """The time-scale choice, set to the session's: the default for the runs just loaded (a new
+    Session, whose own choice is None), the live run's own from its start."""
+    return gr.Radio(choices=list(TIME_SCALES), value=chosen_time_scale(sess.runs, sess.time_scale))
 
 
 def runs_shown_updates(sess: Session) -> dict[str, Any]:
@@ -136,14 +136,20 @@ def runs_shown_updates(sess: Session) -> dict[str, Any]:
 
 def headline_update(sess: Session) -> str:
     """The whole comparison's speed line at the visitor's time scale (top of the page); after a
-    repeated live run of the same prompt and settings, the median and range over those runs."""
+    repeated live run of the same prompt and settings, the median and range over those runs.
+    While a live run goes: what runs, and what it measured so far."""
+    scale = chosen_time_scale(sess.runs, sess.time_scale)
+    if sess.live is not None:
+        return live_headline_html(sess.runs, list(sess.live.methods), sess.live.running, sess.live.device, scale)
     repeats = sess.history.repeats() if sess.counted else None
-    return headline_html(sess.runs, chosen_time_scale(sess.runs, sess.time_scale), repeats)
+    return headline_html(sess.runs, scale, repeats, "Your live run: " if sess.source == LIVE_SOURCE else "")
 
 
 def crossover_panel(sess: Session) -> Any:
-    """Where the runs sit on the real-scale acceptance sweep (projected); the bare curve without runs."""
-    return crossover_figure(sess.runs)
+    """Where the runs sit on the real-scale acceptance sweep (projected); the bare curve without runs
+    (a live run's mark once it has HierSpec and EAGLE-2 tokens)."""
+    name = "live run so far" if sess.live is not None else "your live run" if sess.source == LIVE_SOURCE else "this run"
+    return crossover_figure(sess.runs, name)
 
 
 def run_label(t: Trace) -> str:

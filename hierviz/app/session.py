@@ -54,6 +54,14 @@ class RepeatHistory:
 
 
 @dataclass
+class LiveRun:
+    """A live run in flight, for what the page's headline says while it runs."""
+    methods: tuple[str, ...]          # in the order they run
+    device: str                       # where it runs, in words: "CPU", "GPU"
+    running: Optional[str] = None     # the method running now (None: loading or warming up)
+
+
+@dataclass
 class Session:
     runs: list[Trace] = field(default_factory=list)
     view: str = SUBJECT             # the method whose steps the panels show
@@ -66,6 +74,7 @@ class Session:
     history: RepeatHistory = field(default_factory=RepeatHistory)   # the visitor's repeated live runs
     counted: bool = False           # these runs are the history's latest (a whole live run, not stopped)
     replay: int = 0                 # the replay that may move the step; every stop (hierviz.app.handlers) counts
+    live: Optional[LiveRun] = None  # the live run in flight that these runs come from (None once it ended)
 
     def carried(self, **fields: Any) -> "Session":
         """A new Session for a new set of runs that keeps what the visitor chose and ran before: the

@@ -33,6 +33,11 @@ class StackCache:
                 self._stacks[name] = load_stack(name)
             return self._stacks[name]
 
+    def loaded(self, name: str) -> bool:
+        """Whether `name` is the stack in memory (a run of it needs no loading)."""
+        with self._lock:
+            return name in self._stacks
+
     def clear(self) -> None:
         """Drop the loaded stack (after running out of memory, so the next run starts clean)."""
         with self._lock:
@@ -44,6 +49,10 @@ STACKS = StackCache()
 
 def get_stack(name: str) -> Any:
     return STACKS.get(name)
+
+
+def is_loaded(name: str) -> bool:
+    return STACKS.loaded(name)
 
 
 def clear_stacks() -> None:

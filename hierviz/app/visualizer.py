@@ -25,7 +25,8 @@ from hierviz.settings import default_settings
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.retime import MEASURED, TIME_SCALES
 from hierviz.viz.crossover import crossover_figure
-from hierviz.viz.panels import legend_html, output_html, sequence_html, stats_html, tree_key_html, verdict_html
+from hierviz.viz.panels import (legend_html, output_html, sequence_html, stats_html, tree_key_html, tree_key_line,
+                                verdict_html)
 
 Components = dict[str, Any]
 
@@ -100,6 +101,8 @@ def run_panel(ui: Components, stack_default: str | None) -> None:
         ui["run_btn"] = gr.Button("Run", variant="primary", elem_id="hv-run")
         ui["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="hv-stop")
     ui["status"] = gr.HTML(status_html("Ready. Press Run, or load a recorded trace below."), elem_id="hv-status")
+    # on by default from layout.PRESENT_FROM_PX wide (the page's load event sets it); its change sets the class
+    ui["present"] = gr.Checkbox(False, label="Presentation layout", container=False, elem_id="hv-present")
     with gr.Accordion("Settings", open=False, elem_id="hv-settings"):
         settings_panel(ui, stack_default)
     with gr.Accordion("Recorded traces", open=True, elem_id="hv-traces"):
@@ -153,7 +156,8 @@ def replay_panel(ui: Components) -> None:
 
 
 def replay_controls(ui: Components) -> None:
-    """Step back, play, pause, step on and the speed, right above the tree they move."""
+    """Step back, play, pause, step on, the speed and the side-by-side view, right above the tree
+    they move."""
     with gr.Row(elem_classes=["hv-replay"], equal_height=True):
         ui["prev_btn"] = gr.Button("◀ Step", size="sm", min_width=70, elem_id="hv-prev")
         ui["play_btn"] = gr.Button("▶ Play", size="sm", min_width=70, elem_id="hv-play")
@@ -164,9 +168,12 @@ def replay_controls(ui: Components) -> None:
                 elem_classes=["hv-speed-cap"])
         ui["speed"] = gr.Slider(h.MIN_SPEED, h.MAX_SPEED, value=3, step=0.1, label="Replay speed (steps per second)",
                                 min_width=200, container=False, elem_id="hv-speed")
-        ui["present"] = gr.Checkbox(False, label="Presentation layout", min_width=120, container=False,
-                                    elem_id="hv-present")
+        ui["side_by_side"] = gr.Checkbox(False, label="Side by side with EAGLE-2", min_width=150, container=False,
+                                         elem_id="hv-side-by-side-on")
 
+
+# filled in by the page (layout.PAGE_JS) when trees lie past the edge of the tree's box
+TREE_CUE = '<p id="hv-tree-cue" class="hv-scroll-cue" hidden></p>'
 
 KEYS_HELP = ('<p class="hv-keys-text">Keys (outside text fields): <kbd>[</kbd> or <kbd>←</kbd> previous step, '
              '<kbd>]</kbd> or <kbd>→</kbd> next step, <kbd>k</kbd> play / pause.</p>')
@@ -179,15 +186,17 @@ def live_view(ui: Components) -> None:
     gr.HTML(legend_html(), elem_classes=["hv-legend-block"])
     with gr.Row(elem_classes=["hv-scrub"]):
         ui["view"] = gr.Radio([], label="Inspect run", scale=2, elem_id="hv-view")
-        ui["side_by_side"] = gr.Checkbox(False, label="Side by side with EAGLE-2", scale=1, min_width=150,
-                                         elem_id="hv-side-by-side-on")
         ui["step"] = SliderField(1, 2, value=1, step=1, label="Step", scale=5, interactive=False, elem_id="hv-step")
     replay_controls(ui)
-    # the inspected step beside the other method's at the same token count; shown when asked for
+    # the inspected step beside the other method's at the same token count; shown when asked for, in
+    # the place of the tree and sequence panels (assets/app.css hides those while it is shown)
     ui["side"] = gr.HTML("", visible=False, elem_id="hv-side-by-side", elem_classes=["hv-scroll"])
     with gr.Row(equal_height=False, elem_classes=["hv-tree-row"]):
-        with gr.Column(scale=3, min_width=300):
-            ui["tree"] = gr.Plot(label="Draft tree(s)", elem_id="hv-tree", elem_classes=["hv-tree"])
+        with gr.Column(scale=3, min_width=300, elem_classes=["hv-tree-col"]):
+            # the key above the tree's box and the scroll cue over its corner stay in view however the tree scrolls
+            gr.HTML(tree_key_line(), elem_id="hv-tree-head")
+            ui["tree"] = gr.Plot(label="Draft tree(s)", show_label=False, elem_id="hv-tree", elem_classes=["hv-tree"])
+            gr.HTML(TREE_CUE, elem_classes=["hv-cue-block"])
         with gr.Column(scale=1, min_width=260, elem_classes=["hv-teach-col"]):
             gr.HTML(KEYS_HELP, elem_classes=["hv-keys"])      # beside the tree the keys move
             teach("tree")
@@ -199,7 +208,7 @@ def live_view(ui: Components) -> None:
         with gr.Column(scale=1, min_width=260, elem_classes=["hv-teach-col"]):
             teach("seq")
             teach("output")
-    with gr.Row(equal_height=False):
+    with gr.Row(equal_height=False, elem_classes=["hv-lat-row"]):
         with gr.Column(scale=1, min_width=300):
             ui["latency"] = gr.Plot(label="Latency per stage", elem_id="hv-latency", elem_classes=["hv-scroll"])
             teach("latency")

@@ -479,7 +479,7 @@ def whatif_tab() -> None:
     a, b, table, source = show_recorded(first)
     cuda = cuda_available()
     traces = replay_traces()
-    gr.Markdown("### Recorded results")
+    gr.Markdown("## Recorded results")
     with gr.Row(equal_height=False):
         if not labels:    # nothing shipped yet: the message where the charts would be
             with gr.Column(scale=3):
@@ -500,7 +500,7 @@ def whatif_tab() -> None:
 
     formats_section()
 
-    gr.Markdown("### Live run")
+    gr.Markdown("## Live run")
     with gr.Row(equal_height=False):
         with gr.Column(scale=2, min_width=320):
             gr.Markdown(GPU_NOTE if cuda else CPU_NOTE, elem_classes=["hv-teach"], elem_id="hv-whatif-note")

@@ -102,15 +102,16 @@ def sweep_figure_json() -> dict:
     return fig.to_plotly_json()
 
 
-def crossover_figure(traces: list[Trace]) -> go.Figure:
-    """The sweep's curve with the crossover, the paper's operating point and this run marked
-    (this run only when it has both HierSpec and EAGLE-2 and drafts to measure acceptance on)."""
+def crossover_figure(traces: list[Trace], name: str = "this run") -> go.Figure:
+    """The sweep's curve with the crossover, the paper's operating point and the run marked, in
+    words `name` (the run only when it has both HierSpec and EAGLE-2 and drafts to measure
+    acceptance on)."""
     fig = copy.deepcopy(sweep_figure_json())
     sweep = shipped_sweep()
     here = run_point(traces, sweep) if sweep else None
     if here is not None:
-        fig["data"].append(marker(here[0], here[1], f"this run (scale {here[0]:.2f})", "star", COLORS["target_bonus"],
-                                  f"this run: acceptance scale {here[0]:.2f}, HierSpec {here[1]:.2f}× EAGLE-2 "
+        fig["data"].append(marker(here[0], here[1], f"{name} (scale {here[0]:.2f})", "star", COLORS["target_bonus"],
+                                  f"{name}: acceptance scale {here[0]:.2f}, HierSpec {here[1]:.2f}× EAGLE-2 "
                                   "re-timed at real scale (projected)"))
     return unchecked_figure(fig["data"], fig["layout"])
 

@@ -60,13 +60,23 @@ def latency_rows(main: Trace, step: int, others: list[Trace]) -> tuple[list[tupl
     return step_rows, cum_rows
 
 
+TOTAL_TEXT_PX = 72   # room right of the plot for the longest total (" 2356.6 ms") at any width
+
+
 @functools.lru_cache(maxsize=4)
 def _two_chart_layout(unit: str) -> dict:
     """The two charts' layout from make_subplots (axis domains, titles), made once per unit: making
-    it took half of a figure's time, and the figure is rebuilt on every streamed step."""
-    return make_subplots(rows=2, cols=1, vertical_spacing=0.3,
-                         subplot_titles=(f"This step ({unit})", f"Time to write the same number of tokens ({unit})")
-                         ).to_plotly_json()["layout"]
+    it took half of a figure's time, and the figure is rebuilt on every streamed step. The unit goes
+    on the x axes and the titles end at the figure's right edge, so on a narrow screen the titles
+    run over the bars' labels instead of past the figure's edge."""
+    layout = make_subplots(rows=2, cols=1, vertical_spacing=0.3,
+                           subplot_titles=("This step", "Time to write the same number of tokens")
+                           ).to_plotly_json()["layout"]
+    for title in layout["annotations"]:
+        title.update(x=1, xanchor="right", xshift=TOTAL_TEXT_PX - 10, font=dict(size=14))
+    for axis in ("xaxis", "xaxis2"):
+        layout[axis].update(title=dict(text=unit, font=dict(size=12), standoff=4), nticks=5)
+    return layout
 
 
 def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[Trace]] = None,
@@ -96,15 +106,16 @@ def latency_figure(main: Optional[Trace], step: int = -1, others: Optional[list[
                 showlegend=row_idx == 1, marker=dict(color=STAGE_COLORS[stage]),
                 customdata=names, hovertemplate="%{customdata}: %{x:.2f} ms<extra></extra>", **axes))
         totals = [sum(r[1].values()) for r in rows]
-        traces.append(dict(type="scatter", y=labels, x=totals, mode="text", text=[f"  {t:.1f} ms" for t in totals],
-                           textposition="middle right", showlegend=False, hoverinfo="skip",
+        traces.append(dict(type="scatter", y=labels, x=totals, mode="text", text=[f" {t:.1f} ms" for t in totals],
+                           textposition="middle right", showlegend=False, hoverinfo="skip", cliponaxis=False,
                            textfont=dict(size=13), **axes))
         layout[f"xaxis{sfx}"].update(
-            range=[0, max(totals) * 1.3 if max(totals) > 0 else 1], gridcolor="#eee")
+            range=[0, max(totals) * 1.05 if max(totals) > 0 else 1], gridcolor="#eee")
     for axis in ("yaxis", "yaxis2"):
         layout[axis].update(automargin=True, ticksuffix=" ")
     n_rows = len(step_rows) + len(cum_rows)
-    layout.update(template="none", barmode="stack", height=170 + 46 * n_rows, margin=dict(l=10, r=20, t=40, b=10),
+    layout.update(template="none", barmode="stack", height=200 + 46 * n_rows,
+                  margin=dict(l=10, r=TOTAL_TEXT_PX, t=40, b=10),
                   plot_bgcolor="white", paper_bgcolor="white", font=dict(size=13),
                   legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"), bargap=0.35)
     return unchecked_figure(traces, layout)

@@ -16,7 +16,7 @@ from hierviz.methods import BASELINE, METHODS, SUBJECT, TOKEN, short, tree_on_ta
 from hierviz.trace import DraftTree, Step, Trace, first_difference, output_tokens, trace_stats
 from hierviz.viz.style import (COLORS, DARK_TEXT, ROLE_MARKS, SOURCE_LABELS, TEXT_ON, TINTS, esc, method_label,
                                token_label)
-from hierviz.viz.tree import bonus_status, node_status
+from hierviz.viz.tree import KEY_NAMES, STATUS_ORDER, bonus_status, node_status
 
 UNKNOWN_ROLE_COLOR = "#E5E7EB"
 
@@ -82,6 +82,12 @@ def legend_html(method: Optional[str] = None) -> str:
 def tree_key_html() -> str:
     """The tree view's key as lines, for the teaching text beside the tree."""
     return "<br>\n".join(f"{swatch(k)} {esc(v)}" for k, v in TREE_KEY_ITEMS)
+
+
+def tree_key_line() -> str:
+    """The tree figure's key in one wrapping line above it, outside the figure's scroll box."""
+    parts = "".join(f'<span class="hv-key">{swatch(k)}{esc(KEY_NAMES[k])}</span>' for k in STATUS_ORDER)
+    return f'<div class="hv-legend hv-tree-key"><b>Draft tree</b>{parts}</div>'
 
 
 def sequence_html(step: Optional[Step]) -> str:
@@ -334,10 +340,10 @@ def speed_sentences(ratios: list[Ratio], repeats: dict[str, list[float]]) -> str
 
 
 def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = MEASURED,
-                    repeats: Optional[dict[str, list[float]]] = None) -> str:
+                    repeats: Optional[dict[str, list[float]]] = None, lead: str = "") -> str:
     """HierSpec against each other run over the same first N tokens, and where the times come from.
     `repeats`: other method -> HierSpec's speedup in each of the visitor's runs of this prompt and
-    settings; with two or more, the line gives their median and range."""
+    settings; with two or more, the line gives their median and range. `lead`: words before it."""
     ratios = equal_token_ratios(steps)
     if not ratios:
         return ""
@@ -352,7 +358,7 @@ def speed_line_html(steps: dict[str, list[Step]], meta: dict, time_scale: str = 
     k = max((len(v) for v in repeats.values()), default=0)
     again = (f" Median and range over your {k} runs of this prompt and these settings (the first N tokens of "
              "each).") if k >= 2 else ""
-    return (f'<div class="hv-speedup">{line}</div>'
+    return (f'<div class="hv-speedup">{esc(lead)}{line}</div>'
             f'<div class="hv-muted">Over the first {n} token{"s" if n != 1 else ""} of every run, {where}.{again}</div>')
 
 
@@ -373,17 +379,20 @@ def tab_link(tab: str, text: str) -> str:
     return f'<a href="#{esc(tab)}" class="hv-tab-link" data-hv-tab="{esc(tab)}">{esc(text)}</a>'
 
 
-def headline_html(runs: list[Trace], time_scale: str = MEASURED, repeats: Optional[Repeats] = None) -> str:
+def headline_html(runs: list[Trace], time_scale: str = MEASURED, repeats: Optional[Repeats] = None,
+                  lead: str = "") -> str:
     """The whole comparison in one line for the top of the page, at the chosen time scale; for a
     small stack re-timed, the measured ratios beside it, so the first screen never hides either.
-    `repeats`: the visitor's repeated runs of this prompt and settings (median and range shown)."""
+    `repeats`: the visitor's repeated runs of this prompt and settings (median and range shown);
+    `lead`: words before the line ("Your live run: ")."""
     if not runs:
         return ""
     if time_scale == RETIMED and not real_scale_available():
         time_scale = MEASURED
     timed = at_time_scale(runs, time_scale)
     repeats = repeats or {}
-    line = speed_line_html({run_method(t): t.steps for t in timed}, timed[0].meta, time_scale, repeats.get(time_scale))
+    line = speed_line_html({run_method(t): t.steps for t in timed}, timed[0].meta, time_scale, repeats.get(time_scale),
+                           lead)
     if not line:
         return ""
     measured = ""
@@ -396,6 +405,38 @@ def headline_html(runs: list[Trace], time_scale: str = MEASURED, repeats: Option
                     + " — a 135M target cannot show the method: " + tab_link(WHATIF_TAB, "What-if tab") + ".</div>"
                     if is_small_stack(runs[0].meta) and ratios else "")
     return f'<div class="hv-headline">{line}{measured}</div>'
+
+
+def and_list(words: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def live_headline_html(runs: list[Trace], methods: list[str], running: Optional[str], where: str,
+                       time_scale: str = MEASURED) -> str:
+    """A live run's headline while it runs: what is running, and what the runs so far measured
+    against each other over the same first N tokens (speed_sentences: every method with tokens,
+    in comparison order, a faster one named as faster); before two runs have tokens, what runs.
+    `where`: the machine in words ("CPU"); `time_scale`: measured, or re-timed (labelled projected)."""
+    if time_scale == RETIMED and not real_scale_available():
+        time_scale = MEASURED
+    # a run counts once it decoded past its prefill: prefills alone say nothing of decoding speed
+    timed = at_time_scale([t for t in runs if len(t.steps) > 1], time_scale)
+    ratios = equal_token_ratios({run_method(t): t.steps for t in timed})
+    now = (f"Now running {esc(method_label(running))} (method {methods.index(running) + 1} of {len(methods)})"
+           if running in methods else "Loading and warming up the models")
+    live = f"<b>Live</b> on this {esc(where)}"
+    if not ratios:
+        names = and_list([esc(method_label(m)) for m in methods])
+        return (f'<div class="hv-headline hv-live"><div class="hv-speedup">{live}: {now[0].lower() + now[1:]}</div>'
+                f'<div class="hv-muted">{names} run in turn on your prompt; their speeds are compared here over '
+                'equal tokens as soon as two of them are decoding.</div></div>')
+    n = ratios[0].n_tokens
+    how = "re-timed at real scale (<b>projected</b>)" if time_scale == RETIMED else "measured"
+    line = (f"{live}, {how} so far (first {n} token{'s' if n != 1 else ''} of each run): "
+            + speed_sentences(ratios, {}))
+    return (f'<div class="hv-headline hv-live"><div class="hv-speedup">{line}</div>'
+            f'<div class="hv-muted">{now}; the whole comparison when the run ends.</div></div>')
 
 
 def small_stack_html(meta: dict, time_scale: str = MEASURED) -> str:
@@ -472,5 +513,5 @@ def stats_html(runs: list[Trace], upto: Optional[dict[str, int]] = None, time_sc
         note += f'<div class="hv-muted">Ran on {setup}.</div>'
     # the table scrolls sideways on a narrow screen; focusable, so a keyboard can scroll it too
     return _box(speed_html + '<div class="hv-table-scroll" tabindex="0" role="region" aria-label="Statistics table">'
-                f'<table class="hv-stats"><thead><tr><th></th>{head}</tr></thead>'
+                f'<table class="hv-stats"><thead><tr><th><span class="hv-sr-only">measure</span></th>{head}</tr></thead>'
                 f'<tbody>{body}{"".join(depth_rows)}</tbody></table></div>' + note)

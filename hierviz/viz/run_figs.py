@@ -78,7 +78,10 @@ def depth_acceptance_over_run(steps: list[Step]) -> dict[int, list[tuple[int, fl
 # ---- figures -----------------------------------------------------------------------------------
 
 def _layout(fig: go.Figure, title: str, y_title: str) -> go.Figure:
-    fig.update_layout(title=dict(text=esc(title), x=0.01), template="plotly_white", height=340,
+    # the legend under the chart wraps to one entry a line on a phone: the chart grows with it,
+    # so the plot area keeps its height however many entries there are
+    entries = sum(1 for t in fig.data if t.showlegend is not False)
+    fig.update_layout(title=dict(text=esc(title), x=0.01), template="plotly_white", height=340 + 24 * max(0, entries - 3),
                       margin=dict(l=50, r=20, t=50, b=40), legend=dict(orientation="h", y=-0.2),
                       xaxis_title="step", yaxis_title=y_title)
     return fig
@@ -245,7 +248,8 @@ def comparison_table(series: list[Series]) -> tuple[list[str], list[list[str]]]:
 
 def comparison_html(series: list[Series]) -> str:
     header, rows = comparison_table(series)
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    # the row names' column has no title on screen; a screen reader still hears one
+    head = "".join(f"<th>{esc(h) or '<span class=hv-sr-only>measure</span>'}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
     # two files' runs make a wide table: it scrolls sideways in its box (focusable, for a keyboard)
     return ('<div class="hv-table-scroll" tabindex="0" role="region" aria-label="Runs side by side">'

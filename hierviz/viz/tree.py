@@ -18,11 +18,13 @@ from hierviz.trace import DraftTree
 from hierviz.viz.style import COLORS, ROLE_MARKS, TEXT_ON, plotly_label, visible_token
 from hierviz.viz.unchecked import unchecked_figure
 
-COL_PX = 120        # pixels per depth column; the figure width is fixed so labels never overlap
-ROW_PX = 24         # pixels per leaf row
+CHIP_FONT_PX = 16   # node chips read on a projector at the back of a room
+COL_PX = 146        # pixels per depth column; the figure width is fixed so labels never overlap
+ROW_PX = 30         # pixels per leaf row
 LABEL_CHARS = 9     # longest token label drawn in a node chip
-CHAR_PX = 8.2       # approximate width of one label character at the chosen font size
-MIN_WIDTH = 880     # pixels: the legend (with its marks) needs one line
+CHAR_PX = 10.1      # approximate width of one label character at CHIP_FONT_PX (DejaVu Sans Mono)
+TITLE_FONT_PX = 15
+TITLE_CHAR_PX = 8.6  # approximate width of one title character: the figure is at least its title wide
 GAP_COLS = 0.6      # empty columns between two trees of one round
 BONUS = -1          # pseudo node id of the verifier's bonus token
 ROOT = 0
@@ -138,10 +140,15 @@ STATUS_NAMES = {
 }
 
 
-def legend_name(status: str) -> str:
-    """A status's legend entry: its mark, as drawn on the node, then its words."""
-    mark = ROLE_MARKS[status]
-    return f"{mark} {STATUS_NAMES[status]}" if mark else STATUS_NAMES[status]
+# The key's words, short so that the key fits a narrow tree box in one or two lines
+KEY_NAMES = {
+    "root": "last accepted",
+    "tree": "accepted",
+    "rejected": "rejected",
+    "discarded": "after a rejection",
+    "intermediate_bonus": "M's bonus",
+    "target_bonus": "T's bonus",
+}
 
 
 def _hover(p: PlacedNode, tree_idx: int) -> str:
@@ -158,11 +165,11 @@ _UNIT = 1.0 / COL_PX    # data units per pixel along x
 _EDGE_KIND = {"tree": "tree", "intermediate_bonus": "bonus", "target_bonus": "bonus"}
 _EDGE_STYLES = {"other": dict(color="#B8BEC8", width=1.2), "tree": dict(color=COLORS["tree"], width=3.5),
                 "bonus": dict(color="#555", width=2.5, dash="dot")}
-_STATUS_ORDER = ("root", "tree", "rejected", "discarded", "intermediate_bonus", "target_bonus")
+STATUS_ORDER = ("root", "tree", "rejected", "discarded", "intermediate_bonus", "target_bonus")
 
 
 def _title(title: str) -> dict | None:
-    return dict(text=title, x=0.01, font=dict(size=15)) if title else None
+    return dict(text=title, x=0.01, font=dict(size=TITLE_FONT_PX)) if title else None
 
 
 def _empty_figure(title: str, empty: str) -> go.Figure:
@@ -190,16 +197,20 @@ def _place_trees(trees: list[DraftTree]) -> tuple[list[tuple[int, PlacedNode]], 
     return all_nodes, connectors
 
 
-def _figure_size(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[int, int, int, float]:
+def _figure_size(all_nodes: list[tuple[int, PlacedNode]], title: str = "") -> tuple[int, int, int, float]:
     """(rows, width px, height px, right end of the x range) of the laid-out nodes."""
     n_rows = int(max(p.y for _, p in all_nodes)) + 1
     # the right edge is the end of the widest chip in the last columns, not the last column itself
     x_end = max(p.x + _node_px(p) / COL_PX for _, p in all_nodes) + 0.1
-    # at least MIN_WIDTH so the legend fits on one line; the range grows with it (COL_PX stays exact)
-    width = max(int((x_end + 0.1) * COL_PX) + 20, MIN_WIDTH)
+    # at least the title's width; the range grows with it (COL_PX stays exact)
+    width = max(int((x_end + 0.1) * COL_PX) + 20, int(len(title) * TITLE_CHAR_PX) + 30)
     x_end = (width - 20) / COL_PX - 0.1
-    height = n_rows * ROW_PX + 90
+    height = n_rows * ROW_PX + (_top_margin(title) + 20)
     return n_rows, width, height, x_end
+
+
+def _top_margin(title: str) -> int:
+    return 44 if title else 16
 
 
 def _elbow(a: PlacedNode, b: PlacedNode) -> tuple[list, list]:
@@ -238,16 +249,17 @@ def _chip(p: PlacedNode) -> dict:
     return dict(
         x=p.x, y=p.y, xanchor="left", yanchor="middle", showarrow=False,
         text=f"{label} {mark}" if mark else label,
-        font=dict(size=13, color=TEXT_ON[p.status], family="DejaVu Sans Mono, monospace"),
+        font=dict(size=CHIP_FONT_PX, color=TEXT_ON[p.status], family="DejaVu Sans Mono, monospace"),
         bgcolor=COLORS[p.status], borderpad=3,
         bordercolor="#222" if p.id == BONUS else COLORS[p.status], borderwidth=1.5 if p.id == BONUS else 0)
 
 
 def _node_traces(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[list[dict], list[dict]]:
-    """Per status: an invisible marker trace carrying the hover texts and a legend entry; and the
-    node chips. Chips are annotations because annotations size to their text."""
+    """Per status: an invisible marker trace carrying the hover texts; and the node chips. Chips are
+    annotations because annotations size to their text. The key is HTML beside the figure
+    (tree_key_line), so it stays in view when a wide tree scrolls."""
     traces, annotations = [], []
-    for status in _STATUS_ORDER:
+    for status in STATUS_ORDER:
         group = [(ti, p) for ti, p in all_nodes if p.status == status]
         if not group:
             continue
@@ -256,8 +268,6 @@ def _node_traces(all_nodes: list[tuple[int, PlacedNode]]) -> tuple[list[dict], l
             mode="markers", marker=dict(size=18, color=COLORS[status], opacity=0.0, symbol="square"),
             hovertext=[_hover(p, ti) for ti, p in group], hoverinfo="text", name=STATUS_NAMES[status],
             showlegend=False))
-        traces.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=legend_name(status),
-                           marker=dict(size=13, color=COLORS[status], symbol="square")))
         annotations += [_chip(p) for _, p in group]
     return traces, annotations
 
@@ -267,7 +277,7 @@ def _tree_labels(trees: list[DraftTree], pos: dict[tuple[int, int], PlacedNode])
     if len(trees) <= 1:
         return []
     return [dict(x=pos[(ti, ROOT)].x, y=-0.85, xanchor="left", showarrow=False, text=f"<i>tree {ti + 1}</i>",
-                 font=dict(size=12, color="#555")) for ti in range(len(trees))]
+                 font=dict(size=14, color="#4B5563")) for ti in range(len(trees))]
 
 
 def tree_figure(trees: list[DraftTree], title: str = "",
@@ -276,18 +286,17 @@ def tree_figure(trees: list[DraftTree], title: str = "",
     if not trees:
         return _empty_figure(title, empty)
     all_nodes, connectors = _place_trees(trees)
-    n_rows, width, height, x_end = _figure_size(all_nodes)
+    n_rows, width, height, x_end = _figure_size(all_nodes, title)
     pos = {(ti, p.id): p for ti, p in all_nodes}
     node_traces, chips = _node_traces(all_nodes)
     layout = dict(
         title=_title(title),
         width=width, height=height, autosize=False,
-        margin=dict(l=10, r=10, t=60 if title else 36, b=10),
+        margin=dict(l=10, r=10, t=_top_margin(title), b=10),
         template="none", plot_bgcolor="white", paper_bgcolor="white",
         annotations=chips + _tree_labels(trees, pos),
         xaxis=dict(visible=False, range=[-0.1, x_end], fixedrange=True),
         yaxis=dict(visible=False, range=[n_rows - 0.4, -1.3], fixedrange=True),
-        legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=12)),
-        hoverlabel=dict(font=dict(size=13)),
+        showlegend=False, hoverlabel=dict(font=dict(size=14)),
     )
     return unchecked_figure(_edge_traces(all_nodes, pos, connectors) + node_traces, layout)
