@@ -164,7 +164,7 @@ def replay_controls(ui: Components) -> None:
         ui["pause_btn"] = gr.Button("❚❚ Pause", size="sm", min_width=70, elem_id="hv-pause")
         ui["next_btn"] = gr.Button("Step ▶", size="sm", min_width=70, elem_id="hv-next")
         # a compact slider (no box, so no label of its own): the words before it say what it sets
-        gr.HTML('<span class="hv-speed-label">Replay speed,<br> steps per second</span>', min_width=90, scale=0,
+        gr.HTML('<span class="hv-speed-label">Replay speed<br> (steps / s)</span>', min_width=90, scale=0,
                 elem_classes=["hv-speed-cap"])
         ui["speed"] = gr.Slider(h.MIN_SPEED, h.MAX_SPEED, value=3, step=0.1, label="Replay speed (steps per second)",
                                 min_width=200, container=False, elem_id="hv-speed")
