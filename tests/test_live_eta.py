@@ -132,6 +132,16 @@ def test_the_live_headline_says_what_runs_and_what_it_measured_so_far() -> None:
         "Live on this CPU: loading and warming up the models ")
 
 
+def test_the_time_scale_chosen_mid_run_redraws_the_live_headline() -> None:
+    from hierviz.app.session import LiveRun, Session
+    sess = Session(runs=list(hand_runs()[:2]), source="live run", live=LiveRun(tuple(METHODS), "CPU", "eagle2"))
+    headline = h.set_time_scale(sess, RETIMED)[h.TIME_SCALE_OUTPUTS.index("headline")]
+    assert text(headline).startswith("Live on this CPU, re-timed at real scale (projected) so far")
+    sess.live = None           # the run ended: one line for every method
+    assert text(h.set_time_scale(sess, MEASURED)[h.TIME_SCALE_OUTPUTS.index("headline")]).startswith(
+        "Your live run: HierSpec is")
+
+
 # ---- a live comparison on the tiny-random stack, as the page drives it ---------------------------
 
 RUN_TOKENS = 256         # the CPU cap: a run of a few seconds, long enough to judge its time left

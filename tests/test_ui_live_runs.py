@@ -53,6 +53,12 @@ def test_a_live_run_shows_the_side_by_side_panel() -> None:
     assert f"HierSpec, step {len(hs.steps)} of {len(hs.steps)}" in text and f"after {produced} token" in text
 
 
+def as_shown(ratios: list[float]) -> list[float]:
+    """HierSpec's speedups as the headline gives them: as they are while their median is at least
+    1, else EAGLE-2's over HierSpec (on the tiny random stack the two are close, either may win)."""
+    return ratios if statistics.median(ratios) >= 1 else [1 / r for r in ratios]
+
+
 def test_repeated_runs_report_the_median_and_range_and_a_change_starts_afresh() -> None:
     sess, finals = Session(), []
     for _ in range(3):
@@ -60,9 +66,10 @@ def test_repeated_runs_report_the_median_and_range_and_a_change_starts_afresh() 
         sess = finals[-1][SESSION]
     ratios = [whole_run_ratios(f[SESSION].runs)["eagle2"] for f in finals]
     first, second, third = (f[HEADLINE] for f in finals)
-    assert "median" not in first and f"<b>{ratios[0]:.2f}×</b>" in first
-    assert f"<b>median {statistics.median(ratios[:2]):.2f}×</b>" in second and "over 2 runs" in second
-    assert (f"<b>median {statistics.median(ratios):.2f}×</b> (range {min(ratios):.2f}–{max(ratios):.2f} over 3 runs)"
+    assert "median" not in first and f"<b>{as_shown(ratios[:1])[0]:.2f}×</b>" in first
+    assert f"<b>median {statistics.median(as_shown(ratios[:2])):.2f}×</b>" in second and "over 2 runs" in second
+    shown = as_shown(ratios)
+    assert (f"<b>median {statistics.median(shown):.2f}×</b> (range {min(shown):.2f}–{max(shown):.2f} over 3 runs)"
             in third and "Median and range over your 3 runs" in third)
     # the time scale's choice redraws the headline with the same history
     assert "over 3 runs" in h.set_time_scale(sess, None)[h.TIME_SCALE_OUTPUTS.index("headline")]
