@@ -119,6 +119,7 @@ class RunPlan:
     spent_expected_s: float = 0.0      # what their costs said their computing would take
     updates_s: float = 0.0             # seconds the run's updates took so far ...
     updates: int = 0                   # ... and how many
+    updates_before_s: float = 0.0      # updates_s when the running method started
 
     def use_prompt(self, prompt: str, tokens: Optional[int] = None) -> None:
         """The prompt's length in tokens (`tokens`: counted by the stack's tokenizer; else from its characters)."""
@@ -167,14 +168,28 @@ class RunPlan:
         k = self.methods.index(method) if method else -1
         cost = self.cost(method) if method else None
         done = cost.done_s(self.prompt_tokens, tokens_done, steps) if cost else 0.0
-        # this run's pace of computing (its wall time but its updates'), weighed against the earlier runs'
+        whole, own = self.pace(method, done, elapsed)
+        this = (self.method_left_s(method, self.tokens_asked - tokens_done, steps == 0, own, update_s)
+                if method else 0.0)
+        return this + sum(self.method_left_s(m, self.tokens_asked, True, whole, update_s) for m in self.methods[k + 1:])
+
+    def pace(self, method: Optional[str], done: float, elapsed: float) -> tuple[float, float]:
+        """How much longer than its measured costs this run's computing takes (its wall time but its
+        updates'): (over the whole run so far, weighed against the earlier runs' pace; for the
+        running method, that pace turning into its own as it gets on). `done`: the expected
+        seconds of the running method's work so far; `elapsed`: its wall seconds."""
         prior = PRIOR_SHARE * sum(self.expected_s(m) for m in self.methods)
         computing = max(0.0, self.spent_s + elapsed - self.updates_s)
-        pace = ((computing + prior * self.timings.pace.get(self.stack, 1.0))
-                / max(1e-9, self.spent_expected_s + done + prior))
-        this = (self.method_left_s(method, self.tokens_asked - tokens_done, steps == 0, pace, update_s)
-                if method else 0.0)
-        return this + sum(self.method_left_s(m, self.tokens_asked, True, pace, update_s) for m in self.methods[k + 1:])
+        whole = ((computing + prior * self.timings.pace.get(self.stack, 1.0))
+                 / max(1e-9, self.spent_expected_s + done + prior))
+        if not method or done <= 0:
+            return whole, whole
+        own = max(0.0, elapsed - (self.updates_s - self.updates_before_s)) / done
+        weight = done / (done + PRIOR_SHARE * 2 * self.expected_s(method))
+        return whole, weight * own + (1 - weight) * whole
+
+    def method_started(self) -> None:
+        self.updates_before_s = self.updates_s
 
     def why_unknown(self) -> str:
         return NOT_MEASURED if not self.measured() else NOT_DRAWN
