@@ -84,13 +84,17 @@ def test_the_eta_counts_the_steps_and_the_updates_they_send() -> None:
     plan = RunPlan("s", ["hierspec", "ar"], 41, timings=t, paced=True)
     # a page the run waits for, and none of its updates timed yet: no guess
     assert "cannot be estimated yet: this page's drawing of an update is not timed yet" in plan.method_text("ar", 0, 0)
-    plan.update_sent(0.5)                                        # it takes half a second to draw one
-    # AR: 40 steps of 0.01 s, each waiting 0.5 s; HierSpec: 10 steps of 4 tokens; and each prefill's update
+    plan.update_sent("hierspec", 0.5)                            # it takes half a second to draw one
+    # AR: 40 steps of 0.01 s, each waiting 0.5 s (AR's own not timed yet: HierSpec's); HierSpec: 10
+    # steps of 4 tokens; and each prefill's update
     assert plan.left_s() == pytest.approx(0.5 + 10 * 0.54 + 0.5 + 40 * 0.51)
+    plan.update_sent("ar", 0.1)                                  # AR's updates draw no tree
+    assert plan.update_s("ar") == 0.1 and plan.update_s("hierspec") == 0.5
     plan.method_done("hierspec", 41, 11, 6.4)
     plan.method_done("ar", 41, 41, 20.9)
-    plan.run_done()
-    assert t.update_s[True] == 0.5 and RunPlan("s", ["ar"], 41, timings=t, paced=True).update_s() == 0.5
+    plan.run_done()                                              # the next run starts from each method's own
+    assert t.update_s == {(True, "hierspec"): 0.5, (True, "ar"): 0.1}
+    assert RunPlan("s", ["ar"], 41, timings=t, paced=True).update_s("ar") == pytest.approx(0.1)
 
 
 def test_the_eta_says_so_when_it_cannot_be_estimated() -> None:

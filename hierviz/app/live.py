@@ -405,7 +405,7 @@ def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: 
         progress = plan.method_text(method, n_tok, sent - started, n_steps)
         yield step_update(new, method, progress, slow)
         pacer.wait()
-        plan.update_sent(time.monotonic() - sent)   # built, sent and, when waited for, drawn
+        plan.update_sent(method, time.monotonic() - sent)   # built, sent and, when waited for, drawn
     plan.method_done(method, n_tok, n_steps, time.monotonic() - started)
 
 
