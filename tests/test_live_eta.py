@@ -88,8 +88,9 @@ def test_the_eta_counts_the_steps_and_the_updates_they_send() -> None:
     # AR: 40 steps of 0.01 s, each waiting 0.5 s (AR's own not timed yet: HierSpec's); HierSpec: 10
     # steps of 4 tokens; and each prefill's update
     assert plan.left_s() == pytest.approx(0.5 + 10 * 0.54 + 0.5 + 40 * 0.51)
-    plan.update_sent("ar", 0.1)                                  # AR's updates draw no tree
-    assert plan.update_s("ar") == 0.1 and plan.update_s("hierspec") == 0.5
+    plan.update_sent("ar", 0.1)                                  # AR's updates draw no tree: its own
+    assert plan.update_s("ar") == pytest.approx((0.1 + 3 * 0.5) / 4)   # ... weighed against HierSpec's
+    assert plan.update_s("hierspec") == pytest.approx((0.5 + 3 * 0.1) / 4)
     plan.method_done("hierspec", 41, 11, 6.4)
     plan.method_done("ar", 41, 41, 20.9)
     plan.run_done()                                              # the next run starts from each method's own

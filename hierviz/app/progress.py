@@ -138,18 +138,18 @@ class RunPlan:
         return cost.run_s(self.prompt_tokens, self.tokens_asked) if cost else 0.0
 
     def update_s(self, method: str) -> Optional[float]:
-        """Seconds per streamed update of `method`: this run's, weighed against the last run's; for
-        a method with neither, the mean of those measured. None for a page the run waits for
-        before any of its updates was timed."""
+        """Seconds per streamed update of `method`: this run's, weighed against the last run's, or
+        where the method has none of those, against the mean of the methods timed. None for a
+        page the run waits for before any of its updates was timed."""
         seconds, n = self.method_updates.get(method, (0.0, 0))
         prior = self.timings.update_s.get((self.paced, method))
-        if prior is not None:
-            return (seconds + PRIOR_UPDATES * prior) / (n + PRIOR_UPDATES)
-        if n:
-            return seconds / n
-        measured = [s / k for s, k in self.method_updates.values() if k] or [
-            v for (paced, _), v in self.timings.update_s.items() if paced == self.paced]
-        return sum(measured) / len(measured) if measured else (None if self.paced else 0.0)
+        if prior is None:
+            others = [s / k for m, (s, k) in self.method_updates.items() if k and m != method] or [
+                v for (paced, _), v in self.timings.update_s.items() if paced == self.paced]
+            prior = sum(others) / len(others) if others else None
+        if prior is None:
+            return seconds / n if n else (None if self.paced else 0.0)
+        return (seconds + PRIOR_UPDATES * prior) / (n + PRIOR_UPDATES)
 
     def update_sent(self, method: str, seconds: float) -> None:
         total, n = self.method_updates.get(method, (0.0, 0))
