@@ -63,7 +63,8 @@ def test_live_run_streams_every_panel(client):
     status, download, step, view, tree, seq, verdict, output, latency, stats, time_scale, crossover, headline, side = final
     assert side == ""                  # the side-by-side panel is built only when the visitor asks for it
     assert time_scale["value"] in TIME_SCALES and crossover["type"] == "plotly"
-    assert "HierSpec is" in headline and "Over the first" in headline        # the first screen's speed line
+    # the first screen's speed line (on the tiny random stack either method may be the faster)
+    assert ("HierSpec is" in headline or "faster than HierSpec" in headline) and "Over the first" in headline
     fig = json.loads(tree["plot"])
     assert tree["type"] == "plotly" and fig["layout"]["annotations"]          # node chips
     assert "Sequence draft" in seq and "hv-chip" in seq

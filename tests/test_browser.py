@@ -185,7 +185,7 @@ def test_a_live_run_owns_the_page_from_its_first_update(page):
     assert pg.inner_text("#hv-headline").startswith("Your live run:")
     pg.wait_for_function("() => [...document.querySelectorAll('#hv-crossover .legendtext')]"
                          ".some((e) => e.textContent.startsWith('your live run'))")
-    pg.screenshot(path=str(ARTIFACTS / "browser-live-done.png"))
+    pg.screenshot(path=str(ARTIFACTS / "browser-live-done.png"), full_page=True)
 
 
 def test_malformed_trace_upload_shows_an_error(page, tmp_path):

@@ -58,7 +58,9 @@ def test_the_eta_follows_this_runs_pace_and_hands_it_to_the_next_run() -> None:
     plan = RunPlan("s", METHODS, 41, timings=t)                 # 4 s each: 12 s, prior weight 1.2 s
     assert plan.left_s("hierspec", 21, 10, 2.0) == pytest.approx(10.0)          # at the measured pace
     slow = plan.left_s("hierspec", 21, 10, 6.0)                 # three times slower than measured
-    assert slow == pytest.approx(10.0 * (6.0 + 1.2) / (2.0 + 1.2))
+    whole = (6.0 + 1.2) / (2.0 + 1.2)                           # the run's pace, weighed against the prior
+    weight = 2.0 / (2.0 + 0.2 * 4.0)                            # HierSpec's own pace, as far as it got
+    assert slow == pytest.approx(2.0 * (weight * 3.0 + (1 - weight) * whole) + 8.0 * whole)
     plan.method_done("hierspec", 41, 20, 12.0)
     assert plan.left_s("eagle2", 0, 0, 0.0) == pytest.approx(8.0 * (12.0 + 1.2) / (4.0 + 1.2))
     plan.method_done("eagle2", 41, 20, 12.0)
@@ -82,13 +84,18 @@ def test_the_eta_counts_the_steps_and_the_updates_they_send() -> None:
     plan = RunPlan("s", ["hierspec", "ar"], 41, timings=t, paced=True)
     # a page the run waits for, and none of its updates timed yet: no guess
     assert "cannot be estimated yet: this page's drawing of an update is not timed yet" in plan.method_text("ar", 0, 0)
-    plan.update_sent(0.5)                                        # it takes half a second to draw one
-    # AR: 40 steps of 0.01 s, each waiting 0.5 s; HierSpec: 10 steps of 4 tokens; and each prefill's update
+    plan.update_sent("hierspec", 0.5)                            # it takes half a second to draw one
+    # AR: 40 steps of 0.01 s, each waiting 0.5 s (AR's own not timed yet: HierSpec's); HierSpec: 10
+    # steps of 4 tokens; and each prefill's update
     assert plan.left_s() == pytest.approx(0.5 + 10 * 0.54 + 0.5 + 40 * 0.51)
+    plan.update_sent("ar", 0.1)                                  # AR's updates draw no tree: its own
+    assert plan.update_s("ar") == pytest.approx((0.1 + 3 * 0.5) / 4)   # ... weighed against HierSpec's
+    assert plan.update_s("hierspec") == pytest.approx((0.5 + 3 * 0.1) / 4)
     plan.method_done("hierspec", 41, 11, 6.4)
     plan.method_done("ar", 41, 41, 20.9)
-    plan.run_done()
-    assert t.update_s[True] == 0.5 and RunPlan("s", ["ar"], 41, timings=t, paced=True).update_s() == 0.5
+    plan.run_done()                                              # the next run starts from each method's own
+    assert t.update_s == {(True, "hierspec"): 0.5, (True, "ar"): 0.1}
+    assert RunPlan("s", ["ar"], 41, timings=t, paced=True).update_s("ar") == pytest.approx(0.1)
 
 
 def test_the_eta_says_so_when_it_cannot_be_estimated() -> None:
@@ -130,6 +137,16 @@ def test_the_live_headline_says_what_runs_and_what_it_measured_so_far() -> None:
     assert retimed.startswith("Live on this GPU, re-timed at real scale (projected) so far")
     assert text(live_headline_html([], METHODS, None, "CPU", MEASURED)).startswith(
         "Live on this CPU: loading and warming up the models ")
+
+
+def test_the_time_scale_chosen_mid_run_redraws_the_live_headline() -> None:
+    from hierviz.app.session import LiveRun, Session
+    sess = Session(runs=list(hand_runs()[:2]), source="live run", live=LiveRun(tuple(METHODS), "CPU", "eagle2"))
+    headline = h.set_time_scale(sess, RETIMED)[h.TIME_SCALE_OUTPUTS.index("headline")]
+    assert text(headline).startswith("Live on this CPU, re-timed at real scale (projected) so far")
+    sess.live = None           # the run ended: one line for every method
+    assert text(h.set_time_scale(sess, MEASURED)[h.TIME_SCALE_OUTPUTS.index("headline")]).startswith(
+        "Your live run: HierSpec is")
 
 
 # ---- a live comparison on the tiny-random stack, as the page drives it ---------------------------
@@ -193,7 +210,7 @@ def test_a_live_run_owns_the_page_and_its_eta_holds_from_the_first_update(fresh_
     for at, out in updates[:-1]:
         said, left = seconds_left(out[status]), total - at
         judged.append((round(at, 2), said, round(left, 2)))
-        assert said <= 2 * left + 1 and left <= 2 * said + 1, judged
+        assert said <= 2 * left + 1 and left <= 2 * said + 1, str(judged)
     # the page is the live run's from its first update: its headline, measured time scale, no recorded mark
     first = updates[0][1]
     assert text(first[headline]).startswith("Live on this CPU") and first[time_scale].value == MEASURED

@@ -10,6 +10,7 @@ the page closing, takes it out of the line. On its turn the device work runs in 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import statistics
 import time
@@ -241,13 +242,7 @@ def live_comparison(new: Session, key: str, stack_name: str, prompt: str, method
     yield run_update(status=loading, **runs_shown_updates(new))
     # then clear the panels of the previous run or trace, so nothing stale is on screen (the status
     # again: every update of a run carries one, for API clients that read each)
-    pacer.before_update()
-    sent = time.monotonic()
     yield run_update(status=loading, session=new, **panel_updates(new), **nav_updates(new))
-    if plan.paced and plan.update_s() is None:
-        # a page this run waits for, and no update of such a page timed yet: this one is the first measure
-        pacer.wait()
-        TIMINGS.update_s[True] = time.monotonic() - sent
     stack = yield from timed_stage(plan, LOADING, TIMINGS.load_s, lambda: get_stack(stack_name), warm_s)
     plan.use_prompt(prompt, len(stack.tokenizer.encode_chat(prompt)))
     if not is_warm(stack, methods, settings) or not plan.measured():
@@ -304,6 +299,8 @@ def timed_warm_up(stack_name: str, stack: Any, methods: list[str], settings: Dec
     started = time.monotonic()
     warm_up(stack, methods, settings)
     calibrate(stack_name, stack, methods, settings)
+    # the warm-up's garbage goes now, not in a collection inside the first timed method's steps
+    gc.collect()
     TIMINGS.warm_s_per_method[stack_name] = (time.monotonic() - started) / len(methods)
 
 
@@ -394,6 +391,7 @@ def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: 
     marked = {"crossover": crossover_panel(new)} if len(new.runs) >= 2 else {}
     yield run_update(status=status_html(plan.method_text(method, 0, 0.0)), headline=headline_update(new), **marked)
     throttle = Throttle()
+    plan.method_started()
     started, n_tok, n_steps = time.monotonic(), 0, 0
     for trace in run_method(stack, method, prompt, settings, should_stop=should_stop):
         if not new.runs or new.runs[-1] is not trace:
@@ -408,7 +406,7 @@ def stream_method(new: Session, stack: Any, method: str, prompt: str, settings: 
         progress = plan.method_text(method, n_tok, sent - started, n_steps)
         yield step_update(new, method, progress, slow)
         pacer.wait()
-        plan.update_sent(time.monotonic() - sent)   # built, sent and, when waited for, drawn
+        plan.update_sent(method, time.monotonic() - sent)   # built, sent and, when waited for, drawn
     plan.method_done(method, n_tok, n_steps, time.monotonic() - started)
 
 

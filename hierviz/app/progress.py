@@ -75,8 +75,9 @@ class Timings:
     warm_s_per_method: dict[str, float] = field(default_factory=dict)      # by stack, measuring included
     costs: dict[CostKey, MethodCost] = field(default_factory=dict)
     pace: dict[str, float] = field(default_factory=dict)   # by stack: the last live run's computing / expected
-    # the last run's seconds per streamed update (built, sent and, for a page that is waited for, drawn), by paced
-    update_s: dict[bool, float] = field(default_factory=dict)
+    # the last run's seconds per streamed update of each method (built, sent and, for a page that is
+    # waited for, drawn: a tree method's updates draw trees, AR's none), by (paced, method)
+    update_s: dict[tuple[bool, str], float] = field(default_factory=dict)
 
 
 TIMINGS = Timings()
@@ -117,8 +118,9 @@ class RunPlan:
     update_every_s: float = 0.2        # the most often a step's update is sent (hierviz.app.live.FAST_S)
     spent_s: float = 0.0               # wall seconds of the methods finished
     spent_expected_s: float = 0.0      # what their costs said their computing would take
-    updates_s: float = 0.0             # seconds the run's updates took so far ...
-    updates: int = 0                   # ... and how many
+    updates_s: float = 0.0             # seconds the run's updates took so far
+    updates_before_s: float = 0.0      # updates_s when the running method started
+    method_updates: dict[str, tuple[float, int]] = field(default_factory=dict)   # method -> (seconds, count)
 
     def use_prompt(self, prompt: str, tokens: Optional[int] = None) -> None:
         """The prompt's length in tokens (`tokens`: counted by the stack's tokenizer; else from its characters)."""
@@ -135,17 +137,24 @@ class RunPlan:
         cost = self.cost(method)
         return cost.run_s(self.prompt_tokens, self.tokens_asked) if cost else 0.0
 
-    def update_s(self) -> Optional[float]:
-        """Seconds per streamed update: this run's, weighed against the last run's; None for a page
-        that is waited for before any update was timed."""
-        prior = self.timings.update_s.get(self.paced)
+    def update_s(self, method: str) -> Optional[float]:
+        """Seconds per streamed update of `method`: this run's, weighed against the last run's, or
+        where the method has none of those, against the mean of the methods timed. None for a
+        page the run waits for before any of its updates was timed."""
+        seconds, n = self.method_updates.get(method, (0.0, 0))
+        prior = self.timings.update_s.get((self.paced, method))
         if prior is None:
-            return self.updates_s / self.updates if self.updates else (None if self.paced else 0.0)
-        return (self.updates_s + PRIOR_UPDATES * prior) / (self.updates + PRIOR_UPDATES)
+            others = [s / k for m, (s, k) in self.method_updates.items() if k and m != method] or [
+                v for (paced, _), v in self.timings.update_s.items() if paced == self.paced]
+            prior = sum(others) / len(others) if others else None
+        if prior is None:
+            return seconds / n if n else (None if self.paced else 0.0)
+        return (seconds + PRIOR_UPDATES * prior) / (n + PRIOR_UPDATES)
 
-    def update_sent(self, seconds: float) -> None:
+    def update_sent(self, method: str, seconds: float) -> None:
+        total, n = self.method_updates.get(method, (0.0, 0))
+        self.method_updates[method] = (total + seconds, n + 1)
         self.updates_s += seconds
-        self.updates += 1
 
     def method_left_s(self, method: str, tokens_left: int, prefill: bool, pace: float, update_s: float) -> float:
         """Seconds `method` still takes with `tokens_left` to write (`prefill`: its prefill first)."""
@@ -161,20 +170,34 @@ class RunPlan:
         """Seconds left of the whole run while `method` runs (None: before the first), its steps
         and tokens so far done in `elapsed` seconds: the measured costs of what is left at this
         run's pace so far, with its updates; None when a cost was never measured."""
-        update_s = self.update_s()
-        if not self.measured() or update_s is None:
+        update_s = {m: self.update_s(m) for m in self.methods}
+        if not self.measured() or None in update_s.values():
             return None
         k = self.methods.index(method) if method else -1
         cost = self.cost(method) if method else None
         done = cost.done_s(self.prompt_tokens, tokens_done, steps) if cost else 0.0
-        # this run's pace of computing (its wall time but its updates'), weighed against the earlier runs'
+        whole, own = self.pace(method, done, elapsed)
+        this = (self.method_left_s(method, self.tokens_asked - tokens_done, steps == 0, own, update_s[method])
+                if method else 0.0)
+        return this + sum(self.method_left_s(m, self.tokens_asked, True, whole, update_s[m]) for m in self.methods[k + 1:])
+
+    def pace(self, method: Optional[str], done: float, elapsed: float) -> tuple[float, float]:
+        """How much longer than its measured costs this run's computing takes (its wall time but its
+        updates'): (over the whole run so far, weighed against the earlier runs' pace; for the
+        running method, that pace turning into its own as it gets on). `done`: the expected
+        seconds of the running method's work so far; `elapsed`: its wall seconds."""
         prior = PRIOR_SHARE * sum(self.expected_s(m) for m in self.methods)
         computing = max(0.0, self.spent_s + elapsed - self.updates_s)
-        pace = ((computing + prior * self.timings.pace.get(self.stack, 1.0))
-                / max(1e-9, self.spent_expected_s + done + prior))
-        this = (self.method_left_s(method, self.tokens_asked - tokens_done, steps == 0, pace, update_s)
-                if method else 0.0)
-        return this + sum(self.method_left_s(m, self.tokens_asked, True, pace, update_s) for m in self.methods[k + 1:])
+        whole = ((computing + prior * self.timings.pace.get(self.stack, 1.0))
+                 / max(1e-9, self.spent_expected_s + done + prior))
+        if not method or done <= 0:
+            return whole, whole
+        own = max(0.0, elapsed - (self.updates_s - self.updates_before_s)) / done
+        weight = done / (done + PRIOR_SHARE * 2 * self.expected_s(method))
+        return whole, weight * own + (1 - weight) * whole
+
+    def method_started(self) -> None:
+        self.updates_before_s = self.updates_s
 
     def why_unknown(self) -> str:
         return NOT_MEASURED if not self.measured() else NOT_DRAWN
@@ -211,8 +234,8 @@ class RunPlan:
         computing = self.spent_s - self.updates_s
         if self.spent_expected_s > 0 and computing > 0:
             self.timings.pace[self.stack] = computing / self.spent_expected_s
-        if self.updates:
-            self.timings.update_s[self.paced] = self.updates_s / self.updates
+        for method, (seconds, n) in self.method_updates.items():
+            self.timings.update_s[(self.paced, method)] = seconds / n
 
 
 def with_heartbeat(work: Callable[[], T], report: Callable[[float], Any]) -> Generator[Any, None, T]:
