@@ -527,20 +527,19 @@ def test_a_message_shows_beside_the_control_that_caused_it(app_url, tmp_path, wi
     Gradio toast; a clamped value is said aloud."""
     positions = {}
     with opened_page(app_url, width, height, BOUND_MS) as pg:
-        letter = tmp_path / "letter.txt"
-        letter.write_text("Dear visitor, this is no trace.")
-        near_the_bottom(pg, "#hv-upload")
-        pg.set_input_files("#hv-upload input[type=file]", str(letter))
-        wait_text(pg, "#hv-trace-note", "Could not read letter.txt: not a trace file (a trace is a .json file)")
-        positions["upload"] = (in_view(pg, "#hv-upload"), in_view(pg, "#hv-trace-note .hv-note"))
+        def upload(name: str, text: str, answer: str) -> tuple:
+            """Uploads a file holding `text`; the answer shows under the upload: both places."""
+            (tmp_path / name).write_text(text)
+            near_the_bottom(pg, "#hv-upload")
+            pg.set_input_files("#hv-upload input[type=file]", str(tmp_path / name))
+            wait_text(pg, "#hv-trace-note", f"Could not read {name}: {answer}")
+            return in_view(pg, "#hv-upload"), in_view(pg, "#hv-trace-note .hv-note")
+
+        positions["upload"] = upload("letter.txt", "Dear visitor, this is no trace.", "not a trace file (a trace is a .json file)")
         assert pg.locator(".toast-body").count() == 0 and "Could not read letter.txt" in status_text(pg)
         pg.screenshot(path=str(ARTIFACTS / f"browser-message-upload-{width}x{height}.png"))
-        words = tmp_path / "words.json"
-        words.write_text("Dear visitor, this is no trace either.")
-        near_the_bottom(pg, "#hv-upload")
-        pg.set_input_files("#hv-upload input[type=file]", str(words))
-        wait_text(pg, "#hv-trace-note", "Could not read words.json: not a trace file (it is not JSON)")
-        positions["non-JSON upload"] = (in_view(pg, "#hv-upload"), in_view(pg, "#hv-trace-note .hv-note"))
+        positions["non-JSON upload"] = upload("words.json", "Dear visitor, this is no trace either.",
+                                              "not a trace file (it is not JSON)")
 
         pg.locator("#hv-settings button").first.click()
         box = pg.locator("#hv-max-new input[type=number]")
