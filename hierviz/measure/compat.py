@@ -65,7 +65,7 @@ def scaled(info: dict[str, Any], factor: float) -> dict[str, float]:
 def target_rows(method: str, result: dict[str, Any], settings: dict[str, Any]) -> float:
     """Rows one target verification forward holds, on average: the last token plus the draft
     (AR: 1; a tree: its nodes; HierSpec: M's accepted paths and M's bonus token per E_M tree)."""
-    m = registry.get(method)
+    m = registry.get(registry.row_method(method))     # a variant row verifies as its method does
     if m.target_verifies == registry.TOKEN:
         return 1.0
     if m.target_verifies == registry.TREE:
