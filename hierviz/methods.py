@@ -79,13 +79,20 @@ def names() -> list[str]:
 
 
 def label(name: str) -> str:
-    m = METHODS.get(name)
+    """A method's or a variant row's label; the name itself for an unknown one."""
+    m = METHODS.get(name) or VARIANTS.get(name)
     return m.label if m else name
 
 
 def short(name: str) -> str:
-    m = METHODS.get(name)
+    m = METHODS.get(name) or VARIANTS.get(name)
     return m.short if m else name
+
+
+def color(name: str) -> Optional[str]:
+    """A method's or a variant row's colour in per-method charts; None for an unknown name."""
+    m = METHODS.get(name) or VARIANTS.get(name)
+    return m.color if m else None
 
 
 def comparison_order() -> list[str]:
@@ -121,6 +128,42 @@ def tree_methods() -> list[str]:
     return [m.name for m in METHODS.values() if m.target_verifies == TREE]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A row of a per-method table that runs a registered method with another head type in one of
+    its head slots (the what-if's HierSpec whose E_M is an EAGLE-3 head). Not a method: traces,
+    stacks and side-by-side comparisons never hold one; only the what-if runs and shows it."""
+    name: str                         # its key in the what-if's outputs and in --methods
+    method: str                       # the registered method it runs
+    label: str
+    short: str
+    color: str
+    dash: str
+    heads: tuple[tuple[str, str], ...]   # (head slot, head type) it puts in place of the method's own
+    description: str = ""
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(variant: Variant) -> Variant:
+    if variant.method not in METHODS:
+        raise ValueError(f"{variant.name}: {variant.method} is not a registered method")
+    VARIANTS[variant.name] = variant
+    return variant
+
+
+def row_method(name: str) -> str:
+    """The registered method a row runs: the variant's method, or the name itself."""
+    return VARIANTS[name].method if name in VARIANTS else name
+
+
+def row_names() -> list[str]:
+    """Every method and variant row in display order: registration order, each variant right
+    after its method."""
+    return [n for m in METHODS for n in [m] + [v.name for v in VARIANTS.values() if v.method == m]]
+
+
 _TREE_ROLES = frozenset({"tree", "target_bonus", "rejected", "discarded"})
 
 register(Method("ar", "Autoregressive", "AR", "#333333", "dash", (), TOKEN,
@@ -149,3 +192,6 @@ register(Method("hierspec", "HierSpec", "HierSpec", "#297B7A", "solid", ("interm
                 roles=frozenset({"tree", "intermediate_bonus", "target_bonus", "rejected", "discarded"}),
                 counterpart="eagle2", tree_settings="m",
                 description="E_M drafts trees, M verifies them into a sequence, T verifies the sequence"))
+register_variant(Variant("hierspec_eagle3", "hierspec", "HierSpec (EAGLE-3 E_M)", "HierSpec (E3 E_M)", "#5BB5B3",
+                         "longdashdot", (("e_m", "eagle3"),),
+                         description="HierSpec whose E_M is an EAGLE-3 head on M"))

@@ -77,11 +77,13 @@ def test_every_title_says_projected_and_names_source_and_machine(results, name, 
 def test_throughput_bars_carry_speedups(results):
     d = _load(results, "rates")
     bar = wf.throughput_figure(d).data[0]
-    assert list(bar.x) == ["Autoregressive", "EAGLE-2", "HierSpec"]
-    assert list(bar.y) == [d["methods"][m]["tokens_per_s"] for m in ("ar", "eagle2", "hierspec")]
-    assert bar.text[2] == f"{d['speedup_vs_ar']['hierspec']:.2f}x vs AR"
+    # the default rows without --head: both tree methods and HierSpec with either E_M
+    assert list(bar.x) == ["Autoregressive", "EAGLE-2", "EAGLE-3", "HierSpec", "HierSpec (EAGLE-3 E_M)"]
+    assert list(bar.y) == [d["methods"][m]["tokens_per_s"] for m in ("ar", "eagle2", "eagle3", "hierspec",
+                                                                      "hierspec_eagle3")]
+    assert bar.text[3] == f"{d['speedup_vs_ar']['hierspec']:.2f}x vs AR"
     stages = wf.stages_figure(d)
-    hier = sum(t.y[2] for t in stages.data if t.type == "bar")
+    hier = sum(t.y[3] for t in stages.data if t.type == "bar")
     assert hier == pytest.approx(sum(d["methods"]["hierspec"]["stages_ms_per_token"].values()))
     assert "Host time" not in stages.layout.title.text
     # benchmark mode (--no-stage-sync): the stages are host times, and the title says so

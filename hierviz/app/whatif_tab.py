@@ -34,7 +34,7 @@ from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.crossover import opening_trace_position
 from hierviz.viz.style import esc, method_label
 from hierviz.quant.formats import DEFAULT_FORMAT, by_width, get_format
-from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, kind, machine_label, model_format,
+from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, kind, machine_label, model_format, row_order,
                                    reduced_draft_vocab, shapes_label, sweep_base_rates)
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,7 @@ def summary_markdown(d: dict[str, Any]) -> str:
     ms = d["methods"]
     sp = d.get("speedup_vs_ar") or {}
     lines = ["| method | tok/s | vs AR | τ | ms/tok | rounds |", "|---|---|---|---|---|---|"]
-    order = methods.names()
-    for m in sorted(ms, key=lambda m: order.index(m) if m in order else len(order)):
+    for m in row_order(ms):
         r = ms[m]
         lines.append(f"| {methods.short(m)} | {r['tokens_per_s']:.1f} | {_fmt_x(sp.get(m))} | "
                      f"{r['tokens_per_round']:.2f} | {r['ms_per_token']:.2f} | {r['rounds']} |")
@@ -150,8 +149,14 @@ def summary_markdown(d: dict[str, Any]) -> str:
         spread = ", ".join(f"{methods.short(m)} {min(v):.3f}-{max(v):.3f} s" for m, v in runs.items())
         lines += ["", f"Each method: the median of {max(len(v) for v in runs.values())} timed runs "
                       f"(decode times {spread})."]
-    if SUBJECT_VS_PEER in d:
-        lines += ["", f"**{methods.label(SUBJECT)} / {methods.label(PEER)}: {d[SUBJECT_VS_PEER]:.2f}x** ({LABEL})."]
+    ratios = [f"{methods.label(row)} / {methods.label(tree)}: {d[f'{row}_vs_{tree}']:.2f}x" for row in row_order(ms)
+              for tree in row_order(ms) if isinstance(d.get(f"{row}_vs_{tree}"), (int, float))]
+    if ratios:
+        lines += ["", f"**{'; '.join(ratios)}** ({LABEL})."]
+    sources = {m: r.get("acceptance_source") for m, r in ms.items() if r.get("acceptance_source")}
+    if len(set(sources.values())) > 1:     # rows drew from different records: name each
+        lines += ["", "Acceptance per row: " + "; ".join(f"{methods.short(m)}: {sources[m]}" for m in row_order(sources))
+                  + "."]
     if (d.get("acceptance") or {}).get("mode") == "rates":
         lines += ["", assumed_rates_note()]
     return "\n".join(lines)

@@ -36,7 +36,10 @@ FORMAT_HELP = {
     "eagle-jsonl": "EAGLE gen_ea_answer JSONL: per-turn idxs and new_tokens (mean length only)",
     "specmquant-jsonl": "SpecMQuant answer JSONL with accept_lengths and cascade_accept_lengths (two levels)",
     "hierviz-trace": "hierviz trace or comparison JSON (per-round accepted tree paths and sequence drafts)",
+    "acceptance-record": "a published figure as per-depth conditional rates per level, with its source "
+                         "(schema hierviz.acceptance-record/1; assets/whatif/acceptance/)",
 }
+RECORD_SCHEMA = "hierviz.acceptance-record/1"
 FORMATS = tuple(FORMAT_HELP)
 
 _SPEC_PREFIX = "vllm:spec_decode_"
@@ -71,6 +74,7 @@ class ImportedAcceptance:
     levels: for hierarchical / cascade data, the statistics of each level by name: "target" (trees
         verified by the target), "intermediate" (trees verified by the intermediate model),
         "sequence" (the intermediate's sequence drafts verified by the target).
+    citation: for an acceptance record, the publication its figures come from.
     """
 
     source_format: str
@@ -84,6 +88,7 @@ class ImportedAcceptance:
     accept_lengths: Optional[list[int]] = None
     levels: dict[str, "ImportedAcceptance"] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    citation: Optional[str] = None     # where a published record's figures come from
 
     @property
     def tokens_per_step(self) -> float:
@@ -658,6 +663,8 @@ def _looks_prometheus(text: str) -> bool:
 
 
 def _detect_json(doc: Any) -> Optional[str]:
+    if isinstance(doc, dict) and doc.get("schema") == RECORD_SCHEMA:
+        return "acceptance-record"
     if isinstance(doc, dict) and "version" in doc and ("runs" in doc or ("steps" in doc and "meta" in doc)):
         return "hierviz-trace"
     recs = _records(doc)
@@ -709,6 +716,9 @@ def _parse(data: bytes, fmt: str, model: Optional[str]) -> ImportedAcceptance:
     doc = _json_doc(data)
     if fmt == "vllm-metrics-json":
         return _vllm_metrics_json(doc, model)
+    if fmt == "acceptance-record":
+        from hierviz.measure.acceptance_record import read_record
+        return read_record(doc)
     readers = {"vllm-request": _vllm_request, "sglang-meta-info": _sglang, "specbench-jsonl": _specbench,
                "eagle-jsonl": _eagle, "specmquant-jsonl": _specmquant}
     recs = _records(doc)

@@ -65,7 +65,7 @@ def scaled(info: dict[str, Any], factor: float) -> dict[str, float]:
 def target_rows(method: str, result: dict[str, Any], settings: dict[str, Any]) -> float:
     """Rows one target verification forward holds, on average: the last token plus the draft
     (AR: 1; a tree: its nodes; HierSpec: M's accepted paths and M's bonus token per E_M tree)."""
-    m = registry.get(method)
+    m = registry.get(registry.row_method(method))     # a variant row verifies as its method does
     if m.target_verifies == registry.TOKEN:
         return 1.0
     if m.target_verifies == registry.TREE:
@@ -108,6 +108,9 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
     bad = [f for f in formats if f not in target_formats()]
     if not formats or bad:
         raise MeasureError(f"unknown --formats {', '.join(bad) or '(none)'}; choose from {', '.join(target_formats())}")
+    tree = parser().parse_args(whatif_args + ["--out", "-"]).head or registry.PEER   # T's tree method
+    if "--methods" not in whatif_args:   # the table's rows: AR, T's tree method and HierSpec
+        whatif_args = whatif_args + ["--methods", ",".join((BASELINE, tree, SUBJECT))]
     rows, infos, configs = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats:
@@ -132,7 +135,7 @@ def run_compat(a: argparse.Namespace, whatif_args: list[str]) -> dict[str, Any]:
                 continue
             infos[fmt] = info
             n = info["configs"]["target"]["num_layers"]
-            rows.append(row(fmt, info, layers or n, all_layers or n, w.head))
+            rows.append(row(fmt, info, layers or n, all_layers or n, tree))
             print(f"[compat] {rows[-1]['name']}: " + ", ".join(
                 f"{m} {v:.1f} tok/s" for m, v in rows[-1]["tokens_per_s"].items()), flush=True)
     if not infos:

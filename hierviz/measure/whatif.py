@@ -12,29 +12,36 @@ rates (seeded). Every figure it writes is labelled "projected with replayed acce
         --acceptance assets/traces/h200-smollm2-python-tips.json --out runs/whatif
     python -m hierviz whatif --tiny --acceptance-rates 0.9,0.8,0.7 --out /tmp/w   # CPU, seconds
     python -m hierviz whatif --tiny --sweep --out /tmp/w                          # sensitivity
-    python -m hierviz whatif --tiny --head eagle3 --draft-vocab 300 --out /tmp/w  # EAGLE-3 heads
+    python -m hierviz whatif --tiny --head eagle3 --draft-vocab 300 --out /tmp/w  # EAGLE-3 heads only
+
+Without --head the run builds both head types: AR, EAGLE-2, EAGLE-3 (its trees accepted by the
+EAGLE-3 paper's record, --eagle3-acceptance), HierSpec and HierSpec with an EAGLE-3 E_M (a variant
+row, hierviz.methods.VARIANTS). Each row times only its own heads' feature rows (rows_features).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from hierviz import methods as registry
-from hierviz.methods import BASELINE, SUBJECT
+from hierviz.methods import BASELINE, PEER, SUBJECT
 from hierviz.decoding.decoders import Models, StageTimer, cache_margin
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.machine import machine_info
 from hierviz.measure.common import (MeasureError, add_device_args, environment, int_list, load_shape, run_reporting_errors,
                                     stamp, stopwatch, write_chart, write_json)
-from hierviz.measure.whatif_acceptance import (DEFAULT_RATES, DEFAULT_SEQ_RATE, OracleMaker, accepted_lengths,
-                                               apply_imported_acceptance, load_acceptance_trace, oracle_factory)
+from hierviz.measure.whatif_acceptance import (DEFAULT_RATES, DEFAULT_SEQ_RATE, EAGLE3_RECORD, OracleMaker,
+                                               accepted_lengths, apply_imported_acceptance, eagle3_record,
+                                               load_acceptance_trace, oracle_factory, row_acceptance, tree_heads)
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
-from hierviz.models.drafter import head_label
+from hierviz.models.drafter import HEAD_SLOTS, head_label
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
@@ -121,13 +128,13 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
                  draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT) -> Models:
     """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
     dense as in the paper's stack by default) and heads of
-    type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3) drafting over
-    `draft_vocab` token ids (None: the full vocabulary)."""
+    type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3; None: both E_T types and
+    an EAGLE-2 E_M, see variant_models for the EAGLE-3 E_M) drafting over `draft_vocab` token ids
+    (None: the full vocabulary)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise MeasureError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
-    head = head or registry.tree_methods()[0]
-    if head not in registry.tree_methods():
+    if head is not None and head not in registry.tree_methods():
         raise MeasureError(f"unknown head type {head!r}; choose one of {', '.join(registry.tree_methods())}")
     if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
         raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
@@ -137,24 +144,69 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
         return Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
                       e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab))
-    e_m, e_t = synthetic_head(inter, seed + 2, SharpHead), synthetic_head(target, seed + 3, SharpHead)
+    e_m, e_t = sharp_eagle2_head(inter, seed + 2, draft_vocab), sharp_eagle2_head(target, seed + 3, draft_vocab)
+    if head is None:    # both head types on T: EAGLE-2 and EAGLE-3 side by side
+        return Models(target, inter, e_m, e_t, e_t3=sharp_eagle3_head(target, seed + 4, draft_vocab))
+    return Models(target, inter, e_m, e_t)
+
+
+def sharp_eagle2_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpHead:
+    """A synthetic EAGLE-1/2 head on `base`, sharpened; drafting over ids 0..draft_vocab-1 if given."""
+    head = synthetic_head(base, seed, SharpHead)
     if draft_vocab is not None:
         # FR-Spec rows of the base's LM head; which ids does not change the timing (acceptance is
         # forced); real stacks use the most frequent tokens (stack.py "draft_vocab")
-        ids = torch.arange(draft_vocab, device=device)
-        for h in (e_m, e_t):
-            h.set_draft_vocab(ids)
-    return Models(target, inter, e_m, e_t)
+        head.set_draft_vocab(torch.arange(draft_vocab, device=base.device))
+    return head
+
+
+def variant_models(models: Models, row: str, seed: int, draft_vocab: Optional[int] = None) -> Models:
+    """The stack a variant row runs on: `models`' T, M and heads, with the variant's head types in
+    the slots it names (hierviz.methods.Variant.heads), built on the same base models."""
+    named = dict(models.heads)
+    for n, (slot, kind) in enumerate(registry.VARIANTS[row].heads):
+        base = models.target if HEAD_SLOTS[slot][0] == "target" else models.intermediate
+        make = sharp_eagle3_head if kind == "eagle3" else sharp_eagle2_head
+        named[slot] = make(base, seed + 10 + n, draft_vocab)
+    return Models(models.target, models.intermediate, **named)
+
+
+@contextmanager
+def rows_features(models: Models, row: str) -> Iterator[None]:
+    """Run a row with each base handing out only the feature rows that the row's own heads read
+    (none for AR and EAGLE-2), so that no row pays for another head type's features. The bases'
+    static runners are pooled per feature set, since a captured forward's output width is fixed."""
+    heads = [models.part(p) for p in registry.get(registry.row_method(row)).needs if p in HEAD_SLOTS]
+    saved = []
+    for base in (models.target, models.intermediate):
+        want = tuple(sorted({i for h in heads if h is not None and h.base is base
+                             for i in getattr(h, "feature_layers", ())}))
+        pools = base.__dict__.setdefault("runner_pools", {})
+        pools.setdefault(base.feature_layers, base.static_runners)
+        saved.append((base, base.feature_layers, base.static_runners))
+        base.feature_layers, base.static_runners = want, pools.setdefault(want, [])
+    try:
+        yield
+    finally:
+        for base, layers, runners in saved:
+            base.feature_layers, base.static_runners = layers, runners
+
+
+def row_parts(models: Models, row: str) -> list:
+    """The models a row runs: T, M and the heads its method drafts with."""
+    heads = [models.part(p) for p in registry.get(registry.row_method(row)).needs if p in HEAD_SLOTS]
+    return [m for m in (models.target, models.intermediate, *heads) if m is not None]
 
 # ---- running one method -----------------------------------------------------------------------
 
 def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[AcceptOracle],
             prompt: list[int], max_len: Optional[int] = None) -> dict[str, Any]:
     """Decode until max_new_tokens tokens exist; time the decode rounds (prefill excluded).
+    `method`: a registered method or a variant row (run with its method's decoder on `models`).
     max_len: the KV cache length (default: what these settings need); a warm-up passes the
     timed run's, so both lease the same pooled runners and graphs."""
     max_len = max_len or len(prompt) + s.max_new_tokens + cache_margin(s)
-    gen = registry.get(method).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
+    gen = registry.get(registry.row_method(method)).decode(models, prompt, s, Sampler(0.0), str, max_len, oracle=oracle)
     steps: list[Step] = []
     made = 0
     with torch.no_grad():
@@ -185,11 +237,13 @@ def run_one(models: Models, method: str, s: DecodeSettings, oracle: Optional[Acc
 
 def run_repeated(models: Models, method: str, s: DecodeSettings, make: OracleMaker, prompt: list[int],
                  max_len: Optional[int], repeat: int) -> dict[str, Any]:
-    """run_one `repeat` times, each with a fresh oracle from `make` (the same forced decisions);
+    """run_one `repeat` times, each with a fresh oracle from `make` (the same forced decisions),
+    with only the row's own feature rows (rows_features);
     returns the run with the median decode time, all runs' times in decode_s_runs. One run is
     at the mercy of host jitter (HierSpec's host work varied ~8% between identical runs before its
     trees became CUDA graphs); the median of a few is not."""
-    runs = [run_one(models, method, s, make(method), prompt, max_len) for _ in range(repeat)]
+    with rows_features(models, method):
+        runs = [run_one(models, method, s, make(method), prompt, max_len) for _ in range(repeat)]
     ordered = sorted(runs, key=lambda r: r["decode_s"])
     best = dict(ordered[(len(ordered) - 1) // 2])
     best["decode_s_runs"] = [r["decode_s"] for r in runs]
@@ -226,12 +280,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--acceptance-model", default=None, help="the model to take from a scrape that holds several")
     ap.add_argument("--seq-rate", type=float, default=DEFAULT_SEQ_RATE,
                     help="rates mode: probability T accepts each token of M's sequence draft")
-    ap.add_argument("--head", default=registry.tree_methods()[0], choices=registry.tree_methods(),
-                    help="draft heads E_M and E_T: eagle2 (EAGLE-1/2) or eagle3 (EAGLE-3: fc over three layer "
-                         "features, its own LM head over its draft vocabulary); the method of T's tree is named alike")
+    ap.add_argument("--head", default=None, choices=registry.tree_methods(),
+                    help="one head type for E_M and E_T: eagle2 (EAGLE-1/2) or eagle3 (EAGLE-3: fc over three layer "
+                         "features, its own LM head over its draft vocabulary); the method of T's tree is named alike. "
+                         "Default: both, EAGLE-2 and EAGLE-3 on T, and HierSpec with either E_M")
     ap.add_argument("--methods", default=None,
-                    help="comma-separated, from ar, spec, hierspec and the --head's tree method "
-                         "(default: ar,eagle2,hierspec; with --head eagle3: ar,eagle3,hierspec)")
+                    help="comma-separated rows: methods (ar, spec, hierspec, the heads' tree methods) and, without "
+                         "--head, the variant " + ", ".join(registry.VARIANTS) + " (default without --head: "
+                         + ",".join(_default_rows(None, False)) + "; replaying a trace: ar,eagle2,hierspec; "
+                         "with --head H: ar,H,hierspec)")
+    ap.add_argument("--eagle3-acceptance", default=None, metavar="FILE|none",
+                    help="the acceptance record that trees drafted by an EAGLE-3 head draw from (any --acceptance-import "
+                         f"format; default {EAGLE3_RECORD.name}, the EAGLE-3 paper's, unless another acceptance source is "
+                         "given); none: they draw from the EAGLE-2 rates")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="default: the trace's length when replaying, else 128")
     ap.add_argument("--prompt-len", type=int, default=128, help="synthetic prompt length (tokens)")
@@ -311,23 +372,47 @@ def _format_text(fmt: str, cfg: ModelConfig, kernel: str, dtype: torch.dtype) ->
     return f"{f.label} synthetic (random weights through its quantizer)"
 
 
+def _default_rows(head: Optional[str], replay: bool) -> list[str]:
+    """The rows a run makes without --methods: AR, T's tree method(s) and HierSpec; without --head
+    (and not replaying a trace, which holds EAGLE-2's and HierSpec's runs) every tree method and
+    every variant row too."""
+    if head is not None or replay:
+        return [BASELINE, head or PEER, SUBJECT]
+    return [m for m in registry.row_names() if registry.row_method(m) in (BASELINE, SUBJECT) or registry.tree_on_target(m)]
+
+
 def _methods(a: argparse.Namespace) -> list[str]:
-    """--methods as a list; its default names the --head's tree method."""
-    text = a.methods if a.methods is not None else f"{BASELINE},{a.head},{SUBJECT}"
-    return [m.strip() for m in text.split(",") if m.strip()]
+    """--methods as a list of rows (methods and variants); its default: _default_rows."""
+    if a.methods is None:   # --exact and --sweep run registered methods only
+        return [m for m in _default_rows(a.head, bool(a.acceptance))
+                if not (m in registry.VARIANTS and (a.exact or a.sweep))]
+    return [m.strip() for m in a.methods.split(",") if m.strip()]
+
+
+def _head_types(a: argparse.Namespace, rows: list[str]) -> list[str]:
+    """The head types this run builds: the --head, else those the rows draft with."""
+    if a.head is not None:
+        return [a.head]
+    kinds = {k for r in rows for k in tree_heads(r, None) if k}
+    return [k for k in registry.tree_methods() if k in kinds] or [PEER]
 
 
 def _check_args(a: argparse.Namespace, methods: list[str]) -> None:
     """Flag values that cannot run, refused before any model is built."""
     heads = registry.tree_methods()     # each head type is also the method of T's own tree
-    bad = [m for m in methods if m not in registry.METHODS]
+    bad = [m for m in methods if m not in registry.METHODS and m not in registry.VARIANTS]
     if bad or not methods:
-        choices = [m for m in registry.names() if m not in heads or m == a.head]
+        choices = [m for m in registry.row_names() if a.head is None or (m not in heads and m not in registry.VARIANTS)
+                   or m == a.head]
         raise MeasureError(f"unknown method(s) {bad}; choose from {', '.join(choices)}")
-    other_head = [m for m in methods if m in heads and m != a.head]
+    other_head = [m for m in methods if m in heads and a.head is not None and m != a.head]
     if other_head:   # the run builds one head type: T's tree method is the one of --head
         raise MeasureError(f"method {other_head[0]} drafts with {head_label(other_head[0])} heads: it needs "
-                           f"--head {other_head[0]} (this run's heads are {a.head})")
+                           f"--head {other_head[0]} or no --head (this run's heads are {a.head})")
+    variants = [m for m in methods if m in registry.VARIANTS]
+    if variants and (a.head is not None or a.exact or a.acceptance or a.sweep):
+        raise MeasureError(f"{variants[0]} ({registry.label(variants[0])}) is a row of the run without --head, "
+                           "--exact, --sweep or a replayed --acceptance trace")
     if a.acceptance and (a.acceptance_rates or a.m_acceptance_rates):
         raise MeasureError("give either --acceptance (a trace) or --acceptance-rates, not both")
     if a.acceptance and a.sweep:
@@ -369,8 +454,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
         "formats": {"target": _format_text(a.target_format, t_cfg, kernel, dtype),
                     "intermediate": _format_text(a.intermediate_format, m_cfg, kernel, dtype),
-                    "heads": "EAGLE-1/2 layout, synthetic" if a.head == "eagle2" else "EAGLE-3, synthetic"},
-        "head": a.head,
+                    "heads": "; ".join(_heads_text(k) for k in _head_types(a, list(results)))},
+        "head": a.head or PEER, "heads": _head_types(a, list(results)),
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
         "acceptance": ({"mode": "trace", "source": a.acceptance,
                         "source_stack": {m: trace[m]["stack"] for m in trace}} if trace else
@@ -379,15 +464,23 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
         "methods": results, "machine": machine_info(dev)}
-    if a.head == "eagle3":
+    if "eagle3" in info["heads"]:
         info["feature_layers"] = _feature_layers_info(t_cfg, m_cfg)
+    for m, r in results.items():    # each row names where its accept/reject decisions came from
+        r["acceptance_source"] = row_acceptance(m, info["acceptance"], a.head)
     if trace:
         info["replay"] = {m: _replay_check(trace[m]["rows"], results[m]["accepted"]) for m in results if m in trace}
     info["speedup_vs_ar"] = ({m: r["tokens_per_s"] / results[BASELINE]["tokens_per_s"] for m, r in results.items()}
                              if BASELINE in results else {})
-    if SUBJECT in results and a.head in results:
-        info[f"{SUBJECT}_vs_{a.head}"] = results[SUBJECT]["tokens_per_s"] / results[a.head]["tokens_per_s"]
+    for row in (m for m in results if registry.row_method(m) == SUBJECT):   # HierSpec rows over T's tree rows
+        for tree in (m for m in results if registry.tree_on_target(m)):
+            info[f"{row}_vs_{tree}"] = results[row]["tokens_per_s"] / results[tree]["tokens_per_s"]
     return info
+
+
+def _heads_text(kind: str) -> str:
+    """A head type as formats.heads names it (EAGLE-2 heads have EAGLE-1's layout)."""
+    return "EAGLE-1/2 layout, synthetic" if kind == PEER else f"{head_label(kind)}, synthetic"
 
 
 def _feature_layers_info(t_cfg: ModelConfig, m_cfg: ModelConfig) -> dict[str, list[int]]:
@@ -404,6 +497,7 @@ def check_request(a: argparse.Namespace) -> tuple[list[str], Optional[dict], Dec
     a.imported = apply_imported_acceptance(a, lambda: _settings(a, {}, 16).t_depth)
     methods = _methods(a)
     _check_args(a, methods)
+    a.eagle3_record = eagle3_record(a) if "eagle3" in _head_types(a, methods) else None
     return (methods, *_trace_and_settings(a, methods))
 
 
@@ -424,10 +518,14 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
                           f"{t_cfg.max_position}-token context of the target shape")
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
-    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format, a.head, a.draft_vocab,
+    kinds = _head_types(a, methods)
+    models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format,
+                          a.head or (PEER if kinds == [PEER] else None), a.draft_vocab,
                           a.target_format)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
+    stacks = {m: variant_models(models, m, a.seed, a.draft_vocab) if m in registry.VARIANTS else models
+              for m in methods}
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)
     make, rates_info = oracle_factory(a, trace)
@@ -435,9 +533,10 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     # one cache length for every run: all lease the same pooled runners, captured in the warm-up
     cache_len = len(prompt) + max_new + max(cache_margin(x) for x in [s] + sweep_settings)
     for m in methods:   # warm-up: kernel packing, CUDA-graph capture, allocator growth stay out of the figures
-        run_one(models, m, warm, make(m), prompt, cache_len)
-    cuda_graphs.prepare_models(models.present())    # buckets the short warm-up did not reach
-    results = {m: run_repeated(models, m, s, make, prompt, cache_len, a.repeat) for m in methods}
+        with rows_features(stacks[m], m):
+            run_one(stacks[m], m, warm, make(m), prompt, cache_len)
+            cuda_graphs.prepare_models(row_parts(stacks[m], m))    # buckets the short warm-up did not reach
+    results = {m: run_repeated(stacks[m], m, s, make, prompt, cache_len, a.repeat) for m in methods}
     info = _report(a, names, t_cfg, m_cfg, dev, dtype, kernel, trace, rates_info, s, results)
     if a.sweep:
         info["sweep"] = run_sweep(a, models, s, prompt, results, cache_len)
@@ -462,7 +561,7 @@ def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods
         raise MeasureError(f"--exact-variants takes {', '.join(whatif_exact.VARIANTS)} (comma-separated)")
     res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != BASELINE], a.exact_miss_every,
                                  log=lambda line: print(line, flush=True), variants=variants)
-    return {"exact": True, "shapes": names, "head": a.head,
+    return {"exact": True, "shapes": names, "head": a.head or PEER, "heads": _head_types(a, methods),
             "draft_vocab": a.draft_vocab or models.target.cfg.vocab_size, "device": dev,
             "dtype": str(models.target.dtype).replace("torch.", ""), "settings": s.to_dict(),
             "tree_presets": {p: TREE_PRESETS[p] for p in presets}, "machine": machine_info(dev), **res}
@@ -505,7 +604,7 @@ def run_sweep(a: argparse.Namespace, models: Models, s: DecodeSettings, prompt: 
     scales = _scales(a.sweep_scales)
     sizes = int_list(a.sweep_tree_sizes, "--sweep-tree-sizes")
     drafts = int_list(a.sweep_min_draft, "--sweep-min-draft")
-    tree_method = a.head          # the head type is also the method of T's own tree
+    tree_method = a.head or PEER  # the head type is also the method of T's own tree
     ar = base[BASELINE] if BASELINE in base else run_repeated(models, BASELINE, s, lambda m: None, prompt, cache_len,
                                                               a.repeat)
     rows = []
@@ -561,11 +660,16 @@ def chart_html(info: dict[str, Any]) -> str:
     names = list(ms)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(f"tokens/s ({LABEL})", f"ms per token by stage ({LABEL})"))
     fig.add_trace(go.Bar(x=names, y=[ms[m]["tokens_per_s"] for m in names], showlegend=False,
-                         text=[f"{info['speedup_vs_ar'].get(m, 0):.2f}x" for m in names]), 1, 1)
+                         text=[f"{info['speedup_vs_ar'].get(m, 0):.2f}x" for m in names],
+                         customdata=[html.escape(ms[m].get("acceptance_source", "")) for m in names],
+                         hovertemplate="%{x}: %{y:.1f} tokens/s<br>acceptance: %{customdata}<extra></extra>"), 1, 1)
     stages = sorted({k for m in names for k in ms[m]["stages_ms_per_token"]})
     for st in stages:
         fig.add_trace(go.Bar(name=st, x=names, y=[ms[m]["stages_ms_per_token"].get(st, 0.0) for m in names]), 1, 2)
-    fig.update_layout(barmode="stack", title=_title(info), template="plotly_white")
+    sources = [html.escape(f"{m}: {ms[m]['acceptance_source']}") for m in names if ms[m].get("acceptance_source")]
+    fig.update_layout(barmode="stack", title=_title(info), template="plotly_white", margin={"b": 60 + 18 * len(sources)})
+    fig.add_annotation(text="<br>".join(["acceptance per row:"] + sources), xref="paper", yref="paper", x=0, y=-0.15,
+                       xanchor="left", yanchor="top", showarrow=False, align="left", font={"size": 11})
     return fig.to_html(include_plotlyjs="cdn", full_html=True)
 
 
@@ -595,8 +699,11 @@ def markdown(info: dict[str, Any]) -> str:
         lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {info['speedup_vs_ar'].get(m, float('nan')):.2f}x | "
                      f"{r['tokens_per_round']:.2f} | " +
                      " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
+    heads = " and ".join(head_label(k) for k in info.get("heads") or [info["head"]])
     lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels; "
-                 f"{head_label(info['head'])} draft heads.")
+                 f"{heads} draft heads.")
+    lines += ["", "Acceptance per row:"] + [f"- {registry.label(m)} (`{m}`): {r['acceptance_source']}"
+                                            for m, r in info["methods"].items() if r.get("acceptance_source")]
     if "sweep" in info:
         tree_name = registry.label(info["sweep"]["tree_method"])
         lines += ["", f"| scale | best {tree_name} | (tree size) | best {registry.label(SUBJECT)} | (min draft) | winner |",

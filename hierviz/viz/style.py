@@ -93,9 +93,9 @@ def method_label(method: str) -> str:
 
 
 def method_color(method: str) -> str:
-    """A method's colour in per-method charts (its registry entry's); grey for an unknown name."""
-    m = methods.METHODS.get(method)
-    return m.color if m else "#999999"
+    """A method's (or a what-if variant row's) colour in per-method charts, from the registry; grey
+    for an unknown name."""
+    return methods.color(method) or "#999999"
 
 
 def visible_token(text: str, limit: int = 12) -> str:

@@ -116,8 +116,20 @@ def acceptance_label(d: dict[str, Any]) -> str:
         out = origin + f"per-depth tree rates {_rates(t)}"
         if m and m != t:
             out += f" (E_M trees at M: {_rates(m)})"
-        return out + f", sequence rate {_num(acc.get('seq_rate', 0))}, seed {acc.get('seed', 0)}"
+        out += f", sequence rate {_num(acc.get('seq_rate', 0))}, seed {acc.get('seed', 0)}"
+        return out + eagle3_record_label(acc)
     return "unknown acceptance source"
+
+
+def eagle3_record_label(acc: dict[str, Any]) -> str:
+    """The record EAGLE-3-drafted trees drew from, as a clause of the acceptance line ("" if none)."""
+    rec = acc.get("eagle3") or {}
+    if not rec:
+        return ""
+    taus = rec.get("published_tau") or {}
+    tau = "/".join(_num(float(taus[k])) for k in ("target", "intermediate") if isinstance(taus.get(k), (int, float)))
+    return (f"; trees drafted by EAGLE-3 heads: {rec.get('citation', '?')}" + (f" (τ {tau} at T/M)" if tau else "")
+            + f", {PurePath(str(rec.get('source', '?'))).name}")
 
 
 def subtitle(d: dict[str, Any]) -> str:
@@ -131,9 +143,13 @@ def _title(main: str, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _methods(d: dict[str, Any]) -> list[str]:
-    ms = d.get("methods") or {}
-    order = methods.names()
-    return sorted(ms, key=lambda m: order.index(m) if m in order else len(order))
+    return row_order(d.get("methods") or {})
+
+
+def row_order(rows: Any) -> list[str]:
+    """A result's rows (methods and variant rows) in the registry's display order, unknown ones last."""
+    order = methods.row_names()
+    return sorted(rows, key=lambda m: order.index(m) if m in order else len(order))
 
 
 def _layout(fig: go.Figure, height: int = 440) -> go.Figure:
@@ -154,9 +170,10 @@ def throughput_figure(d: dict[str, Any]) -> go.Figure:
     fig = go.Figure(go.Bar(
         x=labels, y=tps, text=text, textposition="outside", cliponaxis=False, showlegend=False,
         marker_color=[method_color(m) for m in names],
-        customdata=[[ms[m].get("tokens_per_round", 0.0), ms[m].get("ms_per_token", 0.0)] for m in names],
+        customdata=[[ms[m].get("tokens_per_round", 0.0), ms[m].get("ms_per_token", 0.0),
+                     esc(str(ms[m].get("acceptance_source") or "as named above"))] for m in names],
         hovertemplate="%{x}: %{y:.1f} tokens/s<br>%{customdata[0]:.2f} tokens per round, "
-                      "%{customdata[1]:.2f} ms/token<extra></extra>"))
+                      "%{customdata[1]:.2f} ms/token<br>acceptance: %{customdata[2]}<extra></extra>"))
     fig.update_yaxes(title_text="tokens / s (decode, prefill excluded)", rangemode="tozero",
                      range=[0, max(tps + [1e-9]) * 1.18])
     fig.update_layout(title=_title("Tokens per second", d))
