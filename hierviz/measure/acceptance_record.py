@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from hierviz.measure.acceptance_import import (_HIERVIZ_DEFS, RECORD_SCHEMA, AcceptanceImportError,
-                                               ImportedAcceptance, _count, _dict)
+from hierviz.measure.acceptance_form import (_HIERVIZ_DEFS, RECORD_SCHEMA, AcceptanceImportError,
+                                             ImportedAcceptance, _count, _dict)
 
 
 def expected_accepted(rates: list[float], depth: int) -> float:
