@@ -259,6 +259,21 @@ def test_whatif_exact_with_eagle3_heads_through_cuda_graphs(tmp_path) -> None:
     assert all(seeded[m]["tokens_per_round"] > 2 for m in ("eagle3", "hierspec")), seeded
 
 
+def test_whatif_default_rows_through_cuda_graphs(tmp_path) -> None:
+    """The default what-if on the GPU path: AR, EAGLE-2, EAGLE-3, HierSpec and HierSpec with an
+    EAGLE-3 E_M, each row's heads reading only its own feature rows through its own graph pool;
+    every row decodes its tokens and the EAGLE-3 rows name the published record they used."""
+    import json
+
+    from hierviz.measure import whatif
+    assert whatif.main(["--tiny", "--device", "cuda", "--max-new-tokens", "32", "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "whatif.json").read_text())
+    assert list(info["methods"]) == ["ar", "eagle2", "eagle3", "hierspec", "hierspec_eagle3"]
+    assert all(r["tokens"] >= 32 and r["tokens_per_s"] > 0 for r in info["methods"].values()), info["methods"]
+    assert "arXiv:2503.01840" in info["methods"]["eagle3"]["acceptance_source"]
+    assert "arXiv:2503.01840" in info["methods"]["hierspec_eagle3"]["acceptance_source"]
+
+
 @pytest.fixture(scope="module")
 def sampling_stack():
     """The sampling tests' tiny random-weight stack (tests/test_sampling_power.py: 6 tokens, one
