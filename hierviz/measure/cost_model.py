@@ -10,9 +10,12 @@ mask's visible columns, the attention over the cache, SiLU * up) and what each o
 the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches in its format:
 
     FP16        one cuBLAS GEMM; o and down add the residual in a separate kernel
-    W4A16       one Triton kernel (hierviz.quant.triton_w4: its tiles from pick_config; a tile of
-                rows dequantizes all weights again, so T over the tile height reads them twice; a
-                K split meets in a fixed order through fp32 partials it writes and reads back)
+    W4A16       one Triton kernel (hierviz.quant.triton_w4), in the regime pick_config gives it
+                (`w4_regime`): one token on the CUDA cores (its PTX block's instructions at the
+                spec CUDA-core rate beside its loads); 16-token MMA tiles; larger tiles, whose K
+                split (fixed-order sum through fp32 partials) costs their arithmetic's time again;
+                a tile of rows dequantizes all weights again. Where a profile records the CUDA
+                MMA variant (`w4_fp16_kernel`), its loops instead (`cuda_mma_kernels`)
     W8A8-int8   per-token int8 quantization (9 kernels), zero rows up to 17, torch._int_mm,
                 rescaling (4 kernels), the residual add (hierviz.quant.w8a8)
     W8A8-FP8    per-token e4m3 quantization (8), a ones fill, zero rows up to 128 (the GEMM always
@@ -511,8 +514,10 @@ def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[C
     """The curves of a profile (hierviz.measure.profile's JSON) that the model knows, measured
     (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
     gpu = as_measured(gpu, profile.get("activation_quantizer"))
+    # the fp16 W4 kernel the profile ran (hierviz.machine.w4_fp16_kernel; files without it ran Triton's)
+    kernel = CUDA_MMA if profile.get("machine", {}).get("w4_fp16_kernel") == CUDA_MMA else "triton"
     where = Shape(profile["config"], profile["context"], profile["context"] + max(profile["tokens"]),
-                  profile.get("group_size", 128))
+                  profile.get("group_size", 128), kernel)
     out = []
     for s in profile["series"]:
         if s["scope"] == scope and curve_format(s) and not s.get("estimated"):
