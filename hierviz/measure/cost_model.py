@@ -10,9 +10,12 @@ mask's visible columns, the attention over the cache, SiLU * up) and what each o
 the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches in its format:
 
     FP16        one cuBLAS GEMM; o and down add the residual in a separate kernel
-    W4A16       one Triton kernel (hierviz.quant.triton_w4: its tiles from pick_config; a tile of
-                rows dequantizes all weights again, so T over the tile height reads them twice; a
-                K split meets in a fixed order through fp32 partials it writes and reads back)
+    W4A16       one Triton kernel (hierviz.quant.triton_w4), in the regime pick_config gives it
+                (`w4_regime`): one token on the CUDA cores (its PTX block's instructions at the
+                spec CUDA-core rate beside its loads); 16-token MMA tiles; larger tiles, whose K
+                split (fixed-order sum through fp32 partials) costs their arithmetic's time again;
+                a tile of rows dequantizes all weights again. Where a profile records the CUDA
+                MMA variant (`w4_fp16_kernel`), its loops instead (`cuda_mma_kernels`)
     W8A8-int8   per-token int8 quantization (9 kernels), zero rows up to 17, torch._int_mm,
                 rescaling (4 kernels), the residual add (hierviz.quant.w8a8)
     W8A8-FP8    per-token e4m3 quantization (8), a ones fill, zero rows up to 128 (the GEMM always
@@ -84,17 +87,18 @@ class GPU:
     # the 8-bit products quantize activations in hierviz's one fused kernel (hierviz.quant.act_quant,
     # on its proven platforms) rather than torch's nine: set from what a measurement recorded
     fused_act_quant: bool = False
+    fp32_tflops: float = 0.0        # CUDA-core (non-tensor) FP32 rate, spec sheet: one FMA a lane a clock
 
 
 # Spec-sheet figures, dense (no sparsity), FP16 with FP32 accumulation.
 GPUS = {g.name: g for g in (
-    GPU("NVIDIA H200", 4800, 141, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132),
-    GPU("NVIDIA H100 SXM", 3350, 80, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132),
-    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"f16": 312, "i8": 624}, (8, 0), 108, "no FP8 tensor cores"),
-    GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"f16": 165.2, "i8": 660.6, "f8": 330.3}, (8, 9), 128),
-    GPU("NVIDIA L4", 300, 24, {"f16": 121, "i8": 242.5, "f8": 242.5}, (8, 9), 58),
+    GPU("NVIDIA H200", 4800, 141, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9),
+    GPU("NVIDIA H100 SXM", 3350, 80, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9),
+    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"f16": 312, "i8": 624}, (8, 0), 108, "no FP8 tensor cores", fp32_tflops=19.5),
+    GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"f16": 165.2, "i8": 660.6, "f8": 330.3}, (8, 9), 128, fp32_tflops=82.6),
+    GPU("NVIDIA L4", 300, 24, {"f16": 121, "i8": 242.5, "f8": 242.5}, (8, 9), 58, fp32_tflops=30.3),
     GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"f16": 500, "i8": 1000, "f8": 1000}, (12, 0), 188,
-        "tensor rates derived from the 4,000 sparse FP4 TOPS of the spec sheet (/8, /4)"),
+        "tensor rates derived from the 4,000 sparse FP4 TOPS of the spec sheet (/8, /4)", fp32_tflops=125.0),
 )}
 # An assumption for every cuBLAS / cuBLASLt product: 128 bytes of K a step (64 fp16, 128 int8 / fp8
 # channels), 6 stages, K not split, as in the kernel the H200's op profile recorded for the fp16
@@ -122,6 +126,7 @@ class Kernel:
     flops: float = 0.0
     math: str = ""       # the tensor rate of its arithmetic (a GPU.tflops key: f16, f8), or int_mm
     stages: float = 0.0  # gemm, dequant_mm: pipeline stages per K step of a program (the fill it waits for)
+    ordered: bool = False  # dequant_mm: split tiles of more than 16 rows meeting in the fixed-order sum
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class Shape:
     context: int = 512   # tokens already in the cache
     cache: int = 640     # the cache's slots (the static path attends over all of them)
     group: int = 128     # W4 group size
+    w4_kernel: str = "triton"   # the kernel of fp16 W4 products the measurement ran (hierviz.machine.w4_fp16_kernel)
 
 
 @dataclass(frozen=True)
@@ -170,14 +176,76 @@ def w4_tiling(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> tuple
     return -(-t // c.block_m), c.block_m, c.num_stages / -(-(k // sub) // c.split_k), c.split_k
 
 
+W4_REGIMES = ("gemv", "small", "tiled", "tiled_ordered")
+
+
+def w4_regime(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> str:
+    """Which of the W4 Triton kernel's regimes a product of t rows runs, from the configuration
+    hierviz.quant.triton_w4.pick_config gives it: "gemv" (the one-token CUDA-core kernel),
+    "small" (the small-M path: 16-token MMA tiles), "tiled" (32-64-token tiles, K not split) or
+    "tiled_ordered" (such tiles with K split, meeting in the fixed-order sum)."""
+    from hierviz.quant.triton_w4 import pick_config
+    c = pick_config(t, n, k, group, sms, gemv=gemv)
+    if c.gemv:
+        return "gemv"
+    if c.block_m <= SMALL_M_TILE:
+        return "small"
+    return "tiled_ordered" if c.split_k > 1 else "tiled"
+
+
+SMALL_M_TILE = 16       # tl.dot's smallest tile: the small-M path's token tile
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_instructions() -> float:
+    """Instructions a lane issues per weight in the one-token CUDA-core kernel: its inline-PTX
+    block (triton_w4_kernels._GEMV_F16: unpack, packed FMAs, the quad's fp32 scaling) handles one
+    row's 32-channel quad; its constants are set once per block and left out."""
+    from hierviz.quant.triton_w4_kernels import _GEMV_F16
+    body = [ln for ln in _GEMV_F16.splitlines() if ln.endswith(";") and not ln.startswith((".reg", "mov.b32 k"))]
+    return len(body) / 32.0
+
+
 def w4_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
+    if where.w4_kernel == CUDA_MMA:
+        return cuda_mma_kernels(fmt, t, k, n, add, where, gpu)
     # the one-token CUDA-core kernel and TMA loads run from Hopper on (triton_w4._has_tma)
-    tiles, rows, stages, split = w4_tiling(t, n, k, where.group, gpu.sms, gpu.capability >= (9, 0))
+    hopper = gpu.capability >= (9, 0)
+    tiles, rows, stages, split = w4_tiling(t, n, k, where.group, gpu.sms, hopper)
+    regime = w4_regime(t, n, k, where.group, gpu.sms, hopper)
     weights = fmt.linear_bytes(n, k, where.group)          # codes, fp16 scales and offsets
     acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
     # split-K meets in a fixed order (triton_w4._store_product): fp32 partials written, then read back
     partials = 8.0 * split * t * n if split > 1 else 0.0
-    return [Kernel("dequant_mm", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "f16", stages)]
+    if regime == "gemv":        # no MMA: its unpack and packed FMAs issue on the CUDA cores, 2 flops a lane-instruction
+        return [Kernel("dequant_mm", weights + acts + partials, 2.0 * gemv_instructions() * n * k, "simt", stages)]
+    return [Kernel("dequant_mm", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "f16", stages,
+                   ordered=regime == "tiled_ordered")]
+
+
+CUDA_MMA = "cuda_mma"
+
+
+def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
+    """The CUDA MMA variant (hierviz.quant.cuda_w4), one launch: K in `split_for` slices, each a
+    chain of mma.sync over 64-channel chunks, met in a fixed-order fp32 sum by each output tile's
+    last block. Up to 24 tokens the direct loop (codes `ahead_chunks` ahead in registers: its
+    stages, each lane loading its token rows' activations, so every block reads its tiles' rows
+    of its slice); above, the staged loop, whose blocks copy their tokens' activations into shared
+    memory once a stage, in grid chunks of 64 tokens that each read the weights again."""
+    from hierviz.quant import cuda_w4
+    split = cuda_w4.split_for(n, k, gpu.sms)
+    per_slice = cuda_w4.slice_plan(k, split)[1]
+    chunks = -(-t // (8 * cuda_w4.MAX_TOKEN_TILES))       # grid chunks of 64 tokens
+    tiles = cuda_w4.token_tiles(t)
+    blocks = -(-n // cuda_w4.ROWS_PER_BLOCK)
+    weights = fmt.linear_bytes(n, k, where.group)
+    # each block reads its token tiles' activations over its slice (the direct loop: its lanes'
+    # rows; the staged loop: one copy into shared memory a stage)
+    acts = chunks * blocks * 8 * tiles * k * 2.0 + 2.0 * t * n * (2 if add else 1)
+    partials = 8.0 * split * t * n if split > 1 else 0.0
+    stages = cuda_w4.ahead_chunks(tiles) / per_slice
+    return [Kernel("dequant_mm", chunks * weights + acts + partials, 2.0 * chunks * 8 * tiles * n * k, "f16", stages)]
 
 
 def gemm_stages(k: int, elem: int) -> float:
@@ -301,6 +369,8 @@ def tensor_tflops(gpu: GPU, math_: str) -> float:
     """The spec tensor rate a product's arithmetic can use. torch._int_mm calls cuBLASLt without
     a workspace, which on Hopper leaves it the sm80-class int8 kernels (pytorch/pytorch#187094
     reports the same on sm_103): an assumption, modelled as the FP16 rate on compute capability 9.0."""
+    if math_ == "simt":          # CUDA-core instructions (2 flops a lane-instruction), not tensor cores
+        return gpu.fp32_tflops
     if math_ == "int_mm":
         return gpu.tflops["f16"] if gpu.capability == (9, 0) else gpu.tflops["i8"]
     return gpu.tflops[math_]
@@ -317,23 +387,33 @@ class Terms:
     w4_mem_us: float
     w4_fill_us: float
     w4_comp_us: float
+    simt_us: float = 0.0            # the one-token CUDA-core kernel's arithmetic at the spec CUDA-core rate
+    ordered_comp_us: float = 0.0    # the part of w4_comp_us in split tiles of more than 16 rows (Kernel.ordered)
 
 
 def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
     per_us = gpu.bandwidth_GBps * 1e3          # bytes per us
     gemms = [k for k in kernels if k.kind == "gemm"]
     w4 = [k for k in kernels if k.kind == "dequant_mm"]
+    mma, simt, ordered = ([k for k in w4 if k.math != "simt"], [k for k in w4 if k.math == "simt"],
+                          [k for k in w4 if k.ordered])
+
+    def comp(ks: list[Kernel]) -> float:
+        return sum(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in ks)
     return Terms(len(kernels), sum(k.bytes for k in kernels if k.kind == "stream") / per_us,
-                 tuple(k.bytes / per_us for k in gemms),
-                 tuple(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in gemms),
+                 tuple(k.bytes / per_us for k in gemms), tuple(comp([k]) for k in gemms),
                  tuple(k.bytes * k.stages / per_us for k in gemms),
-                 sum(k.bytes for k in w4) / per_us, sum(k.bytes * k.stages for k in w4) / per_us,
-                 sum(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in w4))
+                 sum(k.bytes for k in w4) / per_us, sum(k.bytes * k.stages for k in w4) / per_us, comp(mma),
+                 comp(simt), comp(ordered))
 
 
 def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: float | np.ndarray) -> float | np.ndarray:
-    """Everything but the launches; numpy arrays of parameters give an array (the fit's grid)."""
-    total = (tm.stream_us + tm.w4_mem_us + fill * tm.w4_fill_us) / e_bw + tm.w4_comp_us / e_c
+    """Everything but the launches; numpy arrays of parameters give an array (the fit's grid).
+    The CUDA-core kernel issues its arithmetic beside its loads at the spec rate (its loads, not
+    the tensor cores, set its pace); the MMA kernel dequantizes in the warps that multiply, and its
+    split tiles of more than 16 rows spend their arithmetic's time again in the fixed-order mode."""
+    total = ((tm.stream_us + tm.w4_mem_us + fill * tm.w4_fill_us) / e_bw
+             + (tm.w4_comp_us + tm.ordered_comp_us) / e_c + tm.simt_us)
     for mem, comp, fl in zip(tm.gemm_mem_us, tm.gemm_comp_us, tm.gemm_fill_us):
         total = total + np.maximum((mem + fill * fl) / e_bw, comp / e_c)
     return total
@@ -434,8 +514,10 @@ def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[C
     """The curves of a profile (hierviz.measure.profile's JSON) that the model knows, measured
     (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
     gpu = as_measured(gpu, profile.get("activation_quantizer"))
+    # the fp16 W4 kernel the profile ran (hierviz.machine.w4_fp16_kernel; files without it ran Triton's)
+    kernel = CUDA_MMA if profile.get("machine", {}).get("w4_fp16_kernel") == CUDA_MMA else "triton"
     where = Shape(profile["config"], profile["context"], profile["context"] + max(profile["tokens"]),
-                  profile.get("group_size", 128))
+                  profile.get("group_size", 128), kernel)
     out = []
     for s in profile["series"]:
         if s["scope"] == scope and curve_format(s) and not s.get("estimated"):
