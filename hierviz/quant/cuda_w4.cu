@@ -391,10 +391,12 @@ struct XStage {
 #pragma unroll
     for (int i = 0; i < PER; i++) {
       const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
-      const bool ok = (UNITS % 256 == 0 || u < UNITS) && tok0 + r < M && c_first + (ph >> 1) < c_end;
-      const U4* src = (const U4*)(x + (size_t)(tok0 + r) * ldx + (size_t)(c_first + (ph >> 1)) * 64 + 8 * (ph & 1));
+      // tokens past M read token M - 1 (their columns are never stored), chunks past the slice its
+      // last (never multiplied): every load in bounds, none predicated
+      const U4* src = (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
+                                  + 8 * (ph & 1));
 #pragma unroll
-      for (int t = 0; t < 4; t++) v[i][t] = ok ? load_x(src + 2 * t) : U4{0u, 0u, 0u, 0u};
+      for (int t = 0; t < 4; t++) v[i][t] = load_x(src + 2 * t);
     }
   }
   // lane quarter t's words 0..3 are k slots 2t, 2t + 1 of (step 2h, core 0), (2h, 1), (2h + 1, 0), (2h + 1, 1)
