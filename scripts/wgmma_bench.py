@@ -19,12 +19,12 @@ from hierviz.measure.kernel_bench import _graph_time_us  # noqa: E402
 from hierviz.quant import cuda_w4  # noqa: E402
 from hierviz.quant.w4_proof import synthetic_weight  # noqa: E402
 
-BUILDS = {
-    "s2x3": {t: (2, 3, 2) for t in range(4, 9)},
-    "s2x2": {t: (2, 2, 2) for t in range(4, 9)},
-    "s4x2": {t: (4, 2, 2) for t in range(4, 9)},
-    "s4x3": {t: (4, 3, 2) for t in range(4, 9)},
-    "s2x3b1": {t: (2, 3, 1) for t in range(4, 9)},
+BUILDS = {       # (K chunks a stage, stages in the wgmma layout, copy slots (0: registers), blocks per SM)
+    "s2x2": {t: (2, 2, 0, 2) for t in range(4, 9)},
+    "s2x3": {t: (2, 3, 0, 2) for t in range(4, 9)},
+    "s2x2c3": {t: (2, 2, 3, 2) for t in range(4, 9)},
+    "s2x3c3": {t: (2, 3, 3, 2) for t in range(4, 9)},
+    "s4x2c2": {t: (4, 2, 2, 1) for t in range(4, 9)},
 }
 COPIES = 3
 

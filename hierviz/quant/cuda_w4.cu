@@ -370,6 +370,11 @@ template <int T> __device__ __forceinline__ void hold(float (*acc)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; i++) asm volatile("" : "+f"(acc[j][i]) :: "memory");
 }
+// the same for a wgmma's A fragment: its registers stay live (unreused) until the wait that retires it
+template <int N> __device__ __forceinline__ void hold_regs(u32* r) {
+#pragma unroll
+  for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i]) :: "memory");
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void sts128_at(u32 a, u32 x, u32 y, u32 z, u32 w) {
   asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
@@ -399,6 +404,26 @@ struct XStage {
       for (int t = 0; t < 4; t++) v[i][t] = load_x(src + 2 * t);
     }
   }
+  // the same bytes by asynchronous copies into the thread's own slot (its 16-byte pieces 4096 bytes
+  // apart, so a warp's accesses are contiguous), then back into v once they have landed
+  static constexpr int SLOT_BYTES = PER * 4 * 256 * 16;
+  __device__ __forceinline__ void copy(u32 slot, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) const {
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
+      const U4* src = (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
+                                  + 8 * (ph & 1));
+      if (UNITS % 256 == 0 || u < UNITS)
+#pragma unroll
+        for (int t = 0; t < 4; t++) copy_async_zfill_to(slot + ((i * 4 + t) * 256 + threadIdx.x) * 16, src + 2 * t, 16);
+    }
+  }
+  __device__ __forceinline__ void land(u32 slot) {
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+#pragma unroll
+      for (int t = 0; t < 4; t++) v[i][t] = lds128_at(slot + ((i * 4 + t) * 256 + threadIdx.x) * 16);
+  }
   // lane quarter t's words 0..3 are k slots 2t, 2t + 1 of (step 2h, core 0), (2h, 1), (2h + 1, 0), (2h + 1, 1)
   __device__ __forceinline__ void store(u32 buf) const {
 #pragma unroll
@@ -415,34 +440,55 @@ struct XStage {
   }
 };
 
-// STAGES (2 or 3) stages of S chunks in dynamic shared memory, the next stage's activations in
-// registers; codes and group pairs a stage ahead in registers (as the staged loop); fragments
-// double-buffered, so a chunk's dequantization overlaps the previous chunk's wgmmas. The next stage
-// is stored at the end of each stage into the buffer of stage - (STAGES - 1), which every warpgroup
-// has finished reading by the last barrier (with 3 stages the last chunk's wgmmas stay in flight
-// across the barrier).
-template <int T, int S, int STAGES>
+// STAGES (2 or 3) stages of S chunks in the wgmma layout in dynamic shared memory; the activations
+// of the stages after them either in registers (XRING 0: one stage, loaded a stage before it is
+// stored) or in XRING slots of asynchronous copies after the stages (each thread copies and
+// rearranges its own pieces, so no barrier between). Codes and group pairs a stage ahead in
+// registers (as the staged loop); fragments double-buffered, so a chunk's dequantization overlaps
+// the previous chunk's wgmmas. The next stage is stored at the end of each stage into the buffer
+// of stage - (STAGES - 1), which every warpgroup has finished reading by the last barrier (with 3
+// stages the last chunk's wgmmas stay in flight across the barrier).
+template <int T, int S, int STAGES, int XRING>
 __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
   static_assert(S % 2 == 0 && (STAGES == 2 || STAGES == 3), "fragments alternate within a stage");
   constexpr int STAGE_BYTES = S * 4 * T * 256;
   extern __shared__ __align__(128) unsigned char xs_wgmma[];
-  const u32 xs_at = smem_address(xs_wgmma);
+  const u32 xs_at = smem_address(xs_wgmma), slots_at = xs_at + STAGES * STAGE_BYTES;
+  using XS = XStage<T, S>;
   Chunks f = chunks_of(ARGS, rt, c_begin);
   U4 ring[S];
   U2 ring_so[S];
 #pragma unroll
   for (int p = 0; p < S; p++)
     if (c_begin + p < c_end) f.get(ring[p], ring_so[p]);
-  XStage<T, S> st;
-  st.load(x, M, ldx, tok0, c_begin, c_end);
-  st.store(xs_at);
-  if (c_begin + S < c_end) st.load(x, M, ldx, tok0, c_begin + S, c_end);
+  XS st;
+  if constexpr (XRING == 0) {
+    st.load(x, M, ldx, tok0, c_begin, c_end);
+    st.store(xs_at);
+    if (c_begin + S < c_end) st.load(x, M, ldx, tok0, c_begin + S, c_end);
+  } else {
+#pragma unroll
+    for (int s = 0; s < XRING; s++) {   // one commit group per stage, empty past the slice
+      if (c_begin + s * S < c_end) st.copy(slots_at + s * XS::SLOT_BYTES, x, M, ldx, tok0, c_begin + s * S, c_end);
+      copy_commit();
+    }
+    copy_wait<XRING - 1>();
+    st.land(slots_at);
+    st.store(xs_at);
+  }
   fence_proxy_async();
   __syncthreads();
   u32 frag[2][16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) frag[0][i] = frag[1][i] = 0u;
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
     const u32 buf = xs_at + (stage % STAGES) * STAGE_BYTES;
+    if constexpr (XRING > 0) {         // stage + XRING into the slot this stage's activations left
+      if (c0 + XRING * S < c_end)
+        st.copy(slots_at + (stage % XRING) * XS::SLOT_BYTES, x, M, ldx, tok0, c0 + XRING * S, c_end);
+      copy_commit();
+    }
 #pragma unroll
     for (int p = 0; p < S; p++) {
       const int c = c0 + p;
@@ -455,6 +501,7 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
         wgmma_wait<1>();             // the wgmmas that read frag[p % 2] (two chunks back) are done
         hold<T>(acc);
         u32* fr = frag[p % 2];
+        hold_regs<16>(fr);
         dequant(fr, a.x, sg, og, sh, oh);
         dequant(fr + 4, a.y, sg, og, sh, oh);
         dequant(fr + 8, a.z, sg, og, sh, oh);
@@ -466,8 +513,14 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
       }
     }
     if (c0 + S < c_end) {
-      st.store(xs_at + ((stage + 1) % STAGES) * STAGE_BYTES);
-      if (c0 + 2 * S < c_end) st.load(x, M, ldx, tok0, c0 + 2 * S, c_end);
+      if constexpr (XRING == 0) {
+        st.store(xs_at + ((stage + 1) % STAGES) * STAGE_BYTES);
+        if (c0 + 2 * S < c_end) st.load(x, M, ldx, tok0, c0 + 2 * S, c_end);
+      } else {
+        copy_wait<XRING - 1>();        // this thread's copies of stage + 1 have landed
+        st.land(slots_at + ((stage + 1) % XRING) * XS::SLOT_BYTES);
+        st.store(xs_at + ((stage + 1) % STAGES) * STAGE_BYTES);
+      }
     }
     fence_proxy_async();
     wgmma_wait<STAGES - 2>();
@@ -476,13 +529,15 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
   }
   wgmma_wait<0>();
   hold<T>(acc);
+  hold_regs<16>(frag[0]);
+  hold_regs<16>(frag[1]);
 }
 #endif
 
 // Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0, int STAGES = 0>
+template <int T, bool DIRECT, int S, int GC = 0, int STAGES = 0, int XRING = 0>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -500,7 +555,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
     if (rt < row_tiles) product_direct<T, S, GC>(acc, ARGS, rt, tok0, c_begin, c_end);
   } else if constexpr (STAGES > 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    product_wgmma<T, S, STAGES>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
+    product_wgmma<T, S, STAGES, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
 #endif
   } else {
     product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
@@ -562,7 +617,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   }
 // sm_90a only (cuda_w4.kernel_source adds these lines for it): the dynamic shared memory is
 // cuda_w4.wgmma_shared_bytes(T)
-#define WGMMA_ENTRY(T, S, STAGES, BLOCKS)                                                        \
+#define WGMMA_ENTRY(T, S, STAGES, XRING, BLOCKS)                                                 \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_wgmma_t##T(PARAMS) {                \
-    w4_mma<T, false, S, 0, STAGES>(ARGS);                                                        \
+    w4_mma<T, false, S, 0, STAGES, XRING>(ARGS);                                                 \
   }

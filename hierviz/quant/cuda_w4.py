@@ -64,10 +64,12 @@ NBUF = 2                   # x stages the staged loop keeps in shared memory (NB
 DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2)}
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
-# The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, x stages in shared
-# memory (2 or 3), blocks per multiprocessor). Where they are built they take the staged loop's
-# products (the same bits: docs/kernels.md, "The wgmma staged loop").
-WGMMA_BUILD = {4: (2, 3, 2), 5: (2, 3, 2), 6: (2, 3, 2), 7: (2, 3, 2), 8: (2, 3, 2)}
+# The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, x stages in the wgmma
+# layout in shared memory (2 or 3), asynchronous-copy slots of the stages after them (0: one stage
+# through registers), blocks per multiprocessor). The same bits as the staged loop (docs/kernels.md,
+# "The wgmma staged loop"); they take its products only with WGMMA_BY_DEFAULT or matmul(wgmma=True).
+WGMMA_BUILD = {4: (2, 2, 0, 2), 5: (2, 2, 0, 2), 6: (2, 2, 0, 2), 7: (2, 2, 0, 2), 8: (2, 2, 0, 2)}
+WGMMA_BY_DEFAULT = False
 WGMMA_ARCHS = ("sm_90a",)  # wgmma needs the arch-specific Hopper target
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 WAVE_BLOCKS_PER_SM = 2     # the direct entries' occupancy: K is split to fill one wave of them ...
@@ -107,15 +109,16 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
             + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
                       for g in PAIR_GROUPS if has_group_entry(a, g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
-            + ("".join(f"WGMMA_ENTRY({t}, {s}, {n}, {b})\n" for t, (s, n, b) in wgmma_build.items())
+            + ("".join(f"WGMMA_ENTRY({t}, {s}, {n}, {r}, {b})\n" for t, (s, n, r, b) in wgmma_build.items())
                if has_wgmma(arch) else ""))
 
 
 def wgmma_shared_bytes(tiles: int, wgmma_build: Optional[dict] = None) -> int:
     """Dynamic shared memory of the wgmma entry of `tiles` token tiles: its x stages, each S chunks
-    x 4 steps x `tiles` 8-token blocks x two 128-byte core matrices."""
-    s, stages, _ = (WGMMA_BUILD if wgmma_build is None else wgmma_build)[tiles]
-    return stages * s * 4 * tiles * 256
+    x 4 steps x `tiles` 8-token blocks x two 128-byte core matrices, then its copy slots, each 64
+    bytes for every thread and every 256 of the stage's (token, chunk, half-chunk) pieces."""
+    s, stages, ring, _ = (WGMMA_BUILD if wgmma_build is None else wgmma_build)[tiles]
+    return stages * s * 4 * tiles * 256 + ring * -(-16 * tiles * s // 256) * 256 * 64
 
 
 # ---- which products it serves ----------------------------------------------------------------
@@ -470,8 +473,8 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     and returned. split: K slices (default split_for on this GPU; the same for every M; another
     split sums in another order, so other bits). tiles: 8-token tiles per block (default
     token_tiles(M)); any choice gives a row the same bits. wgmma: whether the staged tile counts
-    run the wgmma entries (default: where this GPU's build has them; False: the mma.sync staged
-    loop), the same bits either way."""
+    run the wgmma entries (default: WGMMA_BY_DEFAULT, where this GPU's build has them; else the
+    mma.sync staged loop), the same bits either way."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
@@ -512,7 +515,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
-    use_wgmma = entry_for(tiles, wgmma=True) in fns if wgmma is None else wgmma
+    use_wgmma = WGMMA_BY_DEFAULT and entry_for(tiles, wgmma=True) in fns if wgmma is None else wgmma
     entry = entry_for(tiles, pair_group(tiles, w.group_size, per), use_wgmma)
     if entry not in fns:
         raise ValueError(f"this GPU's build of the CUDA W4 kernel has no entry {entry}")
