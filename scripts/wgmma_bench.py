@@ -1,7 +1,7 @@
 """The CUDA W4 kernel's staged products: the wgmma entries (sm_90a) against the mma.sync staged loop.
 
 For each shape (K,N,G) and row count: the mma.sync staged loop's time, then each wgmma build's
-(WGMMA_BUILD tables: K chunks per stage, stages, blocks per multiprocessor), every build's rows
+(WGMMA_BUILD tables: K chunks per stage, copy slots, blocks per multiprocessor), every build's rows
 checked bitwise against the mma.sync loop's and against the rows multiplied one at a time (the
 direct loop). Times are CUDA-graph medians over three weight copies (kernel_bench's timer).
   GPU (sm_90): python scripts/wgmma_bench.py --out DIR [--shape 8192,28672,128 ...] [--ms 32,64,128]
@@ -19,12 +19,10 @@ from hierviz.measure.kernel_bench import _graph_time_us  # noqa: E402
 from hierviz.quant import cuda_w4  # noqa: E402
 from hierviz.quant.w4_proof import synthetic_weight  # noqa: E402
 
-BUILDS = {       # (K chunks a stage, stages in the wgmma layout, copy slots (0: registers), blocks per SM)
-    "s2x2": {t: (2, 2, 0, 2) for t in range(4, 9)},
-    "s2x3": {t: (2, 3, 0, 2) for t in range(4, 9)},
-    "s2x2c3": {t: (2, 2, 3, 2) for t in range(4, 9)},
-    "s2x3c3": {t: (2, 3, 3, 2) for t in range(4, 9)},
-    "s4x2c2": {t: (4, 2, 2, 1) for t in range(4, 9)},
+BUILDS = {       # (K chunks a stage, copy slots ahead of the two wgmma-layout stages (0: registers), blocks per SM)
+    "s2": {t: (2, 0, 2) for t in range(4, 9)},
+    "s2c3": {t: (2, 3, 2) for t in range(4, 9)},
+    "s4c2": {t: (4, 2, 1) for t in range(4, 9)},
 }
 COPIES = 3
 

@@ -150,19 +150,19 @@ def test_the_wgmma_entries_take_the_staged_tile_counts_on_sm_90a_only() -> None:
         lines = cuda_w4.kernel_source(arch=arch).splitlines()
         assert not any(line.startswith("WGMMA_ENTRY(") for line in lines) and not cuda_w4.has_wgmma(arch)
     source = cuda_w4.kernel_source(arch="sm_90a")
-    assert all(f"WGMMA_ENTRY({t}, {s}, {n}, {r}, {b})" in source for t, (s, n, r, b) in cuda_w4.WGMMA_BUILD.items())
-    for t, (s, n, r, b) in cuda_w4.WGMMA_BUILD.items():
-        assert s % 2 == 0 and n in (2, 3) and r >= 0           # the loop's static_assert
+    assert all(f"WGMMA_ENTRY({t}, {s}, {r}, {b})" in source for t, (s, r, b) in cuda_w4.WGMMA_BUILD.items())
+    for t, (s, r, b) in cuda_w4.WGMMA_BUILD.items():
+        assert s % 2 == 0 and r >= 0                           # the loop's static_assert
         assert cuda_w4.wgmma_shared_bytes(t) * b <= 227 * 1024
-    assert cuda_w4.wgmma_shared_bytes(8, {8: (4, 3, 0, 1)}) == 96 * 1024
-    assert cuda_w4.wgmma_shared_bytes(8, {8: (2, 2, 3, 2)}) == 32 * 1024 + 3 * 16 * 1024
-    assert cuda_w4.wgmma_shared_bytes(5, {5: (4, 2, 2, 2)}) == 40 * 1024 + 2 * 2 * 16 * 1024   # 320 pieces: 2 a thread
+    assert cuda_w4.wgmma_shared_bytes(8, {8: (4, 0, 1)}) == 64 * 1024
+    assert cuda_w4.wgmma_shared_bytes(8, {8: (2, 3, 2)}) == 32 * 1024 + 3 * 16 * 1024
+    assert cuda_w4.wgmma_shared_bytes(5, {5: (4, 2, 2)}) == 40 * 1024 + 2 * 2 * 16 * 1024   # 320 pieces: 2 a thread
 
 
 def test_nvrtc_compiles_every_kind_of_wgmma_build() -> None:
-    """Activations through registers or copy slots, 2 or 3 stages, 2 or 4 chunks a stage."""
+    """Activations through registers or copy slots, 2 or 4 chunks a stage."""
     skip_without_nvrtc()
-    build = {4: (2, 2, 0, 2), 5: (4, 3, 2, 1), 6: (2, 3, 3, 2), 7: (4, 2, 0, 1), 8: (2, 2, 4, 2)}
+    build = {4: (2, 0, 2), 5: (4, 2, 1), 6: (2, 3, 2), 7: (4, 0, 1), 8: (2, 4, 2)}
     assert b"w4_wgmma_t5" in cuda_w4.compile_cubin("sm_90a", cuda_w4.kernel_source(arch="sm_90a", wgmma_build=build))
 
 

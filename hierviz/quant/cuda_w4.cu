@@ -440,20 +440,19 @@ struct XStage {
   }
 };
 
-// STAGES (2 or 3) stages of S chunks in the wgmma layout in dynamic shared memory; the activations
-// of the stages after them either in registers (XRING 0: one stage, loaded a stage before it is
-// stored) or in XRING slots of asynchronous copies after the stages (each thread copies and
-// rearranges its own pieces, so no barrier between). Codes and group pairs a stage ahead in
-// registers (as the staged loop); fragments double-buffered, so a chunk's dequantization overlaps
-// the previous chunk's wgmmas. The next stage is stored at the end of each stage into the buffer
-// of stage - (STAGES - 1), which every warpgroup has finished reading by the last barrier (with 3
-// stages the last chunk's wgmmas stay in flight across the barrier).
-template <int T, int S, int STAGES, int XRING>
+// Two stages of S chunks in the wgmma layout in dynamic shared memory; the activations of the stage
+// after them either in registers (XRING 0: loaded a stage before they are stored) or in XRING slots
+// of asynchronous copies after the two stages (each thread copies and rearranges its own pieces, so
+// no barrier between). Codes and group pairs a stage ahead in registers (as the staged loop);
+// fragments double-buffered, so a chunk's dequantization overlaps the previous chunk's wgmmas. The
+// next stage is stored at the end of each stage into the other buffer, whose wgmmas every
+// warpgroup retired before the last barrier.
+template <int T, int S, int XRING>
 __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
-  static_assert(S % 2 == 0 && (STAGES == 2 || STAGES == 3), "fragments alternate within a stage");
+  static_assert(S % 2 == 0, "fragments alternate within a stage");
   constexpr int STAGE_BYTES = S * 4 * T * 256;
   extern __shared__ __align__(128) unsigned char xs_wgmma[];
-  const u32 xs_at = smem_address(xs_wgmma), slots_at = xs_at + STAGES * STAGE_BYTES;
+  const u32 xs_at = smem_address(xs_wgmma), slots_at = xs_at + 2 * STAGE_BYTES;
   using XS = XStage<T, S>;
   Chunks f = chunks_of(ARGS, rt, c_begin);
   U4 ring[S];
@@ -483,7 +482,7 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
   for (int i = 0; i < 16; i++) frag[0][i] = frag[1][i] = 0u;
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
-    const u32 buf = xs_at + (stage % STAGES) * STAGE_BYTES;
+    const u32 buf = xs_at + (stage & 1) * STAGE_BYTES;
     if constexpr (XRING > 0) {         // stage + XRING into the slot this stage's activations left
       if (c0 + XRING * S < c_end)
         st.copy(slots_at + (stage % XRING) * XS::SLOT_BYTES, x, M, ldx, tok0, c0 + XRING * S, c_end);
@@ -514,16 +513,16 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
     }
     if (c0 + S < c_end) {
       if constexpr (XRING == 0) {
-        st.store(xs_at + ((stage + 1) % STAGES) * STAGE_BYTES);
+        st.store(xs_at + ((stage + 1) & 1) * STAGE_BYTES);
         if (c0 + 2 * S < c_end) st.load(x, M, ldx, tok0, c0 + 2 * S, c_end);
       } else {
         copy_wait<XRING - 1>();        // this thread's copies of stage + 1 have landed
         st.land(slots_at + ((stage + 1) % XRING) * XS::SLOT_BYTES);
-        st.store(xs_at + ((stage + 1) % STAGES) * STAGE_BYTES);
+        st.store(xs_at + ((stage + 1) & 1) * STAGE_BYTES);
       }
     }
     fence_proxy_async();
-    wgmma_wait<STAGES - 2>();
+    wgmma_wait<0>();
     hold<T>(acc);
     __syncthreads();
   }
@@ -537,7 +536,7 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
 // Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0, int STAGES = 0, int XRING = 0>
+template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -553,9 +552,9 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
     if (rt < row_tiles) product_direct<T, S, GC>(acc, ARGS, rt, tok0, c_begin, c_end);
-  } else if constexpr (STAGES > 0) {
+  } else if constexpr (WGMMA) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    product_wgmma<T, S, STAGES, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
+    product_wgmma<T, S, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
 #endif
   } else {
     product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
@@ -617,7 +616,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   }
 // sm_90a only (cuda_w4.kernel_source adds these lines for it): the dynamic shared memory is
 // cuda_w4.wgmma_shared_bytes(T)
-#define WGMMA_ENTRY(T, S, STAGES, XRING, BLOCKS)                                                 \
+#define WGMMA_ENTRY(T, S, XRING, BLOCKS)                                                         \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_wgmma_t##T(PARAMS) {                \
-    w4_mma<T, false, S, 0, STAGES, XRING>(ARGS);                                                 \
+    w4_mma<T, false, S, 0, true, XRING>(ARGS);                                                   \
   }

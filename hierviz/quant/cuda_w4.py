@@ -64,11 +64,12 @@ NBUF = 2                   # x stages the staged loop keeps in shared memory (NB
 DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2)}
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
-# The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, x stages in the wgmma
-# layout in shared memory (2 or 3), asynchronous-copy slots of the stages after them (0: one stage
-# through registers), blocks per multiprocessor). The same bits as the staged loop (docs/kernels.md,
-# "The wgmma staged loop"); they take its products only with WGMMA_BY_DEFAULT or matmul(wgmma=True).
-WGMMA_BUILD = {4: (2, 2, 0, 2), 5: (2, 2, 0, 2), 6: (2, 2, 0, 2), 7: (2, 2, 0, 2), 8: (2, 2, 0, 2)}
+# The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
+# of the activations ahead of the two stages in the wgmma layout (0: one stage through registers),
+# blocks per multiprocessor). The same bits as the staged loop, slower than it on the H100
+# (docs/kernels.md, "The wgmma staged loop"): they take its products only with WGMMA_BY_DEFAULT or
+# matmul(wgmma=True).
+WGMMA_BUILD = {4: (2, 0, 2), 5: (2, 0, 2), 6: (2, 0, 2), 7: (2, 0, 2), 8: (2, 0, 2)}
 WGMMA_BY_DEFAULT = False
 WGMMA_ARCHS = ("sm_90a",)  # wgmma needs the arch-specific Hopper target
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
@@ -109,16 +110,16 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
             + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
                       for g in PAIR_GROUPS if has_group_entry(a, g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
-            + ("".join(f"WGMMA_ENTRY({t}, {s}, {n}, {r}, {b})\n" for t, (s, n, r, b) in wgmma_build.items())
+            + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
                if has_wgmma(arch) else ""))
 
 
 def wgmma_shared_bytes(tiles: int, wgmma_build: Optional[dict] = None) -> int:
-    """Dynamic shared memory of the wgmma entry of `tiles` token tiles: its x stages, each S chunks
-    x 4 steps x `tiles` 8-token blocks x two 128-byte core matrices, then its copy slots, each 64
-    bytes for every thread and every 256 of the stage's (token, chunk, half-chunk) pieces."""
-    s, stages, ring, _ = (WGMMA_BUILD if wgmma_build is None else wgmma_build)[tiles]
-    return stages * s * 4 * tiles * 256 + ring * -(-16 * tiles * s // 256) * 256 * 64
+    """Dynamic shared memory of the wgmma entry of `tiles` token tiles: its two x stages, each S
+    chunks x 4 steps x `tiles` 8-token blocks x two 128-byte core matrices, then its copy slots,
+    each 64 bytes for every thread and every 256 of a stage's (token, chunk, half-chunk) pieces."""
+    s, ring, _ = (WGMMA_BUILD if wgmma_build is None else wgmma_build)[tiles]
+    return 2 * s * 4 * tiles * 256 + ring * -(-16 * tiles * s // 256) * 256 * 64
 
 
 # ---- which products it serves ----------------------------------------------------------------
