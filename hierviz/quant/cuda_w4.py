@@ -23,7 +23,10 @@ serves decode, verification and prefill (tokens beyond 64 run as further token c
 grid). Up to 24 tokens the activations come straight from L1 and the codes and group pairs are
 held in registers several chunks ahead (`product_direct`); from 25 the block's warps share the
 activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
-run the same MMAs.
+run the same MMAs. On Hopper the kernel is built for sm_90a, which adds wgmma entries for the staged
+tile counts (`product_wgmma`: each warpgroup's 64 rows times the pass's tokens per MMA step, A from
+the same dequantized registers, the same bits); they are slower there than `product_staged`, so
+they run only when asked for (WGMMA_BY_DEFAULT, matmul(wgmma=True)).
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
