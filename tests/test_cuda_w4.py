@@ -137,6 +137,35 @@ def test_shape_rules_and_the_k_split() -> None:
     assert set(map(cuda_w4.entry_for, range(1, cuda_w4.MAX_TOKEN_TILES + 1))) <= set(cuda_w4.entry_names())
 
 
+def test_the_wgmma_entries_take_the_staged_tile_counts_on_sm_90a_only() -> None:
+    """One wgmma entry per staged tile count, built (and named) only for sm_90a, with its stages'
+    shared memory; the direct tile counts keep their entries whatever is asked."""
+    assert sorted(cuda_w4.WGMMA_BUILD) == sorted(cuda_w4.STAGED_BUILD)
+    assert cuda_w4.entry_for(8, wgmma=True) == "w4_wgmma_t8" and cuda_w4.entry_for(4, 0, True) == "w4_wgmma_t4"
+    assert cuda_w4.entry_for(1, 128, True) == "w4_direct_t1_g128" and cuda_w4.entry_for(3, 0, True) == "w4_direct_t3"
+    wgmma = {cuda_w4.entry_for(t, wgmma=True) for t in cuda_w4.WGMMA_BUILD}
+    assert wgmma <= set(cuda_w4.entry_names("sm_90a")) and not wgmma & set(cuda_w4.entry_names("sm_90"))
+    assert set(cuda_w4.entry_names("sm_90a")) - wgmma == set(cuda_w4.entry_names())
+    for arch in ("sm_80", "sm_90", "sm_100", "sm_120", None):
+        lines = cuda_w4.kernel_source(arch=arch).splitlines()
+        assert not any(line.startswith("WGMMA_ENTRY(") for line in lines) and not cuda_w4.has_wgmma(arch)
+    source = cuda_w4.kernel_source(arch="sm_90a")
+    assert all(f"WGMMA_ENTRY({t}, {s}, {r}, {b})" in source for t, (s, r, b) in cuda_w4.WGMMA_BUILD.items())
+    for t, (s, r, b) in cuda_w4.WGMMA_BUILD.items():
+        assert s % 2 == 0 and r >= 0                           # the loop's static_assert
+        assert cuda_w4.wgmma_shared_bytes(t) * b <= 227 * 1024
+    assert cuda_w4.wgmma_shared_bytes(8, {8: (4, 0, 1)}) == 64 * 1024
+    assert cuda_w4.wgmma_shared_bytes(8, {8: (2, 3, 2)}) == 32 * 1024 + 3 * 16 * 1024
+    assert cuda_w4.wgmma_shared_bytes(5, {5: (4, 2, 2)}) == 40 * 1024 + 2 * 2 * 16 * 1024   # 320 pieces: 2 a thread
+
+
+def test_nvrtc_compiles_every_kind_of_wgmma_build() -> None:
+    """Activations through registers or copy slots, 2 or 4 chunks a stage."""
+    skip_without_nvrtc()
+    build = {4: (2, 0, 2), 5: (4, 2, 1), 6: (2, 3, 2), 7: (4, 0, 1), 8: (2, 4, 2)}
+    assert b"w4_wgmma_t5" in cuda_w4.compile_cubin("sm_90a", cuda_w4.kernel_source(arch="sm_90a", wgmma_build=build))
+
+
 def test_group_pairs_by_offset_only_where_every_slice_starts_on_a_group() -> None:
     """The direct entries specialized to 64- and 128-channel groups take a product only when each
     K slice starts on a group and the look-ahead is whole groups; anything else runs the generic
@@ -209,12 +238,15 @@ def skip_without_nvrtc() -> None:
         pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
 
 
-# A100, H100/H200, and the Blackwell parts (B200, RTX PRO 6000) where the start-up proof decides
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100", "sm_120"])
+# A100, H100/H200 (sm_90a: what cuda_w4 builds there, with the wgmma entries), and the Blackwell
+# parts (B200, RTX PRO 6000) where the start-up proof decides
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a", "sm_100", "sm_120"])
 def test_nvrtc_compiles_the_kernel(arch) -> None:
     skip_without_nvrtc()
     cubin = cuda_w4.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
+    assert all(name.encode() in cubin for name in cuda_w4.entry_names(arch))
+    assert (b"w4_wgmma_t8" in cubin) == (arch == "sm_90a") == cuda_w4.has_wgmma(arch)
     with pytest.raises(cuda_w4.CompileError, match="NVRTC failed"):
         cuda_w4.compile_cubin(arch, cuda_w4.kernel_source() + "\nthis is not C++;\n")
 
@@ -230,6 +262,10 @@ def test_the_cuda_c_is_the_cu_file_beside_the_module() -> None:
     assert head == f'#define NBUF {cuda_w4.NBUF}\n#define ROWS_PER_BLOCK {cuda_w4.ROWS_PER_BLOCK}\n#line 1 "cuda_w4.cu"\n'
     assert len(entries.splitlines()) == len(cuda_w4.entry_names())
     assert all(line.split("(")[0] in ("DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "STAGED_ENTRY") for line in entries.splitlines())
+    head90a, entries90a = cuda_w4.kernel_source(arch="sm_90a").split(text)
+    assert head90a == head and len(entries90a.splitlines()) == len(cuda_w4.entry_names("sm_90a"))
+    assert entries90a.startswith(entries) and all(line.startswith("WGMMA_ENTRY(")
+                                                   for line in entries90a[len(entries):].splitlines())
     assert "__global__" in text and "__global__" not in Path(cuda_w4.__file__).read_text()
 
 

@@ -595,6 +595,33 @@ def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) 
     assert torch.equal(cuda_w4.source_codes(w), cuda_w4.unpack_layout(cuda_w4.layout(w)[0]))
 
 
+WGMMA_SHAPES = [(8192, 28672, 128), (8192, 10240, 128), (4096, 6144, 128), (14336, 4096, 128), (576, 1536, 32),
+                (1536, 576, 64), (576, 576, 64), (1536, 576, 128)]
+
+
+@pytest.mark.parametrize("k,n,g", WGMMA_SHAPES)
+def test_cuda_w4_wgmma_rows_equal_the_direct_loops_and_the_mma_staged_loops(k, n, g) -> None:
+    """Where the build has the wgmma staged entries (sm_90a): at M = 17 .. 200 every row, with and
+    without the residual, bit-identical to the same row multiplied alone (the direct loop) and to
+    the mma.sync staged loop's product."""
+    from hierviz.quant import cuda_w4
+    from hierviz.quant.w4_proof import synthetic_weight
+    if cuda_w4.entry_for(cuda_w4.MAX_TOKEN_TILES, wgmma=True) not in cuda_w4.functions(torch.cuda.current_device()):
+        pytest.skip(f"no wgmma entries for {cuda_w4._arch(torch.cuda.current_device())}")
+    w = synthetic_weight(n, k, g, "cuda", seed=k + n + g, act_order=False, dtype=torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(k + 1)
+    x = torch.randn(200, k, device="cuda", generator=gen).half()
+    r = torch.randn(200, n, device="cuda", generator=gen).half()
+    alone = torch.cat([cuda_w4.matmul(x[i:i + 1], w) for i in range(200)])
+    alone_r = torch.cat([cuda_w4.matmul(x[i:i + 1], w, add_to=r[i:i + 1].clone()) for i in range(200)])
+    for m in (17, 24, 25, 32, 40, 64, 65, 128, 200):
+        assert torch.equal(cuda_w4.matmul(x[:m], w, wgmma=True), alone[:m]), m
+        assert torch.equal(cuda_w4.matmul(x[:m], w, wgmma=False), alone[:m]), m
+        assert torch.equal(cuda_w4.matmul(x[:m], w, wgmma=True, add_to=r[:m].clone()), alone_r[:m]), m
+    for tiles in range(4, cuda_w4.MAX_TOKEN_TILES + 1):
+        assert torch.equal(cuda_w4.matmul(x[:40], w, tiles=tiles, wgmma=True), alone[:40]), tiles
+
+
 def test_cuda_w4_replays_in_a_graph_and_runs_from_another_thread() -> None:
     import threading
     from hierviz.quant import cuda_w4

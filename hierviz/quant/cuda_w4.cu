@@ -1,8 +1,8 @@
 // The CUDA MMA W4 kernel: y = x @ W.T for fp16 activations (hierviz/quant/cuda_w4.py holds its
 // weight layout, its launch and which products it serves; docs/kernels.md, "The CUDA MMA variant").
 // NVRTC compiles it at run time: cuda_w4.kernel_source() defines NBUF and ROWS_PER_BLOCK before this
-// text and adds one DIRECT_ENTRY / DIRECT_GROUP_ENTRY / STAGED_ENTRY line per build after it
-// (cuda_w4.DIRECT_BUILD, PAIR_GROUPS, STAGED_BUILD).
+// text and adds one DIRECT_ENTRY / DIRECT_GROUP_ENTRY / STAGED_ENTRY / WGMMA_ENTRY line per build
+// after it (cuda_w4.DIRECT_BUILD, PAIR_GROUPS, STAGED_BUILD, WGMMA_BUILD on sm_90a).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -63,23 +63,28 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One MMA step: the lane's 8 codes of word w (rows g, g+8) dequantized exactly to q, then
-// s * q + o in one packed FMA per pair, times T token tiles.
+// One MMA step's A fragment: the lane's 8 codes of word w (rows g, g+8) dequantized exactly to q,
+// then s * q + o in one packed FMA per pair.
+__device__ __forceinline__ void dequant(u32* a, u32 w, u32 sg, u32 og, u32 sh, u32 oh) {
+  const u32 MAGIC = 0x64006400u, LO = 0x000f000fu, HI = 0x00f000f0u;
+  const u32 w8 = w >> 8;
+  a[0] = hsub2(lop3_and_or(w, LO, MAGIC), MAGIC);                 // 1024 + q   - 1024
+  a[1] = hfma2(lop3_and_or(w, HI, MAGIC), 0x2c002c00u, 0xd400d400u);  // (1024 + 16q) / 16 - 64
+  a[2] = hsub2(lop3_and_or(w8, LO, MAGIC), MAGIC);
+  a[3] = hfma2(lop3_and_or(w8, HI, MAGIC), 0x2c002c00u, 0xd400d400u);
+  a[0] = hfma2(a[0], sg, og);
+  a[1] = hfma2(a[1], sh, oh);
+  a[2] = hfma2(a[2], sg, og);
+  a[3] = hfma2(a[3], sh, oh);
+}
+// One MMA step times T token tiles.
 template <int T>
 __device__ __forceinline__ void step(float (*acc)[4], u32 w, u32 sg, u32 og, u32 sh, u32 oh,
                                      const u32* b0, const u32* b1) {
-  const u32 MAGIC = 0x64006400u, LO = 0x000f000fu, HI = 0x00f000f0u;
-  const u32 w8 = w >> 8;
-  u32 a0 = hsub2(lop3_and_or(w, LO, MAGIC), MAGIC);                 // 1024 + q   - 1024
-  u32 a1 = hfma2(lop3_and_or(w, HI, MAGIC), 0x2c002c00u, 0xd400d400u);  // (1024 + 16q) / 16 - 64
-  u32 a2 = hsub2(lop3_and_or(w8, LO, MAGIC), MAGIC);
-  u32 a3 = hfma2(lop3_and_or(w8, HI, MAGIC), 0x2c002c00u, 0xd400d400u);
-  a0 = hfma2(a0, sg, og);
-  a1 = hfma2(a1, sh, oh);
-  a2 = hfma2(a2, sg, og);
-  a3 = hfma2(a3, sh, oh);
+  u32 a[4];
+  dequant(a, w, sg, og, sh, oh);
 #pragma unroll
-  for (int tt = 0; tt < T; tt++) mma(acc[tt], a0, a1, a2, a3, b0[tt], b1[tt]);
+  for (int tt = 0; tt < T; tt++) mma(acc[tt], a[0], a[1], a[2], a[3], b0[tt], b1[tt]);
 }
 
 __device__ __forceinline__ u32 smem_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -308,10 +313,230 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
   }
 }
 
-// Both loops run the same MMAs in the same order for a given token, so its bits do not depend on
+// ---- the wgmma staged loop (sm_90a) ---------------------------------------------------------------
+// The same chunks, steps and group pairs as the staged loop, the block's two warpgroups each
+// issuing one wgmma.m64nNk16 per MMA step (N = 8T tokens) with A from registers (each warp's
+// fragment is the one the mma.sync loops dequantize) and the tokens in shared memory. A k16 step's
+// 16 k slots hold the channels the mma.sync step takes (slot 2t + u of core matrix kk: channel
+// 16t + 4j + 2kk + u of the chunk), so every product and every accumulation is the mma.sync
+// chain's: the same bits (scripts/wgmma_probe.py measured wgmma against mma.sync).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ACC4(j) "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+// acc[j][i] is the m64nN accumulator's d[4j + i]: row 16 * (warp % 4) + g + 8 * (i >> 1) of the
+// warpgroup's 64, token 8j + 2t + (i & 1): the layout of the mma.sync loops' acc[tt][i].
+template <int T>
+__device__ __forceinline__ void wgmma_step(float (*acc)[4], const u32* a, unsigned long long desc) {
+  if constexpr (T == 4)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
+  if constexpr (T == 5)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %25, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, {%20,%21,%22,%23}, %24, p, 1, 1, 0;\n}\n"
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
+  if constexpr (T == 6)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
+  if constexpr (T == 7)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %33, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n56k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27}, {%28,%29,%30,%31}, %32, p, 1, 1, 0;\n}\n"
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
+  if constexpr (T == 8)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+                 : ACC4(0), ACC4(1), ACC4(2), ACC4(3), ACC4(4), ACC4(5), ACC4(6), ACC4(7)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
+}
+#undef ACC4
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+// keeps the compiler from moving the accumulators while a wgmma may still write them
+template <int T> __device__ __forceinline__ void hold(float (*acc)[4]) {
+#pragma unroll
+  for (int j = 0; j < T; j++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) asm volatile("" : "+f"(acc[j][i]) :: "memory");
+}
+// the same for a wgmma's A fragment: its registers stay live (unreused) until the wait that retires it
+template <int N> __device__ __forceinline__ void hold_regs(u32* r) {
+#pragma unroll
+  for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void sts128_at(u32 a, u32 x, u32 y, u32 z, u32 w) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+// the operand descriptor of tokens at shared address a: K-major core matrices (8 tokens x 8 k slots,
+// 128 bytes), no swizzle; LBO 128 (a step's second 8 slots), SBO 256 (the next 8 tokens)
+__device__ __forceinline__ unsigned long long x_descriptor(u32 a) {
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
+}
+
+// A stage: S chunks x 4 steps x T token blocks x 2 core matrices; a thread's share of it (one unit:
+// a token's 8h .. 8h + 7 channels of each lane quarter t of one chunk, 4 x 16 bytes) is loaded into
+// registers a stage before it is stored, so the loads' latency hides behind a stage of MMAs.
+template <int T, int S>
+struct XStage {
+  static constexpr int UNITS = 16 * T * S, PER = (UNITS + 255) / 256;
+  U4 v[PER][4];
+  __device__ __forceinline__ void load(const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
+      // tokens past M read token M - 1 (their columns are never stored), chunks past the slice its
+      // last (never multiplied): every load in bounds, none predicated
+      const U4* src = (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
+                                  + 8 * (ph & 1));
+#pragma unroll
+      for (int t = 0; t < 4; t++) v[i][t] = load_x(src + 2 * t);
+    }
+  }
+  // the same bytes by asynchronous copies into the thread's own slot (its 16-byte pieces 4096 bytes
+  // apart, so a warp's accesses are contiguous), then back into v once they have landed
+  static constexpr int SLOT_BYTES = PER * 4 * 256 * 16;
+  __device__ __forceinline__ void copy(u32 slot, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) const {
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
+      const U4* src = (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
+                                  + 8 * (ph & 1));
+      if (UNITS % 256 == 0 || u < UNITS)
+#pragma unroll
+        for (int t = 0; t < 4; t++) copy_async_zfill_to(slot + ((i * 4 + t) * 256 + threadIdx.x) * 16, src + 2 * t, 16);
+    }
+  }
+  __device__ __forceinline__ void land(u32 slot) {
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+#pragma unroll
+      for (int t = 0; t < 4; t++) v[i][t] = lds128_at(slot + ((i * 4 + t) * 256 + threadIdx.x) * 16);
+  }
+  // lane quarter t's words 0..3 are k slots 2t, 2t + 1 of (step 2h, core 0), (2h, 1), (2h + 1, 0), (2h + 1, 1)
+  __device__ __forceinline__ void store(u32 buf) const {
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+      const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
+      if (UNITS % 256 == 0 || u < UNITS) {
+        const u32 at = buf + (((ph >> 1) * 4 + 2 * (ph & 1)) * T + r / 8) * 256 + (r % 8) * 16;
+        sts128_at(at, v[i][0].x, v[i][1].x, v[i][2].x, v[i][3].x);
+        sts128_at(at + 128, v[i][0].y, v[i][1].y, v[i][2].y, v[i][3].y);
+        sts128_at(at + T * 256, v[i][0].z, v[i][1].z, v[i][2].z, v[i][3].z);
+        sts128_at(at + T * 256 + 128, v[i][0].w, v[i][1].w, v[i][2].w, v[i][3].w);
+      }
+    }
+  }
+};
+
+// Two stages of S chunks in the wgmma layout in dynamic shared memory; the activations of the stage
+// after them either in registers (XRING 0: loaded a stage before they are stored) or in XRING slots
+// of asynchronous copies after the two stages (each thread copies and rearranges its own pieces, so
+// no barrier between). Codes and group pairs a stage ahead in registers (as the staged loop);
+// fragments double-buffered, so a chunk's dequantization overlaps the previous chunk's wgmmas. The
+// next stage is stored at the end of each stage into the other buffer, whose wgmmas every
+// warpgroup retired before the last barrier.
+template <int T, int S, int XRING>
+__device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+  static_assert(S % 2 == 0, "fragments alternate within a stage");
+  constexpr int STAGE_BYTES = S * 4 * T * 256;
+  extern __shared__ __align__(128) unsigned char xs_wgmma[];
+  const u32 xs_at = smem_address(xs_wgmma), slots_at = xs_at + 2 * STAGE_BYTES;
+  using XS = XStage<T, S>;
+  Chunks f = chunks_of(ARGS, rt, c_begin);
+  U4 ring[S];
+  U2 ring_so[S];
+#pragma unroll
+  for (int p = 0; p < S; p++)
+    if (c_begin + p < c_end) f.get(ring[p], ring_so[p]);
+  XS st;
+  if constexpr (XRING == 0) {
+    st.load(x, M, ldx, tok0, c_begin, c_end);
+    st.store(xs_at);
+    if (c_begin + S < c_end) st.load(x, M, ldx, tok0, c_begin + S, c_end);
+  } else {
+#pragma unroll
+    for (int s = 0; s < XRING; s++) {   // one commit group per stage, empty past the slice
+      if (c_begin + s * S < c_end) st.copy(slots_at + s * XS::SLOT_BYTES, x, M, ldx, tok0, c_begin + s * S, c_end);
+      copy_commit();
+    }
+    copy_wait<XRING - 1>();
+    st.land(slots_at);
+    st.store(xs_at);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  u32 frag[2][16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) frag[0][i] = frag[1][i] = 0u;
+  int stage = 0;
+  for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
+    const u32 buf = xs_at + (stage & 1) * STAGE_BYTES;
+    if constexpr (XRING > 0) {         // stage + XRING into the slot this stage's activations left
+      if (c0 + XRING * S < c_end)
+        st.copy(slots_at + (stage % XRING) * XS::SLOT_BYTES, x, M, ldx, tok0, c0 + XRING * S, c_end);
+      copy_commit();
+    }
+#pragma unroll
+    for (int p = 0; p < S; p++) {
+      const int c = c0 + p;
+      if (c < c_end) {
+        const U4 a = ring[p];
+        const U2 pair = ring_so[p];
+        if (c + S < c_end) f.get(ring[p], ring_so[p]);
+        const u32 sg = prmt(pair.x, 0x1010u), og = prmt(pair.x, 0x3232u);
+        const u32 sh = prmt(pair.y, 0x1010u), oh = prmt(pair.y, 0x3232u);
+        wgmma_wait<1>();             // the wgmmas that read frag[p % 2] (two chunks back) are done
+        hold<T>(acc);
+        u32* fr = frag[p % 2];
+        hold_regs<16>(fr);
+        dequant(fr, a.x, sg, og, sh, oh);
+        dequant(fr + 4, a.y, sg, og, sh, oh);
+        dequant(fr + 8, a.z, sg, og, sh, oh);
+        dequant(fr + 12, a.w, sg, og, sh, oh);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; j++) wgmma_step<T>(acc, fr + 4 * j, x_descriptor(buf + (p * 4 + j) * T * 256));
+        wgmma_commit();
+      }
+    }
+    if (c0 + S < c_end) {
+      if constexpr (XRING == 0) {
+        st.store(xs_at + ((stage + 1) & 1) * STAGE_BYTES);
+        if (c0 + 2 * S < c_end) st.load(x, M, ldx, tok0, c0 + 2 * S, c_end);
+      } else {
+        copy_wait<XRING - 1>();        // this thread's copies of stage + 1 have landed
+        st.land(slots_at + ((stage + 1) % XRING) * XS::SLOT_BYTES);
+        st.store(xs_at + ((stage + 1) & 1) * STAGE_BYTES);
+      }
+    }
+    fence_proxy_async();
+    wgmma_wait<0>();
+    hold<T>(acc);
+    __syncthreads();
+  }
+  wgmma_wait<0>();
+  hold<T>(acc);
+  hold_regs<16>(frag[0]);
+  hold_regs<16>(frag[1]);
+}
+#endif
+
+// Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0>
+template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -327,6 +552,10 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
     if (rt < row_tiles) product_direct<T, S, GC>(acc, ARGS, rt, tok0, c_begin, c_end);
+  } else if constexpr (WGMMA) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    product_wgmma<T, S, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
+#endif
   } else {
     product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
   }
@@ -384,4 +613,10 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 #define STAGED_ENTRY(T, S, BLOCKS)                                                               \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
     w4_mma<T, false, S>(ARGS);                                                                   \
+  }
+// sm_90a only (cuda_w4.kernel_source adds these lines for it): the dynamic shared memory is
+// cuda_w4.wgmma_shared_bytes(T)
+#define WGMMA_ENTRY(T, S, XRING, BLOCKS)                                                         \
+  extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_wgmma_t##T(PARAMS) {                \
+    w4_mma<T, false, S, 0, true, XRING>(ARGS);                                                   \
   }

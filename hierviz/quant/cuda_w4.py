@@ -23,7 +23,10 @@ serves decode, verification and prefill (tokens beyond 64 run as further token c
 grid). Up to 24 tokens the activations come straight from L1 and the codes and group pairs are
 held in registers several chunks ahead (`product_direct`); from 25 the block's warps share the
 activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
-run the same MMAs.
+run the same MMAs. On Hopper the kernel is built for sm_90a, which adds wgmma entries for the staged
+tile counts (`product_wgmma`: each warpgroup's 64 rows times the pass's tokens per MMA step, A from
+the same dequantized registers, the same bits); they are slower there than `product_staged`, so
+they run only when asked for (WGMMA_BY_DEFAULT, matmul(wgmma=True)).
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
@@ -64,6 +67,14 @@ NBUF = 2                   # x stages the staged loop keeps in shared memory (NB
 DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2)}
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
+# The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
+# of the activations ahead of the two stages in the wgmma layout (0: one stage through registers),
+# blocks per multiprocessor). The same bits as the staged loop, slower than it on the H100
+# (docs/kernels.md, "The wgmma staged loop"): they take its products only with WGMMA_BY_DEFAULT or
+# matmul(wgmma=True).
+WGMMA_BUILD = {4: (2, 0, 2), 5: (2, 0, 2), 6: (2, 0, 2), 7: (2, 0, 2), 8: (2, 0, 2)}
+WGMMA_BY_DEFAULT = False
+WGMMA_ARCHS = ("sm_90a",)  # wgmma needs the arch-specific Hopper target
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
 WAVE_BLOCKS_PER_SM = 2     # the direct entries' occupancy: K is split to fill one wave of them ...
 MIN_CHUNKS_PER_SLICE = 12  # ... but keeps at least this many 64-channel chunks per slice (docs/kernels.md),
@@ -88,12 +99,30 @@ def has_group_entry(ahead: int, group: int) -> bool:
     return group in PAIR_GROUPS and ahead % (group // 64) == 0
 
 
-def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD) -> str:
-    """The CUDA source with one entry per build (the defaults: the shipped entries)."""
+def has_wgmma(arch: Optional[str]) -> bool:
+    """Whether builds for `arch` carry the wgmma staged entries (WGMMA_BUILD)."""
+    return arch in WGMMA_ARCHS
+
+
+def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
+                  arch: Optional[str] = None, wgmma_build: Optional[dict] = None) -> str:
+    """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
+    entries only for an arch that has them."""
+    wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
     return (kernel_text() + "".join(f"DIRECT_ENTRY({t}, {a}, {b})\n" for t, (a, b) in direct_build.items())
             + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
                       for g in PAIR_GROUPS if has_group_entry(a, g))
-            + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items()))
+            + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
+            + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
+               if has_wgmma(arch) else ""))
+
+
+def wgmma_shared_bytes(tiles: int, wgmma_build: Optional[dict] = None) -> int:
+    """Dynamic shared memory of the wgmma entry of `tiles` token tiles: its two x stages, each S
+    chunks x 4 steps x `tiles` 8-token blocks x two 128-byte core matrices, then its copy slots,
+    each 64 bytes for every thread and every 256 of a stage's (token, chunk, half-chunk) pieces."""
+    s, ring, _ = (WGMMA_BUILD if wgmma_build is None else wgmma_build)[tiles]
+    return 2 * s * 4 * tiles * 256 + ring * -(-16 * tiles * s // 256) * 256 * 64
 
 
 # ---- which products it serves ----------------------------------------------------------------
@@ -267,12 +296,12 @@ def nvrtc_version() -> Optional[str]:
 
 
 def compile_cubin(arch: str, source: Optional[str] = None) -> bytes:
-    """`source` (default: kernel_source(), the shipped entries) compiled by NVRTC for arch
+    """`source` (default: kernel_source(arch=arch), the shipped entries) compiled by NVRTC for arch
     ("sm_90"): the CUBIN bytes (CompileError with the compiler's log otherwise). Needs no GPU:
     the tests compile it on a CPU machine."""
     lib = _nvrtc_library()
     prog = ctypes.c_void_p()
-    src = (kernel_source() if source is None else source).encode()
+    src = (kernel_source(arch=arch) if source is None else source).encode()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"hierviz_w4.cu", 0, None, None) != 0:
         raise CompileError("nvrtcCreateProgram failed")
     opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
@@ -328,8 +357,9 @@ _UNAVAILABLE: dict[int, str] = {}                          # device index -> why
 
 
 def _arch(index: int) -> str:
+    """The NVRTC target of device `index`: Hopper's arch-specific sm_90a (wgmma), else sm_XY."""
     major, minor = torch.cuda.get_device_capability(index)
-    return f"sm_{major}{minor}"
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
 def ahead_chunks(tiles: int) -> int:
@@ -345,17 +375,19 @@ def pair_group(tiles: int, group_size: int, chunks_per_slice: int) -> int:
     return group_size if chunks_per_slice % (group_size // 64) == 0 else 0
 
 
-def entry_for(tiles: int, group: int = 0) -> str:
+def entry_for(tiles: int, group: int = 0, wgmma: bool = False) -> str:
     """The entry that multiplies `tiles` token tiles per block: the direct loop for few (group:
-    its pair_group entry), else staged."""
+    its pair_group entry), else staged (wgmma: its wgmma entry)."""
     if tiles not in DIRECT_BUILD:
-        return f"w4_staged_t{tiles}"
+        return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
     return f"w4_direct_t{tiles}_g{group}" if group else f"w4_direct_t{tiles}"
 
 
-def entry_names() -> list[str]:
+def entry_names(arch: Optional[str] = None) -> list[str]:
+    """The entries a build for `arch` holds (None: an arch without the wgmma entries)."""
     return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
-        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)]
+        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + (
+        [entry_for(t, wgmma=True) for t in WGMMA_BUILD] if has_wgmma(arch) else [])
 
 
 def functions(index: int) -> dict[str, ctypes.c_void_p]:
@@ -375,20 +407,35 @@ def functions(index: int) -> dict[str, ctypes.c_void_p]:
                 if _DRIVER is None:
                     _DRIVER = _Driver()
                 _DRIVER.ensure_context()
-                cubin = compile_cubin(_arch(index))
-                module = ctypes.c_void_p()
-                _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
-                found = {}
-                for name in entry_names():
-                    fn = ctypes.c_void_p()
-                    _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()),
-                                  "cuModuleGetFunction")
-                    found[name] = fn
+                found = load_entries(_arch(index))
         except Exception as e:
             _UNAVAILABLE[index] = f"the CUDA W4 kernel is not available on cuda:{index}: {type(e).__name__}: {e}"
             raise RuntimeError(_UNAVAILABLE[index]) from e
         _FUNCTIONS[index] = found
         return found
+
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[dict] = None
+                 ) -> dict[str, ctypes.c_void_p]:
+    """`source` (default: the shipped entries) compiled for arch and loaded into the current
+    context: entry name -> CUfunction, the wgmma entries allowed their dynamic shared memory."""
+    cubin = compile_cubin(arch, source)
+    module = ctypes.c_void_p()
+    _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+    found = {}
+    for name in entry_names(arch):
+        fn = ctypes.c_void_p()
+        _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
+        found[name] = fn
+    for t in (WGMMA_BUILD if wgmma_build is None else wgmma_build) if has_wgmma(arch) else ():
+        _DRIVER.check(_DRIVER.lib.cuFuncSetAttribute(found[entry_for(t, wgmma=True)],
+                                                     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                     wgmma_shared_bytes(t, wgmma_build)),
+                      "cuFuncSetAttribute")
+    return found
 
 
 def available(device: torch.device) -> bool:
@@ -425,11 +472,13 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
-           split: Optional[int] = None, tiles: Optional[int] = None) -> torch.Tensor:
+           split: Optional[int] = None, tiles: Optional[int] = None, wgmma: Optional[bool] = None) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default split_for on this GPU; the same for every M; another
     split sums in another order, so other bits). tiles: 8-token tiles per block (default
-    token_tiles(M)); any choice gives a row the same bits."""
+    token_tiles(M)); any choice gives a row the same bits. wgmma: whether the staged tile counts
+    run the wgmma entries (default: WGMMA_BY_DEFAULT, where this GPU's build has them; else the
+    mma.sync staged loop), the same bits either way."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
@@ -470,7 +519,11 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
-    entry = entry_for(tiles, pair_group(tiles, w.group_size, per))
-    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, 0,
+    use_wgmma = WGMMA_BY_DEFAULT and entry_for(tiles, wgmma=True) in fns if wgmma is None else wgmma
+    entry = entry_for(tiles, pair_group(tiles, w.group_size, per), use_wgmma)
+    if entry not in fns:
+        raise ValueError(f"this GPU's build of the CUDA W4 kernel has no entry {entry}")
+    shared = wgmma_shared_bytes(tiles) if entry.startswith("w4_wgmma") else 0
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, shared,
                                              stream, ptrs, None), "cuLaunchKernel")
     return y
