@@ -28,7 +28,7 @@ class Options:
     cuda_graphs: bool           # HIERVIZ_CUDA_GRAPHS: CUDA graphs over the static runners (default on)
     fused: bool                 # HIERVIZ_FUSED: fused Triton layer kernels on CUDA fp16/bf16 (default on)
     w4_deterministic: bool      # HIERVIZ_W4_DETERMINISTIC: ordered split-K reduction (default on)
-    w4_cuda: str                # HIERVIZ_W4_CUDA: off | on | target, the CUDA MMA W4 kernel for fp16 products
+    w4_cuda: str                # HIERVIZ_W4_CUDA: auto | on | target | off, the CUDA MMA W4 kernel for fp16 products
     cpu_matmul: str             # HIERVIZ_CPU_MATMUL: auto | plain | nt, the CPU dense product's layout
     timing_sync: bool           # HIERVIZ_TIMING_SYNC: per-stage device syncs for exact stage times
     timing_events: bool         # HIERVIZ_TIMING_EVENTS: CUDA events for stage times (default on)
@@ -45,12 +45,17 @@ class Options:
     max_tree_size: int          # HIERVIZ_MAX_TREE_SIZE: cap on a live run's tree sizes (default: by device)
 
 
+# HIERVIZ_W4_CUDA, the default first: "auto" runs every fp16 W4 weight in the CUDA MMA kernel where
+# it is proven and the Triton kernel elsewhere; "on" asks for it (a warning where it cannot load),
+# "target" gives it a verifier's weights only, "off" keeps Triton
+W4_CUDA_MODES = ("off", "auto", "on", "target")
+
 _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",
           "w4_deterministic": "HIERVIZ_W4_DETERMINISTIC", "timing_sync": "HIERVIZ_TIMING_SYNC",
           "timing_events": "HIERVIZ_TIMING_EVENTS"}
 _CHOICES = {"cpu_matmul": ("HIERVIZ_CPU_MATMUL", ("auto", "plain", "nt")),
             "ui_pace": ("HIERVIZ_UI_PACE", ("auto", "on", "off")),
-            "w4_cuda": ("HIERVIZ_W4_CUDA", ("off", "on", "target"))}
+            "w4_cuda": ("HIERVIZ_W4_CUDA", W4_CUDA_MODES)}
 _INTS = {"queue_size": ("HIERVIZ_QUEUE_SIZE", 20, 1, 1000), "runs_per_minute": ("HIERVIZ_RUNS_PER_MINUTE", 6, 1, 600),
          "runs_per_address": ("HIERVIZ_RUNS_PER_ADDRESS", 20, 1, 6000),
          "state_mb": ("HIERVIZ_STATE_MB", 16, 1, 4096),

@@ -47,5 +47,5 @@ def w4_fp16_kernel(device: torch.device) -> str:
     mode = kernel_guard.cuda_mode()
     if mode == "off" or CUDA_VARIANT not in kernel_guard.fast_variants(device, torch.float16):
         return "triton"
-    return CUDA_VARIANT if mode == "on" else f"{CUDA_VARIANT} for the target, triton for the rest"
+    return f"{CUDA_VARIANT} for the target, triton for the rest" if mode == "target" else CUDA_VARIANT
 

@@ -208,6 +208,8 @@ def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
     assert w4_verdicts.CUDA_VARIANT not in kernel_guard.supported_variants(torch.device("cpu"))
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")        # a verifier's (the target's) weights only
     assert cuda_w4.serves(verifier) and not cuda_w4.serves(w)
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")          # every weight, where proven
+    assert cuda_w4.serves(w) and cuda_w4.serves(verifier)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
     assert not cuda_w4.serves(w) and not cuda_w4.serves(verifier)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "sometimes")
@@ -226,6 +228,8 @@ def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"          # not allowed on a CPU
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma for the target, triton for the rest"

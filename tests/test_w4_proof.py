@@ -361,3 +361,14 @@ def test_the_static_list_covers_a_platform_only_for_every_variant_it_supports(fa
     proved: list = []
     monkeypatch.setattr(w4_proof, "prove", lambda shapes, rows, dtype, device, log=None: proved.append(shapes))
     assert w4_proof.prove_models([model], torch.float16, GPU).source != "static" and proved
+
+
+def test_auto_keeps_triton_quietly_where_the_cuda_variant_cannot_load(fake_hopper, monkeypatch) -> None:
+    """HIERVIZ_W4_CUDA=auto (every weight where proven) on a GPU where the CUDA MMA kernel does not
+    load: the Triton variants run, with no warning (nothing was asked for by name)."""
+    import warnings
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")
+    kernel_guard._WARNED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel_guard.supported_variants(GPU) == w4_verdicts.TRITON_VARIANTS

@@ -175,7 +175,7 @@ def serves(w: W4Weight) -> bool:
     weight's products must all run one kernel (a verifier's rows keep their bits only within one
     kernel), so the choice is per weight, never per M."""
     mode = options().w4_cuda
-    return mode == "on" or (mode == "target" and w.batch_invariant)
+    return mode in ("on", "auto") or (mode == "target" and w.batch_invariant)
 
 
 # ---- layout ----------------------------------------------------------------------------------

@@ -56,8 +56,9 @@ def triton_version() -> Optional[str]:
 
 
 def cuda_mode() -> str:
-    """HIERVIZ_W4_CUDA: "off", "on" (every fp16 W4 product of the shapes it takes runs the CUDA MMA
-    variant) or "target" (only a verifier's: hierviz.quant.cuda_w4.serves)."""
+    """HIERVIZ_W4_CUDA: "off", "auto" or "on" (every fp16 W4 product of the shapes it takes runs the
+    CUDA MMA variant where it is proven; "on" warns where it cannot load) or "target" (only a
+    verifier's: hierviz.quant.cuda_w4.serves)."""
     return options().w4_cuda
 
 
@@ -67,7 +68,7 @@ def _index(device: torch.device) -> int:
 
 def supported_variants(device: torch.device) -> tuple[str, ...]:
     """The fast variants this device can run: the Triton ones from Hopper (sm_90) on; the CUDA MMA
-    one, where it is asked for (HIERVIZ_W4_CUDA on or target), from sm_80 on where NVRTC compiles it and the
+    one, unless HIERVIZ_W4_CUDA is off, from sm_80 on where NVRTC compiles it and the
     driver loads it; under the interpreter the Triton ones (it emulates TMA; the CUDA kernel needs
     a GPU)."""
     if device.type != "cuda":
@@ -78,7 +79,7 @@ def supported_variants(device: torch.device) -> tuple[str, ...]:
         from hierviz.quant import cuda_w4      # imported here: it compiles only when asked
         if cuda_w4.available(device):
             found = (*found, w4_verdicts.CUDA_VARIANT)
-        else:
+        elif cuda_mode() != "auto":         # asked for by name: say why it does not run
             _warn_once(f"HIERVIZ_W4_CUDA={cuda_mode()}, but {cuda_w4.unavailable_reason(device)}: the Triton W4 kernel runs")
     return found
 
