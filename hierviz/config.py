@@ -48,7 +48,7 @@ class Options:
 # HIERVIZ_W4_CUDA, the default first: "auto" runs every fp16 W4 weight in the CUDA MMA kernel where
 # it is proven and the Triton kernel elsewhere; "on" asks for it (a warning where it cannot load),
 # "target" gives it a verifier's weights only, "off" keeps Triton
-W4_CUDA_MODES = ("off", "auto", "on", "target")
+W4_CUDA_MODES = ("auto", "off", "on", "target")
 
 _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",
           "w4_deterministic": "HIERVIZ_W4_DETERMINISTIC", "timing_sync": "HIERVIZ_TIMING_SYNC",

@@ -40,12 +40,15 @@ def machine_info(device: Union[str, torch.device, None]) -> dict[str, Any]:
 
 
 def w4_fp16_kernel(device: torch.device) -> str:
-    """Which kernel runs fp16 W4 products on `device`: "cuda_mma", "triton", or with
-    HIERVIZ_W4_CUDA=target "cuda_mma for the target, triton for the rest"."""
+    """Which kernel runs fp16 W4 products on `device`: "cuda_mma", "triton", with
+    HIERVIZ_W4_CUDA=target "cuda_mma for the target, triton for the rest", with auto the weights
+    the timings gave to each (w4_verdicts.kernel_summary)."""
     from hierviz.quant import kernel_guard
-    from hierviz.quant.w4_verdicts import CUDA_VARIANT
+    from hierviz.quant.w4_verdicts import CUDA_VARIANT, kernel_summary
     mode = kernel_guard.cuda_mode()
     if mode == "off" or CUDA_VARIANT not in kernel_guard.fast_variants(device, torch.float16):
         return "triton"
+    if mode == "auto":
+        return kernel_summary()
     return f"{CUDA_VARIANT} for the target, triton for the rest" if mode == "target" else CUDA_VARIANT
 

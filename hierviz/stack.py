@@ -296,12 +296,15 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
 
 
 def w4_proof_summary(models: Models, dtype: torch.dtype, dev: torch.device) -> Optional[str]:
-    """The start-up proof's status line on CUDA (hierviz.quant.w4_proof), None elsewhere."""
+    """The start-up proof's status line on CUDA (hierviz.quant.w4_proof), None elsewhere; then, under
+    HIERVIZ_W4_CUDA=auto, each W4 weight kind's kernel chosen by timing (hierviz.quant.w4_choice)."""
     if dev.type != "cuda":
         return None
-    from hierviz.quant import w4_proof       # loads Triton: CUDA only
+    from hierviz.quant import w4_choice, w4_proof       # load Triton: CUDA only
+    log = logging.getLogger("hierviz").info
     summary = w4_proof.prove_models(models.present(), dtype, dev).summary()
-    logging.getLogger("hierviz").info(summary)
+    log(summary)
+    w4_choice.choose_for_models(models.present(), dev, log=log)     # after the proof, before any product
     return summary
 
 

@@ -208,8 +208,11 @@ def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:
     assert w4_verdicts.CUDA_VARIANT not in kernel_guard.supported_variants(torch.device("cpu"))
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")        # a verifier's (the target's) weights only
     assert cuda_w4.serves(verifier) and not cuda_w4.serves(w)
-    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")          # every weight, where proven
-    assert cuda_w4.serves(w) and cuda_w4.serves(verifier)
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")          # the weights whose kind was timed fastest there
+    w4_verdicts.forget_kernel_choices()
+    w4_verdicts.choose_kernel(w4_verdicts.kernel_kind(verifier), True)
+    assert cuda_w4.serves(verifier) and not cuda_w4.serves(w)
+    w4_verdicts.forget_kernel_choices()
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")
     assert not cuda_w4.serves(w) and not cuda_w4.serves(verifier)
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "sometimes")
@@ -229,8 +232,12 @@ def test_measurements_record_which_w4_kernel_ran(monkeypatch) -> None:
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"          # not allowed on a CPU
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
-    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "auto")           # no weight timed yet: all Triton
+    w4_verdicts.forget_kernel_choices()
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "triton"
+    w4_verdicts.choose_kernel((0, 128, 64, 32, False, True), True)
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma"
+    w4_verdicts.forget_kernel_choices()
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
     assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma for the target, triton for the rest"
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "off")

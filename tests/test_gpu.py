@@ -692,3 +692,29 @@ def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch
                         "48", "--methods", "ar,eagle2,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
     assert runs and all(r["identical"] and not r["steering_miss"] for r in runs)
+
+
+def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invariant(monkeypatch) -> None:
+    """HIERVIZ_W4_CUDA=auto (the default): each kind of the model's fp16 W4 weights is timed in both
+    kernels at every CHOICE_ROWS count before any product, the CUDA kernel chosen exactly where no
+    row count is slower (within the noise), every weight of a kind runs its choice, and the target's
+    verification keeps every token's bits under the chosen kernels."""
+    from hierviz.quant import cuda_w4, w4_choice, w4_verdicts
+    monkeypatch.delenv("HIERVIZ_W4_CUDA", raising=False)
+    w4_verdicts.forget_kernel_choices()
+    try:
+        model = smollm2_w4_verifier(torch.float16)
+        chosen = w4_choice.choose_for_models([model], "cuda")
+        assert chosen and set(chosen) == set(w4_choice.kinds_of([model]))
+        for kind, cuda in chosen.items():
+            times = w4_verdicts.kernel_times(kind)
+            assert set(times["cuda_us"]) == set(times["triton_us"]) == set(w4_choice.CHOICE_ROWS)
+            assert all(0 < t < 10_000 for t in (*times["cuda_us"].values(), *times["triton_us"].values()))
+            assert cuda == w4_choice.faster_everywhere(times["cuda_us"], times["triton_us"])
+        print({f"{k[1]}x{k[2]}": v for k, v in chosen.items()})
+        for layer in model.layers:
+            for w in layer.gate_up.w4:
+                assert cuda_w4.serves(w) == chosen[w4_verdicts.kernel_kind(w)]
+        assert_verification_is_batch_invariant(model)
+    finally:
+        w4_verdicts.forget_kernel_choices()

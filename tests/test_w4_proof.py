@@ -105,7 +105,8 @@ def test_verdict_lines_for_the_other_outcomes() -> None:
     static = w4_verdicts.Verdict(key, "float16", ("tma", "gemv"), source="static")
     assert "CUDA MMA" not in static.summary()
     with_cuda = w4_verdicts.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
-    assert with_cuda.summary().endswith(" — fp16 products in the CUDA MMA variant")   # HIERVIZ_W4_CUDA=on
+    assert with_cuda.summary().endswith(" — fp16 products of the weights it is timed fastest on in the CUDA MMA "
+                                        "variant")      # HIERVIZ_W4_CUDA=auto, the default
 
 
 def test_the_status_line_says_when_only_the_target_runs_the_cuda_variant(monkeypatch) -> None:
@@ -113,6 +114,8 @@ def test_the_status_line_says_when_only_the_target_runs_the_cuda_variant(monkeyp
     with_cuda = w4_verdicts.Verdict(key, "float16", ("tma", "gemv", "cuda_mma"), source="static")
     monkeypatch.setenv("HIERVIZ_W4_CUDA", "target")
     assert with_cuda.summary().endswith(" — the target's fp16 products in the CUDA MMA variant")
+    monkeypatch.setenv("HIERVIZ_W4_CUDA", "on")
+    assert with_cuda.summary().endswith(" — fp16 products in the CUDA MMA variant")
 
 
 def test_proof_rows_cover_every_row_count_a_fast_variant_changes() -> None:

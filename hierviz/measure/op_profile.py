@@ -64,6 +64,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     from hierviz.decoding.state import BaseState
     from hierviz.models import cuda_graphs
     from hierviz.models.synthetic import synthetic_model
+    from hierviz.quant import w4_choice
     from hierviz.quant.w4 import FORMAT as W4A16
 
     name, cfg = load_shape(shape)
@@ -72,6 +73,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     cfg = dataclasses.replace(cfg, num_layers=min(layers, cfg.num_layers))
     cuda = device == "cuda"
     model = synthetic_model(cfg, W4A16.name, dtype, device, kernel, 0)
+    w4_choice.choose_for_models([model], device)     # each W4 weight's kernel, before any product
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
     max_len = prompt_len + 4 * steps + tokens + 16
 

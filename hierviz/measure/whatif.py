@@ -46,6 +46,7 @@ from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
 from hierviz.models.synthetic import random_codes, synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
+from hierviz.quant import w4_choice
 from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, by_width, canonical_name, check_runs_on, format_of_description,
                                    get_format)
 from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError, add_draft_args, apply_draft_args
@@ -141,6 +142,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
+    w4_choice.choose_for_models([target, inter], device)    # each W4 weight's kernel, before any product
     if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
         return Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
                       e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab))

@@ -55,6 +55,7 @@ import torch
 from hierviz.config import options
 from hierviz.quant.tickets import multiprocessor_count, ticket_buffer
 from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
+from hierviz.quant import w4_verdicts
 
 _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
@@ -169,13 +170,15 @@ def token_tiles(m: int) -> int:
 
 def serves(w: W4Weight) -> bool:
     """Whether w's fp16 products, on a platform where the variant is proven, run here rather than
-    in the Triton kernel: every W4 weight with HIERVIZ_W4_CUDA=on, only a verifier's
-    (batch-invariant: the target's) with `target`. Off by default: the kernel is faster up to 8
-    rows but slower than the Triton kernel on some tree verifications (docs/kernels.md), and a
-    weight's products must all run one kernel (a verifier's rows keep their bits only within one
-    kernel), so the choice is per weight, never per M."""
+    in the Triton kernel: with HIERVIZ_W4_CUDA=auto (the default) the weights whose kind
+    hierviz.quant.w4_choice timed as fastest here at every row count, with `on` every W4 weight,
+    with `target` only a verifier's (batch-invariant: the target's). A weight's products must all
+    run one kernel (a verifier's rows keep their bits only within one kernel), so the choice is
+    per weight, never per M."""
     mode = options().w4_cuda
-    return mode in ("on", "auto") or (mode == "target" and w.batch_invariant)
+    if mode == "auto":
+        return w4_verdicts.cuda_chosen(w)
+    return mode == "on" or (mode == "target" and w.batch_invariant)
 
 
 # ---- layout ----------------------------------------------------------------------------------

@@ -153,7 +153,8 @@ class Verdict:
         if self.source == "cpu":
             return "W4 fast path: not used on the CPU (the Triton kernels run on CUDA GPUs)"
         # HIERVIZ_W4_CUDA moves fp16 products to another kernel: say so where it is enabled
-        whose = "the target's fp16 products" if options().w4_cuda == "target" else "fp16 products"
+        whose = {"target": "the target's fp16 products",
+                 "auto": "fp16 products of the weights it is timed fastest on"}.get(options().w4_cuda, "fp16 products")
         cuda = f" — {whose} in the {VARIANT_LABELS[CUDA_VARIANT]}" if CUDA_VARIANT in self.enabled() else ""
         if self.source == "static":
             return f"W4 fast path: on ({where}: a platform the full correctness sweep passed on){cuda}"
@@ -296,3 +297,63 @@ def forget_in_memory() -> None:
     with _LOCK:
         _KNOWN.clear()
     verdicts_changed()
+
+
+# ---- the kernel each weight runs under HIERVIZ_W4_CUDA=auto -------------------------------------
+
+# (device index, K, N, group, act order, batch-invariant) -> whether the CUDA MMA kernel runs the
+# weights of that kind: chosen from timings (hierviz.quant.w4_choice), or fixed to the Triton kernel
+# by the first product of a kind nobody chose for, so that a weight never changes kernel mid-run
+# (its rows' bits would change with it)
+KernelKind = tuple[int, int, int, int, bool, bool]
+_KERNEL_CHOICE: dict[KernelKind, bool] = {}
+_KERNEL_TIMES: dict[KernelKind, dict[str, Any]] = {}
+
+
+def kernel_kind(w: Any) -> KernelKind:
+    """The kind of a W4 weight that its kernel choice is made for."""
+    dev = w.scales.device
+    return (dev.index if dev.index is not None else -1, w.in_features, w.out_features, w.group_size,
+            w.perm is not None, bool(w.batch_invariant))
+
+
+def cuda_chosen(w: Any) -> bool:
+    """Whether the CUDA MMA kernel runs w under auto; asked before each of w's products, so the
+    first ask of a kind with no choice fixes it to the Triton kernel."""
+    return _KERNEL_CHOICE.setdefault(kernel_kind(w), False)
+
+
+def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None) -> bool:
+    """Record the kernel a kind runs, unless it has one already (chosen, or fixed by a product);
+    returns the choice in force."""
+    if kind not in _KERNEL_CHOICE and times is not None:
+        _KERNEL_TIMES[kind] = times
+    return _KERNEL_CHOICE.setdefault(kind, cuda)
+
+
+def kernel_choices() -> dict[KernelKind, bool]:
+    """Every kind's kernel choice so far (True: the CUDA MMA kernel)."""
+    return dict(_KERNEL_CHOICE)
+
+
+def kernel_times(kind: KernelKind) -> Optional[dict[str, Any]]:
+    """The timings a kind's choice was made from, if it was timed."""
+    return _KERNEL_TIMES.get(kind)
+
+
+def forget_kernel_choices() -> None:
+    """Drop every choice (tests; a process that loads new weights keeps its choices)."""
+    _KERNEL_CHOICE.clear()
+    _KERNEL_TIMES.clear()
+
+
+def kernel_summary() -> str:
+    """One line naming the weights the CUDA MMA kernel runs under auto: "triton" where it runs
+    none, "cuda_mma" where it runs every kind, else the shapes it runs."""
+    cuda = sorted(k for k, v in _KERNEL_CHOICE.items() if v)
+    if not cuda:
+        return "triton"
+    if len(cuda) == len(_KERNEL_CHOICE):
+        return CUDA_VARIANT
+    shapes = ", ".join(f"{k[1]}x{k[2]}{' (verifier)' if k[5] else ''}" for k in cuda)
+    return f"{CUDA_VARIANT} for {shapes}; triton for the rest"

@@ -1,0 +1,126 @@
+"""Which kernel each W4 weight runs under HIERVIZ_W4_CUDA=auto (the default): the CUDA MMA kernel
+where it is proven and timed at least as fast as the Triton kernel at every row count the engine
+multiplies, the Triton kernel elsewhere.
+
+A weight's products must all run one kernel (a verifier's rows keep their bits only within one), so
+the choice is made per kind of weight (shape, group, act order, batch-invariant or not: w4_verdicts.
+kernel_kind), once per process, before the weight's first product: a stack load calls
+`choose_for_models` after the start-up proof (hierviz.stack), as the measurement tools do after
+building their models. Each kind is timed on synthetic weights of its shape, both kernels in the
+mode the weight runs in (a verifier's batch-invariant products, another weight's normal ones), at
+CHOICE_ROWS. Every method of a comparison runs the same weights, so the comparison stays fair:
+a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
+is not chosen for that weight. docs/kernels.md gives the choices measured on the H100 and H200."""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from hierviz.config import options, overrides
+from hierviz.quant import kernel_guard, triton_w4, w4_verdicts
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
+
+# the row counts the engine multiplies: one-token steps, sequence verifications (the direct loop's
+# 8-token tiles and their edges), tree verifications and the 64-row passes of the staged loop
+CHOICE_ROWS: tuple[int, ...] = (1, 2, 8, 9, 16, 17, 24, 25, 32, 40, 48, 64, 96, 128)
+# the CUDA kernel is chosen when no row count is slower than Triton by more than this (the timings'
+# repeat-to-repeat noise is about 1-2 %)
+NOISE = 1.03
+COPIES_BYTES = 128 << 20       # weight copies cycled per timing: more than the L2 of any GPU here
+MAX_COPIES = 16
+Timer = Callable[[Callable[[], Any]], float]
+
+
+def cuda_event_timer(product: Callable[[], Any], reps: int = 20) -> float:
+    """Mean microseconds of `product` over reps launches after two warm-ups, by CUDA events
+    (median of three such means)."""
+    for _ in range(2):
+        product()
+    means = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            product()
+        end.record()
+        end.synchronize()
+        means.append(start.elapsed_time(end) * 1000.0 / reps)
+    return statistics.median(means)
+
+
+def _copies(kind: w4_verdicts.KernelKind, device: torch.device) -> list[W4Weight]:
+    from hierviz.quant.w4_proof import synthetic_weight
+    _, k, n, group, act_order, invariant = kind
+    count = max(1, min(MAX_COPIES, math.ceil(COPIES_BYTES / max(1, n * k // 2))))
+    out = []
+    for i in range(count):
+        w = synthetic_weight(n, k, group, device, 1000 + i, act_order, torch.float16)
+        w.batch_invariant = invariant
+        out.append(w)
+    return out
+
+
+def time_kind(kind: w4_verdicts.KernelKind, device: torch.device, mode: str,
+              rows: Iterable[int] = CHOICE_ROWS, timer: Timer = cuda_event_timer) -> dict[int, float]:
+    """Microseconds per product of this kind at each row count, with HIERVIZ_W4_CUDA=mode ("on":
+    the CUDA kernel, "off": the Triton kernel), cycling weight copies so that reads come from DRAM."""
+    _, k, *_ = kind
+    rows = [m for m in rows if not kind[5] or m <= INVARIANT_MAX_ROWS]
+    out: dict[int, float] = {}
+    with overrides(w4_cuda=mode):
+        ws = _copies(kind, device)
+        for m in rows:
+            x = torch.randn(m, k, device=device).to(torch.float16)
+            turn = iter(range(1 << 62))
+            out[m] = timer(lambda: triton_w4.triton_w4_matmul(x, ws[next(turn) % len(ws)]))
+    return out
+
+
+def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], noise: float = NOISE) -> bool:
+    """Whether the CUDA kernel is at least as fast at every row count (within the noise)."""
+    return bool(cuda_us) and all(cuda_us[m] <= noise * triton_us[m] for m in cuda_us)
+
+
+def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
+    """The kinds of the fp16 W4 weights of these models the CUDA kernel could run."""
+    from hierviz.quant import cuda_w4
+    kinds = set()
+    for model in models:
+        if model is None:
+            continue
+        for mod in model.modules():
+            for w in getattr(mod, "w4", None) or []:
+                if (isinstance(w, W4Weight) and w.scales.is_cuda and w.scales.dtype == torch.float16
+                        and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size)):
+                    kinds.add(w4_verdicts.kernel_kind(w))
+    return sorted(kinds)
+
+
+def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], timer: Timer = cuda_event_timer,
+                      log: Optional[Callable[[str], None]] = None) -> dict[w4_verdicts.KernelKind, bool]:
+    """Under HIERVIZ_W4_CUDA=auto, on a platform where the CUDA MMA variant is enabled, time both
+    kernels on each kind of the models' fp16 W4 weights that has no choice yet and record it
+    (w4_verdicts.choose_kernel). Call it before the models' first product. Returns the choices in
+    force for the models' kinds (none elsewhere)."""
+    dev = torch.device(device)
+    models = list(models)
+    if (options().w4_cuda != "auto" or dev.type != "cuda"
+            or w4_verdicts.CUDA_VARIANT not in kernel_guard.fast_variants(dev, torch.float16)):
+        return {}
+    chosen = {}
+    for kind in kinds_of(models):
+        known = w4_verdicts.kernel_choices()
+        if kind in known:
+            chosen[kind] = known[kind]
+            continue
+        cuda_us, triton_us = time_kind(kind, dev, "on", timer=timer), time_kind(kind, dev, "off", timer=timer)
+        cuda = faster_everywhere(cuda_us, triton_us)
+        chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us})
+        if log:
+            log(f"W4 {kind[1]}x{kind[2]} g{kind[3]}{' (verifier)' if kind[5] else ''}: "
+                f"{'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
+    return chosen
+

@@ -1,0 +1,93 @@
+"""The kernel each W4 weight runs under HIERVIZ_W4_CUDA=auto (hierviz.quant.w4_choice): the CUDA
+MMA kernel only for weight kinds it was timed at least as fast as the Triton kernel at every row
+count, chosen once, before a weight's first product; a kind nobody chose for stays on Triton. The
+timings themselves run on a GPU (tests/test_gpu.py)."""
+import pytest
+import torch
+
+from hierviz import machine
+from hierviz.config import options
+from hierviz.quant import cuda_w4, kernel_guard, w4_choice, w4_verdicts
+from tests.test_cuda_w4 import random_weight
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    monkeypatch.delenv("HIERVIZ_W4_CUDA", raising=False)
+    w4_verdicts.forget_kernel_choices()
+    yield
+    w4_verdicts.forget_kernel_choices()
+
+
+def test_auto_is_the_default() -> None:
+    assert options().w4_cuda == "auto"
+
+
+@pytest.mark.parametrize("cuda_us, triton_us, chosen", [
+    ({1: 38.0, 32: 90.0, 64: 138.0}, {1: 62.0, 32: 89.4, 64: 158.6}, True),    # 1 % slower at 32 rows: noise
+    ({1: 36.8, 32: 89.0, 64: 138.5}, {1: 67.0, 32: 81.5, 64: 147.7}, False),   # 9 % slower at 32 rows
+    ({1: 10.0}, {1: 10.0}, True),
+    ({}, {}, False),
+])
+def test_the_cuda_kernel_is_chosen_only_if_no_row_count_is_slower(cuda_us, triton_us, chosen) -> None:
+    assert w4_choice.faster_everywhere(cuda_us, triton_us) is chosen
+
+
+def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
+    fast, slow = random_weight(64, 128, 32), random_weight(128, 128, 32)
+    fast.batch_invariant = slow.batch_invariant = True
+    kinds = [w4_verdicts.kernel_kind(fast), w4_verdicts.kernel_kind(slow)]
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
+    monkeypatch.setattr(w4_choice, "kinds_of", lambda models: kinds)
+    timed = []
+
+    def fake_time(kind, device, mode, rows=w4_choice.CHOICE_ROWS, timer=None):
+        timed.append((kind, mode))
+        faster = kind == kinds[0]
+        return {m: (10.0 if faster else 30.0) if mode == "on" else 20.0 for m in rows}
+    monkeypatch.setattr(w4_choice, "time_kind", fake_time)
+    chosen = w4_choice.choose_for_models([], "cuda")
+    assert chosen == {kinds[0]: True, kinds[1]: False} and len(timed) == 4
+    assert w4_verdicts.kernel_times(kinds[0])["cuda_us"][1] == 10.0
+    assert cuda_w4.serves(fast) and not cuda_w4.serves(slow)
+    # a twin weight of the same kind (another layer) runs the same kernel; nothing is timed again
+    twin = random_weight(64, 128, 32)
+    twin.batch_invariant = True
+    assert cuda_w4.serves(twin) and w4_choice.choose_for_models([], "cuda") == chosen and len(timed) == 4
+    # the same shape as a plain (not batch-invariant) weight is a kind of its own
+    plain = random_weight(64, 128, 32)
+    assert w4_verdicts.kernel_kind(plain) not in chosen
+    monkeypatch.setattr(machine, "gpu_name", lambda device: "NVIDIA H100")
+    assert machine.machine_info("cpu")["w4_fp16_kernel"] == "cuda_mma for 128x64 (verifier); triton for the rest"
+
+
+def test_a_kind_that_ran_a_product_before_any_choice_keeps_the_triton_kernel(monkeypatch) -> None:
+    """A weight never changes kernel mid-run: the first product of a kind nobody chose for fixes
+    it to Triton, and a later choice (faster CUDA timings) does not move it."""
+    w = random_weight(64, 128, 32)
+    assert not cuda_w4.serves(w)            # its first product's question
+    kind = w4_verdicts.kernel_kind(w)
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
+    monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
+    monkeypatch.setattr(w4_choice, "time_kind", lambda kind, device, mode, **kw: {1: 1.0 if mode == "on" else 9.0})
+    assert w4_choice.choose_for_models([], "cuda") == {kind: False} and not cuda_w4.serves(w)
+
+
+def test_nothing_is_timed_off_auto_on_a_cpu_or_where_the_variant_is_not_enabled(monkeypatch) -> None:
+    monkeypatch.setattr(w4_choice, "time_kind", lambda *a, **kw: pytest.fail("timed"))
+    monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [(0, 128, 64, 32, False, True)])
+    assert w4_choice.choose_for_models([], "cpu") == {}
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset())
+    assert w4_choice.choose_for_models([], "cuda") == {}
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
+    for mode in ("off", "on", "target"):
+        monkeypatch.setenv("HIERVIZ_W4_CUDA", mode)
+        assert w4_choice.choose_for_models([], "cuda") == {}
+
+
+def test_kinds_are_the_fp16_cuda_weights_the_kernel_takes() -> None:
+    """On a CPU no weight is a kind the CUDA kernel could run."""
+    from hierviz.measure.whatif import tiny_config
+    from hierviz.models.synthetic import synthetic_model
+    model = synthetic_model(tiny_config(False), "w4a16", torch.float32, "cpu", "reference", 0)
+    assert w4_choice.kinds_of([model, None]) == []
