@@ -46,7 +46,7 @@ from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
 from hierviz.models.synthetic import random_codes, synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
-from hierviz.quant import w4_choice
+from hierviz.quant import w4_choice, w4_verdicts
 from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, by_width, canonical_name, check_runs_on, format_of_description,
                                    get_format)
 from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError, add_draft_args, apply_draft_args
@@ -466,6 +466,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
         "methods": results, "machine": machine_info(dev)}
+    if w4_verdicts.kernel_choices():      # HIERVIZ_W4_CUDA=auto: each W4 kind's kernel and its timings
+        info["w4_kernel_choices"] = w4_verdicts.kernel_choice_records()
     if "eagle3" in info["heads"]:
         info["feature_layers"] = _feature_layers_info(t_cfg, m_cfg)
     for m, r in results.items():    # each row names where its accept/reject decisions came from

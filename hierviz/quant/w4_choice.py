@@ -34,21 +34,29 @@ MAX_COPIES = 16
 Timer = Callable[[Callable[[], Any]], float]
 
 
-def cuda_event_timer(product: Callable[[], Any], reps: int = 20) -> float:
-    """Mean microseconds of `product` over reps launches after two warm-ups, by CUDA events
-    (median of three such means)."""
+def cuda_graph_timer(product: Callable[[], Any], reps: int = 20) -> float:
+    """Microseconds per call of `product` as the engine runs it: `reps` calls captured in one CUDA
+    graph (after two eager calls: compilation and first-use checks), the median of three replays
+    timed by CUDA events. Eager launches would time the host: the Triton wrapper's Python
+    costs more per call than a small product takes on the GPU."""
     for _ in range(2):
         product()
-    means = []
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            product()
+    graph.replay()
+    times = []
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            product()
+        graph.replay()
         end.record()
         end.synchronize()
-        means.append(start.elapsed_time(end) * 1000.0 / reps)
-    return statistics.median(means)
+        times.append(start.elapsed_time(end) * 1000.0 / reps)
+    del graph
+    return statistics.median(times)
 
 
 def _copies(kind: w4_verdicts.KernelKind, device: torch.device) -> list[W4Weight]:
@@ -64,7 +72,7 @@ def _copies(kind: w4_verdicts.KernelKind, device: torch.device) -> list[W4Weight
 
 
 def time_kind(kind: w4_verdicts.KernelKind, device: torch.device, mode: str,
-              rows: Iterable[int] = CHOICE_ROWS, timer: Timer = cuda_event_timer) -> dict[int, float]:
+              rows: Iterable[int] = CHOICE_ROWS, timer: Timer = cuda_graph_timer) -> dict[int, float]:
     """Microseconds per product of this kind at each row count, with HIERVIZ_W4_CUDA=mode ("on":
     the CUDA kernel, "off": the Triton kernel), cycling weight copies so that reads come from DRAM."""
     _, k, *_ = kind
@@ -99,7 +107,7 @@ def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
     return sorted(kinds)
 
 
-def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], timer: Timer = cuda_event_timer,
+def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], timer: Timer = cuda_graph_timer,
                       log: Optional[Callable[[str], None]] = None) -> dict[w4_verdicts.KernelKind, bool]:
     """Under HIERVIZ_W4_CUDA=auto, on a platform where the CUDA MMA variant is enabled, time both
     kernels on each kind of the models' fp16 W4 weights that has no choice yet and record it

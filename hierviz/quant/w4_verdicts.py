@@ -357,3 +357,10 @@ def kernel_summary() -> str:
         return CUDA_VARIANT
     shapes = ", ".join(f"{k[1]}x{k[2]}{' (verifier)' if k[5] else ''}" for k in cuda)
     return f"{CUDA_VARIANT} for {shapes}; triton for the rest"
+
+
+def kernel_choice_records() -> list[dict[str, Any]]:
+    """Every kind's kernel choice with the timings it was made from (measurement records)."""
+    return [{"K": k[1], "N": k[2], "group": k[3], "act_order": k[4], "batch_invariant": k[5],
+             "kernel": CUDA_VARIANT if cuda else "triton", **(_KERNEL_TIMES.get(k) or {"timed": False})}
+            for k, cuda in sorted(_KERNEL_CHOICE.items())]
