@@ -40,7 +40,7 @@ from hierviz.viz.whatif_fig import (LABEL, acceptance_label, figures, kind, mach
 log = logging.getLogger(__name__)
 
 WHATIF_DIR = ROOT / "assets" / "whatif"
-HEADLINE_RESULT = "h200-llama3-70b-paper-trees.json"   # opens with the tab (docs/whatif.md, headline)
+HEADLINE_RESULT = "h100-llama3-70b-paper-trees.json"   # opens with the tab (docs/whatif.md, headline)
 MAX_RESULT_BYTES = 5 * 2**20
 
 # Live run. Shapes (target, intermediate) that build and run in well under the time limit on
