@@ -91,3 +91,15 @@ def test_kinds_are_the_fp16_cuda_weights_the_kernel_takes() -> None:
     from hierviz.models.synthetic import synthetic_model
     model = synthetic_model(tiny_config(False), "w4a16", torch.float32, "cpu", "reference", 0)
     assert w4_choice.kinds_of([model, None]) == []
+
+
+def test_a_timing_that_fails_keeps_the_triton_kernel_with_a_warning(monkeypatch) -> None:
+    kind = (0, 128, 64, 32, False, True)
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
+    monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
+
+    def failing(kind, device, mode, **kw):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(w4_choice, "time_kind", failing)
+    with pytest.warns(RuntimeWarning, match="W4 kernel timing failed for 128x64 .*the Triton kernel runs it"):
+        assert w4_choice.choose_for_models([], "cuda") == {kind: False}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -127,7 +128,13 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
         if kind in known:
             chosen[kind] = known[kind]
             continue
-        cuda_us, triton_us = time_kind(kind, dev, "on", timer=timer), time_kind(kind, dev, "off", timer=timer)
+        try:
+            cuda_us, triton_us = time_kind(kind, dev, "on", timer=timer), time_kind(kind, dev, "off", timer=timer)
+        except (RuntimeError, ValueError) as e:     # a timing that fails (OOM, capture) keeps the proven default
+            warnings.warn(f"W4 kernel timing failed for {kind[1]}x{kind[2]} ({type(e).__name__}: {e}); "
+                          "the Triton kernel runs it", RuntimeWarning, stacklevel=2)
+            chosen[kind] = w4_verdicts.choose_kernel(kind, False)
+            continue
         cuda = faster_everywhere(cuda_us, triton_us)
         chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us})
         if log:
