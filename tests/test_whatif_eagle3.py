@@ -17,18 +17,10 @@ from hierviz.measure.acceptance_record import expected_accepted
 from hierviz.measure.whatif import build_models, main, rows_features, tiny_config, variant_models
 from hierviz.measure.whatif_acceptance import (ACCEPTANCE_DIR, DEFAULT_RATES, EAGLE3_RECORD, constant_rate,
                                                scaled_shape_rates)
+from tests.test_whatif import FAST, _keep_threads  # noqa: F401  (the fixture gives torch's threads back)
 
-FAST = ["--tiny", "--device", "cpu", "--threads", "1"]
 EAGLE2_RECORD = ACCEPTANCE_DIR / "eagle2-arxiv-2503.01840.json"
 VARIANT = next(iter(methods.VARIANTS))      # HierSpec with an EAGLE-3 E_M
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads():
-    """--threads 1 sets torch's global thread count: give it back to the other test modules."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
