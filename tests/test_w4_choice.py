@@ -103,3 +103,10 @@ def test_a_timing_that_fails_keeps_the_triton_kernel_with_a_warning(monkeypatch)
     monkeypatch.setattr(w4_choice, "time_kind", failing)
     with pytest.warns(RuntimeWarning, match="W4 kernel timing failed for 128x64 .*the Triton kernel runs it"):
         assert w4_choice.choose_for_models([], "cuda") == {kind: False}
+
+
+def test_the_choice_times_every_bucket_the_static_runners_pad_to() -> None:
+    """A forward on the static path runs at its bucket's row count (a 24-node tree at 32 rows), so
+    every bucket is among the row counts a kernel must not be slower at."""
+    from hierviz.models.cuda_graphs import BUCKETS
+    assert set(BUCKETS) <= set(w4_choice.CHOICE_ROWS)

@@ -24,9 +24,10 @@ from hierviz.config import options, overrides
 from hierviz.quant import kernel_guard, triton_w4, w4_verdicts
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
 
-# the row counts the engine multiplies: one-token steps, sequence verifications (the direct loop's
-# 8-token tiles and their edges), tree verifications and the 64-row passes of the staged loop
-CHOICE_ROWS: tuple[int, ...] = (1, 2, 8, 9, 16, 17, 24, 25, 32, 40, 48, 64, 96, 128)
+# the row counts the engine multiplies: every bucket the static runners pad a forward to
+# (hierviz.models.cuda_graphs.BUCKETS: a 24-node tree runs 32 rows there), and for the dynamic
+# path the edges of the direct loop's 8-token tiles and of the staged loop's passes
+CHOICE_ROWS: tuple[int, ...] = (1, 2, 4, 8, 9, 16, 17, 24, 25, 32, 40, 48, 64, 96, 128)
 # the CUDA kernel is chosen when no row count is slower than Triton by more than this (the timings'
 # repeat-to-repeat noise is about 1-2 %)
 NOISE = 1.03
