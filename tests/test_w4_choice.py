@@ -110,3 +110,11 @@ def test_the_choice_times_every_bucket_the_static_runners_pad_to() -> None:
     every bucket is among the row counts a kernel must not be slower at."""
     from hierviz.models.cuda_graphs import BUCKETS
     assert set(BUCKETS) <= set(w4_choice.CHOICE_ROWS)
+
+
+def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
+    w = random_weight(64, 128, 32)
+    kind = w4_verdicts.kernel_kind(w)
+    assert not w4_verdicts.cuda_chosen(w)                       # a product ran: fixed to Triton
+    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}) is False
+    assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None
