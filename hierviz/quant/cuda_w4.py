@@ -3,10 +3,12 @@
 One small CUDA C kernel (cuda_w4.cu, beside this module), compiled at first use with NVRTC (the
 runtime compiler that ships with torch's CUDA wheels: no nvcc, no build step) and launched through
 the CUDA driver API on torch's current stream, so CUDA graphs capture it like any other kernel.
-The Triton kernel hands a product here (triton_w4.chosen_config) only with HIERVIZ_W4_CUDA on
-(every W4 weight) or target (a verifier's), where the variant `cuda_mma` is proven (kernel_guard).
-It is off by default: faster than both Triton modes up to 8 rows (than the batch-invariant one to
-24 on most shapes), slower on some tree verifications (docs/kernels.md).
+The Triton kernel hands a product here (triton_w4.chosen_config) where the variant `cuda_mma` is
+proven (kernel_guard) and `serves` says the weight runs here: with HIERVIZ_W4_CUDA=auto (the
+default) the weight kinds hierviz.quant.w4_choice timed at least as fast here at every row count,
+with `on` every W4 weight, with `target` a verifier's. It is faster than both Triton modes up to 8
+rows (than the batch-invariant one to 24 on most shapes), slower from 25-32 rows on most shapes
+(docs/kernels.md).
 
 Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
 few tokens is bound by how many instructions move codes into the tensor-core operand layout
