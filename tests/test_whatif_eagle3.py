@@ -163,3 +163,17 @@ def test_exact_mode_with_both_head_types(tmp_path: Path) -> None:
     assert info["passed"] and info["heads"] == ["eagle2", "eagle3"]
     assert {r["method"] for r in info["runs"]} == {"eagle2", "eagle3", "hierspec"}
     assert all(r["identical"] and r["tokens_per_round"] > 2 for r in info["runs"])
+
+
+def test_a_mean_only_eagle3_file_spreads_its_mean_over_each_trees_depth(tmp_path: Path) -> None:
+    """An EAGLE answer file knows only the mean accepted length (3 draft tokens a round here): given
+    as --eagle3-acceptance, each level gets the one rate whose chain over its own trees' depth
+    (E_T's, E_M's) accepts that mean, as --acceptance-import spreads a mean, never a rate over one
+    position (which would accept every tree whole)."""
+    from tests.test_acceptance_import import DATA
+    assert main(FAST + ["--eagle3-acceptance", str(DATA / "eagle_answers.jsonl"), "--max-new-tokens", "8",
+                        "--t-depth", "5", "--m-depth", "4", "--methods", f"ar,eagle3,{VARIANT}",
+                        "--out", str(tmp_path)]) == 0
+    rates = json.loads((tmp_path / "whatif.json").read_text())["acceptance"]["eagle3"]["rates"]
+    assert rates["target"] == [pytest.approx(constant_rate(3.0, 5))] and rates["target"][0] < 1
+    assert rates["intermediate"] == [pytest.approx(constant_rate(3.0, 4))] and rates["intermediate"][0] < 1

@@ -498,10 +498,13 @@ def check_request(a: argparse.Namespace) -> tuple[list[str], Optional[dict], Dec
     also for a caller that runs the what-if elsewhere (hierviz.measure.compat): the methods, the
     acceptance trace (if any), the settings and the number of new tokens."""
     # an imported file's rates spread over the run's E_T depth (flags and --trees) where it gives no draft length
-    a.imported = apply_imported_acceptance(a, lambda: _settings(a, {}, 16).t_depth)
+    def tree_depths() -> tuple[int, int]:
+        s = _settings(a, {}, 16)
+        return s.t_depth, s.m_depth
+    a.imported = apply_imported_acceptance(a, lambda: tree_depths()[0])
     methods = _methods(a)
     _check_args(a, methods)
-    a.eagle3_record = eagle3_record(a) if "eagle3" in _head_types(a, methods) else None
+    a.eagle3_record = eagle3_record(a, tree_depths) if "eagle3" in _head_types(a, methods) else None
     return (methods, *_trace_and_settings(a, methods))
 
 

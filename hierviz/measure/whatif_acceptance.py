@@ -156,11 +156,12 @@ def tree_heads(row: str, head: Optional[str]) -> tuple[Optional[str], Optional[s
     return t_head, m_head
 
 
-def eagle3_record(a: argparse.Namespace) -> Optional[dict[str, Any]]:
+def eagle3_record(a: argparse.Namespace, tree_depths: Callable[[], tuple[int, int]]) -> Optional[dict[str, Any]]:
     """--eagle3-acceptance: the acceptance record EAGLE-3-drafted trees draw from, as the outputs
     record it (source, citation, per-level rates), or None. Default: the shipped record (the
     EAGLE-3 paper's), unless another acceptance source is given, which then holds for every tree;
-    "none": EAGLE-3 trees draw as EAGLE-2's."""
+    "none": EAGLE-3 trees draw as EAGLE-2's. A level known only by its mean is spread over its draft
+    length, else over the depth of the trees it stands for (tree_depths(): E_T's, E_M's; level_rates)."""
     choice = getattr(a, "eagle3_acceptance", None)
     if choice == "none" or (choice is None and (a.acceptance or a.acceptance_rates or a.m_acceptance_rates
                                                 or getattr(a, "acceptance_import", None))):
@@ -175,11 +176,10 @@ def eagle3_record(a: argparse.Namespace) -> Optional[dict[str, Any]]:
         raise MeasureError(f"--eagle3-acceptance {path}: {e}") from None
     target = imp.levels.get("target", imp)
     m = imp.levels.get("intermediate", target)
+    t_depth, m_depth = tree_depths()
     return {"source": _relative(path), "citation": imp.citation or f"{imp.source_format} file {path.name}",
             "format": imp.source_format, "definition": imp.definition,
-            "rates": {"target": list(target.rates) or [constant_rate(target.mean_accepted_length,
-                                                                     target.draft_length or 1)],
-                      "intermediate": list(m.rates) or [constant_rate(m.mean_accepted_length, m.draft_length or 1)]},
+            "rates": {"target": level_rates(target, t_depth), "intermediate": level_rates(m, m_depth)},
             "published_tau": {k: lv.reported_mean_length for k, lv in (("target", target), ("intermediate", m))}}
 
 
@@ -246,6 +246,17 @@ def constant_rate(mean_accepted: float, draft_length: int) -> float:
     return (lo + hi) / 2
 
 
+def level_rates(level: Any, depth: int, notes: Optional[list[str]] = None) -> list[float]:
+    """An imported level's per-depth conditional rates; a level known only by its mean gets one
+    rate, the mean spread over its draft length, else over `depth` (the run's tree depth, said in
+    `notes`)."""
+    if level.rates:
+        return list(level.rates)
+    if not level.draft_length and notes is not None:
+        notes.append(f"draft length unknown: the mean is spread over {depth} positions (the run's tree depth)")
+    return [constant_rate(level.mean_accepted_length, level.draft_length or depth)]
+
+
 def apply_imported_acceptance(a: argparse.Namespace, tree_depth: Callable[[], int]) -> Optional[dict[str, Any]]:
     """--acceptance-import: the file's rates become --acceptance-rates (the target's level),
     --m-acceptance-rates (an intermediate level) and --seq-rate (a sequence level); a level known
@@ -266,12 +277,8 @@ def apply_imported_acceptance(a: argparse.Namespace, tree_depth: Callable[[], in
     warnings = list(imp.warnings)
     depth = tree_depth()
 
-    def rates_of(level) -> list[float]:
-        if level.rates:
-            return list(level.rates)
-        if not level.draft_length:
-            warnings.append(f"draft length unknown: the mean is spread over {depth} positions (the run's tree depth)")
-        return [constant_rate(level.mean_accepted_length, level.draft_length or depth)]
+    def rates_of(level: Any) -> list[float]:
+        return level_rates(level, depth, warnings)
 
     top = imp.levels.get("target", imp)
     if "target" not in imp.levels and "sequence" in imp.levels:
