@@ -45,9 +45,10 @@ class Options:
     max_tree_size: int          # HIERVIZ_MAX_TREE_SIZE: cap on a live run's tree sizes (default: by device)
 
 
-# HIERVIZ_W4_CUDA, the default first: "auto" runs every fp16 W4 weight in the CUDA MMA kernel where
-# it is proven and the Triton kernel elsewhere; "on" asks for it (a warning where it cannot load),
-# "target" gives it a verifier's weights only, "off" keeps Triton
+# HIERVIZ_W4_CUDA, the default first: "auto" runs a kind of fp16 W4 weight in the CUDA MMA kernel
+# where it is proven and timed at least as fast at every row count (hierviz.quant.w4_choice), the
+# Triton kernel elsewhere; "on" gives it every W4 weight (a warning where it cannot load), "target"
+# a verifier's weights only, "off" none
 W4_CUDA_MODES = ("auto", "off", "on", "target")
 
 _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",

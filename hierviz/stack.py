@@ -272,7 +272,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     check_vocab(models, tokenizer)
     # before any warm-up or graph capture (they fix the W4 configurations): prove the fast W4
     # kernel variants on this GPU for these models' shapes, or use a verdict remembered on disk
-    w4_status = w4_proof_summary(models, dtype, dev)
+    w4_status = prepare_w4_kernels(models, dtype, dev)
     if spec.get("draft_vocab"):
         ids = _draft_vocab(resolve_path(spec["draft_vocab"], base))
         for h in heads.values():
@@ -295,9 +295,10 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     return Stack(spec.get("name", p.stem), models, tokenizer, meta)
 
 
-def w4_proof_summary(models: Models, dtype: torch.dtype, dev: torch.device) -> Optional[str]:
-    """The start-up proof's status line on CUDA (hierviz.quant.w4_proof), None elsewhere; then, under
-    HIERVIZ_W4_CUDA=auto, each W4 weight kind's kernel chosen by timing (hierviz.quant.w4_choice)."""
+def prepare_w4_kernels(models: Models, dtype: torch.dtype, dev: torch.device) -> Optional[str]:
+    """On CUDA, before any product: the start-up proof of the fast W4 variants (hierviz.quant.
+    w4_proof), then, under HIERVIZ_W4_CUDA=auto, each W4 weight kind's kernel chosen by timing
+    (hierviz.quant.w4_choice). Returns the proof's status line; None elsewhere."""
     if dev.type != "cuda":
         return None
     from hierviz.quant import w4_choice, w4_proof       # load Triton: CUDA only

@@ -56,9 +56,9 @@ def triton_version() -> Optional[str]:
 
 
 def cuda_mode() -> str:
-    """HIERVIZ_W4_CUDA: "off", "auto" or "on" (every fp16 W4 product of the shapes it takes runs the
-    CUDA MMA variant where it is proven; "on" warns where it cannot load) or "target" (only a
-    verifier's: hierviz.quant.cuda_w4.serves)."""
+    """HIERVIZ_W4_CUDA: which fp16 W4 weights run the CUDA MMA variant where it is proven (hierviz.
+    quant.cuda_w4.serves): "auto" the kinds timed at least as fast in it (hierviz.quant.w4_choice),
+    "on" every one (with a warning where it cannot load), "target" a verifier's, "off" none."""
     return options().w4_cuda
 
 

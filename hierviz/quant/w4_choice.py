@@ -13,6 +13,7 @@ a kernel that is faster at one token but slower on the tree verifications EAGLE-
 is not chosen for that weight. docs/kernels.md gives the choices measured on the H100 and H200."""
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import warnings
@@ -23,6 +24,7 @@ import torch
 from hierviz.config import options, overrides
 from hierviz.quant import kernel_guard, triton_w4, w4_verdicts
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
+from hierviz.quant.w4_proof import synthetic_weight, triton_weights
 
 # the row counts the engine multiplies: every bucket the static runners pad a forward to
 # (hierviz.models.cuda_graphs.BUCKETS: a 24-node tree runs 32 rows there), and for the dynamic
@@ -62,7 +64,6 @@ def cuda_graph_timer(product: Callable[[], Any], reps: int = 20) -> float:
 
 
 def _copies(kind: w4_verdicts.KernelKind, device: torch.device) -> list[W4Weight]:
-    from hierviz.quant.w4_proof import synthetic_weight
     _, k, n, group, act_order, invariant = kind
     count = max(1, min(MAX_COPIES, math.ceil(COPIES_BYTES / max(1, n * k // 2))))
     out = []
@@ -87,8 +88,8 @@ def time_kind(kind: w4_verdicts.KernelKind, device: torch.device, mode: str,
             triton_w4.triton_w4_matmul(x1, w)
         for m in rows:
             x = torch.randn(m, k, device=device).to(torch.float16)
-            turn = iter(range(1 << 62))
-            out[m] = timer(lambda: triton_w4.triton_w4_matmul(x, ws[next(turn) % len(ws)]))
+            copies = itertools.cycle(ws)
+            out[m] = timer(lambda: triton_w4.triton_w4_matmul(x, next(copies)))
     return out
 
 
@@ -98,18 +99,12 @@ def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], no
 
 
 def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
-    """The kinds of the fp16 W4 weights of these models the CUDA kernel could run."""
-    from hierviz.quant import cuda_w4
-    kinds = set()
-    for model in models:
-        if model is None:
-            continue
-        for mod in model.modules():
-            for w in getattr(mod, "w4", None) or []:
-                if (isinstance(w, W4Weight) and w.scales.is_cuda and w.scales.dtype == torch.float16
-                        and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size)):
-                    kinds.add(w4_verdicts.kernel_kind(w))
-    return sorted(kinds)
+    """The kinds of the models' fp16 W4 weights on a GPU that the Triton kernel multiplies and the
+    CUDA kernel could take over (w4_proof.triton_weights: weights of other kernels never ask)."""
+    from hierviz.quant import cuda_w4      # imported here, as kernel_guard does: it compiles only when asked
+    return sorted({w4_verdicts.kernel_kind(w) for w in triton_weights(models)
+                   if w.scales.is_cuda and w.scales.dtype == torch.float16
+                   and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size)})
 
 
 def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], timer: Timer = cuda_graph_timer,
@@ -124,22 +119,21 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
             or w4_verdicts.CUDA_VARIANT not in kernel_guard.fast_variants(dev, torch.float16)):
         return {}
     chosen = {}
+    known = w4_verdicts.kernel_choices()
     for kind in kinds_of(models):
-        known = w4_verdicts.kernel_choices()
         if kind in known:
             chosen[kind] = known[kind]
             continue
         try:
             cuda_us, triton_us = time_kind(kind, dev, "on", timer=timer), time_kind(kind, dev, "off", timer=timer)
         except (RuntimeError, ValueError) as e:     # a timing that fails (OOM, capture) keeps the proven default
-            warnings.warn(f"W4 kernel timing failed for {kind[1]}x{kind[2]} ({type(e).__name__}: {e}); "
+            warnings.warn(f"W4 kernel timing failed for {w4_verdicts.kind_label(kind)} ({type(e).__name__}: {e}); "
                           "the Triton kernel runs it", RuntimeWarning, stacklevel=2)
             chosen[kind] = w4_verdicts.choose_kernel(kind, False)
             continue
         cuda = faster_everywhere(cuda_us, triton_us)
         chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us})
         if log:
-            log(f"W4 {kind[1]}x{kind[2]} g{kind[3]}{' (verifier)' if kind[5] else ''}: "
-                f"{'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
+            log(f"W4 {w4_verdicts.kind_label(kind)} g{kind[3]}: {'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
     return chosen
 

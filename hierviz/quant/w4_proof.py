@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -217,10 +217,9 @@ def prove(shapes: list[Shape], rows: Optional[list[int]] = None, dtype: torch.dt
     return Verdict(key, dtype_name(dtype), supported, records, "proved", time.perf_counter() - t0)
 
 
-def model_shapes(models: Iterable[Any]) -> list[Shape]:
-    """The unique (K, N, group) of the W4 weights the Triton kernel multiplies in these models
+def triton_weights(models: Iterable[Any]) -> Iterator[W4Weight]:
+    """The W4 weights the Triton kernel (and so its CUDA MMA variant) multiplies in these models
     (hierviz.models.llama.Linear keeps them in `.w4`; None entries and other kernels are skipped)."""
-    shapes = set()
     for model in models:
         if model is None:
             continue
@@ -229,8 +228,12 @@ def model_shapes(models: Iterable[Any]) -> list[Shape]:
                 continue
             for w in getattr(mod, "w4", None) or []:
                 if isinstance(w, W4Weight) and triton_w4.supports(w):
-                    shapes.add((w.in_features, w.out_features, w.group_size))
-    return sorted(shapes)
+                    yield w
+
+
+def model_shapes(models: Iterable[Any]) -> list[Shape]:
+    """The unique (K, N, group) of the W4 weights the Triton kernel multiplies in these models."""
+    return sorted({(w.in_features, w.out_features, w.group_size) for w in triton_weights(models)})
 
 
 def prove_models(models: Iterable[Any], dtype: torch.dtype, device: Union[str, torch.device],

@@ -355,8 +355,12 @@ def kernel_summary() -> str:
         return "triton"
     if len(cuda) == len(_KERNEL_CHOICE):
         return CUDA_VARIANT
-    shapes = ", ".join(f"{k[1]}x{k[2]}{' (verifier)' if k[5] else ''}" for k in cuda)
-    return f"{CUDA_VARIANT} for {shapes}; triton for the rest"
+    return f"{CUDA_VARIANT} for {', '.join(kind_label(k) for k in cuda)}; triton for the rest"
+
+
+def kind_label(kind: KernelKind) -> str:
+    """A kind as messages name it: "KxN", with " (verifier)" for a batch-invariant weight's."""
+    return f"{kind[1]}x{kind[2]}{' (verifier)' if kind[5] else ''}"
 
 
 def kernel_choice_records() -> list[dict[str, Any]]:
