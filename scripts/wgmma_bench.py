@@ -11,9 +11,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
+
+from hierviz.measure.common import write_json  # noqa: E402
 
 from hierviz.measure.kernel_bench import _graph_time_us  # noqa: E402
 from hierviz.quant import cuda_w4  # noqa: E402
@@ -78,9 +81,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         del ws
         torch.cuda.empty_cache()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "wgmma-bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(Path(a.out) / "wgmma-bench.json", res)
 
 
 if __name__ == "__main__":

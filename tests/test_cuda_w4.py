@@ -125,7 +125,7 @@ def test_shape_rules_and_the_k_split() -> None:
     assert cuda_w4.slice_plan(576, 4) == (3, 4) and cuda_w4.slice_plan(8192, 1) == (1, 128)
     assert [cuda_w4.token_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)] == [1, 1, 2, 2, 3, 4, 5, 8, 8, 8]
     assert cuda_w4.entry_for(1) == "w4_direct_t1" and cuda_w4.entry_for(8) == "w4_staged_t8"
-    assert cuda_w4.entry_for(3) == "w4_direct_t3" and cuda_w4.entry_for(4) == "w4_staged_t4"
+    assert cuda_w4.entry_for(5) == "w4_direct_t5" and cuda_w4.entry_for(6) == "w4_staged_t6"
     assert len({cuda_w4.entry_for(t) for t in range(1, cuda_w4.MAX_TOKEN_TILES + 1)}) == cuda_w4.MAX_TOKEN_TILES
     assert len(set(cuda_w4.entry_names())) == len(cuda_w4.entry_names())
     # one entry per tile count, direct or staged, each built into the source
@@ -141,7 +141,7 @@ def test_the_wgmma_entries_take_the_staged_tile_counts_on_sm_90a_only() -> None:
     """One wgmma entry per staged tile count, built (and named) only for sm_90a, with its stages'
     shared memory; the direct tile counts keep their entries whatever is asked."""
     assert sorted(cuda_w4.WGMMA_BUILD) == sorted(cuda_w4.STAGED_BUILD)
-    assert cuda_w4.entry_for(8, wgmma=True) == "w4_wgmma_t8" and cuda_w4.entry_for(4, 0, True) == "w4_wgmma_t4"
+    assert cuda_w4.entry_for(8, wgmma=True) == "w4_wgmma_t8" and cuda_w4.entry_for(6, 0, True) == "w4_wgmma_t6"
     assert cuda_w4.entry_for(1, 128, True) == "w4_direct_t1_g128" and cuda_w4.entry_for(3, 0, True) == "w4_direct_t3"
     wgmma = {cuda_w4.entry_for(t, wgmma=True) for t in cuda_w4.WGMMA_BUILD}
     assert wgmma <= set(cuda_w4.entry_names("sm_90a")) and not wgmma & set(cuda_w4.entry_names("sm_90"))

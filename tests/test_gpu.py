@@ -708,7 +708,8 @@ def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invaria
         assert chosen and set(chosen) == set(w4_choice.kinds_of([model]))
         for kind, cuda in chosen.items():
             times = w4_verdicts.kernel_times(kind)
-            assert set(times["cuda_us"]) == set(times["triton_us"]) == set(w4_choice.CHOICE_ROWS)
+            assert set(times["cuda_us"]) == set(times["triton_us"]) == set(times["cuda_tiles"]) == set(w4_choice.CHOICE_ROWS)
+            assert all(times["cuda_tiles"][m] in w4_choice.tile_candidates(m) for m in w4_choice.CHOICE_ROWS)
             assert all(0 < t < 10_000 for t in (*times["cuda_us"].values(), *times["triton_us"].values()))
             assert cuda == w4_choice.faster_everywhere(times["cuda_us"], times["triton_us"])
         print({f"{k[1]}x{k[2]}": v for k, v in chosen.items()})

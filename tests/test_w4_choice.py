@@ -41,15 +41,26 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: kinds)
     timed = []
 
-    def fake_time(kind, device, mode, rows=w4_choice.CHOICE_ROWS, timer=None):
-        timed.append((kind, mode))
+    def fake_cuda(kind, device, rows=w4_choice.CHOICE_ROWS, timer=None):
+        timed.append((kind, "cuda"))
         faster = kind == kinds[0]
-        return {m: (10.0 if faster else 30.0) if mode == "on" else 20.0 for m in rows}
-    monkeypatch.setattr(w4_choice, "time_kind", fake_time)
+        # the faster kind's 32-row products run fastest as two passes of 16 tokens
+        return {m: {t: (10.0 if faster else 30.0) - (t == 2 and m == 32) for t in w4_choice.tile_candidates(m)}
+                for m in rows}
+
+    def fake_triton(kind, device, rows=w4_choice.CHOICE_ROWS, timer=None):
+        timed.append((kind, "triton"))
+        return {m: 20.0 for m in rows}
+    monkeypatch.setattr(w4_choice, "time_cuda", fake_cuda)
+    monkeypatch.setattr(w4_choice, "time_triton", fake_triton)
     chosen = w4_choice.choose_for_models([], "cuda")
     assert chosen == {kinds[0]: True, kinds[1]: False} and len(timed) == 4
-    assert w4_verdicts.kernel_times(kinds[0])["cuda_us"][1] == 10.0
+    times = w4_verdicts.kernel_times(kinds[0])
+    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == 2
     assert cuda_w4.serves(fast) and not cuda_w4.serves(slow)
+    # the tile plan: 32 rows (and 26-31, timed at 32) in two passes; elsewhere one pass
+    assert [cuda_w4.tiles_for(fast, m) for m in (1, 16, 24, 25, 32, 33, 40, 64, 128, 300)] == [1, 2, 3, 4, 2, 5, 5, 8, 8, 8]
+    assert [cuda_w4.tiles_for(slow, m) for m in (25, 32)] == [4, 4]     # no plan: Triton runs it anyway
     # a twin weight of the same kind (another layer) runs the same kernel; nothing is timed again
     twin = random_weight(64, 128, 32)
     twin.batch_invariant = True
@@ -69,12 +80,15 @@ def test_a_kind_that_ran_a_product_before_any_choice_keeps_the_triton_kernel(mon
     kind = w4_verdicts.kernel_kind(w)
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
-    monkeypatch.setattr(w4_choice, "time_kind", lambda kind, device, mode, **kw: {1: 1.0 if mode == "on" else 9.0})
+    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {1: 1.0}})
+    monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {1: 9.0})
     assert w4_choice.choose_for_models([], "cuda") == {kind: False} and not cuda_w4.serves(w)
+    assert cuda_w4.tiles_for(w, 32) == 4
 
 
 def test_nothing_is_timed_off_auto_on_a_cpu_or_where_the_variant_is_not_enabled(monkeypatch) -> None:
-    monkeypatch.setattr(w4_choice, "time_kind", lambda *a, **kw: pytest.fail("timed"))
+    monkeypatch.setattr(w4_choice, "time_cuda", lambda *a, **kw: pytest.fail("timed"))
+    monkeypatch.setattr(w4_choice, "time_triton", lambda *a, **kw: pytest.fail("timed"))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [(0, 128, 64, 32, False, True)])
     assert w4_choice.choose_for_models([], "cpu") == {}
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset())
@@ -98,23 +112,34 @@ def test_a_timing_that_fails_keeps_the_triton_kernel_with_a_warning(monkeypatch)
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
 
-    def failing(kind, device, mode, **kw):
+    def failing(kind, device, **kw):
         raise RuntimeError("CUDA out of memory")
-    monkeypatch.setattr(w4_choice, "time_kind", failing)
+    monkeypatch.setattr(w4_choice, "time_cuda", failing)
     with pytest.warns(RuntimeWarning, match="W4 kernel timing failed for 128x64 .*the Triton kernel runs it"):
         assert w4_choice.choose_for_models([], "cuda") == {kind: False}
 
 
 def test_the_choice_times_every_bucket_the_static_runners_pad_to() -> None:
-    """A forward on the static path runs at its bucket's row count (a 24-node tree at 32 rows), so
+    """A forward on the static path runs at its bucket's row count (a 30-node tree at 32 rows), so
     every bucket is among the row counts a kernel must not be slower at."""
     from hierviz.models.cuda_graphs import BUCKETS
     assert set(BUCKETS) <= set(w4_choice.CHOICE_ROWS)
+
+
+def test_tile_candidates_and_the_fastest_tiles() -> None:
+    """Candidates run from the one-pass entry down to MAX_PASSES passes over the tokens; the
+    one-pass entry keeps a row count unless another is faster by more than TILES_NOISE."""
+    assert w4_choice.tile_candidates(1) == [1] and w4_choice.tile_candidates(16) == [2, 1]
+    assert w4_choice.tile_candidates(32) == [4, 3, 2, 1] and w4_choice.tile_candidates(33) == [5, 4, 3, 2]
+    assert w4_choice.tile_candidates(128) == [8, 7, 6, 5, 4]
+    assert all(-(-m // (8 * t)) <= w4_choice.MAX_PASSES for m in w4_choice.CHOICE_ROWS for t in w4_choice.tile_candidates(m))
+    assert w4_choice.fastest_tiles(32, {4: 10.05, 2: 10.0}) == 4
+    assert w4_choice.fastest_tiles(32, {4: 10.5, 2: 10.0, 1: 12.0}) == 2
 
 
 def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
     w = random_weight(64, 128, 32)
     kind = w4_verdicts.kernel_kind(w)
     assert not w4_verdicts.cuda_chosen(w)                       # a product ran: fixed to Triton
-    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}) is False
-    assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None
+    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: 2}) is False
+    assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None and w4_verdicts.planned_tiles(kind, 32) is None

@@ -103,7 +103,7 @@ def tree_vs_paths(model, parents: list[int], prompt: list[int], tokens: list[int
     return {"hidden": hidden, "logits": logits, "max_logit_diff": diff}
 
 
-# a 24-node draft tree (bucket 32: the tree verification of EAGLE-2 / of M in HierSpec) and a 6-token
+# a 24-node draft tree (its bucket, 24: EAGLE-2's tree verification at the paper's trees) and a 6-token
 # sequence (HierSpec's verification by the target)
 TREE_24 = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
 CHAIN_6 = [-1, 0, 1, 2, 3, 4]

@@ -37,7 +37,7 @@ import torch
 from hierviz.config import options, overrides
 from hierviz.models.drafter import is_drafter
 
-BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 64, 96, 128)   # 24: the paper trees' E_T verification (23 nodes and the root)
 HEAD_WINDOW = 128        # extra window columns for an EAGLE head's tree-drafting masks
 LEN_ROUND = 256          # live cache lengths are rounded up, so runs of similar length share graphs
 

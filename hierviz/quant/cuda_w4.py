@@ -7,8 +7,8 @@ The Triton kernel hands a product here (triton_w4.chosen_config) where the varia
 proven (kernel_guard) and `serves` says the weight runs here: with HIERVIZ_W4_CUDA=auto (the
 default) the weight kinds hierviz.quant.w4_choice timed at least as fast here at every row count,
 with `on` every W4 weight, with `target` a verifier's. It is faster than both Triton modes up to 8
-rows (than the batch-invariant one to 24 on most shapes), slower from 25-32 rows on most shapes
-(docs/kernels.md).
+rows, than the batch-invariant one at most row counts on the 70B shapes, and slower than Triton's
+normal mode from 25-32 rows on the 8B's (docs/kernels.md).
 
 Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
 few tokens is bound by how many instructions move codes into the tensor-core operand layout
@@ -22,10 +22,11 @@ tokens; each output element is one chain of MMAs over its K slice in a fixed ord
 K slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order fp32 sum done by
 the last block of each output tile. So a row gets the same bits at every M, and the same kernel
 serves decode, verification and prefill (tokens beyond 64 run as further token chunks of the
-grid). Up to 24 tokens the activations come straight from L1 and the codes and group pairs are
-held in registers several chunks ahead (`product_direct`); from 25 the block's warps share the
+grid). Up to 40 tokens a pass the activations come straight from L1 and the codes and group pairs
+are held in registers several chunks ahead (`product_direct`); from 41 the block's warps share the
 activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
-run the same MMAs. On Hopper the kernel is built for sm_90a, which adds wgmma entries for the staged
+run the same MMAs. Where w4_choice timed a weight's kind, each row count runs the tiles per block
+timed fastest (tiles_for): a narrow weight may take 32 tokens as two passes of 16. On Hopper the kernel is built for sm_90a, which adds wgmma entries for the staged
 tile counts (`product_wgmma`: each warpgroup's 64 rows times the pass's tokens per MMA step, A from
 the same dequantized registers, the same bits); they are slower there than `product_staged`, so
 they run only when asked for (WGMMA_BY_DEFAULT, matmul(wgmma=True)).
@@ -63,19 +64,19 @@ _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
 ROWS_PER_BLOCK = 16 * WARPS
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-# The entries, by token tiles per block, measured best per entry on the H200 (docs/kernels.md;
-# every choice gives a row the same bits). Direct (up to 24 tokens): (K chunks of codes and group
+# The entries, by token tiles per block, measured best per entry on the H200 and H100 (docs/kernels.md;
+# every choice gives a row the same bits). Direct (up to 40 tokens): (K chunks of codes and group
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
 # x stage, which is also the code ring's depth; blocks per multiprocessor).
-DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2)}
+DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2), 4: (4, 2), 5: (2, 2)}
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
-STAGED_BUILD = {4: (4, 3), 5: (2, 2), 6: (2, 2), 7: (2, 2), 8: (2, 2)}
+STAGED_BUILD = {6: (2, 2), 7: (2, 2), 8: (2, 2)}
 # The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
 # of the activations ahead of the two stages in the wgmma layout (0: one stage through registers),
 # blocks per multiprocessor). The same bits as the staged loop, slower than it on the H100
 # (docs/kernels.md, "The wgmma staged loop"): they take its products only with WGMMA_BY_DEFAULT or
 # matmul(wgmma=True).
-WGMMA_BUILD = {4: (2, 0, 2), 5: (2, 0, 2), 6: (2, 0, 2), 7: (2, 0, 2), 8: (2, 0, 2)}
+WGMMA_BUILD = {6: (2, 0, 2), 7: (2, 0, 2), 8: (2, 0, 2)}
 WGMMA_BY_DEFAULT = False
 WGMMA_ARCHS = ("sm_90a",)  # wgmma needs the arch-specific Hopper target
 MAX_TOKEN_TILES = 8        # 8-token MMA tiles per warp: 64 tokens per block, more as grid chunks
@@ -168,6 +169,14 @@ def slice_plan(k: int, split: int) -> tuple[int, int]:
 def token_tiles(m: int) -> int:
     """8-token MMA tiles per warp for an m-row product (beyond 64 tokens: grid chunks of 64)."""
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
+
+
+def tiles_for(w: W4Weight, m: int) -> int:
+    """The token tiles per block of an m-row product of w: where hierviz.quant.w4_choice timed w's
+    kind, its fastest (fewer tiles run more passes of the grid over the tokens, each block
+    re-reading its weight tile; any choice gives a row the same bits), else token_tiles(m)."""
+    planned = w4_verdicts.planned_tiles(w4_verdicts.kernel_kind(w), m)
+    return token_tiles(m) if planned is None else min(planned, token_tiles(m))
 
 
 def serves(w: W4Weight) -> bool:
@@ -481,7 +490,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default split_for on this GPU; the same for every M; another
     split sums in another order, so other bits). tiles: 8-token tiles per block (default
-    token_tiles(M)); any choice gives a row the same bits. wgmma: whether the staged tile counts
+    tiles_for(w, M)); any choice gives a row the same bits. wgmma: whether the staged tile counts
     run the wgmma entries (default: WGMMA_BY_DEFAULT, where this GPU's build has them; else the
     mma.sync staged loop), the same bits either way."""
     m, k = x.shape
@@ -507,7 +516,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     if split is None:
         split = split_for(n, k, multiprocessor_count(x.device))
     split, per = slice_plan(k, split)
-    tiles = tiles or token_tiles(m)
+    tiles = tiles or tiles_for(w, m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
     grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)

@@ -368,7 +368,7 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
     if w4_verdicts.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
         from hierviz.quant import cuda_w4
         if cuda_w4.serves(w) and cuda_w4.supports_shape(n, k, w.group_size):
-            tiles = cuda_w4.token_tiles(m)
+            tiles = cuda_w4.tiles_for(w, m)
             return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles,
                           split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS,
                           num_stages=cuda_w4.ahead_chunks(tiles), cuda=True)

@@ -8,7 +8,9 @@ kernel_kind), once per process, before the weight's first product: a stack load 
 `choose_for_models` after the start-up proof (hierviz.stack), as the measurement tools do after
 building their models. Each kind is timed on synthetic weights of its shape, both kernels in the
 mode the weight runs in (a verifier's batch-invariant products, another weight's normal ones), at
-CHOICE_ROWS. Every method of a comparison runs the same weights, so the comparison stays fair:
+CHOICE_ROWS; the CUDA kernel at each of its tile choices per row count (tile_candidates: any gives a
+row the same bits), so a kind the CUDA kernel runs also gets the fastest tiles at each row count
+(w4_verdicts.planned_tiles). Every method of a comparison runs the same weights, so the comparison stays fair:
 a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
 is not chosen for that weight. docs/kernels.md gives the choices measured on the H100 and H200."""
 from __future__ import annotations
@@ -22,12 +24,12 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from hierviz.config import options, overrides
-from hierviz.quant import kernel_guard, triton_w4, w4_verdicts
+from hierviz.quant import cuda_w4, kernel_guard, triton_w4, w4_verdicts
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
 from hierviz.quant.w4_proof import synthetic_weight, triton_weights
 
 # the row counts the engine multiplies: every bucket the static runners pad a forward to
-# (hierviz.models.cuda_graphs.BUCKETS: a 24-node tree runs 32 rows there), and for the dynamic
+# (hierviz.models.cuda_graphs.BUCKETS: a 30-node tree runs 32 rows there), and for the dynamic
 # path the edges of the direct loop's 8-token tiles and of the staged loop's passes
 CHOICE_ROWS: tuple[int, ...] = (1, 2, 4, 8, 9, 16, 17, 24, 25, 32, 40, 48, 64, 96, 128)
 # the CUDA kernel is chosen when no row count is slower than Triton by more than this (the timings'
@@ -35,6 +37,8 @@ CHOICE_ROWS: tuple[int, ...] = (1, 2, 4, 8, 9, 16, 17, 24, 25, 32, 40, 48, 64, 9
 NOISE = 1.03
 COPIES_BYTES = 128 << 20       # weight copies cycled per timing: more than the L2 of any GPU here
 MAX_COPIES = 16
+MAX_PASSES = 4                 # passes of the grid over the tokens a timed tile choice may take
+TILES_NOISE = 1.01
 Timer = Callable[[Callable[[], Any]], float]
 
 
@@ -74,23 +78,59 @@ def _copies(kind: w4_verdicts.KernelKind, device: torch.device) -> list[W4Weight
     return out
 
 
-def time_kind(kind: w4_verdicts.KernelKind, device: torch.device, mode: str,
-              rows: Iterable[int] = CHOICE_ROWS, timer: Timer = cuda_graph_timer) -> dict[int, float]:
-    """Microseconds per product of this kind at each row count, with HIERVIZ_W4_CUDA=mode ("on":
-    the CUDA kernel, "off": the Triton kernel), cycling weight copies so that reads come from DRAM."""
-    _, k, *_ = kind
-    rows = [m for m in rows if not kind[5] or m <= INVARIANT_MAX_ROWS]
+def _rows(kind: w4_verdicts.KernelKind, rows: Iterable[int]) -> list[int]:
+    return [m for m in rows if not kind[5] or m <= INVARIANT_MAX_ROWS]
+
+
+def time_triton(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
+                timer: Timer = cuda_graph_timer) -> dict[int, float]:
+    """Microseconds per product of this kind in the Triton kernel at each row count, in the mode
+    its weights run (batch-invariant or not), cycling weight copies so that reads come from DRAM."""
     out: dict[int, float] = {}
-    with overrides(w4_cuda=mode):
+    with overrides(w4_cuda="off"):
         ws = _copies(kind, device)
-        x1 = torch.randn(1, k, device=device).to(torch.float16)
+        x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
         for w in ws:        # each copy's kernel layout is built here, eagerly, never inside a capture
             triton_w4.triton_w4_matmul(x1, w)
-        for m in rows:
-            x = torch.randn(m, k, device=device).to(torch.float16)
+        for m in _rows(kind, rows):
+            x = torch.randn(m, kind[1], device=device).to(torch.float16)
             copies = itertools.cycle(ws)
             out[m] = timer(lambda: triton_w4.triton_w4_matmul(x, next(copies)))
     return out
+
+
+def tile_candidates(m: int) -> list[int]:
+    """The token tiles per block worth timing for an m-row product: from the entry that takes all m
+    tokens in one pass of the grid (cuda_w4.token_tiles) down to fewer tiles in up to MAX_PASSES
+    passes, each block re-reading its weight tile (from the L2 when the passes run side by side)."""
+    full = cuda_w4.token_tiles(m)
+    return [t for t in range(full, 0, -1) if -(-m // (8 * t)) <= MAX_PASSES]
+
+
+def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
+              timer: Timer = cuda_graph_timer) -> dict[int, dict[int, float]]:
+    """Microseconds per product of this kind in the CUDA MMA kernel at each row count, for each of
+    its tile_candidates (row count -> tiles -> us): every choice gives a row the same bits."""
+    out: dict[int, dict[int, float]] = {}
+    ws = _copies(kind, device)
+    x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
+    for w in ws:            # each copy's layout, eagerly
+        cuda_w4.matmul(x1, w)
+    for m in _rows(kind, rows):
+        x = torch.randn(m, kind[1], device=device).to(torch.float16)
+        out[m] = {}
+        for t in tile_candidates(m):
+            copies = itertools.cycle(ws)
+            out[m][t] = timer(lambda: cuda_w4.matmul(x, next(copies), tiles=t))
+    return out
+
+
+def fastest_tiles(m: int, by_tiles: dict[int, float]) -> int:
+    """The tiles an m-row product runs: the fastest timed, or the one-pass entry unless another
+    is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
+    best = min(by_tiles, key=by_tiles.get)
+    full = cuda_w4.token_tiles(m)
+    return full if full in by_tiles and by_tiles[full] <= TILES_NOISE * by_tiles[best] else best
 
 
 def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], noise: float = NOISE) -> bool:
@@ -101,7 +141,6 @@ def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], no
 def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
     """The kinds of the models' fp16 W4 weights on a GPU that the Triton kernel multiplies and the
     CUDA kernel could take over (w4_proof.triton_weights: weights of other kernels never ask)."""
-    from hierviz.quant import cuda_w4      # imported here, as kernel_guard does: it compiles only when asked
     return sorted({w4_verdicts.kernel_kind(w) for w in triton_weights(models)
                    if w.scales.is_cuda and w.scales.dtype == torch.float16
                    and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size)})
@@ -125,14 +164,17 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
             chosen[kind] = known[kind]
             continue
         try:
-            cuda_us, triton_us = time_kind(kind, dev, "on", timer=timer), time_kind(kind, dev, "off", timer=timer)
+            by_tiles, triton_us = time_cuda(kind, dev, timer=timer), time_triton(kind, dev, timer=timer)
         except (RuntimeError, ValueError) as e:     # a timing that fails (OOM, capture) keeps the proven default
             warnings.warn(f"W4 kernel timing failed for {w4_verdicts.kind_label(kind)} ({type(e).__name__}: {e}); "
                           "the Triton kernel runs it", RuntimeWarning, stacklevel=2)
             chosen[kind] = w4_verdicts.choose_kernel(kind, False)
             continue
+        tiles = {m: fastest_tiles(m, us) for m, us in by_tiles.items()}
+        cuda_us = {m: by_tiles[m][t] for m, t in tiles.items()}
         cuda = faster_everywhere(cuda_us, triton_us)
-        chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us})
+        chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us,
+                                                              "cuda_tiles": tiles}, tiles if cuda else None)
         if log:
             log(f"W4 {w4_verdicts.kind_label(kind)} g{kind[3]}: {'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
     return chosen

@@ -308,6 +308,8 @@ def forget_in_memory() -> None:
 KernelKind = tuple[int, int, int, int, bool, bool]
 _KERNEL_CHOICE: dict[KernelKind, bool] = {}
 _KERNEL_TIMES: dict[KernelKind, dict[str, Any]] = {}
+# the CUDA kernel's token tiles per block by row count, for a kind it runs: (rows timed, tiles) sorted
+_TILE_PLAN: dict[KernelKind, tuple[tuple[int, int], ...]] = {}
 
 
 def kernel_kind(w: Any) -> KernelKind:
@@ -323,12 +325,26 @@ def cuda_chosen(w: Any) -> bool:
     return _KERNEL_CHOICE.setdefault(kernel_kind(w), False)
 
 
-def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None) -> bool:
-    """Record the kernel a kind runs, unless it has one already (chosen, or fixed by a product);
-    returns the choice in force."""
-    if kind not in _KERNEL_CHOICE and times is not None:
-        _KERNEL_TIMES[kind] = times
+def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None,
+                  tiles: Optional[dict[int, int]] = None) -> bool:
+    """Record the kernel a kind runs, unless it has one already (chosen, or fixed by a product),
+    and for the CUDA kernel its tiles per row count (rows timed -> tiles); returns the choice in
+    force."""
+    if kind not in _KERNEL_CHOICE:
+        if times is not None:
+            _KERNEL_TIMES[kind] = times
+        if cuda and tiles:
+            _TILE_PLAN[kind] = tuple(sorted(tiles.items()))
     return _KERNEL_CHOICE.setdefault(kind, cuda)
+
+
+def planned_tiles(kind: KernelKind, m: int) -> Optional[int]:
+    """The CUDA kernel's token tiles per block that timing chose for an m-row product of this kind:
+    those of the smallest timed row count at or above m; None for a kind without a plan or past it."""
+    for rows, tiles in _TILE_PLAN.get(kind, ()):
+        if rows >= m:
+            return tiles
+    return None
 
 
 def kernel_choices() -> dict[KernelKind, bool]:
@@ -345,6 +361,7 @@ def forget_kernel_choices() -> None:
     """Drop every choice (tests; a process that loads new weights keeps its choices)."""
     _KERNEL_CHOICE.clear()
     _KERNEL_TIMES.clear()
+    _TILE_PLAN.clear()
 
 
 def kernel_summary() -> str:
