@@ -229,10 +229,11 @@ CUDA_MMA = "cuda_mma"
 def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
     """The CUDA MMA variant (hierviz.quant.cuda_w4), one launch: K in `split_for` slices, each a
     chain of mma.sync over 64-channel chunks, met in a fixed-order fp32 sum by each output tile's
-    last block. Up to 24 tokens the direct loop (codes `ahead_chunks` ahead in registers: its
+    last block. Up to 40 tokens the direct loop (codes `ahead_chunks` ahead in registers: its
     stages, each lane loading its token rows' activations, so every block reads its tiles' rows
     of its slice); above, the staged loop, whose blocks copy their tokens' activations into shared
-    memory once a stage, in grid chunks of 64 tokens that each read the weights again."""
+    memory once a stage, in grid chunks of 64 tokens that each read the weights again. Costed at
+    the one-pass entry (token_tiles); a timed tile plan only ever runs faster."""
     from hierviz.quant import cuda_w4
     split = cuda_w4.split_for(n, k, gpu.sms)
     per_slice = cuda_w4.slice_plan(k, split)[1]
