@@ -1,9 +1,10 @@
 """The CUDA W4 kernel's entries at the row counts past the direct loop, against the Triton kernel.
 
 For each kind of weight (K,N,G and whether batch-invariant, as w4_choice times them) and row count:
-the Triton kernel's time in the kind's mode, the CUDA kernel's shipped choice (token_tiles), every
-direct entry forced (`tiles`: more blocks along the tokens, each re-reading its weight tile), and
-each extra build (BUILDS: more direct entries, other staged stage lengths). Every variant's rows are
+the Triton kernel's time in the kind's mode, the CUDA kernel's one-pass entry (token_tiles), every
+smaller tile count forced (`tiles`: more passes over the tokens, each block re-reading its weight
+tile), and each extra build (BUILDS: the staged loop at 4-5 tiles, another register-loop depth, a
+6-tile register loop) at one pass and at its own tile counts. Every variant's rows are
 checked bitwise against the rows multiplied one at a time, so a variant that keeps batch invariance
 shows `equal`. Times: w4_choice's timer (20 products in a CUDA graph, weight copies cycled past the
 L2, median of three replays).
@@ -15,7 +16,9 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Optional
 
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
@@ -27,25 +30,48 @@ from hierviz.quant import cuda_w4, w4_choice  # noqa: E402
 # the 70B target's (batch-invariant) and the 8B intermediate's kinds of the default what-if
 KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,128,1",
          "4096,28672,128,0", "14336,4096,128,0", "4096,6144,128,0", "4096,4096,128,0"]
-BUILDS = {      # name: (direct entries added or replaced, staged entries replaced)
-    "d4": ({4: (4, 2)}, {}),
+BUILDS = {      # name: (register-loop entries, staged entries), each replacing the shipped entry of its tile count
+    "staged45": ({}, {4: (4, 3), 5: (2, 2)}),      # the staged loop from 25 rows
     "d4a2": ({4: (2, 2)}, {}),
-    "d456a2": ({4: (2, 2), 5: (2, 2), 6: (2, 2)}, {}),
-    "s4_22": ({}, {4: (2, 2)}),
-    "s4_42": ({}, {4: (4, 2)}),
+    "d6a2": ({6: (2, 2)}, {}),
 }
 
 
-def build(arch: str, direct: dict, staged: dict) -> tuple[dict, dict, dict]:
-    d = {**cuda_w4.DIRECT_BUILD, **direct}
-    s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
-    saved = cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD
-    cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = d, s
+@contextmanager
+def entries(fns: dict, direct: dict, staged: dict) -> Iterator[None]:
+    """cuda_w4 launching a build's entries (its CUfunctions and its tables) inside the block."""
+    idx = torch.cuda.current_device()
+    saved = cuda_w4._FUNCTIONS.get(idx), cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD
+    cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = fns, direct, staged
     try:
-        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch))
+        yield
     finally:
-        cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = saved
+        cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = saved
+
+
+def build(arch: str, direct: dict, staged: dict) -> tuple[dict, dict, dict]:
+    """A build's CUfunctions and tables: the shipped entries with `direct` and `staged` in place of
+    theirs (wgmma entries only for the tile counts still staged)."""
+    d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **direct}.items() if t not in staged}
+    s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
+    wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
+    with entries({}, d, s):
+        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma), wgmma)
     return fns, d, s
+
+
+def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.Tensor, tiles: Optional[int] = None
+                 ) -> None:
+    """row[label_equal]: whether the product's rows equal `alone`'s; row[label_us]: its time."""
+    m = x.shape[0]
+    try:
+        got = cuda_w4.matmul(x, ws[0], tiles=tiles)
+        torch.cuda.synchronize()
+        row[f"{label}_equal"] = bool(torch.equal(got, alone[:m]))
+        copies = itertools.cycle(ws)
+        row[f"{label}_us"] = round(w4_choice.cuda_graph_timer(lambda: cuda_w4.matmul(x, next(copies), tiles=tiles)), 2)
+    except Exception as e:            # a sticky fault ends every later launch too
+        row[f"{label}_error"] = repr(e)[:300]
 
 
 def main() -> None:
@@ -58,17 +84,17 @@ def main() -> None:
     dev = torch.device("cuda")
     idx = torch.cuda.current_device()
     arch = cuda_w4._arch(idx)
-    default = cuda_w4.functions(idx)
-    shipped = cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD
+    cuda_w4.functions(idx)
     builds = {}
     for name in [b for b in a.builds.split(",") if b]:
         t0 = time.time()
         builds[name] = build(arch, *BUILDS[name])
         print(f"built {name} in {time.time() - t0:.1f} s", flush=True)
     ms = [int(v) for v in a.ms.split(",")]
+    sms = torch.cuda.get_device_properties(idx).multi_processor_count
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(),
-           "torch": torch.__version__, "sms": torch.cuda.get_device_properties(idx).multi_processor_count,
-           "shipped": {"direct": shipped[0], "staged": shipped[1]},
+           "torch": torch.__version__, "sms": sms,
+           "shipped": {"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD},
            "builds": {n: {"direct": BUILDS[n][0], "staged": BUILDS[n][1]} for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
         k, n, g, inv = (int(v) for v in spec.split(","))
@@ -79,40 +105,22 @@ def main() -> None:
         for w in ws:
             cuda_w4.matmul(x[:1], w)            # each copy's layout, eagerly
         alone = torch.cat([cuda_w4.matmul(x[i:i + 1], ws[0]) for i in range(max(ms))])
-        split = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, res["sms"]))[0]
+        split = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, sms))[0]
         for m in ms:
             row = {"K": k, "N": n, "G": g, "invariant": bool(inv), "M": m, "split": split,
                    "triton_us": round(triton_us[m], 2)}
-
-            def timed(label: str, tiles=None) -> None:
-                try:
-                    got = cuda_w4.matmul(x[:m], ws[0], tiles=tiles)
-                    torch.cuda.synchronize()
-                    row[f"{label}_equal"] = bool(torch.equal(got, alone[:m]))
-                    copies = itertools.cycle(ws)
-                    row[f"{label}_us"] = round(w4_choice.cuda_graph_timer(
-                        lambda: cuda_w4.matmul(x[:m], next(copies), tiles=tiles)), 2)
-                except Exception as e:
-                    row[f"{label}_error"] = repr(e)[:300]
-
-            timed("shipped")
-            for t in (1, 2, 3):
-                if t < cuda_w4.token_tiles(m):
-                    timed(f"tiles{t}", t)
+            full = cuda_w4.token_tiles(m)
+            time_variant(row, "shipped", x[:m], ws, alone)
+            for t in range(1, full):            # fewer tiles per block, more passes
+                time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
             for name, (fns, d, s) in builds.items():
-                cuda_w4._FUNCTIONS[idx] = fns
-                cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = d, s
-                try:
-                    timed(name)
-                    for t in d:
-                        if t > 3 and t < cuda_w4.token_tiles(m):
-                            timed(f"{name}_tiles{t}", t)
-                finally:
-                    cuda_w4._FUNCTIONS[idx] = default
-                    cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = shipped
+                with entries(fns, d, s):
+                    time_variant(row, name, x[:m], ws, alone)
+                    for t in sorted({*BUILDS[name][0], *BUILDS[name][1]}):
+                        if t < full:
+                            time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
-        del ws
         torch.cuda.empty_cache()
     write_json(Path(a.out) / "tiles-bench.json", res)
 

@@ -4,7 +4,7 @@ For each shape (K,N,G) and row count: the mma.sync staged loop's time, then each
 (WGMMA_BUILD tables: K chunks per stage, copy slots, blocks per multiprocessor), every build's rows
 checked bitwise against the mma.sync loop's and against the rows multiplied one at a time (the
 direct loop). Times are CUDA-graph medians over three weight copies (kernel_bench's timer).
-  GPU (sm_90): python scripts/wgmma_bench.py --out DIR [--shape 8192,28672,128 ...] [--ms 32,64,128]
+  GPU (sm_90): python scripts/wgmma_bench.py --out DIR [--shape 8192,28672,128 ...] [--ms 48,64,128]
 Writes DIR/wgmma-bench.json and prints one line per (shape, M)."""
 import argparse
 import json
@@ -22,10 +22,11 @@ from hierviz.measure.kernel_bench import _graph_time_us  # noqa: E402
 from hierviz.quant import cuda_w4  # noqa: E402
 from hierviz.quant.w4_proof import synthetic_weight  # noqa: E402
 
-BUILDS = {       # (K chunks a stage, copy slots ahead of the two wgmma-layout stages (0: registers), blocks per SM)
-    "s2": {t: (2, 0, 2) for t in range(4, 9)},
-    "s2c3": {t: (2, 3, 2) for t in range(4, 9)},
-    "s4c2": {t: (4, 2, 1) for t in range(4, 9)},
+BUILDS = {       # per staged tile count: (K chunks a stage, copy slots ahead of the two wgmma-layout stages
+    # (0: registers), blocks per SM)
+    "s2": {t: (2, 0, 2) for t in cuda_w4.STAGED_BUILD},
+    "s2c3": {t: (2, 3, 2) for t in cuda_w4.STAGED_BUILD},
+    "s4c2": {t: (4, 2, 1) for t in cuda_w4.STAGED_BUILD},
 }
 COPIES = 3
 
@@ -34,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", action="append")
-    ap.add_argument("--ms", default="17,25,32,40,48,64,128,200")
+    ap.add_argument("--ms", default="41,48,64,128,200")    # row counts the staged tile counts take
     ap.add_argument("--rep-ms", type=float, default=40)
     ap.add_argument("--builds", default=",".join(BUILDS))
     a = ap.parse_args()

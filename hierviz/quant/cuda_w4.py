@@ -26,8 +26,8 @@ grid). Up to 40 tokens a pass the activations come straight from L1 and the code
 are held in registers several chunks ahead (`product_direct`); from 41 the block's warps share the
 activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
 run the same MMAs. Where w4_choice timed a weight's kind, each row count runs the tiles per block
-timed fastest (tiles_for): a narrow weight may take 32 tokens as two passes of 16. On Hopper the kernel is built for sm_90a, which adds wgmma entries for the staged
-tile counts (`product_wgmma`: each warpgroup's 64 rows times the pass's tokens per MMA step, A from
+timed fastest (tiles_for): a narrow weight may take 32 tokens as two passes of 16. On Hopper the
+kernel is built for sm_90a, which adds wgmma entries for the staged tile counts (`product_wgmma`: each warpgroup's 64 rows times the pass's tokens per MMA step, A from
 the same dequantized registers, the same bits); they are slower there than `product_staged`, so
 they run only when asked for (WGMMA_BY_DEFAULT, matmul(wgmma=True)).
 
@@ -397,11 +397,13 @@ def entry_for(tiles: int, group: int = 0, wgmma: bool = False) -> str:
     return f"w4_direct_t{tiles}_g{group}" if group else f"w4_direct_t{tiles}"
 
 
-def entry_names(arch: Optional[str] = None) -> list[str]:
-    """The entries a build for `arch` holds (None: an arch without the wgmma entries)."""
+def entry_names(arch: Optional[str] = None, wgmma_build: Optional[dict] = None) -> list[str]:
+    """The entries a build for `arch` holds (None: an arch without the wgmma entries; wgmma_build:
+    its wgmma entries, default WGMMA_BUILD)."""
     return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
         entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + (
-        [entry_for(t, wgmma=True) for t in WGMMA_BUILD] if has_wgmma(arch) else [])
+        [entry_for(t, wgmma=True) for t in (WGMMA_BUILD if wgmma_build is None else wgmma_build)]
+        if has_wgmma(arch) else [])
 
 
 def functions(index: int) -> dict[str, ctypes.c_void_p]:
@@ -440,7 +442,7 @@ def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[
     module = ctypes.c_void_p()
     _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
     found = {}
-    for name in entry_names(arch):
+    for name in entry_names(arch, wgmma_build):
         fn = ctypes.c_void_p()
         _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
         found[name] = fn
