@@ -155,7 +155,7 @@ def test_the_cuda_mma_regimes_follow_its_configuration():
     """A profile that records the CUDA MMA kernel is costed as its loops: K in split_for's slices
     whatever M, the weights read once per 64-token grid chunk, the direct loop's look-ahead."""
     from hierviz.quant import cuda_w4
-    where = cm.Shape({}, group=128, w4_kernel=cm.CUDA_MMA)
+    where = cm.Shape({}, group=128, w4_kernel=cm.CUDA_VARIANT)
     fmt = get_format("w4a16")
     k, n = 8192, 28672
     weights = fmt.linear_bytes(n, k, 128)

@@ -70,6 +70,7 @@ from hierviz import methods as registry
 from hierviz.measure.common import refuse, stamp, write_report
 from hierviz.methods import BASELINE, SUBJECT
 from hierviz.quant.formats import DENSE, WeightFormat, format_of_description, format_of_series, get_format
+from hierviz.quant.w4_verdicts import CUDA_VARIANT
 
 SCHEMA = "hierviz.cost_model/1"
 LABEL = "projected by the roofline cost model"
@@ -207,7 +208,7 @@ def gemv_instructions() -> float:
 
 
 def w4_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
-    if where.w4_kernel == CUDA_MMA:
+    if where.w4_kernel == CUDA_VARIANT:
         return cuda_mma_kernels(fmt, t, k, n, add, where, gpu)
     # the one-token CUDA-core kernel and TMA loads run from Hopper on (triton_w4._has_tma)
     hopper = gpu.capability >= (9, 0)
@@ -221,9 +222,6 @@ def w4_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shap
         return [Kernel("dequant_mm", weights + acts + partials, 2.0 * gemv_instructions() * n * k, "simt", stages)]
     return [Kernel("dequant_mm", tiles * weights + acts + partials, 2.0 * tiles * rows * n * k, "f16", stages,
                    ordered=regime == "tiled_ordered")]
-
-
-CUDA_MMA = "cuda_mma"
 
 
 def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
@@ -516,7 +514,7 @@ def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[C
     (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
     gpu = as_measured(gpu, profile.get("activation_quantizer"))
     # the fp16 W4 kernel the profile ran (hierviz.machine.w4_fp16_kernel; files without it ran Triton's)
-    kernel = CUDA_MMA if profile.get("machine", {}).get("w4_fp16_kernel") == CUDA_MMA else "triton"
+    kernel = CUDA_VARIANT if profile.get("machine", {}).get("w4_fp16_kernel") == CUDA_VARIANT else "triton"
     where = Shape(profile["config"], profile["context"], profile["context"] + max(profile["tokens"]),
                   profile.get("group_size", 128), kernel)
     out = []
