@@ -165,12 +165,17 @@ def products(cfg: dict[str, Any]) -> list[tuple[str, int, int, bool]]:
 
 
 @functools.lru_cache(maxsize=None)
+def w4_config(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> Any:
+    """The configuration hierviz.quant.triton_w4.pick_config gives a W4 product of t rows on a GPU
+    of `sms` (w4_tiling and w4_regime read it; the fit asks for the same products many times)."""
+    from hierviz.quant.triton_w4 import pick_config
+    return pick_config(t, n, k, group, sms, gemv=gemv)
+
+
 def w4_tiling(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> tuple[int, int, float, int]:
     """(row tiles, rows per tile (0: the one-token CUDA-core kernel), pipeline stages per K step of
-    a program, K split) of the W4 Triton product of t rows, as hierviz.quant.triton_w4.pick_config
-    chooses them on a GPU of `sms`."""
-    from hierviz.quant.triton_w4 import pick_config
-    c = pick_config(t, n, k, group, sms, gemv=gemv)
+    a program, K split) of the W4 Triton product of t rows (w4_config)."""
+    c = w4_config(t, n, k, group, sms, gemv)
     if c.gemv:      # a program's K loop: its share of the 32-channel quads, block_q of them a step
         return 1, 0, c.num_stages / (-(-(k // 32) // c.split_k) / c.block_q), c.split_k
     sub = group if group <= 256 else 128        # triton_w4._sub_block: channels a step
@@ -185,8 +190,7 @@ def w4_regime(t: int, n: int, k: int, group: int, sms: int, gemv: bool) -> str:
     hierviz.quant.triton_w4.pick_config gives it: "gemv" (the one-token CUDA-core kernel),
     "small" (the small-M path: 16-token MMA tiles), "tiled" (32-64-token tiles, K not split) or
     "tiled_ordered" (such tiles with K split, meeting in the fixed-order sum)."""
-    from hierviz.quant.triton_w4 import pick_config
-    c = pick_config(t, n, k, group, sms, gemv=gemv)
+    c = w4_config(t, n, k, group, sms, gemv)
     if c.gemv:
         return "gemv"
     if c.block_m <= SMALL_M_TILE:
