@@ -37,6 +37,9 @@ class Method:
     # the method whose acceptance record a what-if replays for it (a tree on T with another head
     # type is priced with the same decisions), default itself
     acceptance_as: Optional[str] = None
+    # the rows of the forwards each base model runs in a round, {"target" | "intermediate": (fewest,
+    # most)}, from the decode settings: the row counts a W4 kernel choice weighs (hierviz.quant.w4_choice)
+    forward_rows: Optional[Callable[[Any], dict[str, tuple[int, int]]]] = None
     description: str = ""
 
     @property
@@ -119,6 +122,19 @@ def verifies(name: str) -> Optional[str]:
     return m.target_verifies if m else None
 
 
+def forward_rows(names: list[str], settings: Any) -> Optional[dict[str, set[int]]]:
+    """Every row count the rounds of these methods or variant rows run on each base model under
+    `settings` ("target" / "intermediate" -> row counts); None when a method does not say."""
+    out: dict[str, set[int]] = {}
+    for name in names:
+        method = get(row_method(name))
+        if method.forward_rows is None:
+            return None
+        for role, (fewest, most) in method.forward_rows(settings).items():
+            out.setdefault(role, set()).update(range(fewest, most + 1))
+    return out
+
+
 def tree_on_target(name: str) -> bool:
     """Does T verify a whole draft tree itself in this method (EAGLE-2, EAGLE-3)?"""
     return verifies(name) == TREE
@@ -166,31 +182,54 @@ def row_names() -> list[str]:
 
 _TREE_ROLES = frozenset({"tree", "target_bonus", "rejected", "discarded"})
 
+
+# Rows per forward: the verifier's pending tokens (the last bonus; two on M after a round whose
+# draft it fully accepted) plus the draft it checks.
+def _rows_one_token(s: Any) -> dict[str, tuple[int, int]]:
+    return {"target": (1, 1)}
+
+
+def _rows_sequence(s: Any) -> dict[str, tuple[int, int]]:
+    return {"target": (s.spec_k + 1, s.spec_k + 1), "intermediate": (1, 2)}
+
+
+def _rows_target_tree(s: Any) -> dict[str, tuple[int, int]]:
+    # a drafted tree keeps its tree_size best candidates (settings refuse a size above their count)
+    return {"target": (s.t_tree_size + 1, s.t_tree_size + 1)}
+
+
+def _rows_hierspec(s: Any) -> dict[str, tuple[int, int]]:
+    # M: E_M's tree; T: M's draft, at least min_draft_len, at most one tree's path and bonus more
+    return {"intermediate": (s.m_tree_size + 1, s.m_tree_size + 2),
+            "target": (s.min_draft_len + 1, s.min_draft_len + s.m_depth + 1)}
+
+
 register(Method("ar", "Autoregressive", "AR", "#333333", "dash", (), TOKEN,
                 "hierviz.decoding.decoders:decode_ar", compare_rank=3,
                 stage_names={"target_verify": "T forward"}, roles=frozenset({"target_bonus"}),
+                forward_rows=_rows_one_token,
                 description="one target forward per token"))
 register(Method("spec", "Sequence spec.", "Spec", "#B286E9", "dashdot", ("intermediate",), SEQUENCE,
                 "hierviz.decoding.decoders:decode_spec",
                 stage_names={"draft": "M drafts", "target_verify": "T verifies sequence"},
-                roles=frozenset({"draft", "target_bonus", "rejected", "discarded"}),
+                roles=frozenset({"draft", "target_bonus", "rejected", "discarded"}), forward_rows=_rows_sequence,
                 description="M drafts a sequence token by token, T verifies it"))
 register(Method("eagle2", "EAGLE-2", "EAGLE-2", "#C96A00", "dot", ("e_t",), TREE,
                 "hierviz.decoding.decoders:decode_eagle2", compare_rank=1,
                 stage_names={"draft": "E_T draft", "target_verify": "T verifies tree"}, roles=_TREE_ROLES,
-                counterpart="hierspec", tree_settings="t",
+                counterpart="hierspec", tree_settings="t", forward_rows=_rows_target_tree,
                 description="an EAGLE-1/2 head on T drafts a tree, T verifies the tree"))
 register(Method("eagle3", "EAGLE-3", "EAGLE-3", "#7A3E00", "longdash", ("e_t3",), TREE,
                 "hierviz.decoding.decoders:decode_eagle3", compare_rank=2,
                 stage_names={"draft": "E_T draft (EAGLE-3)", "target_verify": "T verifies tree"}, roles=_TREE_ROLES,
-                counterpart="hierspec", tree_settings="t", acceptance_as="eagle2",
+                counterpart="hierspec", tree_settings="t", acceptance_as="eagle2", forward_rows=_rows_target_tree,
                 description="an EAGLE-3 head on T drafts a tree, T verifies the tree"))
 register(Method("hierspec", "HierSpec", "HierSpec", "#297B7A", "solid", ("intermediate", "e_m"), SEQUENCE,
                 "hierviz.decoding.decoders:decode_hierspec", compare_rank=0,
                 stage_names={"draft": "E_M draft", "intermediate_verify": "M verifies trees",
                              "target_verify": "T verifies sequence"},
                 roles=frozenset({"tree", "intermediate_bonus", "target_bonus", "rejected", "discarded"}),
-                counterpart="eagle2", tree_settings="m",
+                counterpart="eagle2", tree_settings="m", forward_rows=_rows_hierspec,
                 description="E_M drafts trees, M verifies them into a sequence, T verifies the sequence"))
 register_variant(Variant("hierspec_eagle3", "hierspec", "HierSpec (EAGLE-3 E_M)", "HierSpec (E3 E_M)", "#5BB5B3",
                          "longdashdot", (("e_m", "eagle3"),),

@@ -293,3 +293,27 @@ def test_the_eagle3_tree_preset_decodes_losslessly(stack):
     tr = generate(stack, "eagle3", "deep trees", s)
     assert output_tokens(tr) == want
     assert max(len(t.nodes) for step in tr.steps for t in step.trees) == 59
+
+
+@pytest.mark.parametrize("method", ["ar", "spec", "eagle2", "eagle3", "hierspec"])
+def test_forwards_run_the_rows_the_registry_says(method: str, monkeypatch) -> None:
+    """The row counts a W4 kernel choice weighs (methods.forward_rows) are the rows each model's
+    decode forwards really run: every forward after the prompt's prefill is recorded."""
+    from hierviz.decoding.state import BaseState
+    stack = tiny_random_stack(eagle3=True)
+    s = DecodeSettings(max_new_tokens=40, m_depth=2, m_topk=3, m_tree_size=5, min_draft_len=3,
+                       t_depth=3, t_topk=3, t_tree_size=7, spec_k=3)
+    seen: dict[str, list[int]] = {}
+    run = BaseState.run_pending
+
+    def recording(state, extra=None, *args, **kwargs):
+        role = "target" if state.model is stack.models.target else "intermediate"
+        seen.setdefault(role, []).append(len(state.pending) + (0 if extra is None else len(extra)))
+        return run(state, extra, *args, **kwargs)
+    monkeypatch.setattr(BaseState, "run_pending", recording)
+    generate(stack, method, "rows of every forward", s)
+    want = methods.forward_rows([method], s)
+    assert set(seen) == set(want)
+    for role, rows in seen.items():
+        decode = rows[1:]          # the first forward is the prompt's prefill
+        assert decode and set(decode) <= want[role], (role, sorted(set(decode)), want[role])

@@ -143,3 +143,33 @@ def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
     assert not w4_verdicts.cuda_chosen(w)                       # a product ran: fixed to Triton
     assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: 2}) is False
     assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None and w4_verdicts.planned_tiles(kind, 32) is None
+
+
+def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:
+    """A caller that names each model's row counts (the what-if) has the kernel chosen over those
+    only: a kind slower at 32 rows alone goes to the CUDA kernel for a target that verifies 1-24
+    rows, stays on Triton where a model runs 30-row trees or names no workload."""
+    kind, other = (0, 128, 64, 32, False, True), (0, 256, 64, 32, False, False)
+    kinds = {"target": [kind], "intermediate": [other], "twin": [kind]}
+    monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
+    monkeypatch.setattr(w4_choice, "kinds_of", lambda models: sorted({k for m in models for k in kinds[m]}))
+    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {
+        m: {t: 40.0 if m == 32 else 10.0 for t in w4_choice.tile_candidates(m)} for m in w4_choice.CHOICE_ROWS})
+    monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {m: 20.0 for m in w4_choice.CHOICE_ROWS})
+    chosen = w4_choice.choose_for_models(["target", "intermediate"], "cuda",
+                                         workload={"target": {1, 7, 10, 24}, "intermediate": {30, 31}})
+    assert chosen == {kind: True, other: False}
+    assert w4_verdicts.kernel_times(kind)["deciding_rows"] == [1, 8, 16, 24]
+    assert w4_verdicts.kernel_times(other)["deciding_rows"] == [32]
+    w4_verdicts.forget_kernel_choices()
+    # the same kind in a model without a workload: every timed row count decides
+    assert w4_choice.choose_for_models(["target", "twin"], "cuda", workload={"target": {1}}) == {kind: False}
+    assert w4_verdicts.kernel_times(kind)["deciding_rows"] == list(w4_choice.CHOICE_ROWS)
+
+
+def test_deciding_rows_are_the_timed_counts_that_cover_a_workload() -> None:
+    assert w4_choice.deciding_rows({1, 7, 8, 9, 10, 24, 30, 31}) == [1, 8, 9, 16, 24, 32]
+    assert w4_choice.deciding_rows({129, 4000}) == [128] and w4_choice.deciding_rows(set()) == []
+    assert w4_choice.faster_everywhere({1: 1.0, 32: 9.0}, {1: 2.0, 32: 2.0}, rows=[1])
+    assert not w4_choice.faster_everywhere({1: 1.0, 32: 9.0}, {1: 2.0, 32: 2.0})
+    assert not w4_choice.faster_everywhere({1: 1.0}, {1: 2.0}, rows=[64])      # nothing timed there

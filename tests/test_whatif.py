@@ -342,7 +342,7 @@ def test_eagle3_heads_are_timed_and_recorded(tmp_path: Path) -> None:
     info = json.loads((tmp_path / "whatif.json").read_text())
     assert info["head"] == "eagle3" and info["formats"]["heads"] == "EAGLE-3, synthetic"
     assert list(info["methods"]) == ["ar", "eagle3", "hierspec"]            # the default methods for the head
-    assert info["draft_vocab"] == 300 and info["hierspec_vs_eagle3"] > 0
+    assert info["draft_vocab"] == 300 and info["hierspec_vs_eagle3"] > 0 and info["draft_vocabs"] == {"eagle3": 300}
     assert info["feature_layers"] == {"target": [0, 2, 3], "intermediate": [0, 1]}   # tiny bases: distinct layers
     e3 = info["methods"]["eagle3"]
     assert e3["forwards"]["e_t3"] > 0 and e3["stages_ms"]["draft"] > 0
@@ -452,3 +452,45 @@ def test_imported_acceptance_errors_are_clear(tmp_path: Path, capsys, extra, msg
 def test_a_missing_import_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
     assert main(FAST + ["--acceptance-import", str(tmp_path / "none.prom"), "--out", str(tmp_path)]) == 2
     assert "none.prom" in capsys.readouterr().err
+
+
+def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path, monkeypatch) -> None:
+    """Each W4 weight's kernel is chosen over the rows its model's forwards run in this what-if: the
+    methods' rounds under its settings (and any sweep's) and the prompt's prefill."""
+    from hierviz.measure import whatif
+    from hierviz.quant import w4_choice
+    seen = {}
+
+    def capture(models, device, timer=None, log=None, workload=None):
+        target, inter = models
+        seen.update({"target": set(workload[target]), "intermediate": set(workload[inter])})
+        return {}
+    monkeypatch.setattr(w4_choice, "choose_for_models", capture)
+    assert main(FAST + ["--methods", "ar,eagle2,hierspec", "--max-new-tokens", "4", "--prompt-len", "16",
+                        "--trees", "paper", "--out", str(tmp_path)]) == 0
+    assert seen == {"target": {1, 24, 7, 8, 9, 10, 16}, "intermediate": {30, 31, 16}}
+    s = DecodeSettings(t_tree_size=11)
+    assert whatif.workload_rows(["eagle2"], [s, DecodeSettings(t_tree_size=30)], 5) == {"target": {12, 31, 5}}
+
+
+def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None:
+    """An EAGLE-3 head drafts over the vocabulary its published checkpoints keep (32,000 of
+    LLaMA-3's 128,256 tokens) unless --draft-vocab says otherwise; EAGLE-2 heads over the full one;
+    a vocabulary no larger than the published one stays whole."""
+    from hierviz.measure.whatif import draft_vocabs, head_draft_vocab
+    assert head_draft_vocab("eagle3", 128256) == 32000 and head_draft_vocab("eagle2", 128256) is None
+    assert head_draft_vocab("eagle3", 128256, 8000) == 8000 and head_draft_vocab("eagle3", 259) is None
+    assert draft_vocabs(["eagle2", "eagle3"], 128256) == {"eagle2": 128256, "eagle3": 32000}
+    from hierviz.viz.whatif_fig import shapes_label
+    d = {"shapes": {"target": "llama3-70b", "intermediate": "llama3-8b"}, "configs": {"target": {"vocab_size": 128256}},
+         "draft_vocab": 128256, "draft_vocabs": {"eagle2": 128256, "eagle3": 32000}}
+    assert shapes_label(d).endswith(", EAGLE-3 heads draft over 32000 tokens (as published)")
+    assert "FR-Spec" in shapes_label({**d, "draft_vocab": 16000}) and "published" not in shapes_label({**d, "draft_vocab": 16000})
+    import dataclasses
+    from hierviz.measure.whatif import sharp_eagle2_head, sharp_eagle3_head, tiny_config
+    from hierviz.models.synthetic import synthetic_model
+    base = synthetic_model(dataclasses.replace(tiny_config(False), vocab_size=40000), "dense", torch.float32, "cpu",
+                           "reference", 0)
+    assert sharp_eagle3_head(base, 1).draft_vocab_size == 32000
+    assert sharp_eagle3_head(base, 2, 1000).draft_vocab_size == 1000
+    assert sharp_eagle2_head(base, 3).draft_vocab is None

@@ -25,7 +25,7 @@ import dataclasses
 import html
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ from hierviz.measure.whatif_acceptance import (DEFAULT_RATES, DEFAULT_SEQ_RATE, 
                                                load_acceptance_trace, oracle_factory, row_acceptance, tree_heads)
 from hierviz.models import cuda_graphs
 from hierviz.models.config import ModelConfig, ModelConfigError
-from hierviz.models.drafter import HEAD_SLOTS, head_label
+from hierviz.models.drafter import HEAD_SLOTS, get_head_type, head_label
 from hierviz.models.eagle import EagleHead
 from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
@@ -117,21 +117,40 @@ def eagle3_feature_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({0, num_layers // 2, num_layers - 1}))
 
 
+def head_draft_vocab(head_type: str, vocab_size: int, asked: Optional[int] = None) -> Optional[int]:
+    """The draft vocabulary a what-if head of this type drafts over: --draft-vocab if given, else
+    the one its published checkpoints keep (HeadType.published_draft_vocab) where the base's
+    vocabulary is larger, else the full vocabulary (None)."""
+    if asked is not None:
+        return asked
+    published = get_head_type(head_type).published_draft_vocab
+    return published if published is not None and published < vocab_size else None
+
+
+def draft_vocabs(head_types: list[str], vocab_size: int, asked: Optional[int] = None) -> dict[str, int]:
+    """Each head type's draft vocabulary size in a what-if (for its record)."""
+    return {t: head_draft_vocab(t, vocab_size, asked) or vocab_size for t in head_types}
+
+
 def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpEagle3Head:
-    """A synthetic EAGLE-3 head on `base`, sharpened, with `base` handing out its feature rows."""
-    head = synthetic_eagle3_head(base, seed, draft_vocab, eagle3_feature_layers(base.cfg.num_layers), SharpEagle3Head)
+    """A synthetic EAGLE-3 head on `base`, sharpened, with `base` handing out its feature rows;
+    drafting over `draft_vocab` tokens, by default its published heads' count (head_draft_vocab)."""
+    head = synthetic_eagle3_head(base, seed, head_draft_vocab("eagle3", base.cfg.vocab_size, draft_vocab),
+                                 eagle3_feature_layers(base.cfg.num_layers), SharpEagle3Head)
     base.add_feature_layers(head.feature_layers)
     return head
 
 
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
                  seed: int = 0, m_format: str = DENSE.name, head: Optional[str] = None,
-                 draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT) -> Models:
+                 draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT,
+                 rows: Optional[dict[str, Iterable[int]]] = None) -> Models:
     """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
     dense as in the paper's stack by default) and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3; None: both E_T types and
     an EAGLE-2 E_M, see variant_models for the EAGLE-3 E_M) drafting over `draft_vocab` token ids
-    (None: the full vocabulary)."""
+    (None: the full vocabulary). `rows` ("target" / "intermediate" -> row counts: workload_rows)
+    decides each W4 weight's kernel under HIERVIZ_W4_CUDA=auto; None: every row count."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise MeasureError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
@@ -142,7 +161,9 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
-    w4_choice.choose_for_models([target, inter], device)    # each W4 weight's kernel, before any product
+    workload = None if rows is None else {model: rows[role] for role, model in (("target", target), ("intermediate", inter))
+                                          if role in rows}
+    w4_choice.choose_for_models([target, inter], device, workload=workload)   # each W4 weight's kernel, before any product
     if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
         return Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
                       e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab))
@@ -155,6 +176,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
 def sharp_eagle2_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpHead:
     """A synthetic EAGLE-1/2 head on `base`, sharpened; drafting over ids 0..draft_vocab-1 if given."""
     head = synthetic_head(base, seed, SharpHead)
+    draft_vocab = head_draft_vocab(PEER, base.cfg.vocab_size, draft_vocab)
     if draft_vocab is not None:
         # FR-Spec rows of the base's LM head; which ids does not change the timing (acceptance is
         # forced); real stacks use the most frequent tokens (stack.py "draft_vocab")
@@ -465,6 +487,7 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
                         **({"imported": a.imported} if getattr(a, "imported", None) else {})}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
+        "draft_vocabs": draft_vocabs(_head_types(a, list(results)), t_cfg.vocab_size, a.draft_vocab),
         "methods": results, "machine": machine_info(dev)}
     if w4_verdicts.kernel_choices():      # HIERVIZ_W4_CUDA=auto: each W4 kind's kernel and its timings
         info["w4_kernel_choices"] = w4_verdicts.kernel_choice_records()
@@ -491,6 +514,23 @@ def _feature_layers_info(t_cfg: ModelConfig, m_cfg: ModelConfig) -> dict[str, li
     """The base layers whose inputs the EAGLE-3 heads fuse, per base model."""
     return {"target": list(eagle3_feature_layers(t_cfg.num_layers)),
             "intermediate": list(eagle3_feature_layers(m_cfg.num_layers))}
+
+
+def workload_rows(methods: list[str], settings: Iterable[DecodeSettings], prompt_len: int
+                  ) -> Optional[dict[str, set[int]]]:
+    """The row counts the run's forwards multiply on T and M: every method's rounds under each of
+    the settings (hierviz.methods.forward_rows) and the prompt's prefill on a model that runs at
+    all; None when a method does not say (then every row count decides)."""
+    out: dict[str, set[int]] = {}
+    for s in settings:
+        rows = registry.forward_rows(methods, s)
+        if rows is None:
+            return None
+        for role, counts in rows.items():
+            out.setdefault(role, set()).update(counts)
+    for counts in out.values():
+        counts.add(prompt_len)
+    return out
 
 
 def check_request(a: argparse.Namespace) -> tuple[list[str], Optional[dict], DecodeSettings, int]:
@@ -526,9 +566,10 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
     kinds = _head_types(a, methods)
+    rows = None if a.exact else workload_rows(methods, [s] + sweep_settings, a.prompt_len)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format,
                           a.head or (PEER if kinds == [PEER] else None), a.draft_vocab,
-                          a.target_format)
+                          a.target_format, rows)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
     stacks = {m: variant_models(models, m, a.seed, a.draft_vocab) if m in registry.VARIANTS else models
@@ -569,7 +610,9 @@ def _run_exact(a: argparse.Namespace, models: Models, s: DecodeSettings, methods
     res = whatif_exact.run_exact(models, prompt, s, presets, [m for m in methods if m != BASELINE], a.exact_miss_every,
                                  log=lambda line: print(line, flush=True), variants=variants)
     return {"exact": True, "shapes": names, "head": a.head or PEER, "heads": _head_types(a, methods),
-            "draft_vocab": a.draft_vocab or models.target.cfg.vocab_size, "device": dev,
+            "draft_vocab": a.draft_vocab or models.target.cfg.vocab_size,
+            "draft_vocabs": draft_vocabs(_head_types(a, methods), models.target.cfg.vocab_size, a.draft_vocab),
+            "device": dev,
             "dtype": str(models.target.dtype).replace("torch.", ""), "settings": s.to_dict(),
             "tree_presets": {p: TREE_PRESETS[p] for p in presets}, "machine": machine_info(dev), **res}
 

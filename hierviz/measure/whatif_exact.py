@@ -337,7 +337,8 @@ def steering_miss(row: dict[str, Any], steps: list) -> str:
 def markdown(info: dict[str, Any]) -> str:
     lines = [f"# What-if --exact: {info['shapes']['target']} / {info['shapes']['intermediate']} on "
              f"{info['machine'].get('gpu', 'CPU')}, {info['settings']['max_new_tokens']} tokens, "
-             f"{head_label(info['head'])} heads drafting over {info['draft_vocab']} tokens",
+             + ", ".join(f"{head_label(t)} heads drafting over {n} tokens"
+                         for t, n in (info.get("draft_vocabs") or {info["head"]: info["draft_vocab"]}).items()),
              "", "| trees | drafts | method | identical to AR | tokens/round | accepted tree nodes | full-depth trees | "
              "target accepted | trees cut by the draft vocabulary |", "|---|---|---|---|---|---|---|---|---|"]
     for r in info["runs"]:

@@ -84,6 +84,9 @@ class HeadType:
     # drafts through its base model's LM head (no vocabulary of its own): a stack's FR-Spec
     # draft_vocab restricts it (set_draft_vocab), and its hidden size must be its base's
     base_lm_head: bool = False
+    # the draft vocabulary its published checkpoints keep for a large-vocabulary base (tokens); the
+    # what-if's synthetic heads of this type draft over it unless told otherwise. None: the full one
+    published_draft_vocab: Optional[int] = None
     # the trainer class for hierviz.train.eagle_train's loop ("module:Class"); None: not trainable there
     trainer: Union[str, Callable[..., Any], None] = None
     description: str = ""                   # one line: what it reads from its base and how it drafts
@@ -136,6 +139,8 @@ register_head_type(HeadType("eagle2", "EAGLE-2", "hierviz.models.eagle:load_eagl
 register_head_type(HeadType("eagle3", "EAGLE-3", "hierviz.models.eagle3:load_eagle3_head",
                             "hierviz.models.eagle3:is_eagle3_folder",
                             trainer="hierviz.train.eagle3_train:Eagle3Trainer",
+                            # SafeAILab's EAGLE-3 heads for LLaMA-3.x: draft_vocab_size 32000 of 128256
+                            published_draft_vocab=32000,
                             description="EAGLE-3 heads: low/middle/high base layers, own draft vocabulary "
                                         "(training-time test)"))
 

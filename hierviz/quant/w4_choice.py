@@ -1,6 +1,7 @@
 """Which kernel each W4 weight runs under HIERVIZ_W4_CUDA=auto (the default): the CUDA MMA kernel
-where it is proven and timed at least as fast as the Triton kernel at every row count the engine
-multiplies, the Triton kernel elsewhere.
+where it is proven and timed at least as fast as the Triton kernel at every row count its model's
+forwards multiply (every count the engine pads to, unless the caller names its workload), the
+Triton kernel elsewhere.
 
 A weight's products must all run one kernel (a verifier's rows keep their bits only within one), so
 the choice is made per kind of weight (shape, group, act order, batch-invariant or not: w4_verdicts.
@@ -12,14 +13,14 @@ CHOICE_ROWS; the CUDA kernel at each of its tile choices per row count (tile_can
 row the same bits), so a kind the CUDA kernel runs also gets the fastest tiles at each row count
 (w4_verdicts.planned_tiles). Every method of a comparison runs the same weights, so the comparison stays fair:
 a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
-is not chosen for that weight. docs/kernels.md gives the choices measured on the H100 and H200."""
+is not chosen for that weight, as those rows are in the workload. docs/kernels.md gives the choices measured on the H100 and H200."""
 from __future__ import annotations
 
 import itertools
 import math
 import statistics
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -133,9 +134,19 @@ def fastest_tiles(m: int, by_tiles: dict[int, float]) -> int:
     return full if full in by_tiles and by_tiles[full] <= TILES_NOISE * by_tiles[best] else best
 
 
-def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], noise: float = NOISE) -> bool:
-    """Whether the CUDA kernel is at least as fast at every row count (within the noise)."""
-    return bool(cuda_us) and all(cuda_us[m] <= noise * triton_us[m] for m in cuda_us)
+def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], noise: float = NOISE,
+                      rows: Optional[Iterable[int]] = None) -> bool:
+    """Whether the CUDA kernel is at least as fast at every timed row count of `rows` (default: every
+    one timed), within the noise."""
+    rows = list(cuda_us) if rows is None else [m for m in rows if m in cuda_us]
+    return bool(rows) and all(cuda_us[m] <= noise * triton_us[m] for m in rows)
+
+
+def deciding_rows(rows: Iterable[int]) -> list[int]:
+    """The timed row counts that stand for a workload's: for each, the smallest CHOICE_ROWS count at
+    or above it (the static runners' bucket, whose tiles it runs: w4_verdicts.planned_tiles), the
+    largest for more rows."""
+    return sorted({next((c for c in CHOICE_ROWS if c >= m), CHOICE_ROWS[-1]) for m in rows if m >= 1})
 
 
 def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
@@ -146,19 +157,36 @@ def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
                    and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size)})
 
 
+def _kind_rows(models: list[Any], workload: Optional[Mapping[Any, Iterable[int]]]
+               ) -> dict[w4_verdicts.KernelKind, Optional[list[int]]]:
+    """Each kind's deciding row counts: those of the workloads of the models holding it; None (every
+    timed count) where a model holding it has no workload, or an empty one."""
+    out: dict[w4_verdicts.KernelKind, Optional[set[int]]] = {}
+    for model in models:
+        rows = set(deciding_rows(workload[model])) if workload is not None and model in workload else None
+        rows = rows or None
+        for kind in kinds_of([model]):
+            if kind not in out or out[kind] is not None:     # None (every count) stays None
+                out[kind] = None if rows is None else out.get(kind, set()) | rows
+    return {kind: None if rows is None else sorted(rows) for kind, rows in out.items()}
+
+
 def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], timer: Timer = cuda_graph_timer,
-                      log: Optional[Callable[[str], None]] = None) -> dict[w4_verdicts.KernelKind, bool]:
+                      log: Optional[Callable[[str], None]] = None,
+                      workload: Optional[Mapping[Any, Iterable[int]]] = None) -> dict[w4_verdicts.KernelKind, bool]:
     """Under HIERVIZ_W4_CUDA=auto, on a platform where the CUDA MMA variant is enabled, time both
     kernels on each kind of the models' fp16 W4 weights that has no choice yet and record it
-    (w4_verdicts.choose_kernel). Call it before the models' first product. Returns the choices in
-    force for the models' kinds (none elsewhere)."""
+    (w4_verdicts.choose_kernel). `workload`: model -> the row counts its forwards run (a model
+    not in it: every CHOICE_ROWS count decides). Call it before the models' first product. Returns
+    the choices in force for the models' kinds (none elsewhere)."""
     dev = torch.device(device)
-    models = list(models)
+    models = [m for m in models if m is not None]
     if (options().w4_cuda != "auto" or dev.type != "cuda"
             or w4_verdicts.CUDA_VARIANT not in kernel_guard.fast_variants(dev, torch.float16)):
         return {}
     chosen = {}
     known = w4_verdicts.kernel_choices()
+    kind_rows = _kind_rows(models, workload)
     for kind in kinds_of(models):
         if kind in known:
             chosen[kind] = known[kind]
@@ -172,9 +200,11 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
             continue
         tiles = {m: fastest_tiles(m, us) for m, us in by_tiles.items()}
         cuda_us = {m: by_tiles[m][t] for m, t in tiles.items()}
-        cuda = faster_everywhere(cuda_us, triton_us)
+        rows = kind_rows.get(kind)
+        cuda = faster_everywhere(cuda_us, triton_us, rows=rows)
         chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us,
-                                                              "cuda_tiles": tiles}, tiles if cuda else None)
+                                                              "cuda_tiles": tiles, "deciding_rows": rows or sorted(cuda_us)},
+                                                 tiles if cuda else None)
         if log:
             log(f"W4 {w4_verdicts.kind_label(kind)} g{kind[3]}: {'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
     return chosen

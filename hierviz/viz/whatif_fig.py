@@ -69,12 +69,21 @@ def reduced_draft_vocab(d: dict[str, Any]) -> Optional[int]:
     return dv if dv and full and dv < full else None
 
 
+def published_draft_vocabs(d: dict[str, Any]) -> str:
+    """", EAGLE-3 heads draft over 32000 tokens (as published)" for the head types a what-if result
+    priced at their published checkpoints' reduced vocabulary; "" where none was."""
+    full = ((d.get("configs") or {}).get("target") or {}).get("vocab_size")
+    reduced = [f"{methods.label(t)} heads draft over {n} tokens" for t, n in (d.get("draft_vocabs") or {}).items()
+               if full and n < full]
+    return f", {', '.join(reduced)} (as published)" if reduced else ""
+
+
 def shapes_label(d: dict[str, Any]) -> str:
     sh = d.get("shapes") or {}
     m = model_format(d)
     m_fmt = "" if m.dense else f" ({m.label})"
     dv = reduced_draft_vocab(d)
-    fr = f", heads draft over {dv} tokens (FR-Spec)" if dv else ""
+    fr = f", heads draft over {dv} tokens (FR-Spec)" if dv else published_draft_vocabs(d)
     t_fmt = str((d.get("formats") or {}).get("target") or model_format(d, "target").label).split()[0]
     return f"{sh.get('target', '?')} ({t_fmt}) / {sh.get('intermediate', '?')}{m_fmt}{fr}"
 
