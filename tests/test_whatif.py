@@ -469,6 +469,11 @@ def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path,
     assert main(FAST + ["--methods", "ar,eagle2,hierspec", "--max-new-tokens", "4", "--prompt-len", "16",
                         "--trees", "paper", "--out", str(tmp_path)]) == 0
     assert seen == {"target": {1, 24, 7, 8, 9, 10, 16}, "intermediate": {30, 31, 16}}
+    assert "| 1.00x |" in (tmp_path / "whatif.md").read_text()
+    # without an AR row there is no speedup to show: said so, not "nanx"
+    assert main(FAST + ["--methods", "eagle2,hierspec", "--max-new-tokens", "4", "--out", str(tmp_path / "no-ar")]) == 0
+    md = (tmp_path / "no-ar" / "whatif.md").read_text()
+    assert "| no AR row |" in md and "nan" not in md
     s = DecodeSettings(t_tree_size=11)
     assert whatif.workload_rows(["eagle2"], [s, DecodeSettings(t_tree_size=30)], 5) == {"target": {12, 31, 5}}
 

@@ -703,6 +703,12 @@ def _title(info: dict[str, Any]) -> str:
     return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
 
 
+def _speedup_text(info: dict[str, Any], method: str) -> str:
+    """A row's speedup over AR ("1.76x"), or "no AR row" where the run had none to divide by."""
+    speedup = info["speedup_vs_ar"].get(method)
+    return "no AR row" if speedup is None else f"{speedup:.2f}x"
+
+
 def chart_html(info: dict[str, Any]) -> str:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -710,7 +716,7 @@ def chart_html(info: dict[str, Any]) -> str:
     names = list(ms)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(f"tokens/s ({LABEL})", f"ms per token by stage ({LABEL})"))
     fig.add_trace(go.Bar(x=names, y=[ms[m]["tokens_per_s"] for m in names], showlegend=False,
-                         text=[f"{info['speedup_vs_ar'].get(m, 0):.2f}x" for m in names],
+                         text=[_speedup_text(info, m) for m in names],
                          customdata=[html.escape(ms[m].get("acceptance_source", "")) for m in names],
                          hovertemplate="%{x}: %{y:.1f} tokens/s<br>acceptance: %{customdata}<extra></extra>"), 1, 1)
     stages = sorted({k for m in names for k in ms[m]["stages_ms_per_token"]})
@@ -746,7 +752,7 @@ def markdown(info: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for m, r in info["methods"].items():
         st = r["stages_ms_per_token"]
-        lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {info['speedup_vs_ar'].get(m, float('nan')):.2f}x | "
+        lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {_speedup_text(info, m)} | "
                      f"{r['tokens_per_round']:.2f} | " +
                      " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
     heads = " and ".join(head_label(k) for k in info.get("heads") or [info["head"]])
