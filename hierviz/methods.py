@@ -135,6 +135,23 @@ def forward_rows(names: list[str], settings: Any) -> Optional[dict[str, set[int]
     return out
 
 
+def workload_rows(methods: list[str], settings: list[Any], prompt_len: int
+                  ) -> Optional[dict[str, set[int]]]:
+    """The row counts the run's forwards multiply on T and M: every method's rounds under each of
+    the settings (forward_rows) and the prompt's prefill on a model that runs at
+    all; None when a method does not say (then every row count decides)."""
+    out: dict[str, set[int]] = {}
+    for s in settings:
+        rows = forward_rows(methods, s)
+        if rows is None:
+            return None
+        for role, counts in rows.items():
+            out.setdefault(role, set()).update(counts)
+    for counts in out.values():
+        counts.add(prompt_len)
+    return out
+
+
 def tree_on_target(name: str) -> bool:
     """Does T verify a whole draft tree itself in this method (EAGLE-2, EAGLE-3)?"""
     return verifies(name) == TREE

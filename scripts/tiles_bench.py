@@ -34,6 +34,10 @@ BUILDS = {      # name: (register-loop entries, staged entries), each replacing 
     "staged45": ({}, {4: (4, 3), 5: (2, 2)}),      # the staged loop from 25 rows
     "d4a2": ({4: (2, 2)}, {}),
     "d6a2": ({6: (2, 2)}, {}),
+    # the one- and two-tile register loops at more blocks per multiprocessor (fewer registers), so
+    # that two passes of a 32-row product fit one wave
+    "b4": ({1: (2, 4), 2: (2, 4)}, {}),
+    "b3": ({1: (4, 3), 2: (4, 3)}, {}),
 }
 
 

@@ -173,3 +173,28 @@ def test_deciding_rows_are_the_timed_counts_that_cover_a_workload() -> None:
     assert w4_choice.faster_everywhere({1: 1.0, 32: 9.0}, {1: 2.0, 32: 2.0}, rows=[1])
     assert not w4_choice.faster_everywhere({1: 1.0, 32: 9.0}, {1: 2.0, 32: 2.0})
     assert not w4_choice.faster_everywhere({1: 1.0}, {1: 2.0}, rows=[64])      # nothing timed there
+
+
+def test_each_row_count_and_choice_is_timed_over_cycled_weight_copies(monkeypatch) -> None:
+    """The timing loop both kernels share: every copy's layout built eagerly on one row first, then
+    per row count (a verifier's only up to INVARIANT_MAX_ROWS) each choice timed on its own inputs
+    of that many rows, the products cycling through the copies."""
+    from hierviz.quant.w4 import INVARIANT_MAX_ROWS
+    monkeypatch.setattr(w4_choice, "COPIES_BYTES", 3 * 64 * 32 // 2)      # three copies of a 32 x 64 weight
+    seen = []
+
+    def product(x, w, choice):
+        seen.append((x.shape[0], id(w), choice))
+        return x
+
+    def timer(run):
+        run(), run()
+        return 1.0
+    kind = (0, 64, 32, 32, False, True)
+    times = w4_choice._time_rows(kind, torch.device("cpu"), (1, 5, INVARIANT_MAX_ROWS + 1), timer, product,
+                                 lambda m: ["a", "b"] if m > 1 else ["a"])
+    assert times == {1: {"a": 1.0}, 5: {"a": 1.0, "b": 1.0}}
+    eager, timed = seen[:3], seen[3:]
+    assert [c for _, _, c in eager] == [None] * 3 and len({w for _, w, _ in eager}) == 3
+    assert [(m, c) for m, _, c in timed] == [(1, "a")] * 2 + [(5, "a")] * 2 + [(5, "b")] * 2
+    assert timed[0][1] != timed[1][1]          # consecutive products read different copies

@@ -457,7 +457,7 @@ def test_a_missing_import_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
 def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path, monkeypatch) -> None:
     """Each W4 weight's kernel is chosen over the rows its model's forwards run in this what-if: the
     methods' rounds under its settings (and any sweep's) and the prompt's prefill."""
-    from hierviz.measure import whatif
+    from hierviz import methods
     from hierviz.quant import w4_choice
     seen = {}
 
@@ -475,7 +475,7 @@ def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path,
     md = (tmp_path / "no-ar" / "whatif.md").read_text()
     assert "| no AR row |" in md and "nan" not in md
     s = DecodeSettings(t_tree_size=11)
-    assert whatif.workload_rows(["eagle2"], [s, DecodeSettings(t_tree_size=30)], 5) == {"target": {12, 31, 5}}
+    assert methods.workload_rows(["eagle2"], [s, DecodeSettings(t_tree_size=30)], 5) == {"target": {12, 31, 5}}
 
 
 def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None:

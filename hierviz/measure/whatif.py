@@ -516,23 +516,6 @@ def _feature_layers_info(t_cfg: ModelConfig, m_cfg: ModelConfig) -> dict[str, li
             "intermediate": list(eagle3_feature_layers(m_cfg.num_layers))}
 
 
-def workload_rows(methods: list[str], settings: Iterable[DecodeSettings], prompt_len: int
-                  ) -> Optional[dict[str, set[int]]]:
-    """The row counts the run's forwards multiply on T and M: every method's rounds under each of
-    the settings (hierviz.methods.forward_rows) and the prompt's prefill on a model that runs at
-    all; None when a method does not say (then every row count decides)."""
-    out: dict[str, set[int]] = {}
-    for s in settings:
-        rows = registry.forward_rows(methods, s)
-        if rows is None:
-            return None
-        for role, counts in rows.items():
-            out.setdefault(role, set()).update(counts)
-    for counts in out.values():
-        counts.add(prompt_len)
-    return out
-
-
 def check_request(a: argparse.Namespace) -> tuple[list[str], Optional[dict], DecodeSettings, int]:
     """What run_whatif refuses before it builds a model (methods, settings, acceptance sources),
     also for a caller that runs the what-if elsewhere (hierviz.measure.compat): the methods, the
@@ -566,7 +549,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     StageTimer.sync = not a.no_stage_sync
     torch.manual_seed(a.seed)
     kinds = _head_types(a, methods)
-    rows = None if a.exact else workload_rows(methods, [s] + sweep_settings, a.prompt_len)
+    rows = None if a.exact else registry.workload_rows(methods, [s] + sweep_settings, a.prompt_len)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format,
                           a.head or (PEER if kinds == [PEER] else None), a.draft_vocab,
                           a.target_format, rows)

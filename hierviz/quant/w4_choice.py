@@ -83,21 +83,32 @@ def _rows(kind: w4_verdicts.KernelKind, rows: Iterable[int]) -> list[int]:
     return [m for m in rows if not kind[5] or m <= INVARIANT_MAX_ROWS]
 
 
+def _time_rows(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int], timer: Timer,
+               product: Callable[[torch.Tensor, W4Weight, Any], Any], choices: Callable[[int], list]
+               ) -> dict[int, dict[Any, float]]:
+    """Microseconds of product(x, w, choice) at each row count of this kind, for each of
+    choices(row count), cycling weight copies so that reads come from DRAM."""
+    ws = _copies(kind, device)
+    x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
+    for w in ws:        # each copy's kernel layout is built here, eagerly, never inside a capture
+        product(x1, w, None)
+    out: dict[int, dict[Any, float]] = {}
+    for m in _rows(kind, rows):
+        x = torch.randn(m, kind[1], device=device).to(torch.float16)
+        out[m] = {}
+        for choice in choices(m):
+            copies = itertools.cycle(ws)
+            out[m][choice] = timer(lambda: product(x, next(copies), choice))
+    return out
+
+
 def time_triton(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
                 timer: Timer = cuda_graph_timer) -> dict[int, float]:
     """Microseconds per product of this kind in the Triton kernel at each row count, in the mode
-    its weights run (batch-invariant or not), cycling weight copies so that reads come from DRAM."""
-    out: dict[int, float] = {}
+    its weights run (batch-invariant or not)."""
     with overrides(w4_cuda="off"):
-        ws = _copies(kind, device)
-        x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
-        for w in ws:        # each copy's kernel layout is built here, eagerly, never inside a capture
-            triton_w4.triton_w4_matmul(x1, w)
-        for m in _rows(kind, rows):
-            x = torch.randn(m, kind[1], device=device).to(torch.float16)
-            copies = itertools.cycle(ws)
-            out[m] = timer(lambda: triton_w4.triton_w4_matmul(x, next(copies)))
-    return out
+        times = _time_rows(kind, device, rows, timer, lambda x, w, _: triton_w4.triton_w4_matmul(x, w), lambda m: [None])
+    return {m: by_choice[None] for m, by_choice in times.items()}
 
 
 def tile_candidates(m: int) -> list[int]:
@@ -112,18 +123,7 @@ def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable
               timer: Timer = cuda_graph_timer) -> dict[int, dict[int, float]]:
     """Microseconds per product of this kind in the CUDA MMA kernel at each row count, for each of
     its tile_candidates (row count -> tiles -> us): every choice gives a row the same bits."""
-    out: dict[int, dict[int, float]] = {}
-    ws = _copies(kind, device)
-    x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
-    for w in ws:            # each copy's layout, eagerly
-        cuda_w4.matmul(x1, w)
-    for m in _rows(kind, rows):
-        x = torch.randn(m, kind[1], device=device).to(torch.float16)
-        out[m] = {}
-        for t in tile_candidates(m):
-            copies = itertools.cycle(ws)
-            out[m][t] = timer(lambda: cuda_w4.matmul(x, next(copies), tiles=t))
-    return out
+    return _time_rows(kind, device, rows, timer, lambda x, w, tiles: cuda_w4.matmul(x, w, tiles=tiles), tile_candidates)
 
 
 def fastest_tiles(m: int, by_tiles: dict[int, float]) -> int:
