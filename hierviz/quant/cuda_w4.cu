@@ -120,6 +120,13 @@ struct Chunks {
     so_out = load_pair(pair());
     advance();
   }
+  // the first S chunks of the slice from c_begin (those inside it) into a ring of S
+  template <int S>
+  __device__ __forceinline__ void fill(U4* ring, U2* ring_so, int c_begin, int c_end) {
+#pragma unroll
+    for (int p = 0; p < S; p++)
+      if (c_begin + p < c_end) get(ring[p], ring_so[p]);
+  }
 };
 
 __device__ __forceinline__ Chunks chunks_of(PARAMS, int rt, int c_begin) {
@@ -275,9 +282,7 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
   Chunks f = chunks_of(ARGS, rt, c_begin);
   U4 ring[S];
   U2 ring_so[S];
-#pragma unroll
-  for (int p = 0; p < S; p++)
-    if (c_begin + p < c_end) f.get(ring[p], ring_so[p]);
+  f.fill<S>(ring, ring_so, c_begin, c_end);
   // one commit group per stage, empty ones past the slice, so waiting for all but the newest
   // NBUF - 1 groups always means "this stage has landed"
 #pragma unroll
@@ -392,14 +397,18 @@ template <int T, int S>
 struct XStage {
   static constexpr int UNITS = 16 * T * S, PER = (UNITS + 255) / 256;
   U4 v[PER][4];
+  // the first of unit u's four pieces: tokens past M read token M - 1 (their columns are never
+  // stored), chunks past the slice its last (never multiplied): every load in bounds, none predicated
+  static __device__ __forceinline__ const U4* source(int u, const u16* x, int M, int ldx, int tok0, int c_first,
+                                                     int c_end) {
+    const int r = u % (8 * T), ph = u / (8 * T);
+    return (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
+                       + 8 * (ph & 1));
+  }
   __device__ __forceinline__ void load(const u16* x, int M, int ldx, int tok0, int c_first, int c_end) {
 #pragma unroll
     for (int i = 0; i < PER; i++) {
-      const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
-      // tokens past M read token M - 1 (their columns are never stored), chunks past the slice its
-      // last (never multiplied): every load in bounds, none predicated
-      const U4* src = (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
-                                  + 8 * (ph & 1));
+      const U4* src = source((int)threadIdx.x + 256 * i, x, M, ldx, tok0, c_first, c_end);
 #pragma unroll
       for (int t = 0; t < 4; t++) v[i][t] = load_x(src + 2 * t);
     }
@@ -410,9 +419,8 @@ struct XStage {
   __device__ __forceinline__ void copy(u32 slot, const u16* x, int M, int ldx, int tok0, int c_first, int c_end) const {
 #pragma unroll
     for (int i = 0; i < PER; i++) {
-      const int u = (int)threadIdx.x + 256 * i, r = u % (8 * T), ph = u / (8 * T);
-      const U4* src = (const U4*)(x + (size_t)min(tok0 + r, M - 1) * ldx + (size_t)min(c_first + (ph >> 1), c_end - 1) * 64
-                                  + 8 * (ph & 1));
+      const int u = (int)threadIdx.x + 256 * i;
+      const U4* src = source(u, x, M, ldx, tok0, c_first, c_end);
       if (UNITS % 256 == 0 || u < UNITS)
 #pragma unroll
         for (int t = 0; t < 4; t++) copy_async_zfill_to(slot + ((i * 4 + t) * 256 + threadIdx.x) * 16, src + 2 * t, 16);
@@ -457,9 +465,7 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
   Chunks f = chunks_of(ARGS, rt, c_begin);
   U4 ring[S];
   U2 ring_so[S];
-#pragma unroll
-  for (int p = 0; p < S; p++)
-    if (c_begin + p < c_end) f.get(ring[p], ring_so[p]);
+  f.fill<S>(ring, ring_so, c_begin, c_end);
   XS st;
   if constexpr (XRING == 0) {
     st.load(x, M, ldx, tok0, c_begin, c_end);
