@@ -5,10 +5,11 @@ runtime compiler that ships with torch's CUDA wheels: no nvcc, no build step) an
 the CUDA driver API on torch's current stream, so CUDA graphs capture it like any other kernel.
 The Triton kernel hands a product here (triton_w4.chosen_config) where the variant `cuda_mma` is
 proven (kernel_guard) and `serves` says the weight runs here: with HIERVIZ_W4_CUDA=auto (the
-default) the weight kinds hierviz.quant.w4_choice timed at least as fast here at every row count,
-with `on` every W4 weight, with `target` a verifier's. It is faster than both Triton modes up to 8
-rows, than the batch-invariant one at most row counts on the 70B shapes, and slower than Triton's
-normal mode from 25-32 rows on the 8B's (docs/kernels.md).
+default) the weight kinds hierviz.quant.w4_choice timed at least as fast here at every row count
+their models' forwards run, with `on` every W4 weight, with `target` a verifier's. It is faster
+than both Triton modes up to 8 rows, than the batch-invariant one up to 24 rows and at most
+others on the 70B shapes, and slower than Triton's normal mode from 25-32 rows on the 8B's
+(docs/kernels.md).
 
 Why it exists: Triton does not let a kernel choose its register layout, and the W4 product at a
 few tokens is bound by how many instructions move codes into the tensor-core operand layout
@@ -182,8 +183,8 @@ def tiles_for(w: W4Weight, m: int) -> int:
 def serves(w: W4Weight) -> bool:
     """Whether w's fp16 products, on a platform where the variant is proven, run here rather than
     in the Triton kernel: with HIERVIZ_W4_CUDA=auto (the default) the weights whose kind
-    hierviz.quant.w4_choice timed as fastest here at every row count, with `on` every W4 weight,
-    with `target` only a verifier's (batch-invariant: the target's). A weight's products must all
+    hierviz.quant.w4_choice timed as fast here at every row count its model's forwards run, with
+    `on` every W4 weight, with `target` only a verifier's (batch-invariant: the target's). A weight's products must all
     run one kernel (a verifier's rows keep their bits only within one kernel), so the choice is
     per weight, never per M."""
     mode = options().w4_cuda
