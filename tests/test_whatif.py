@@ -463,12 +463,18 @@ def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path,
 
     def capture(models, device, timer=None, log=None, workload=None):
         target, inter = models
-        seen.update({"target": set(workload[target]), "intermediate": set(workload[inter])})
+        seen.clear()
+        seen.update({role: set(workload[model]) for role, model in (("target", target), ("intermediate", inter))
+                     if model in workload})
         return {}
     monkeypatch.setattr(w4_choice, "choose_for_models", capture)
     assert main(FAST + ["--methods", "ar,eagle2,hierspec", "--max-new-tokens", "4", "--prompt-len", "16",
                         "--trees", "paper", "--out", str(tmp_path)]) == 0
-    assert seen == {"target": {1, 24, 7, 8, 9, 10, 16}, "intermediate": {30, 31, 16}}
+    # the rows as run, and as the static runners pad them (9-10 rows run the 16-row bucket, 30-31 the 32)
+    assert seen == {"target": {1, 24, 7, 8, 9, 10, 16}, "intermediate": {30, 31, 32, 16}}
+    assert main(FAST + ["--methods", "eagle2", "--max-new-tokens", "4", "--prompt-len", "5", "--t-depth", "3",
+                        "--t-topk", "10", "--t-tree-size", "16", "--out", str(tmp_path / "t17")]) == 0
+    assert seen["target"] == {17, 24, 5, 8}       # a 16-node tree's 17 rows run the 24-row bucket
     assert "| 1.00x |" in (tmp_path / "whatif.md").read_text()
     # without an AR row there is no speedup to show: said so, not "nanx"
     assert main(FAST + ["--methods", "eagle2,hierspec", "--max-new-tokens", "4", "--out", str(tmp_path / "no-ar")]) == 0

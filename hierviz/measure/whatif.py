@@ -161,8 +161,9 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
-    workload = None if rows is None else {model: rows[role] for role, model in (("target", target), ("intermediate", inter))
-                                          if role in rows}
+    # each row count as the dynamic path runs it and as the static runners pad it (cuda_graphs' bucket)
+    workload = None if rows is None else {model: set(rows[role]) | {b for r in rows[role] if (b := cuda_graphs.bucket_for(r))}
+                                          for role, model in (("target", target), ("intermediate", inter)) if role in rows}
     w4_choice.choose_for_models([target, inter], device, workload=workload)   # each W4 weight's kernel, before any product
     if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
         return Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),

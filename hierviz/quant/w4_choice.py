@@ -144,8 +144,8 @@ def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], no
 
 def deciding_rows(rows: Iterable[int]) -> list[int]:
     """The timed row counts that stand for a workload's: for each, the smallest CHOICE_ROWS count at
-    or above it (the static runners' bucket, whose tiles it runs: w4_verdicts.planned_tiles), the
-    largest for more rows."""
+    or above it (whose timed tiles it runs: w4_verdicts.planned_tiles), the largest for more rows.
+    A caller names the rows both as run and as the static runners pad them (their bucket)."""
     return sorted({next((c for c in CHOICE_ROWS if c >= m), CHOICE_ROWS[-1]) for m in rows if m >= 1})
 
 
