@@ -28,9 +28,10 @@ are held in registers several chunks ahead (`product_direct`); from 41 the block
 activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
 run the same MMAs. Where w4_choice timed a weight's kind, each row count runs the tiles per block
 timed fastest (tiles_for): a narrow weight may take 32 tokens as two passes of 16. On Hopper the
-kernel is built for sm_90a, which adds wgmma entries for the staged tile counts (`product_wgmma`: each warpgroup's 64 rows times the pass's tokens per MMA step, A from
-the same dequantized registers, the same bits); they are slower there than `product_staged`, so
-they run only when asked for (WGMMA_BY_DEFAULT, matmul(wgmma=True)).
+kernel is built for sm_90a, which adds wgmma entries for the staged tile counts (`product_wgmma`:
+each warpgroup's 64 rows times the pass's tokens per MMA step, A from the same dequantized
+registers, the same bits); they are slower there than `product_staged`, so they run only when
+asked for (WGMMA_BY_DEFAULT, matmul(wgmma=True)).
 
 Layout, built once per weight (kernel_state["cuda_w4"]), replacing the checkpoint-order codes on
 the GPU (codes_of rebuilds them):
@@ -184,9 +185,9 @@ def serves(w: W4Weight) -> bool:
     """Whether w's fp16 products, on a platform where the variant is proven, run here rather than
     in the Triton kernel: with HIERVIZ_W4_CUDA=auto (the default) the weights whose kind
     hierviz.quant.w4_choice timed as fast here at every row count its model's forwards run, with
-    `on` every W4 weight, with `target` only a verifier's (batch-invariant: the target's). A weight's products must all
-    run one kernel (a verifier's rows keep their bits only within one kernel), so the choice is
-    per weight, never per M."""
+    `on` every W4 weight, with `target` only a verifier's (batch-invariant: the target's). A
+    weight's products must all run one kernel (a verifier's rows keep their bits only within one
+    kernel), so the choice is per weight, never per M."""
     mode = options().w4_cuda
     if mode == "auto":
         return w4_verdicts.cuda_chosen(w)
