@@ -4,7 +4,8 @@ For each kind of weight (K,N,G and whether batch-invariant, as w4_choice times t
 the Triton kernel's time in the kind's mode, the CUDA kernel's one-pass entry (token_tiles), every
 smaller tile count forced (`tiles`: more passes over the tokens, each block re-reading its weight
 tile), and each extra build (BUILDS: the staged loop at 4-5 tiles, another register-loop depth, a
-6-tile register loop) at one pass and at its own tile counts. Every variant's rows are
+6-tile register loop, register-loop entries with several 16-row tiles per warp) at one pass and at
+its own tile counts. Every variant's rows are
 checked bitwise against the rows multiplied one at a time, so a variant that keeps batch invariance
 shows `equal`. Times: w4_choice's timer (20 products in a CUDA graph, weight copies cycled past the
 L2, median of three replays).
@@ -30,7 +31,8 @@ from hierviz.quant import cuda_w4, w4_choice  # noqa: E402
 # the 70B target's (batch-invariant) and the 8B intermediate's kinds of the default what-if
 KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,128,1",
          "4096,28672,128,0", "14336,4096,128,0", "4096,6144,128,0", "4096,4096,128,0"]
-BUILDS = {      # name: (register-loop entries, staged entries), each replacing the shipped entry of its tile count
+BUILDS = {      # name: (register-loop entries, staged entries[, entries of several row tiles per warp]),
+    # each replacing the shipped entry of its tile count
     "staged45": ({}, {4: (4, 3), 5: (2, 2)}),      # the staged loop from 25 rows
     "d4a2": ({4: (2, 2)}, {}),
     "d6a2": ({6: (2, 2)}, {}),
@@ -38,42 +40,52 @@ BUILDS = {      # name: (register-loop entries, staged entries), each replacing 
     # that two passes of a 32-row product fit one wave
     "b4": ({1: (2, 4), 2: (2, 4)}, {}),
     "b3": ({1: (4, 3), 2: (4, 3)}, {}),
+    # (token tiles, row tiles per warp): (chunks ahead, blocks per multiprocessor)
+    "r2a4b2": ({}, {}, {(t, 2): (4, 2) for t in (1, 2, 3, 4, 5)}),
+    "r2a4b3": ({}, {}, {(t, 2): (4, 3) for t in (1, 2, 3)}),
+    "r2a2b4": ({}, {}, {(t, 2): (2, 4) for t in (1, 2, 3, 4, 5)}),
+    "r4a2b4": ({}, {}, {(t, 4): (2, 4) for t in (1, 2, 3, 4)}),
+    "r4a2b2": ({}, {}, {(t, 4): (2, 2) for t in (3, 4, 5)}),
 }
 
 
 @contextmanager
-def entries(fns: dict, direct: dict, staged: dict) -> Iterator[None]:
+def entries(fns: dict, direct: dict, staged: dict, rows: Optional[dict] = None) -> Iterator[None]:
     """cuda_w4 launching a build's entries (its CUfunctions and its tables) inside the block."""
     idx = torch.cuda.current_device()
-    saved = cuda_w4._FUNCTIONS.get(idx), cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD
+    saved = cuda_w4._FUNCTIONS.get(idx), cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD, cuda_w4.DIRECT_ROWS_BUILD
     cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = fns, direct, staged
+    cuda_w4.DIRECT_ROWS_BUILD = cuda_w4.DIRECT_ROWS_BUILD if rows is None else rows
     try:
         yield
     finally:
-        cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = saved
+        cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD, cuda_w4.DIRECT_ROWS_BUILD = saved
 
 
-def build(arch: str, direct: dict, staged: dict) -> tuple[dict, dict, dict]:
-    """A build's CUfunctions and tables: the shipped entries with `direct` and `staged` in place of
-    theirs (wgmma entries only for the tile counts still staged)."""
+def build(arch: str, direct: dict, staged: dict, rows: Optional[dict] = None) -> tuple[dict, dict, dict, dict]:
+    """A build's CUfunctions and tables: the shipped entries with `direct`, `staged` and `rows` in
+    place of theirs (wgmma entries only for the tile counts still staged)."""
     d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **direct}.items() if t not in staged}
     s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
+    r = {**cuda_w4.DIRECT_ROWS_BUILD, **(rows or {})}
     wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
-    with entries({}, d, s):
-        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma), wgmma)
-    return fns, d, s
+    with entries({}, d, s, r):
+        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r),
+                                   wgmma, r)
+    return fns, d, s, r
 
 
-def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.Tensor, tiles: Optional[int] = None
-                 ) -> None:
+def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.Tensor, tiles: Optional[int] = None,
+                 row_tiles: int = 1) -> None:
     """row[label_equal]: whether the product's rows equal `alone`'s; row[label_us]: its time."""
     m = x.shape[0]
     try:
-        got = cuda_w4.matmul(x, ws[0], tiles=tiles)
+        got = cuda_w4.matmul(x, ws[0], tiles=tiles, row_tiles=row_tiles)
         torch.cuda.synchronize()
         row[f"{label}_equal"] = bool(torch.equal(got, alone[:m]))
         copies = itertools.cycle(ws)
-        row[f"{label}_us"] = round(w4_choice.cuda_graph_timer(lambda: cuda_w4.matmul(x, next(copies), tiles=tiles)), 2)
+        row[f"{label}_us"] = round(w4_choice.cuda_graph_timer(
+            lambda: cuda_w4.matmul(x, next(copies), tiles=tiles, row_tiles=row_tiles)), 2)
     except Exception as e:            # a sticky fault ends every later launch too
         row[f"{label}_error"] = repr(e)[:300]
 
@@ -99,7 +111,9 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(),
            "torch": torch.__version__, "sms": sms,
            "shipped": {"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD},
-           "builds": {n: {"direct": BUILDS[n][0], "staged": BUILDS[n][1]} for n in builds}, "rows": []}
+           "builds": {n: {"direct": BUILDS[n][0], "staged": BUILDS[n][1],
+                          "rows": {f"{t}x{r}": v for (t, r), v in (BUILDS[n][2:] or [{}])[0].items()}}
+                      for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
         k, n, g, inv = (int(v) for v in spec.split(","))
         kind = (idx, k, n, g, False, bool(inv))
@@ -117,12 +131,17 @@ def main() -> None:
             time_variant(row, "shipped", x[:m], ws, alone)
             for t in range(1, full):            # fewer tiles per block, more passes
                 time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
-            for name, (fns, d, s) in builds.items():
-                with entries(fns, d, s):
-                    time_variant(row, name, x[:m], ws, alone)
+            for name, (fns, d, s, r) in builds.items():
+                with entries(fns, d, s, r):
+                    rows_only = len(BUILDS[name]) > 2
+                    if not rows_only:
+                        time_variant(row, name, x[:m], ws, alone)
                     for t in sorted({*BUILDS[name][0], *BUILDS[name][1]}):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
+                    for (t, rt) in (BUILDS[name][2] if rows_only else {}):
+                        if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
+                            time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t, rt)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

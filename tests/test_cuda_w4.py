@@ -184,6 +184,29 @@ def test_group_pairs_by_offset_only_where_every_slice_starts_on_a_group() -> Non
                for t, (a, b) in cuda_w4.DIRECT_BUILD.items())
 
 
+def test_entries_of_several_row_tiles_per_warp_are_named_built_and_compile() -> None:
+    """A (token tiles, row tiles per warp) build gets its own entry (and its pair-group entries), a
+    warp count of 8 / row tiles and its own look-ahead; NVRTC compiles such builds for every arch."""
+    skip_without_nvrtc()
+    build = {(2, 2): (4, 2), (4, 2): (2, 4), (3, 4): (2, 4)}
+    assert cuda_w4.entry_for(4, 0, row_tiles=2) == "w4_direct_t4_r2"
+    assert cuda_w4.entry_for(3, 128, row_tiles=4) == "w4_direct_t3_r4_g128"
+    names = cuda_w4.entry_names(rows_build=build)
+    assert {"w4_direct_t2_r2", "w4_direct_t2_r2_g64", "w4_direct_t2_r2_g128", "w4_direct_t4_r2",
+            "w4_direct_t4_r2_g64", "w4_direct_t4_r2_g128", "w4_direct_t3_r4"} <= set(names)
+    assert len(set(names)) == len(names)
+    source = cuda_w4.kernel_source(rows_build=build)
+    assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})" in source for (t, r), (a, b) in build.items())
+    for arch in ("sm_80", "sm_90a", "sm_100"):
+        cubin = cuda_w4.compile_cubin(arch, cuda_w4.kernel_source(arch=arch, rows_build=build))
+        assert all(name.encode() in cubin for name in names)
+    shipped = cuda_w4.kernel_source(arch="sm_90a")
+    assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})" in shipped for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items())
+    for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items():
+        assert 8 % r == 0 and cuda_w4.ahead_chunks(t, r) == a and t <= max(cuda_w4.DIRECT_BUILD)
+        assert cuda_w4.pair_group(t, 128, 32, r) == (128 if a % 2 == 0 else 0)
+
+
 def test_bad_operands_are_refused_before_any_launch() -> None:
     w = random_weight(64, 128, 32)
     with pytest.raises(ValueError, match="input features"):

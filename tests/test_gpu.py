@@ -566,15 +566,15 @@ def test_fused_activation_quantizer_matches_torch(fmt) -> None:
 # ---- the CUDA MMA W4 kernel (hierviz.quant.cuda_w4) ---------------------------------------------
 
 CUDA_W4_SHAPES = [(8192, 28672, 128), (28672, 8192, 128), (4096, 6144, 128), (14336, 4096, 128), (576, 576, 32),
-                  (1536, 576, 32), (4096, 4096, 64), (4096, 4096, 4096), (3584, 4608, 128)]
+                  (1536, 576, 32), (4096, 4096, 64), (4096, 4096, 4096), (3584, 4608, 128), (1024, 1040, 64)]
 
 
 @pytest.mark.parametrize("k,n,g", CUDA_W4_SHAPES)
 def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) -> None:
     """Every row count 1..128 and three prefills: each row within the fp16 tolerance of the fp32
     reference, and (to 128 rows) bit-identical to the row computed alone, whichever entry (direct
-    1-3 tiles, staged 4-8 tiles, more token chunks) and K split ran; the residual form adds in
-    place."""
+    1-3 tiles, staged 4-8 tiles, more token chunks, several row tiles per warp) and K split ran; the
+    residual form adds in place. 1040 rows: 65 row tiles, so a two-tile warp's second tile is past N."""
     from hierviz.quant import cuda_w4, kernel_guard
     from hierviz.quant.w4_proof import reference, synthetic_weight
     w = synthetic_weight(n, k, g, "cuda", seed=k + n + g, act_order=False, dtype=torch.float16)
@@ -588,6 +588,12 @@ def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) 
             assert torch.equal(y, alone[:m]), m
     for tiles in range(1, cuda_w4.MAX_TOKEN_TILES + 1):
         assert torch.equal(cuda_w4.matmul(x[:40], w, tiles=tiles), alone[:40]), tiles
+    for tiles, row_tiles in cuda_w4.DIRECT_ROWS_BUILD:
+        for m in sorted({1, 8 * tiles - 3, 8 * tiles, 40}):
+            assert torch.equal(cuda_w4.matmul(x[:m], w, tiles=tiles, row_tiles=row_tiles), alone[:m]), (tiles, row_tiles, m)
+        r = torch.randn(8 * tiles, n, device="cuda").half()
+        want = cuda_w4.matmul(x[:8 * tiles], w, add_to=r.clone())
+        assert torch.equal(cuda_w4.matmul(x[:8 * tiles], w, add_to=r, tiles=tiles, row_tiles=row_tiles), want)
     r = torch.randn(16, n, device="cuda").half()
     r0 = r.clone()
     assert cuda_w4.matmul(x[:16], w, add_to=r) is r

@@ -45,7 +45,7 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
         timed.append((kind, "cuda"))
         faster = kind == kinds[0]
         # the faster kind's 32-row products run fastest as two passes of 16 tokens
-        return {m: {t: (10.0 if faster else 30.0) - (t == 2 and m == 32) for t in w4_choice.tile_candidates(m)}
+        return {m: {t: (10.0 if faster else 30.0) - (t == (2, 1) and m == 32) for t in w4_choice.tile_candidates(m)}
                 for m in rows}
 
     def fake_triton(kind, device, rows=w4_choice.CHOICE_ROWS, timer=None):
@@ -56,11 +56,11 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
     chosen = w4_choice.choose_for_models([], "cuda")
     assert chosen == {kinds[0]: True, kinds[1]: False} and len(timed) == 4
     times = w4_verdicts.kernel_times(kinds[0])
-    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == 2
+    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == (2, 1)
     assert cuda_w4.serves(fast) and not cuda_w4.serves(slow)
     # the tile plan: 32 rows (and 26-31, timed at 32) in two passes; elsewhere one pass
-    assert [cuda_w4.tiles_for(fast, m) for m in (1, 16, 24, 25, 32, 33, 40, 64, 128, 300)] == [1, 2, 3, 4, 2, 5, 5, 8, 8, 8]
-    assert [cuda_w4.tiles_for(slow, m) for m in (25, 32)] == [4, 4]     # no plan: Triton runs it anyway
+    assert [cuda_w4.tiles_for(fast, m)[0] for m in (1, 16, 24, 25, 32, 33, 40, 64, 128, 300)] == [1, 2, 3, 4, 2, 5, 5, 8, 8, 8]
+    assert [cuda_w4.tiles_for(slow, m) for m in (25, 32)] == [(4, 1), (4, 1)]     # no plan: Triton runs it anyway
     # a twin weight of the same kind (another layer) runs the same kernel; nothing is timed again
     twin = random_weight(64, 128, 32)
     twin.batch_invariant = True
@@ -80,10 +80,10 @@ def test_a_kind_that_ran_a_product_before_any_choice_keeps_the_triton_kernel(mon
     kind = w4_verdicts.kernel_kind(w)
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
-    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {1: 1.0}})
+    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {(1, 1): 1.0}})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {1: 9.0})
     assert w4_choice.choose_for_models([], "cuda") == {kind: False} and not cuda_w4.serves(w)
-    assert cuda_w4.tiles_for(w, 32) == 4
+    assert cuda_w4.tiles_for(w, 32) == (4, 1)
 
 
 def test_nothing_is_timed_off_auto_on_a_cpu_or_where_the_variant_is_not_enabled(monkeypatch) -> None:
@@ -126,22 +126,40 @@ def test_the_choice_times_every_bucket_the_static_runners_pad_to() -> None:
     assert set(BUCKETS) <= set(w4_choice.CHOICE_ROWS)
 
 
-def test_tile_candidates_and_the_fastest_tiles() -> None:
-    """Candidates run from the one-pass entry down to MAX_PASSES passes over the tokens; the
-    one-pass entry keeps a row count unless another is faster by more than TILES_NOISE."""
-    assert w4_choice.tile_candidates(1) == [1] and w4_choice.tile_candidates(16) == [2, 1]
-    assert w4_choice.tile_candidates(32) == [4, 3, 2, 1] and w4_choice.tile_candidates(33) == [5, 4, 3, 2]
-    assert w4_choice.tile_candidates(128) == [8, 7, 6, 5, 4]
-    assert all(-(-m // (8 * t)) <= w4_choice.MAX_PASSES for m in w4_choice.CHOICE_ROWS for t in w4_choice.tile_candidates(m))
-    assert w4_choice.fastest_tiles(32, {4: 10.05, 2: 10.0}) == 4
-    assert w4_choice.fastest_tiles(32, {4: 10.5, 2: 10.0, 1: 12.0}) == 2
+def test_tile_candidates_and_the_fastest_tiles(monkeypatch) -> None:
+    """Candidates run from the one-pass entry down to MAX_PASSES passes over the tokens, then the
+    built entries of several row tiles per warp within as many passes; the one-pass entry keeps a
+    row count unless another is faster by more than TILES_NOISE."""
+    monkeypatch.setattr(cuda_w4, "DIRECT_ROWS_BUILD", {})
+    assert w4_choice.tile_candidates(1) == [(1, 1)] and w4_choice.tile_candidates(16) == [(2, 1), (1, 1)]
+    assert w4_choice.tile_candidates(32) == [(4, 1), (3, 1), (2, 1), (1, 1)]
+    assert w4_choice.tile_candidates(33) == [(5, 1), (4, 1), (3, 1), (2, 1)]
+    assert w4_choice.tile_candidates(128) == [(8, 1), (7, 1), (6, 1), (5, 1), (4, 1)]
+    monkeypatch.setattr(cuda_w4, "DIRECT_ROWS_BUILD", {(2, 2): (4, 2), (4, 2): (4, 2), (4, 4): (2, 4), (1, 4): (2, 4)})
+    assert w4_choice.tile_candidates(1) == [(1, 1), (1, 4)]
+    assert w4_choice.tile_candidates(32) == [(4, 1), (3, 1), (2, 1), (1, 1), (4, 2), (4, 4), (2, 2), (1, 4)]
+    assert w4_choice.tile_candidates(17) == [(3, 1), (2, 1), (1, 1), (2, 2), (1, 4)]
+    assert all(-(-m // (8 * t)) <= w4_choice.MAX_PASSES for m in w4_choice.CHOICE_ROWS for t, _ in w4_choice.tile_candidates(m))
+    assert w4_choice.fastest_tiles(32, {(4, 1): 10.05, (2, 1): 10.0}) == (4, 1)
+    assert w4_choice.fastest_tiles(32, {(4, 1): 10.5, (2, 1): 10.0, (1, 1): 12.0}) == (2, 1)
+    assert w4_choice.fastest_tiles(32, {(4, 1): 10.5, (2, 1): 10.0, (4, 2): 8.0}) == (4, 2)
+
+
+def test_a_planned_entry_of_several_row_tiles_runs_only_where_it_is_built(monkeypatch) -> None:
+    """tiles_for clamps a plan's token tiles to the rows at hand; a (tiles, row tiles) pair that is
+    not built then runs one row tile per warp, the same bits."""
+    w = random_weight(64, 128, 32)
+    kind = w4_verdicts.kernel_kind(w)
+    monkeypatch.setattr(cuda_w4, "DIRECT_ROWS_BUILD", {(4, 2): (4, 2), (2, 2): (4, 2)})
+    w4_verdicts.choose_kernel(kind, True, None, {16: (2, 2), 32: (4, 2)})
+    assert [cuda_w4.tiles_for(w, m) for m in (9, 16, 17, 25, 32, 33)] == [(2, 2), (2, 2), (3, 1), (4, 2), (4, 2), (5, 1)]
 
 
 def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
     w = random_weight(64, 128, 32)
     kind = w4_verdicts.kernel_kind(w)
     assert not w4_verdicts.cuda_chosen(w)                       # a product ran: fixed to Triton
-    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: 2}) is False
+    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: (2, 1)}) is False
     assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None and w4_verdicts.planned_tiles(kind, 32) is None
 
 
@@ -198,3 +216,10 @@ def test_each_row_count_and_choice_is_timed_over_cycled_weight_copies(monkeypatc
     assert [c for _, _, c in eager] == [None] * 3 and len({w for _, w, _ in eager}) == 3
     assert [(m, c) for m, _, c in timed] == [(1, "a")] * 2 + [(5, "a")] * 2 + [(5, "b")] * 2
     assert timed[0][1] != timed[1][1]          # consecutive products read different copies
+    # a choice whose rows differ from the default entry's on this machine is neither timed nor planned
+    seen.clear()
+    with pytest.warns(RuntimeWarning, match=r"W4 CUDA entry b gave other bits than the default entry for 64x32 "
+                                            r"\(verifier\) at 5 rows on this GPU: not used"):
+        times = w4_choice._time_rows(kind, torch.device("cpu"), (1, 5), timer, product,
+                                     lambda m: ["a", "b"] if m > 1 else ["a"], same_bits=lambda x, w, choice: choice == "a")
+    assert times == {1: {"a": 1.0}, 5: {"a": 1.0}}

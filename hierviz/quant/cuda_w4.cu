@@ -182,24 +182,45 @@ __device__ __forceinline__ int advance_tiles(const U4** xp) {
 // GC > 0: groups of GC chunks (64 * GC channels), the slice starting on a group and AHEAD a
 // multiple of GC, so every group-pair address is a constant offset from one pointer as well
 // (GC = 0: any group size, the pair address computed per chunk from the channel index).
-template <int T, int AHEAD, int GC>
-__device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
+// R: row tiles per warp (rt0 .. rt0 + R - 1, acc[r * T + tt]): each activation load serves R MMAs,
+// which is what bounds the loop from a few token tiles on; every element's MMA chain is unchanged.
+template <int T, int AHEAD, int GC, int R>
+__device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0, int tok0, int c_begin, int c_end) {
   static_assert(GC == 0 || AHEAD % GC == 0, "a look-ahead of whole groups");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const U4* ap = codes + rt * tile_stride + c_begin * 32 + lane;      // chunk c0's word (32 words a chunk)
-  const U2* pairs = so + (size_t)rt * n_groups * 8 + g;
+  const U4* ap[R];                    // chunk c0's word of each row tile (32 words a chunk)
+  const U2* pairs[R];
+  const U2* pp[R];                    // chunk c0's group pair of each row tile (GC > 0)
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    // a second tile past N multiplies the last tile again and stores nothing
+    const int rt = R == 1 ? rt0 : min(rt0 + r, (N >> 4) - 1);
+    ap[r] = codes + rt * tile_stride + c_begin * 32 + lane;
+    pairs[r] = so + (size_t)rt * n_groups * 8 + g;
+    pp[r] = pairs[r] + (GC ? c_begin / GC : 0) * 8;
+  }
   int k0 = c_begin * 64 + 16 * t;                                     // chunk c0's first channel of the lane's 16
-  const U2* pp = pairs + (GC ? c_begin / GC : 0) * 8;                 // chunk c0's group pair (GC > 0)
-  // the pair of chunk c0 + j (k: its first channel of the lane's 16)
-#define PAIR_AT(k, j) (GC ? pp + ((j) / (GC ? GC : 1)) * 8 : pairs + ((u32)(k) >> group_shift) * 8u)
-  U4 ring[AHEAD];
-  U2 ring_p[AHEAD];
+  // the pair of row tile r for chunk c0 + j (k: its first channel of the lane's 16)
+#define PAIR_AT(r, k, j) (GC ? pp[r] + ((j) / (GC ? GC : 1)) * 8 : pairs[r] + ((u32)(k) >> group_shift) * 8u)
+#define ADVANCE_RING()                                                                           \
+  {                                                                                              \
+    _Pragma("unroll") for (int r = 0; r < R; r++) {                                             \
+      ap[r] += AHEAD * 32;                                                                       \
+      pp[r] += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8;                                             \
+    }                                                                                            \
+    k0 += AHEAD * 64;                                                                            \
+    advance_tiles<T, AHEAD>(xp);                                                                 \
+  }
+  U4 ring[R][AHEAD];
+  U2 ring_p[R][AHEAD];
 #pragma unroll
   for (int s = 0; s < AHEAD; s++)
-    if (c_begin + s < c_end) {
-      ring[s] = load_codes(ap + s * 32);
-      ring_p[s] = load_pair(PAIR_AT(k0 + s * 64, s));
-    }
+    if (c_begin + s < c_end)
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        ring[r][s] = load_codes(ap[r] + s * 32);
+        ring_p[r][s] = load_pair(PAIR_AT(r, k0 + s * 64, s));
+      }
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
   const U4* xp[T];
@@ -207,45 +228,59 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt, 
   for (int tt = 0; tt < T; tt++)
     xp[tt] = (const U4*)(x + (size_t)min(tok0 + 8 * tt + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
   int c0 = c_begin;
-  for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64,
-                                         pp += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8, advance_tiles<T, AHEAD>(xp)) {
+  for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD) {
 #pragma unroll
     for (int s = 0; s < AHEAD; s++) {
-      const U4 a = ring[s];
-      const U2 pair = ring_p[s];
-      ring[s] = load_codes(ap + (s + AHEAD) * 32);              // chunk c0 + s + AHEAD
-      ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64, s + AHEAD));
+      U4 a[R];
+      U2 pair[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        a[r] = ring[r][s];
+        pair[r] = ring_p[r][s];
+        ring[r][s] = load_codes(ap[r] + (s + AHEAD) * 32);              // chunk c0 + s + AHEAD
+        ring_p[r][s] = load_pair(PAIR_AT(r, k0 + (s + AHEAD) * 64, s + AHEAD));
+      }
       U4 xa[T], xb[T];
       load_tiles<T>(xa, xb, xp, s);
-      chunk<T>(acc, a, pair, xa, xb);
+#pragma unroll
+      for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb);
     }
+    ADVANCE_RING()
   }
   if (c0 + AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
 #pragma unroll
     for (int s = 0; s < AHEAD; s++) {
       U4 xa[T], xb[T];
       load_tiles<T>(xa, xb, xp, s);
-      chunk<T>(acc, ring[s], ring_p[s], xa, xb);
+#pragma unroll
+      for (int r = 0; r < R; r++) chunk<T>(acc + r * T, ring[r][s], ring_p[r][s], xa, xb);
     }
     return;
   }
-  for (; c0 < c_end; c0 += AHEAD, ap += AHEAD * 32, k0 += AHEAD * 64, pp += (GC ? AHEAD / (GC ? GC : 1) : 0) * 8,
-                    advance_tiles<T, AHEAD>(xp)) {
+  for (; c0 < c_end; c0 += AHEAD) {
 #pragma unroll
     for (int s = 0; s < AHEAD; s++) {
       if (c0 + s < c_end) {
-        const U4 a = ring[s];
-        const U2 pair = ring_p[s];
-        if (c0 + s + AHEAD < c_end) {
-          ring[s] = load_codes(ap + (s + AHEAD) * 32);
-          ring_p[s] = load_pair(PAIR_AT(k0 + (s + AHEAD) * 64, s + AHEAD));
+        U4 a[R];
+        U2 pair[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          a[r] = ring[r][s];
+          pair[r] = ring_p[r][s];
+          if (c0 + s + AHEAD < c_end) {
+            ring[r][s] = load_codes(ap[r] + (s + AHEAD) * 32);
+            ring_p[r][s] = load_pair(PAIR_AT(r, k0 + (s + AHEAD) * 64, s + AHEAD));
+          }
         }
         U4 xa[T], xb[T];
         load_tiles<T>(xa, xb, xp, s);
-        chunk<T>(acc, a, pair, xa, xb);
+#pragma unroll
+        for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb);
       }
     }
+    ADVANCE_RING()
   }
+#undef ADVANCE_RING
 #undef PAIR_AT
 }
 
@@ -542,22 +577,23 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
 // Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0>
+template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1>
 __device__ __forceinline__ void w4_mma(PARAMS) {
+  static_assert(DIRECT || R == 1, "one row tile per warp in the staged loops");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tok0 = blockIdx.x * (8 * T);
   const int row_tiles = N >> 4, chunks = K >> 6;
-  const int rt = blockIdx.y * 8 + warp;
+  const int rt = blockIdx.y * 8 + warp * R;       // the warp's first row tile (8 / R warps a block)
   const int slice = blockIdx.z;
   const int c_begin = slice * chunks_per_slice;
   const int c_end = min(chunks, c_begin + chunks_per_slice);
-  float acc[T][4];
+  float acc[R * T][4];
 #pragma unroll
-  for (int tt = 0; tt < T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
+  for (int tt = 0; tt < R * T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
   // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
-    if (rt < row_tiles) product_direct<T, S, GC>(acc, ARGS, rt, tok0, c_begin, c_end);
+    if (rt < row_tiles) product_direct<T, S, GC, R>(acc, ARGS, rt, tok0, c_begin, c_end);
   } else if constexpr (WGMMA) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     product_wgmma<T, S, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
@@ -565,28 +601,32 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   } else {
     product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
   }
-  // acc[tt][i]: row rt*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
+  // acc[r * T + tt][i]: row (rt + r)*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
   if (split == 1) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+      for (int tt = 0; tt < T; tt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt + r) * 16 + g + 8 * (i >> 1);
+          if (tok < M && rt + r < row_tiles) {
+            float v = acc[r * T + tt][i];
+            if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
+            y[(size_t)tok * ldy + n] = f2h(v);
+          }
+        }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++)
 #pragma unroll
     for (int tt = 0; tt < T; tt++)
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
-        if (tok < M && rt < row_tiles) {
-          float v = acc[tt][i];
-          if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
-          y[(size_t)tok * ldy + n] = f2h(v);
-        }
+        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt + r) * 16 + g + 8 * (i >> 1);
+        if (tok < M && rt + r < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[r * T + tt][i];
       }
-    return;
-  }
-#pragma unroll
-  for (int tt = 0; tt < T; tt++)
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = rt * 16 + g + 8 * (i >> 1);
-      if (tok < M && rt < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[tt][i];
-    }
   // The last block of this output tile to finish sums the slices in slice order.
   __shared__ int last;
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -615,6 +655,15 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 #define DIRECT_GROUP_ENTRY(T, AHEAD, BLOCKS, G)                                                  \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T##_g##G(PARAMS) {        \
     w4_mma<T, true, AHEAD, G / 64>(ARGS);                                                        \
+  }
+// R row tiles per warp: 8 / R warps a block, the same 128 rows, grid and K slices
+#define DIRECT_ROWS_ENTRY(T, AHEAD, BLOCKS, R)                                                   \
+  extern "C" __global__ void __launch_bounds__(256 / R, BLOCKS) w4_direct_t##T##_r##R(PARAMS) {    \
+    w4_mma<T, true, AHEAD, 0, false, 0, R>(ARGS);                                                \
+  }
+#define DIRECT_ROWS_GROUP_ENTRY(T, AHEAD, BLOCKS, R, G)                                          \
+  extern "C" __global__ void __launch_bounds__(256 / R, BLOCKS) w4_direct_t##T##_r##R##_g##G(PARAMS) { \
+    w4_mma<T, true, AHEAD, G / 64, false, 0, R>(ARGS);                                           \
   }
 #define STAGED_ENTRY(T, S, BLOCKS)                                                               \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \

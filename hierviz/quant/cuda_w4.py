@@ -71,6 +71,12 @@ NBUF = 2                   # x stages the staged loop keeps in shared memory (NB
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
 # x stage, which is also the code ring's depth; blocks per multiprocessor).
 DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2), 4: (4, 2), 5: (2, 2)}
+# Direct entries whose warps each multiply several 16-row tiles, so that each activation load
+# serves that many MMAs (8 / row tiles warps a block: the same 128 rows, grid and K split, so the
+# same bits): (token tiles, row tiles per warp) -> (chunks ahead, blocks per multiprocessor). They
+# are candidates that w4_choice times per kind and row count (docs/kernels.md, "Row tiles per warp").
+DIRECT_ROWS_BUILD: dict[tuple[int, int], tuple[int, int]] = {(2, 2): (2, 4), (3, 2): (2, 4), (4, 2): (4, 2),
+                                                              (5, 2): (4, 2)}
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {6: (2, 2), 7: (2, 2), 8: (2, 2)}
 # The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
@@ -111,12 +117,17 @@ def has_wgmma(arch: Optional[str]) -> bool:
 
 
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
-                  arch: Optional[str] = None, wgmma_build: Optional[dict] = None) -> str:
+                  arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
+                  rows_build: Optional[dict] = None) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
     entries only for an arch that has them."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
+    rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
     return (kernel_text() + "".join(f"DIRECT_ENTRY({t}, {a}, {b})\n" for t, (a, b) in direct_build.items())
             + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
+                      for g in PAIR_GROUPS if has_group_entry(a, g))
+            + "".join(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})\n" for (t, r), (a, b) in rows_build.items())
+            + "".join(f"DIRECT_ROWS_GROUP_ENTRY({t}, {a}, {b}, {r}, {g})\n" for (t, r), (a, b) in rows_build.items()
                       for g in PAIR_GROUPS if has_group_entry(a, g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
             + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
@@ -173,12 +184,16 @@ def token_tiles(m: int) -> int:
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
 
 
-def tiles_for(w: W4Weight, m: int) -> int:
-    """The token tiles per block of an m-row product of w: where hierviz.quant.w4_choice timed w's
-    kind, its fastest (fewer tiles run more passes of the grid over the tokens, each block
-    re-reading its weight tile; any choice gives a row the same bits), else token_tiles(m)."""
+def tiles_for(w: W4Weight, m: int) -> tuple[int, int]:
+    """(8-token tiles per block, 16-row tiles per warp) of an m-row product of w: where
+    hierviz.quant.w4_choice timed w's kind, its fastest entry (fewer token tiles run more passes of
+    the grid over the tokens, each block re-reading its weight tile; more row tiles per warp let each
+    activation load serve more MMAs; any choice gives a row the same bits), else (token_tiles(m), 1)."""
     planned = w4_verdicts.planned_tiles(w4_verdicts.kernel_kind(w), m)
-    return token_tiles(m) if planned is None else min(planned, token_tiles(m))
+    if planned is None:
+        return token_tiles(m), 1
+    tiles, row_tiles = min(planned[0], token_tiles(m)), planned[1]
+    return (tiles, row_tiles) if row_tiles == 1 or (tiles, row_tiles) in DIRECT_ROWS_BUILD else (tiles, 1)
 
 
 def serves(w: W4Weight) -> bool:
@@ -378,32 +393,47 @@ def _arch(index: int) -> str:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
-def ahead_chunks(tiles: int) -> int:
+def _direct_build(tiles: int, row_tiles: int = 1) -> Optional[tuple[int, int]]:
+    """(chunks ahead, blocks per multiprocessor) of the direct entry for `tiles` token tiles and
+    `row_tiles` row tiles per warp; None where no direct entry is built (staged tile counts)."""
+    return DIRECT_BUILD.get(tiles) if row_tiles == 1 else DIRECT_ROWS_BUILD.get((tiles, row_tiles))
+
+
+def ahead_chunks(tiles: int, row_tiles: int = 1) -> int:
     """K chunks of codes the entry of `tiles` token tiles fetches ahead of the one it multiplies."""
-    return DIRECT_BUILD[tiles][0] if tiles in DIRECT_BUILD else STAGED_BUILD[tiles][0]
+    build = _direct_build(tiles, row_tiles)
+    return build[0] if build else STAGED_BUILD[tiles][0]
 
 
-def pair_group(tiles: int, group_size: int, chunks_per_slice: int) -> int:
+def pair_group(tiles: int, group_size: int, chunks_per_slice: int, row_tiles: int = 1) -> int:
     """The group size whose direct entry addresses the group pairs by constant offsets (every
     slice starting on a group, the look-ahead whole groups), else 0: the generic entry."""
-    if tiles not in DIRECT_BUILD or not has_group_entry(DIRECT_BUILD[tiles][0], group_size):
+    build = _direct_build(tiles, row_tiles)
+    if build is None or not has_group_entry(build[0], group_size):
         return 0
     return group_size if chunks_per_slice % (group_size // 64) == 0 else 0
 
 
-def entry_for(tiles: int, group: int = 0, wgmma: bool = False) -> str:
+def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 1) -> str:
     """The entry that multiplies `tiles` token tiles per block: the direct loop for few (group:
-    its pair_group entry), else staged (wgmma: its wgmma entry)."""
+    its pair_group entry; row_tiles: 16-row tiles per warp), else staged (wgmma: its wgmma entry)."""
+    if row_tiles > 1:
+        return f"w4_direct_t{tiles}_r{row_tiles}" + (f"_g{group}" if group else "")
     if tiles not in DIRECT_BUILD:
         return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
     return f"w4_direct_t{tiles}_g{group}" if group else f"w4_direct_t{tiles}"
 
 
-def entry_names(arch: Optional[str] = None, wgmma_build: Optional[dict] = None) -> list[str]:
+def entry_names(arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
+                rows_build: Optional[dict] = None) -> list[str]:
     """The entries a build for `arch` holds (None: an arch without the wgmma entries; wgmma_build:
-    its wgmma entries, default WGMMA_BUILD)."""
+    its wgmma entries, default WGMMA_BUILD; rows_build: its entries of several row tiles per warp,
+    default DIRECT_ROWS_BUILD)."""
+    rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
     return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
-        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + (
+        entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + [
+        entry_for(t, g, row_tiles=r) for (t, r), (a, _) in rows_build.items()
+        for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(a, g)] + (
         [entry_for(t, wgmma=True) for t in (WGMMA_BUILD if wgmma_build is None else wgmma_build)]
         if has_wgmma(arch) else [])
 
@@ -436,15 +466,15 @@ def functions(index: int) -> dict[str, ctypes.c_void_p]:
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[dict] = None
-                 ) -> dict[str, ctypes.c_void_p]:
+def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[dict] = None,
+                 rows_build: Optional[dict] = None) -> dict[str, ctypes.c_void_p]:
     """`source` (default: the shipped entries) compiled for arch and loaded into the current
     context: entry name -> CUfunction, the wgmma entries allowed their dynamic shared memory."""
     cubin = compile_cubin(arch, source)
     module = ctypes.c_void_p()
     _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
     found = {}
-    for name in entry_names(arch, wgmma_build):
+    for name in entry_names(arch, wgmma_build, rows_build):
         fn = ctypes.c_void_p()
         _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
         found[name] = fn
@@ -490,13 +520,15 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
-           split: Optional[int] = None, tiles: Optional[int] = None, wgmma: Optional[bool] = None) -> torch.Tensor:
+           split: Optional[int] = None, tiles: Optional[int] = None, wgmma: Optional[bool] = None,
+           row_tiles: int = 1) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default split_for on this GPU; the same for every M; another
     split sums in another order, so other bits). tiles: 8-token tiles per block (default
-    tiles_for(w, M)); any choice gives a row the same bits. wgmma: whether the staged tile counts
+    tiles_for(w, M), with its row tiles per warp); any choice gives a row the same bits. wgmma: whether the staged tile counts
     run the wgmma entries (default: WGMMA_BY_DEFAULT, where this GPU's build has them; else the
-    mma.sync staged loop), the same bits either way."""
+    mma.sync staged loop), the same bits either way. row_tiles: 16-row tiles per warp of a direct
+    entry (DIRECT_ROWS_BUILD), the same bits too."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
@@ -520,7 +552,8 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     if split is None:
         split = split_for(n, k, multiprocessor_count(x.device))
     split, per = slice_plan(k, split)
-    tiles = tiles or tiles_for(w, m)
+    if tiles is None:
+        tiles, row_tiles = tiles_for(w, m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
     grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
@@ -538,10 +571,10 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
     use_wgmma = WGMMA_BY_DEFAULT and entry_for(tiles, wgmma=True) in fns if wgmma is None else wgmma
-    entry = entry_for(tiles, pair_group(tiles, w.group_size, per), use_wgmma)
+    entry = entry_for(tiles, pair_group(tiles, w.group_size, per, row_tiles), use_wgmma, row_tiles)
     if entry not in fns:
         raise ValueError(f"this GPU's build of the CUDA W4 kernel has no entry {entry}")
     shared = wgmma_shared_bytes(tiles) if entry.startswith("w4_wgmma") else 0
-    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS, 1, 1, shared,
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS // row_tiles, 1, 1, shared,
                                              stream, ptrs, None), "cuLaunchKernel")
     return y

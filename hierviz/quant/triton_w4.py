@@ -368,10 +368,10 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
     if w4_verdicts.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
         from hierviz.quant import cuda_w4
         if cuda_w4.serves(w) and cuda_w4.supports_shape(n, k, w.group_size):
-            tiles = cuda_w4.tiles_for(w, m)
+            tiles, row_tiles = cuda_w4.tiles_for(w, m)       # num_warps: 8 / row tiles per warp
             return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles,
-                          split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS,
-                          num_stages=cuda_w4.ahead_chunks(tiles), cuda=True)
+                          split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS // row_tiles,
+                          num_stages=cuda_w4.ahead_chunks(tiles, row_tiles), cuda=True)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
     if w.batch_invariant and m <= INVARIANT_MAX_ROWS:
@@ -448,7 +448,8 @@ def _launch(x: torch.Tensor, w: W4Weight, cfg: Config, interp: bool,
     n = w.out_features
     if cfg.cuda:
         from hierviz.quant import cuda_w4
-        return cuda_w4.matmul(x, w, add_to, split=cfg.split_k, tiles=cfg.block_m // 8), None
+        return cuda_w4.matmul(x, w, add_to, split=cfg.split_k, tiles=cfg.block_m // 8,
+                              row_tiles=cuda_w4.WARPS // cfg.num_warps), None
     p = packed(w, x.dtype)
     if cfg.gemv and x.dtype == torch.float16:
         return _gemv(x, p, w.group_size, cfg, interp, add_to)

@@ -84,10 +84,12 @@ def _rows(kind: w4_verdicts.KernelKind, rows: Iterable[int]) -> list[int]:
 
 
 def _time_rows(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int], timer: Timer,
-               product: Callable[[torch.Tensor, W4Weight, Any], Any], choices: Callable[[int], list]
+               product: Callable[[torch.Tensor, W4Weight, Any], Any], choices: Callable[[int], list],
+               same_bits: Optional[Callable[[torch.Tensor, W4Weight, Any], bool]] = None
                ) -> dict[int, dict[Any, float]]:
     """Microseconds of product(x, w, choice) at each row count of this kind, for each of
-    choices(row count), cycling weight copies so that reads come from DRAM."""
+    choices(row count), cycling weight copies so that reads come from DRAM; a choice for which
+    same_bits(x, w, choice) is False is left out, with a warning."""
     ws = _copies(kind, device)
     x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
     for w in ws:        # each copy's kernel layout is built here, eagerly, never inside a capture
@@ -97,6 +99,11 @@ def _time_rows(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterabl
         x = torch.randn(m, kind[1], device=device).to(torch.float16)
         out[m] = {}
         for choice in choices(m):
+            if same_bits is not None and not same_bits(x, ws[0], choice):
+                warnings.warn(f"W4 CUDA entry {choice} gave other bits than the default entry for "
+                              f"{w4_verdicts.kind_label(kind)} at {m} rows on this GPU: not used", RuntimeWarning,
+                              stacklevel=3)
+                continue
             copies = itertools.cycle(ws)
             out[m][choice] = timer(lambda: product(x, next(copies), choice))
     return out
@@ -111,26 +118,41 @@ def time_triton(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterab
     return {m: by_choice[None] for m, by_choice in times.items()}
 
 
-def tile_candidates(m: int) -> list[int]:
-    """The token tiles per block worth timing for an m-row product: from the entry that takes all m
-    tokens in one pass of the grid (cuda_w4.token_tiles) down to fewer tiles in up to MAX_PASSES
-    passes, each block re-reading its weight tile (from the L2 when the passes run side by side)."""
+def tile_candidates(m: int) -> list[tuple[int, int]]:
+    """The entries worth timing for an m-row product, as (8-token tiles per block, 16-row tiles per
+    warp): from the entry that takes all m tokens in one pass of the grid (cuda_w4.token_tiles) down
+    to fewer tiles in up to MAX_PASSES passes, each block re-reading its weight tile (from the L2
+    when the passes run side by side), then the built entries of several row tiles per warp
+    (cuda_w4.DIRECT_ROWS_BUILD) within as many passes."""
     full = cuda_w4.token_tiles(m)
-    return [t for t in range(full, 0, -1) if -(-m // (8 * t)) <= MAX_PASSES]
+    fits = [t for t in range(full, 0, -1) if -(-m // (8 * t)) <= MAX_PASSES]
+    return [(t, 1) for t in fits] + [(t, r) for t in fits for r in sorted({r for _, r in cuda_w4.DIRECT_ROWS_BUILD})
+                                     if (t, r) in cuda_w4.DIRECT_ROWS_BUILD]
 
 
 def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
-              timer: Timer = cuda_graph_timer) -> dict[int, dict[int, float]]:
+              timer: Timer = cuda_graph_timer) -> dict[int, dict[tuple[int, int], float]]:
     """Microseconds per product of this kind in the CUDA MMA kernel at each row count, for each of
-    its tile_candidates (row count -> tiles -> us): every choice gives a row the same bits."""
-    return _time_rows(kind, device, rows, timer, lambda x, w, tiles: cuda_w4.matmul(x, w, tiles=tiles), tile_candidates)
+    its tile_candidates (row count -> (tiles, row tiles per warp) -> us): every choice is built to
+    give a row the same bits, and one that does not here is left out."""
+    def product(x: torch.Tensor, w: W4Weight, entry: Optional[tuple[int, int]]) -> torch.Tensor:
+        tiles, row_tiles = entry or (None, 1)
+        return cuda_w4.matmul(x, w, tiles=tiles, row_tiles=row_tiles)
+
+    def same_bits(x: torch.Tensor, w: W4Weight, entry: tuple[int, int]) -> bool:
+        # every entry is built to give the one-pass entry's bits; one that does not on this GPU
+        # (an arch or compiler nobody here ran) is never planned
+        one_pass = (cuda_w4.token_tiles(x.shape[0]), 1)
+        return entry == one_pass or torch.equal(product(x, w, entry), product(x, w, one_pass))
+    return _time_rows(kind, device, rows, timer, product, tile_candidates, same_bits)
 
 
-def fastest_tiles(m: int, by_tiles: dict[int, float]) -> int:
-    """The tiles an m-row product runs: the fastest timed, or the one-pass entry unless another
-    is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
+def fastest_tiles(m: int, by_tiles: dict[tuple[int, int], float]) -> tuple[int, int]:
+    """The entry an m-row product runs: the fastest timed, or the one-pass entry of one row tile
+    per warp unless another is faster by more than TILES_NOISE (so that noise does not move a
+    product off its default)."""
     best = min(by_tiles, key=by_tiles.get)
-    full = cuda_w4.token_tiles(m)
+    full = (cuda_w4.token_tiles(m), 1)
     return full if full in by_tiles and by_tiles[full] <= TILES_NOISE * by_tiles[best] else best
 
 

@@ -308,8 +308,9 @@ def forget_in_memory() -> None:
 KernelKind = tuple[int, int, int, int, bool, bool]
 _KERNEL_CHOICE: dict[KernelKind, bool] = {}
 _KERNEL_TIMES: dict[KernelKind, dict[str, Any]] = {}
-# the CUDA kernel's token tiles per block by row count, for a kind it runs: (rows timed, tiles) sorted
-_TILE_PLAN: dict[KernelKind, tuple[tuple[int, int], ...]] = {}
+# the CUDA kernel's entry by row count, for a kind it runs: (rows timed, (token tiles per block, row
+# tiles per warp)) sorted
+_TILE_PLAN: dict[KernelKind, tuple[tuple[int, tuple[int, int]], ...]] = {}
 
 
 def kernel_kind(w: Any) -> KernelKind:
@@ -326,10 +327,10 @@ def cuda_chosen(w: Any) -> bool:
 
 
 def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None,
-                  tiles: Optional[dict[int, int]] = None) -> bool:
+                  tiles: Optional[dict[int, tuple[int, int]]] = None) -> bool:
     """Record the kernel a kind runs, unless it has one already (chosen, or fixed by a product),
-    and for the CUDA kernel its tiles per row count (rows timed -> tiles); returns the choice in
-    force."""
+    and for the CUDA kernel its entry per row count (rows timed -> (token tiles, row tiles per
+    warp)); returns the choice in force."""
     if kind not in _KERNEL_CHOICE:
         if times is not None:
             _KERNEL_TIMES[kind] = times
@@ -338,9 +339,10 @@ def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] 
     return _KERNEL_CHOICE.setdefault(kind, cuda)
 
 
-def planned_tiles(kind: KernelKind, m: int) -> Optional[int]:
-    """The CUDA kernel's token tiles per block that timing chose for an m-row product of this kind:
-    those of the smallest timed row count at or above m; None for a kind without a plan or past it."""
+def planned_tiles(kind: KernelKind, m: int) -> Optional[tuple[int, int]]:
+    """The CUDA kernel's (token tiles per block, row tiles per warp) that timing chose for an m-row
+    product of this kind: those of the smallest timed row count at or above m; None for a kind
+    without a plan or past it."""
     for rows, tiles in _TILE_PLAN.get(kind, ()):
         if rows >= m:
             return tiles
