@@ -24,10 +24,11 @@ K slices (split_for: from N, K and the GPU, never from M) meet in a fixed-order 
 the last block of each output tile. So a row gets the same bits at every M, and the same kernel
 serves decode, verification and prefill (tokens beyond 64 run as further token chunks of the
 grid). Up to 40 tokens a pass the activations come straight from L1 and the codes and group pairs
-are held in registers several chunks ahead (`product_direct`); from 41 the block's warps share the
-activations through shared memory (`product_staged`, the codes read once for up to 64 tokens); both
-run the same MMAs. Where w4_choice timed a weight's kind, each row count runs the tiles per block
-timed fastest (tiles_for): a narrow weight may take 32 tokens as two passes of 16. On Hopper the
+are held in registers several chunks ahead (`product_direct`, one or two 16-row tiles per warp:
+DIRECT_ROWS_BUILD); from 41 the block's warps share the activations through shared memory
+(`product_staged`, the codes read once for up to 64 tokens); all run the same MMAs. Where w4_choice
+timed a weight's kind, each row count runs the entry timed fastest (tiles_for): a narrow weight may
+take 32 tokens as two passes of 16, a wide one 24 tokens with two row tiles per warp. On Hopper the
 kernel is built for sm_90a, which adds wgmma entries for the staged tile counts (`product_wgmma`:
 each warpgroup's 64 rows times the pass's tokens per MMA step, A from the same dequantized
 registers, the same bits); they are slower there than `product_staged`, so they run only when
@@ -63,7 +64,7 @@ from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, rel
 from hierviz.quant import w4_verdicts
 
 _CACHE_KEY = "cuda_w4"
-WARPS = 8                  # row tiles per block: 128 weight rows share the block's K slice
+WARPS = 8                  # row tiles per block (a warp each, or two a warp): 128 weight rows share its K slice
 ROWS_PER_BLOCK = 16 * WARPS
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
 # The entries, by token tiles per block, measured best per entry on the H200 and H100 (docs/kernels.md;
