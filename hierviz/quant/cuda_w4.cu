@@ -211,6 +211,23 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
     k0 += AHEAD * 64;                                                                            \
     advance_tiles<T, AHEAD>(xp);                                                                 \
   }
+  // chunk c0 + s of every row tile from the ring, refilled (if REFILL) with chunk c0 + s + AHEAD
+#define CHUNK_STEP(s, REFILL)                                                                    \
+  {                                                                                              \
+    U4 a[R];                                                                                     \
+    U2 pair[R];                                                                                  \
+    _Pragma("unroll") for (int r = 0; r < R; r++) {                                             \
+      a[r] = ring[r][s];                                                                         \
+      pair[r] = ring_p[r][s];                                                                    \
+      if (REFILL) {                                                                              \
+        ring[r][s] = load_codes(ap[r] + ((s) + AHEAD) * 32);                                     \
+        ring_p[r][s] = load_pair(PAIR_AT(r, k0 + ((s) + AHEAD) * 64, (s) + AHEAD));              \
+      }                                                                                          \
+    }                                                                                            \
+    U4 xa[T], xb[T];                                                                             \
+    load_tiles<T>(xa, xb, xp, s);                                                                \
+    _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb); \
+  }
   U4 ring[R][AHEAD];
   U2 ring_p[R][AHEAD];
 #pragma unroll
@@ -230,21 +247,7 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
   int c0 = c_begin;
   for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD) {
 #pragma unroll
-    for (int s = 0; s < AHEAD; s++) {
-      U4 a[R];
-      U2 pair[R];
-#pragma unroll
-      for (int r = 0; r < R; r++) {
-        a[r] = ring[r][s];
-        pair[r] = ring_p[r][s];
-        ring[r][s] = load_codes(ap[r] + (s + AHEAD) * 32);              // chunk c0 + s + AHEAD
-        ring_p[r][s] = load_pair(PAIR_AT(r, k0 + (s + AHEAD) * 64, s + AHEAD));
-      }
-      U4 xa[T], xb[T];
-      load_tiles<T>(xa, xb, xp, s);
-#pragma unroll
-      for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb);
-    }
+    for (int s = 0; s < AHEAD; s++) CHUNK_STEP(s, true)
     ADVANCE_RING()
   }
   if (c0 + AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
@@ -259,27 +262,11 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
   }
   for (; c0 < c_end; c0 += AHEAD) {
 #pragma unroll
-    for (int s = 0; s < AHEAD; s++) {
-      if (c0 + s < c_end) {
-        U4 a[R];
-        U2 pair[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          a[r] = ring[r][s];
-          pair[r] = ring_p[r][s];
-          if (c0 + s + AHEAD < c_end) {
-            ring[r][s] = load_codes(ap[r] + (s + AHEAD) * 32);
-            ring_p[r][s] = load_pair(PAIR_AT(r, k0 + (s + AHEAD) * 64, s + AHEAD));
-          }
-        }
-        U4 xa[T], xb[T];
-        load_tiles<T>(xa, xb, xp, s);
-#pragma unroll
-        for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb);
-      }
-    }
+    for (int s = 0; s < AHEAD; s++)
+      if (c0 + s < c_end) CHUNK_STEP(s, c0 + s + AHEAD < c_end)
     ADVANCE_RING()
   }
+#undef CHUNK_STEP
 #undef ADVANCE_RING
 #undef PAIR_AT
 }
