@@ -184,10 +184,10 @@ def test_group_pairs_by_offset_only_where_every_slice_starts_on_a_group() -> Non
                for t, (a, b) in cuda_w4.DIRECT_BUILD.items())
 
 
-def test_entries_of_several_row_tiles_per_warp_are_named_built_and_compile() -> None:
+def test_entries_of_several_row_tiles_per_warp_are_named_and_built() -> None:
     """A (token tiles, row tiles per warp) build gets its own entry (and its pair-group entries), a
-    warp count of 8 / row tiles and its own look-ahead; NVRTC compiles such builds for every arch."""
-    skip_without_nvrtc()
+    warp count of 8 / row tiles and its own look-ahead (the shipped ones compile for every arch in
+    test_nvrtc_compiles_the_kernel)."""
     build = {(2, 2): (4, 2), (4, 2): (2, 4), (3, 4): (2, 4)}
     assert cuda_w4.entry_for(4, 0, row_tiles=2) == "w4_direct_t4_r2"
     assert cuda_w4.entry_for(3, 128, row_tiles=4) == "w4_direct_t3_r4_g128"
@@ -197,10 +197,9 @@ def test_entries_of_several_row_tiles_per_warp_are_named_built_and_compile() -> 
     assert len(set(names)) == len(names)
     source = cuda_w4.kernel_source(rows_build=build)
     assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})" in source for (t, r), (a, b) in build.items())
-    for arch in ("sm_80", "sm_90a", "sm_100"):
-        cubin = cuda_w4.compile_cubin(arch, cuda_w4.kernel_source(arch=arch, rows_build=build))
-        assert all(name.encode() in cubin for name in names)
     shipped = cuda_w4.kernel_source(arch="sm_90a")
+    assert cuda_w4.DIRECT_ROWS_BUILD and set(cuda_w4.entry_names()) >= {
+        cuda_w4.entry_for(t, 0, row_tiles=r) for t, r in cuda_w4.DIRECT_ROWS_BUILD}
     assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})" in shipped for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items())
     for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items():
         assert 8 % r == 0 and cuda_w4.ahead_chunks(t, r) == a and t <= max(cuda_w4.DIRECT_BUILD)
@@ -295,7 +294,8 @@ def test_the_cuda_c_is_the_cu_file_beside_the_module() -> None:
     head, entries = cuda_w4.kernel_source().split(text)
     assert head == f'#define NBUF {cuda_w4.NBUF}\n#define ROWS_PER_BLOCK {cuda_w4.ROWS_PER_BLOCK}\n#line 1 "cuda_w4.cu"\n'
     assert len(entries.splitlines()) == len(cuda_w4.entry_names())
-    assert all(line.split("(")[0] in ("DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "STAGED_ENTRY") for line in entries.splitlines())
+    assert all(line.split("(")[0] in ("DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY",
+                                      "STAGED_ENTRY") for line in entries.splitlines())
     head90a, entries90a = cuda_w4.kernel_source(arch="sm_90a").split(text)
     assert head90a == head and len(entries90a.splitlines()) == len(cuda_w4.entry_names("sm_90a"))
     assert entries90a.startswith(entries) and all(line.startswith("WGMMA_ENTRY(")
