@@ -4,6 +4,7 @@ whole draft trees (tree.TreeGraph). Skipped without CUDA (CI); on the device mac
 through the static path in CPU tests (test_tree.py, test_cuda_graphs.py)."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -698,6 +699,39 @@ def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch
                         "48", "--methods", "ar,eagle2,hierspec", "--exact-trees", "paper", "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
     assert runs and all(r["identical"] and not r["steering_miss"] for r in runs)
+
+
+def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(monkeypatch) -> None:
+    """A W4 model that is not batch-invariant (an intermediate) gets each row count's faster kernel:
+    every product at 1-130 rows runs the kernel its kind's plan names there and is right, and a
+    weight whose kind runs both kernels multiplies through both layouts (the codes rebuilt from
+    the first for the second)."""
+    from hierviz.measure.common import load_shape
+    from hierviz.models.synthetic import synthetic_model
+    from hierviz.quant import cuda_w4, kernel_guard, triton_w4, w4_choice, w4_verdicts
+    from hierviz.quant.w4_proof import reference, triton_weights
+    monkeypatch.delenv("HIERVIZ_W4_CUDA", raising=False)
+    w4_verdicts.forget_kernel_choices()
+    try:
+        _, cfg = load_shape("llama3-8b")
+        model = synthetic_model(dataclasses.replace(cfg, num_layers=1), "w4", torch.float16, "cuda", "triton", seed=0)
+        chosen = w4_choice.choose_for_models([model], "cuda")
+        assert chosen and set(chosen) == set(w4_choice.kinds_of([model]))
+        records = {(r["K"], r["N"]): r for r in w4_verdicts.kernel_choice_records()}
+        print({k: (r["kernel"], r.get("cuda_rows")) for k, r in records.items()})
+        for w in triton_weights([model]):
+            kind = w4_verdicts.kernel_kind(w)
+            times = w4_verdicts.kernel_times(kind)
+            x = torch.randn(130, w.in_features, device="cuda").half()
+            ref = reference(x, w)
+            for m in (1, 8, 16, 24, 32, 48, 64, 96, 128, 130):
+                timed = next((c for c in w4_choice.CHOICE_ROWS if c >= m), w4_choice.CHOICE_ROWS[-1])
+                want = chosen[kind] and times["cuda_us"][timed] <= times["triton_us"][timed]
+                assert cuda_w4.serves(w, m) == want, (kind, m)
+                assert triton_w4.chosen_config(x[:m], w).cuda == want, (kind, m)
+                assert float(kernel_guard.row_errors(triton_w4.triton_w4_matmul(x[:m], w), ref[:m]).max()) < 5e-3
+    finally:
+        w4_verdicts.forget_kernel_choices()
 
 
 def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invariant(monkeypatch) -> None:

@@ -164,25 +164,52 @@ def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
 
 
 def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:
-    """A caller that names each model's row counts (the what-if) has the kernel chosen over those
-    only: a kind slower at 32 rows alone goes to the CUDA kernel for a target that verifies 1-24
-    rows, stays on Triton where a model runs 30-row trees or names no workload."""
-    kind, other = (0, 128, 64, 32, False, True), (0, 256, 64, 32, False, False)
-    kinds = {"target": [kind], "intermediate": [other], "twin": [kind]}
+    """A caller that names each model's row counts (the what-if) has a verifier's kernel chosen over
+    those only: a kind slower at 32 rows alone goes to the CUDA kernel for a target that verifies
+    1-24 rows, stays on Triton where a verifier runs 30-row trees or names no workload. A kind that
+    is not batch-invariant (an intermediate's) runs each row count in the faster kernel."""
+    kind, wide, other = (0, 128, 64, 32, False, True), (0, 192, 64, 32, False, True), (-1, 256, 64, 32, False, False)
+    kinds = {"target": [kind], "verifier": [wide], "intermediate": [other], "twin": [kind]}
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: sorted({k for m in models for k in kinds[m]}))
     monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {
         m: {t: 40.0 if m == 32 else 10.0 for t in w4_choice.tile_candidates(m)} for m in w4_choice.CHOICE_ROWS})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {m: 20.0 for m in w4_choice.CHOICE_ROWS})
-    chosen = w4_choice.choose_for_models(["target", "intermediate"], "cuda",
-                                         workload={"target": {1, 7, 10, 24}, "intermediate": {30, 31}})
-    assert chosen == {kind: True, other: False}
+    chosen = w4_choice.choose_for_models(["target", "verifier", "intermediate"], "cuda",
+                                         workload={"target": {1, 7, 10, 24}, "verifier": {30, 31},
+                                                   "intermediate": {30, 31}})
+    assert chosen == {kind: True, wide: False, other: True}
     assert w4_verdicts.kernel_times(kind)["deciding_rows"] == [1, 8, 16, 24]
-    assert w4_verdicts.kernel_times(other)["deciding_rows"] == [32]
+    assert w4_verdicts.kernel_times(wide)["deciding_rows"] == [32]
+    # the intermediate's kind: Triton for 26-32 rows (timed at 32), the CUDA kernel elsewhere
+    assert w4_verdicts.kernel_times(other)["deciding_rows"] == list(w4_choice.CHOICE_ROWS)
+    w = random_weight(64, 256, 32)
+    assert w4_verdicts.kernel_kind(w) == other and cuda_w4.serves(w)
+    assert [cuda_w4.serves(w, m) for m in (1, 25, 26, 31, 32, 33, 128, 300)] == [True, True, False, False, False,
+                                                                                  True, True, True]
+    assert w4_verdicts.cuda_rows(other) == "1-25, 33+" and w4_verdicts.cuda_rows(kind) is None
+    record = next(r for r in w4_verdicts.kernel_choice_records() if r["K"] == 256)
+    assert record["kernel"] == "by rows" and record["cuda_rows"] == "1-25, 33+"
+    assert w4_verdicts.kernel_summary() == "cuda_mma for 256x64 at 1-25, 33+ rows, 128x64 (verifier); triton for the rest"
     w4_verdicts.forget_kernel_choices()
     # the same kind in a model without a workload: every timed row count decides
     assert w4_choice.choose_for_models(["target", "twin"], "cuda", workload={"target": {1}}) == {kind: False}
     assert w4_verdicts.kernel_times(kind)["deciding_rows"] == list(w4_choice.CHOICE_ROWS)
+    # a per-row choice is refused for a verifier
+    with pytest.raises(ValueError, match="batch-invariant"):
+        w4_verdicts.choose_kernel(wide, True, None, None, {1: True, 32: False})
+
+
+def test_rows_the_cuda_kernel_runs_for_a_kind_chosen_by_rows() -> None:
+    kind = (0, 64, 32, 32, False, False)
+    w4_verdicts.choose_kernel(kind, True, None, None, {1: True, 8: True, 16: False, 32: True, 64: False, 128: True})
+    assert w4_verdicts.cuda_rows(kind) == "1-8, 17-32, 65+"
+    w4_verdicts.forget_kernel_choices()
+    w4_verdicts.choose_kernel(kind, True, None, None, {1: False, 8: True, 16: False})
+    assert w4_verdicts.cuda_rows(kind) == "2-8"
+    w4_verdicts.forget_kernel_choices()
+    w4_verdicts.choose_kernel(kind, True, None, None, {1: True, 8: True})      # every row: one kernel, no row plan
+    assert w4_verdicts.cuda_rows(kind) is None and w4_verdicts.kernel_summary() == "cuda_mma"
 
 
 def test_deciding_rows_are_the_timed_counts_that_cover_a_workload() -> None:

@@ -197,16 +197,17 @@ def tiles_for(w: W4Weight, m: int) -> tuple[int, int]:
     return (tiles, row_tiles) if row_tiles == 1 or (tiles, row_tiles) in DIRECT_ROWS_BUILD else (tiles, 1)
 
 
-def serves(w: W4Weight) -> bool:
-    """Whether w's fp16 products, on a platform where the variant is proven, run here rather than
-    in the Triton kernel: with HIERVIZ_W4_CUDA=auto (the default) the weights whose kind
-    hierviz.quant.w4_choice timed as fast here at every row count its model's forwards run, with
-    `on` every W4 weight, with `target` only a verifier's (batch-invariant: the target's). A
-    weight's products must all run one kernel (a verifier's rows keep their bits only within one
-    kernel), so the choice is per weight, never per M."""
+def serves(w: W4Weight, m: Optional[int] = None) -> bool:
+    """Whether w's fp16 products (its m-row ones; None: any), on a platform where the variant is
+    proven, run here rather than in the Triton kernel: with HIERVIZ_W4_CUDA=auto (the default) the
+    weights whose kind hierviz.quant.w4_choice timed as fast here at every row count its model's
+    forwards run, with `on` every W4 weight, with `target` only a verifier's (batch-invariant: the
+    target's). A verifier's products must all run one kernel (its rows keep their bits only within
+    one), so its choice is per weight, never per M; a weight that is not batch-invariant (an
+    intermediate's) runs each row count in the kernel timed faster there."""
     mode = options().w4_cuda
     if mode == "auto":
-        return w4_verdicts.cuda_chosen(w)
+        return w4_verdicts.cuda_chosen(w, m)
     return mode == "on" or (mode == "target" and w.batch_invariant)
 
 

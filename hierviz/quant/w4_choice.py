@@ -1,11 +1,14 @@
-"""Which kernel each W4 weight runs under HIERVIZ_W4_CUDA=auto (the default): the CUDA MMA kernel
-where it is proven and timed at least as fast as the Triton kernel at every row count its model's
-forwards multiply (every count the engine pads to, unless the caller names its workload), the
-Triton kernel elsewhere.
+"""Which kernel each W4 weight runs under HIERVIZ_W4_CUDA=auto (the default): for a verifier's
+weight, the CUDA MMA kernel where it is proven and timed at least as fast as the Triton kernel at
+every row count its model's forwards multiply (every count the engine pads to, unless the caller
+names its workload), the Triton kernel elsewhere; for a weight that is not batch-invariant (an
+intermediate's, whose products decide only what is drafted), at each row count the kernel timed
+faster there.
 
-A weight's products must all run one kernel (a verifier's rows keep their bits only within one), so
-the choice is made per kind of weight (shape, group, act order, batch-invariant or not: w4_verdicts.
-kernel_kind), once per process, before the weight's first product: a stack load calls
+A verifier's products must all run one kernel (its rows keep their bits only within one), so the
+choice is made per kind of weight (shape, group, act order, batch-invariant or not: w4_verdicts.
+kernel_kind; an intermediate's kind by row count), once per process, before the weight's first
+product: a stack load calls
 `choose_for_models` after the start-up proof (hierviz.stack), as the measurement tools do after
 building their models. Each kind is timed on synthetic weights of its shape, both kernels in the
 mode the weight runs in (a verifier's batch-invariant products, another weight's normal ones), at
@@ -222,11 +225,17 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
             continue
         tiles = {m: fastest_tiles(m, us) for m, us in by_tiles.items()}
         cuda_us = {m: by_tiles[m][t] for m, t in tiles.items()}
-        rows = kind_rows.get(kind)
-        cuda = faster_everywhere(cuda_us, triton_us, rows=rows)
+        by_rows = None
+        if kind[5]:     # a verifier: one kernel for every row count its forwards run
+            rows = kind_rows.get(kind)
+            cuda = faster_everywhere(cuda_us, triton_us, rows=rows)
+        else:           # its products decide only what is drafted: each row count the faster kernel
+            rows = sorted(cuda_us)
+            by_rows = {m: cuda_us[m] <= triton_us[m] for m in rows}
+            cuda = any(by_rows.values())
         chosen[kind] = w4_verdicts.choose_kernel(kind, cuda, {"cuda_us": cuda_us, "triton_us": triton_us,
                                                               "cuda_tiles": tiles, "deciding_rows": rows or sorted(cuda_us)},
-                                                 tiles if cuda else None)
+                                                 tiles if cuda else None, by_rows)
         if log:
             log(f"W4 {w4_verdicts.kind_label(kind)} g{kind[3]}: {'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
     return chosen

@@ -311,6 +311,9 @@ _KERNEL_TIMES: dict[KernelKind, dict[str, Any]] = {}
 # the CUDA kernel's entry by row count, for a kind it runs: (rows timed, (token tiles per block, row
 # tiles per warp)) sorted
 _TILE_PLAN: dict[KernelKind, tuple[tuple[int, tuple[int, int]], ...]] = {}
+# the kernel by row count of a kind that is not batch-invariant and runs each row count in the kernel
+# timed faster there (an intermediate's products decide only what is drafted): (rows timed, CUDA?) sorted
+_ROW_KERNEL: dict[KernelKind, tuple[tuple[int, bool], ...]] = {}
 
 
 def kernel_kind(w: Any) -> KernelKind:
@@ -320,23 +323,53 @@ def kernel_kind(w: Any) -> KernelKind:
             w.perm is not None, bool(w.batch_invariant))
 
 
-def cuda_chosen(w: Any) -> bool:
-    """Whether the CUDA MMA kernel runs w under auto; asked before each of w's products, so the
-    first ask of a kind with no choice fixes it to the Triton kernel."""
-    return _KERNEL_CHOICE.setdefault(kernel_kind(w), False)
+def cuda_chosen(w: Any, m: Optional[int] = None) -> bool:
+    """Whether the CUDA MMA kernel runs w's m-row products under auto (m None: any of them); asked
+    before each of w's products, so the first ask of a kind with no choice fixes it to the Triton
+    kernel. A kind chosen by rows answers for the smallest timed row count at or above m."""
+    kind = kernel_kind(w)
+    by_rows = _ROW_KERNEL.get(kind)
+    if by_rows and m is not None:
+        return next((cuda for rows, cuda in by_rows if rows >= m), by_rows[-1][1])
+    return _KERNEL_CHOICE.setdefault(kind, False)
 
 
 def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None,
-                  tiles: Optional[dict[int, tuple[int, int]]] = None) -> bool:
+                  tiles: Optional[dict[int, tuple[int, int]]] = None,
+                  by_rows: Optional[dict[int, bool]] = None) -> bool:
     """Record the kernel a kind runs, unless it has one already (chosen, or fixed by a product),
     and for the CUDA kernel its entry per row count (rows timed -> (token tiles, row tiles per
-    warp)); returns the choice in force."""
+    warp)); by_rows (rows timed -> CUDA?), for a kind that is not batch-invariant: each row count's
+    own kernel (cuda: whether any runs CUDA). Returns the choice in force."""
+    if by_rows and kind[5] and len(set(by_rows.values())) > 1:     # a verifier's rows keep their bits only within one kernel
+        raise ValueError(f"{kind_label(kind)} is batch-invariant: its products must all run one kernel")
     if kind not in _KERNEL_CHOICE:
         if times is not None:
             _KERNEL_TIMES[kind] = times
         if cuda and tiles:
             _TILE_PLAN[kind] = tuple(sorted(tiles.items()))
+        if cuda and by_rows and not all(by_rows.values()):
+            _ROW_KERNEL[kind] = tuple(sorted(by_rows.items()))
     return _KERNEL_CHOICE.setdefault(kind, cuda)
+
+
+def cuda_rows(kind: KernelKind) -> Optional[str]:
+    """For a kind chosen by rows, the row counts the CUDA kernel runs ("1-40", "1-24, 65-96"; a
+    range ending at the largest timed count runs on past it: "65+"), else None."""
+    by_rows = _ROW_KERNEL.get(kind)
+    if not by_rows:
+        return None
+    out, prev, start = [], 0, None
+    for i, (rows, cuda) in enumerate(by_rows):
+        if cuda and start is None:
+            start = prev + 1
+        if start is not None and (not cuda or i == len(by_rows) - 1):
+            end = rows if cuda else prev
+            out.append(f"{start}+" if cuda and i == len(by_rows) - 1 else
+                       (f"{start}-{end}" if end > start else f"{start}"))
+            start = None
+        prev = rows
+    return ", ".join(out)
 
 
 def planned_tiles(kind: KernelKind, m: int) -> Optional[tuple[int, int]]:
@@ -364,6 +397,7 @@ def forget_kernel_choices() -> None:
     _KERNEL_CHOICE.clear()
     _KERNEL_TIMES.clear()
     _TILE_PLAN.clear()
+    _ROW_KERNEL.clear()
 
 
 def kernel_summary() -> str:
@@ -372,9 +406,10 @@ def kernel_summary() -> str:
     cuda = sorted(k for k, v in _KERNEL_CHOICE.items() if v)
     if not cuda:
         return "triton"
-    if len(cuda) == len(_KERNEL_CHOICE):
+    if len(cuda) == len(_KERNEL_CHOICE) and not _ROW_KERNEL:
         return CUDA_VARIANT
-    return f"{CUDA_VARIANT} for {', '.join(kind_label(k) for k in cuda)}; triton for the rest"
+    labels = [kind_label(k) + (f" at {cuda_rows(k)} rows" if k in _ROW_KERNEL else "") for k in cuda]
+    return f"{CUDA_VARIANT} for {', '.join(labels)}; triton for the rest"
 
 
 def kind_label(kind: KernelKind) -> str:
@@ -385,5 +420,6 @@ def kind_label(kind: KernelKind) -> str:
 def kernel_choice_records() -> list[dict[str, Any]]:
     """Every kind's kernel choice with the timings it was made from (measurement records)."""
     return [{"K": k[1], "N": k[2], "group": k[3], "act_order": k[4], "batch_invariant": k[5],
-             "kernel": CUDA_VARIANT if cuda else "triton", **(_KERNEL_TIMES.get(k) or {"timed": False})}
+             "kernel": "by rows" if k in _ROW_KERNEL else CUDA_VARIANT if cuda else "triton",
+             **({"cuda_rows": cuda_rows(k)} if k in _ROW_KERNEL else {}), **(_KERNEL_TIMES.get(k) or {"timed": False})}
             for k, cuda in sorted(_KERNEL_CHOICE.items())]
