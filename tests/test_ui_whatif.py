@@ -126,6 +126,17 @@ def test_recorded_whatif_table_matches_json(shipped, results):
     assert "exact (" in source and "python -m hierviz whatif --tiny" in source
 
 
+def test_the_source_names_the_kernel_of_each_w4_weight_kind():
+    """The headline's W4 weights mostly run the CUDA kernel although the formats name the Triton
+    kernel they were built with: the source panel says which kinds (K x N) run which."""
+    d = json.loads((ROOT / "assets" / "whatif" / uw.HEADLINE_RESULT).read_text())
+    source = uw.source_markdown(d)
+    kernels = d["machine"]["w4_fp16_kernel"]
+    assert kernels.startswith("cuda_mma for ") and "28672x8192 (verifier)" in kernels
+    assert f"**fp16 W4 products:** {uw.esc(kernels)}" in source
+    assert "fp16 W4 products" not in uw.source_markdown({k: v for k, v in d.items() if k != "machine"})
+
+
 def test_table_says_how_repeated_runs_spread(results):
     d = json.loads((ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-trees.json").read_text())
     assert d["repeat"] == 3

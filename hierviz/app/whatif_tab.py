@@ -277,6 +277,11 @@ def source_markdown(d: dict[str, Any], name: str = "") -> str:
     if fm:
         lines.append(f"**Formats:** target {esc(str(fm.get('target', '?')))}; intermediate "
                      f"{esc(str(fm.get('intermediate', '?')))}")
+    w4_kernels = (d.get("machine") or {}).get("w4_fp16_kernel")
+    if isinstance(w4_kernels, str) and w4_kernels:
+        # the formats name the kernel the models were built with; under HIERVIZ_W4_CUDA the CUDA
+        # kernel takes the fp16 W4 products of the weight kinds (K x N) named here
+        lines.append(f"**fp16 W4 products:** {esc(w4_kernels)}")
     lines.append(f"**Acceptance ({LABEL}):** {esc(acceptance_label(d))}")
     rep = d.get("replay") or {}
     if rep:
