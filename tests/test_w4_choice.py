@@ -175,9 +175,12 @@ def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:
     monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {
         m: {t: 40.0 if m == 32 else 10.0 for t in w4_choice.tile_candidates(m)} for m in w4_choice.CHOICE_ROWS})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {m: 20.0 for m in w4_choice.CHOICE_ROWS})
-    chosen = w4_choice.choose_for_models(["target", "verifier", "intermediate"], "cuda",
+    said = []
+    chosen = w4_choice.choose_for_models(["target", "verifier", "intermediate"], "cuda", log=said.append,
                                          workload={"target": {1, 7, 10, 24}, "verifier": {30, 31},
                                                    "intermediate": {30, 31}})
+    assert said == ["W4 256x64 g32: CUDA MMA kernel at 1-25, 33+ rows, Triton elsewhere",
+                    "W4 128x64 (verifier) g32: CUDA MMA kernel", "W4 192x64 (verifier) g32: Triton kernel"]
     assert chosen == {kind: True, wide: False, other: True}
     assert w4_verdicts.kernel_times(kind)["deciding_rows"] == [1, 8, 16, 24]
     assert w4_verdicts.kernel_times(wide)["deciding_rows"] == [32]

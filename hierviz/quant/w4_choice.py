@@ -237,6 +237,9 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
                                                               "cuda_tiles": tiles, "deciding_rows": rows or sorted(cuda_us)},
                                                  tiles if cuda else None, by_rows)
         if log:
-            log(f"W4 {w4_verdicts.kind_label(kind)} g{kind[3]}: {'CUDA MMA' if chosen[kind] else 'Triton'} kernel")
+            at = w4_verdicts.cuda_rows(kind)
+            which = ("Triton kernel" if not chosen[kind] else f"CUDA MMA kernel at {at} rows, Triton elsewhere" if at
+                     else "CUDA MMA kernel")
+            log(f"W4 {w4_verdicts.kind_label(kind)} g{kind[3]}: {which}")
     return chosen
 
