@@ -217,6 +217,9 @@ def test_bad_operands_are_refused_before_any_launch() -> None:
         cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w, add_to=torch.zeros(3, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="fp16 CUDA activations"):
         cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w)
+    for row_tiles in (0, 3):
+        with pytest.raises(ValueError, match=f"no entry multiplies {row_tiles} row tiles per warp"):
+            cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w, row_tiles=row_tiles)
 
 
 def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:

@@ -527,14 +527,16 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default split_for on this GPU; the same for every M; another
     split sums in another order, so other bits). tiles: 8-token tiles per block (default
-    tiles_for(w, M), with its row tiles per warp); any choice gives a row the same bits. wgmma: whether the staged tile counts
-    run the wgmma entries (default: WGMMA_BY_DEFAULT, where this GPU's build has them; else the
-    mma.sync staged loop), the same bits either way. row_tiles: 16-row tiles per warp of a direct
-    entry (DIRECT_ROWS_BUILD), the same bits too."""
+    tiles_for(w, M), with its row tiles per warp); any choice gives a row the same bits. wgmma:
+    whether the staged tile counts run the wgmma entries (default: WGMMA_BY_DEFAULT, where this
+    GPU's build has them; else the mma.sync staged loop), the same bits either way. row_tiles:
+    16-row tiles per warp of a direct entry (DIRECT_ROWS_BUILD), the same bits too."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, the weight {w.in_features}")
+    if row_tiles < 1 or WARPS % row_tiles:
+        raise ValueError(f"no entry multiplies {row_tiles} row tiles per warp (a block holds {WARPS})")
     if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != torch.float16
                                or not add_to.is_contiguous()):
         raise ValueError(f"add_to must be a contiguous fp16 {(m, n)} tensor, got {tuple(add_to.shape)} {add_to.dtype}")

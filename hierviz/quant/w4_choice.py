@@ -129,8 +129,8 @@ def tile_candidates(m: int) -> list[tuple[int, int]]:
     (cuda_w4.DIRECT_ROWS_BUILD) within as many passes."""
     full = cuda_w4.token_tiles(m)
     fits = [t for t in range(full, 0, -1) if -(-m // (8 * t)) <= MAX_PASSES]
-    return [(t, 1) for t in fits] + [(t, r) for t in fits for r in sorted({r for _, r in cuda_w4.DIRECT_ROWS_BUILD})
-                                     if (t, r) in cuda_w4.DIRECT_ROWS_BUILD]
+    rows_entries = sorted((e for e in cuda_w4.DIRECT_ROWS_BUILD if e[0] in fits), key=lambda e: (-e[0], e[1]))
+    return [(t, 1) for t in fits] + rows_entries
 
 
 def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,

@@ -330,8 +330,14 @@ def cuda_chosen(w: Any, m: Optional[int] = None) -> bool:
     kind = kernel_kind(w)
     by_rows = _ROW_KERNEL.get(kind)
     if by_rows and m is not None:
-        return next((cuda for rows, cuda in by_rows if rows >= m), by_rows[-1][1])
+        return _at_rows(by_rows, m, by_rows[-1][1])
     return _KERNEL_CHOICE.setdefault(kind, False)
+
+
+def _at_rows(plan: tuple[tuple[int, Any], ...], m: int, past: Any = None) -> Any:
+    """What a plan ((rows timed, value) sorted) gives an m-row product: the value of the smallest
+    timed row count at or above m; `past` beyond the largest."""
+    return next((value for rows, value in plan if rows >= m), past)
 
 
 def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None,
@@ -359,27 +365,23 @@ def cuda_rows(kind: KernelKind) -> Optional[str]:
     by_rows = _ROW_KERNEL.get(kind)
     if not by_rows:
         return None
-    out, prev, start = [], 0, None
-    for i, (rows, cuda) in enumerate(by_rows):
-        if cuda and start is None:
-            start = prev + 1
-        if start is not None and (not cuda or i == len(by_rows) - 1):
-            end = rows if cuda else prev
-            out.append(f"{start}+" if cuda and i == len(by_rows) - 1 else
-                       (f"{start}-{end}" if end > start else f"{start}"))
-            start = None
+    ranges: list[list[int]] = []      # [first row, last timed row] of each run of CUDA row counts
+    prev = 0
+    for rows, cuda in by_rows:
+        if cuda and ranges and ranges[-1][1] == prev:
+            ranges[-1][1] = rows
+        elif cuda:
+            ranges.append([prev + 1, rows])     # a row count runs the plan of the timed one at or above it
         prev = rows
-    return ", ".join(out)
+    open_end = by_rows[-1][1]
+    return ", ".join(f"{a}+" if open_end and b == prev else f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)
 
 
 def planned_tiles(kind: KernelKind, m: int) -> Optional[tuple[int, int]]:
     """The CUDA kernel's (token tiles per block, row tiles per warp) that timing chose for an m-row
     product of this kind: those of the smallest timed row count at or above m; None for a kind
     without a plan or past it."""
-    for rows, tiles in _TILE_PLAN.get(kind, ()):
-        if rows >= m:
-            return tiles
-    return None
+    return _at_rows(_TILE_PLAN.get(kind, ()), m)
 
 
 def kernel_choices() -> dict[KernelKind, bool]:
