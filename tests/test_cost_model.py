@@ -153,18 +153,26 @@ def test_a_planted_wrong_w4_regime_is_caught(monkeypatch, curves):
 
 def test_the_cuda_mma_regimes_follow_its_configuration():
     """A profile that records the CUDA MMA kernel is costed as its loops: K in split_for's slices
-    whatever M, the weights read once per 64-token grid chunk, the direct loop's look-ahead."""
+    whatever M (their fp32 partials), the weights read once per 64-token grid chunk, the padded
+    token tiles' arithmetic; the time the slower of the reads and the MMA loop at e_mma."""
     from hierviz.quant import cuda_w4
     where = cm.Shape({}, group=128, w4_kernel=cm.CUDA_VARIANT)
     fmt = get_format("w4a16")
     k, n = 8192, 28672
     weights = fmt.linear_bytes(n, k, 128)
-    one, = cm.w4_kernels(fmt, 1, k, n, False, where, H200)
-    big, = cm.w4_kernels(fmt, 128, k, n, False, where, H200)
-    assert big.bytes > 2 * weights > one.bytes > weights
-    split, per = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, H200.sms))
-    assert one.stages == pytest.approx(cuda_w4.ahead_chunks(1) / per)
-    times = [cm.predict_us(cm.Fit(2.3, 0.93, 0.5, 3.7), cm.terms_of(cm.w4_kernels(fmt, t, k, n, False, where, H200), H200))
+    split = cuda_w4.split_for(n, k, H200.sms)
+    for t, chunks, tiles in ((1, 1, 1), (9, 1, 2), (40, 1, 5), (64, 1, 8), (65, 2, 8), (128, 2, 8)):
+        kern, = cm.w4_kernels(fmt, t, k, n, True, where, H200)
+        assert kern.kind == "mma_sync" and kern.flops == 2.0 * chunks * 8 * tiles * n * k
+        partials = 8.0 * split * t * n if split > 1 else 0.0
+        assert kern.bytes == pytest.approx(chunks * weights + 2.0 * t * k + 4.0 * t * n + partials)
+    f = cm.Fit(2.3, 0.93, 0.5, 3.7, e_mma=0.2)
+    one = cm.terms_of(cm.w4_kernels(fmt, 1, k, n, False, where, H200), H200)
+    assert cm.predict_us(f, one) == pytest.approx(2.3 + one.mma_mem_us[0] / 0.93)     # the read hides the loop
+    five = cm.terms_of(cm.w4_kernels(fmt, 40, k, n, False, where, H200), H200)
+    assert cm.predict_us(f, five) == pytest.approx(2.3 + five.mma_comp_us[0] / 0.2)    # the loop is the longer
+    assert cm.predict_us(dataclasses.replace(f, e_mma=None), five) < cm.predict_us(f, five)   # e_c stands in
+    times = [cm.predict_us(f, cm.terms_of(cm.w4_kernels(fmt, t, k, n, False, where, H200), H200))
              for t in (1, 8, 16, 64, 128)]
     assert times == sorted(times)
 
@@ -408,3 +416,42 @@ def test_quantizer_records_are_checked(profiles):
     mixed = [profiles[0], {**profiles[1], "activation_quantizer": "fused"}]
     with pytest.raises(ValueError, match="different activation quantizers"):
         cm.calibrate(mixed, H200)
+
+
+# ---- the CUDA MMA variant's curves -----------------------------------------------------------------
+
+def _as_cuda(profile: dict) -> dict:
+    """The profile as if its W4 products had run the CUDA MMA variant (HIERVIZ_W4_CUDA=on)."""
+    return {**profile, "machine": {**profile.get("machine", {}), "w4_fp16_kernel": cm.CUDA_VARIANT},
+            "series": [s for s in profile["series"] if cm.curve_format(s) == "w4a16"]}
+
+
+def test_a_profile_of_the_cuda_kernel_is_a_curve_of_its_own_in_every_check(profiles):
+    both = profiles + [_as_cuda(p) for p in profiles]
+    curves = [c for p in both for c in cm.curves_of(p, H200)]
+    labels = {cm.curve_label(c) for c in curves}
+    assert labels == {*FORMATS, "w4a16 (cuda_mma)"}
+    cuda = [c for c in curves if cm.curve_label(c) == "w4a16 (cuda_mma)"]
+    assert all(tm.mma_comp_us and not tm.w4_comp_us for c in cuda for tm in c.terms)
+    truth = cm.Fit(launch_us=2.4, e_bw=0.9, e_c=0.45, fill=3.0, e_mma=0.2)
+    got = cm.fit(_synthetic(curves, truth))
+    assert got.e_mma == pytest.approx(0.2, rel=0.03) and got.e_c == pytest.approx(0.45, rel=0.03)
+    assert cm.fit(_synthetic([c for c in curves if c not in cuda], truth)).e_mma is None
+    cal = cm.calibrate(both, H200)
+    assert set(cal["in_sample"]) == set(cal["leave_one_format_out"]) == set(cal["formats"]) == labels
+    assert {"w4a16 (cuda_mma) @ llama3-8b", "w4a16 (cuda_mma) @ llama3-70b"} <= set(cal["leave_one_shape_out"])
+    assert "e_mma" in cal["fit"] and "e_mma" not in cm.calibrate(profiles, H200)["fit"]
+    assert "| w4a16 (cuda_mma) |" in cm.markdown({"calibration": cal})
+
+
+def test_a_gpu_is_known_by_the_name_torch_gives_it(tmp_path, profiles, capsys):
+    assert cm.gpu_named("NVIDIA H100 80GB HBM3") is cm.GPUS["NVIDIA H100 SXM"]
+    assert cm.gpu_named("NVIDIA H200") is H200 and cm.gpu_named("a GPU nobody sells") is None
+    h100 = tmp_path / "h100.json"
+    h100.write_text(json.dumps({**profiles[1], "device": "NVIDIA H100 80GB HBM3"}))
+    assert cm.main(["--profiles", str(h100), "--gpus", "NVIDIA A100 80GB SXM", "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out/cost_model.json").read_text())["calibration"]["gpu"] == "NVIDIA H100 SXM"
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({**profiles[1], "device": "a GPU nobody sells"}))
+    assert cm.main(["--profiles", str(odd), "--out", str(tmp_path / "out2")]) != 0
+    assert "one GPU the model knows" in capsys.readouterr().err

@@ -89,18 +89,27 @@ class GPU:
     # on its proven platforms) rather than torch's nine: set from what a measurement recorded
     fused_act_quant: bool = False
     fp32_tflops: float = 0.0        # CUDA-core (non-tensor) FP32 rate, spec sheet: one FMA a lane a clock
+    aliases: tuple[str, ...] = ()   # the names torch gives the part (a measurement's "device")
 
 
 # Spec-sheet figures, dense (no sparsity), FP16 with FP32 accumulation.
 GPUS = {g.name: g for g in (
     GPU("NVIDIA H200", 4800, 141, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9),
-    GPU("NVIDIA H100 SXM", 3350, 80, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9),
+    GPU("NVIDIA H100 SXM", 3350, 80, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9,
+        aliases=("NVIDIA H100 80GB HBM3",)),
     GPU("NVIDIA A100 80GB SXM", 2039, 80, {"f16": 312, "i8": 624}, (8, 0), 108, "no FP8 tensor cores", fp32_tflops=19.5),
     GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"f16": 165.2, "i8": 660.6, "f8": 330.3}, (8, 9), 128, fp32_tflops=82.6),
     GPU("NVIDIA L4", 300, 24, {"f16": 121, "i8": 242.5, "f8": 242.5}, (8, 9), 58, fp32_tflops=30.3),
     GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"f16": 500, "i8": 1000, "f8": 1000}, (12, 0), 188,
         "tensor rates derived from the 4,000 sparse FP4 TOPS of the spec sheet (/8, /4)", fp32_tflops=125.0),
 )}
+
+
+def gpu_named(name: str) -> Optional[GPU]:
+    """The model's GPU of a name, its own or the one torch reports; None if it knows none."""
+    return GPUS.get(name) or next((g for g in GPUS.values() if name in g.aliases), None)
+
+
 # An assumption for every cuBLAS / cuBLASLt product: 128 bytes of K a step (64 fp16, 128 int8 / fp8
 # channels), 6 stages, K not split, as in the kernel the H200's op profile recorded for the fp16
 # LM head (nvjet_sm90_hsh_256x8_64x6: 64-deep K tiles, 6 stages; docs/bench/op-profile-h200-70b.json).
@@ -118,11 +127,19 @@ class Fit:
     e_bw: float          # fraction of the spec bandwidth a streaming kernel reaches
     e_c: float           # fraction of the spec tensor rate a product reaches
     fill: float = 0.0    # K steps of latency per pipeline stage a program waits before its loop streams
+    # the fraction of the spec tensor rate the CUDA MMA variant's mma.sync loops reach (dequantizing
+    # in the same warps); None where no curve measured that kernel (e_c stands in)
+    e_mma: Optional[float] = None
+
+    @property
+    def mma_rate(self) -> float:
+        return self.e_c if self.e_mma is None else self.e_mma
 
 
 @dataclass(frozen=True)
 class Kernel:
-    kind: str            # "stream", "gemm" or "dequant_mm" (a product that dequantizes in the warps that multiply)
+    kind: str            # "stream", "gemm", "dequant_mm" (a product that dequantizes in the warps that
+                         # multiply) or "mma_sync" (the CUDA MMA variant: its weight reads or its MMA loop, the slower)
     bytes: float
     flops: float = 0.0
     math: str = ""       # the tensor rate of its arithmetic (a GPU.tflops key: f16, f8), or int_mm
@@ -231,24 +248,23 @@ def w4_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shap
 def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where: Shape, gpu: GPU) -> list[Kernel]:
     """The CUDA MMA variant (hierviz.quant.cuda_w4), one launch: K in `split_for` slices, each a
     chain of mma.sync over 64-channel chunks, met in a fixed-order fp32 sum by each output tile's
-    last block. Up to 40 tokens the direct loop (codes `ahead_chunks` ahead in registers: its
-    stages, each lane loading its token rows' activations, so every block reads its tiles' rows
-    of its slice); above, the staged loop, whose blocks copy their tokens' activations into shared
-    memory once a stage, in grid chunks of 64 tokens that each read the weights again. Costed at
-    the one-pass entry (token_tiles); a timed tile plan only ever runs faster."""
+    last block. Up to 40 tokens the direct loop (codes `ahead_chunks` ahead in registers, each lane
+    loading its token rows' activations); above, the staged loop, whose blocks copy their tokens'
+    activations into shared memory once a stage, in grid chunks of 64 tokens that each read the
+    weights again. Its time is the slower of its memory reads (the weights once per grid chunk, the
+    activations in and out, the split's fp32 partials; the activations each block reads again come
+    from the L2 and L1) and its MMA loop (the padded token tiles' arithmetic at the fitted mma.sync
+    rate `e_mma`, which carries the dequantization issued in the same warps): one token's 8-row
+    tile hides under the weight read, more tiles lengthen the loop. Costed at the one-pass entry
+    (token_tiles); a timed tile plan only ever runs faster."""
     from hierviz.quant import cuda_w4
     split = cuda_w4.split_for(n, k, gpu.sms)
-    per_slice = cuda_w4.slice_plan(k, split)[1]
     chunks = -(-t // (8 * cuda_w4.MAX_TOKEN_TILES))       # grid chunks of 64 tokens
     tiles = cuda_w4.token_tiles(t)
-    blocks = -(-n // cuda_w4.ROWS_PER_BLOCK)
     weights = fmt.linear_bytes(n, k, where.group)
-    # each block reads its token tiles' activations over its slice (the direct loop: its lanes'
-    # rows; the staged loop: one copy into shared memory a stage)
-    acts = chunks * blocks * 8 * tiles * k * 2.0 + 2.0 * t * n * (2 if add else 1)
+    acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
     partials = 8.0 * split * t * n if split > 1 else 0.0
-    stages = cuda_w4.ahead_chunks(tiles) / per_slice
-    return [Kernel("dequant_mm", chunks * weights + acts + partials, 2.0 * chunks * 8 * tiles * n * k, "f16", stages)]
+    return [Kernel("mma_sync", chunks * weights + acts + partials, 2.0 * chunks * 8 * tiles * n * k, "f16")]
 
 
 def gemm_stages(k: int, elem: int) -> float:
@@ -392,6 +408,8 @@ class Terms:
     w4_comp_us: float
     simt_us: float = 0.0            # the one-token CUDA-core kernel's arithmetic at the spec CUDA-core rate
     ordered_comp_us: float = 0.0    # the part of w4_comp_us in split tiles of more than 16 rows (Kernel.ordered)
+    mma_mem_us: tuple[float, ...] = ()     # each CUDA MMA product's memory reads
+    mma_comp_us: tuple[float, ...] = ()    # and its arithmetic at the spec tensor rate
 
 
 def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
@@ -403,27 +421,33 @@ def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
 
     def comp(ks: list[Kernel]) -> float:
         return sum(k.flops / (tensor_tflops(gpu, k.math) * 1e6) for k in ks)
+    sync = [k for k in kernels if k.kind == "mma_sync"]
     return Terms(len(kernels), sum(k.bytes for k in kernels if k.kind == "stream") / per_us,
                  tuple(k.bytes / per_us for k in gemms), tuple(comp([k]) for k in gemms),
                  tuple(k.bytes * k.stages / per_us for k in gemms),
                  sum(k.bytes for k in w4) / per_us, sum(k.bytes * k.stages for k in w4) / per_us, comp(mma),
-                 comp(simt), comp(ordered))
+                 comp(simt), comp(ordered), tuple(k.bytes / per_us for k in sync), tuple(comp([k]) for k in sync))
 
 
-def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: float | np.ndarray) -> float | np.ndarray:
+def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: float | np.ndarray,
+            e_mma: float | np.ndarray | None = None) -> float | np.ndarray:
     """Everything but the launches; numpy arrays of parameters give an array (the fit's grid).
     The CUDA-core kernel issues its arithmetic beside its loads at the spec rate (its loads, not
-    the tensor cores, set its pace); the MMA kernel dequantizes in the warps that multiply, and its
-    split tiles of more than 16 rows spend their arithmetic's time again in the fixed-order mode."""
+    the tensor cores, set its pace); the Triton MMA kernel dequantizes in the warps that multiply,
+    and its split tiles of more than 16 rows spend their arithmetic's time again in the fixed-order
+    mode; the CUDA MMA variant takes the slower of its reads and its MMA loop (e_mma; e_c if None)."""
     total = ((tm.stream_us + tm.w4_mem_us + fill * tm.w4_fill_us) / e_bw
              + (tm.w4_comp_us + tm.ordered_comp_us) / e_c + tm.simt_us)
+    rate = e_c if e_mma is None else e_mma
+    for mem, comp in zip(tm.mma_mem_us, tm.mma_comp_us):
+        total = total + np.maximum(mem / e_bw, comp / rate)
     for mem, comp, fl in zip(tm.gemm_mem_us, tm.gemm_comp_us, tm.gemm_fill_us):
         total = total + np.maximum((mem + fill * fl) / e_bw, comp / e_c)
     return total
 
 
 def predict_us(f: Fit, tm: Terms) -> float:
-    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.fill))
+    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.fill, f.mma_rate))
 
 
 def layer_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
@@ -441,6 +465,7 @@ def model_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
 E_BW = (0.4, 1.0)
 E_C = (0.05, 1.0)
 FILL = (0.0, 8.0)
+E_MMA = (0.05, 1.0)
 
 
 def _points(curves: list[Curve]) -> list[tuple[Terms, float]]:
@@ -448,15 +473,19 @@ def _points(curves: list[Curve]) -> list[tuple[Terms, float]]:
 
 
 def _grid_best(pts: list[tuple[Terms, float]], axes: list[np.ndarray]) -> tuple[float, Fit]:
-    """The grid point of least squared relative error, the launch cost solved in closed form there."""
-    a, b, c = (x.ravel() for x in np.meshgrid(*axes, indexing="ij"))
+    """The grid point of least squared relative error, the launch cost solved in closed form there
+    (axes: e_bw, e_c, fill and, where a curve measured the CUDA MMA variant, e_mma)."""
+    grid = [x.ravel() for x in np.meshgrid(*axes, indexing="ij")]
+    a, b, c = grid[:3]
+    d = grid[3] if len(grid) > 3 else None
     u = np.array([p[1] for p in pts])[:, None]
     n = np.array([float(p[0].kernels) for p in pts])[:, None]
-    body = np.stack([body_us(tm, a, b, c) for tm, _ in pts])
+    body = np.stack([body_us(tm, a, b, c, d) * np.ones_like(a) for tm, _ in pts])
     launch = np.maximum(0.0, (n * (u - body) / u ** 2).sum(0) / (n ** 2 / u ** 2).sum(0))
     err = (((n * launch + body - u) / u) ** 2).sum(0)
     j = int(err.argmin())
-    return float(err[j]), Fit(float(launch[j]), float(a[j]), float(b[j]), float(c[j]))
+    return float(err[j]), Fit(float(launch[j]), float(a[j]), float(b[j]), float(c[j]),
+                              None if d is None else float(d[j]))
 
 
 def _zoom(axis: np.ndarray, best: float) -> np.ndarray:
@@ -468,13 +497,17 @@ def _zoom(axis: np.ndarray, best: float) -> np.ndarray:
 
 
 def fit(curves: list[Curve]) -> Fit:
-    """(launch, e_bw, e_c, fill) minimising the squared relative error over the curves: a grid,
-    zoomed in three times. Every product with a K loop waits the fill, so any format tells it."""
+    """(launch, e_bw, e_c, fill, and e_mma where a curve measured the CUDA MMA variant) minimising
+    the squared relative error over the curves: a grid, zoomed in three times. Every product with
+    a K loop waits the fill, so any format tells it."""
     pts = _points(curves)
+    mma = any(tm.mma_comp_us for tm, _ in pts)
     axes = [np.linspace(*E_BW, 25), np.geomspace(*E_C, 31), np.linspace(*FILL, 17)]
+    axes += [np.geomspace(*E_MMA, 21)] if mma else []
     best = _grid_best(pts, axes)[1]
     for _ in range(3):
-        axes = [_zoom(axes[0], best.e_bw), _zoom(axes[1], best.e_c), _zoom(axes[2], best.fill)]
+        axes = [_zoom(axes[0], best.e_bw), _zoom(axes[1], best.e_c), _zoom(axes[2], best.fill),
+                *(_zoom(axes[3], best.e_mma) for _ in axes[3:])]
         best = _grid_best(pts, axes)[1]
     return best
 
@@ -540,9 +573,16 @@ def kernel_counts(fmt: str, where: Shape, gpu: GPU, tokens: tuple[int, ...] = (1
     return {str(t): len(forward_kernels(fmt, t, where, gpu)) for t in tokens}
 
 
+def curve_label(c: Curve) -> str:
+    """A curve's name in the checks: its format, and for a format with a GPU kernel of its own
+    measured through the CUDA MMA variant, that kernel too ("w4a16 (cuda_mma)")."""
+    return f"{c.fmt} ({CUDA_VARIANT})" if c.where.w4_kernel == CUDA_VARIANT and get_format(c.fmt).gpu_kernel else c.fmt
+
+
 def calibrate(profiles: list[dict[str, Any]], gpu: GPU) -> dict[str, Any]:
-    """The fit on every layer curve and its checks: each shape left out, each format left out,
-    the whole-model curves predicted from the layer fit."""
+    """The fit on every layer curve and its checks: each shape left out, each format (a W4 format
+    through each of its kernels: curve_label) left out, the whole-model curves predicted from the
+    layer fit."""
     quantizers = {p.get("activation_quantizer", "torch") for p in profiles}
     if len(quantizers) != 1:
         raise ValueError(f"the profiles ran different activation quantizers ({', '.join(sorted(quantizers))})")
@@ -550,34 +590,37 @@ def calibrate(profiles: list[dict[str, Any]], gpu: GPU) -> dict[str, Any]:
     curves = [c for p in profiles for c in curves_of(p, gpu)]
     models = [c for p in profiles for c in curves_of(p, gpu, "model")]
     copy = sum(p["copy_bandwidth_GBps"] for p in profiles) / len(profiles)
-    fmts = sorted({c.fmt for c in curves})
+    labels = sorted({curve_label(c) for c in curves})
     shapes = sorted({c.shape for c in curves})
     f = fit(curves)
     shape_out = {}
     for sh in shapes:
         train = [c for c in curves if c.shape != sh]
         g = fit(train) if train else None
-        for fm in fmts:
-            test = [c for c in curves if c.fmt == fm and c.shape == sh]
+        for label in labels:
+            test = [c for c in curves if curve_label(c) == label and c.shape == sh]
             if g and test:
-                shape_out[f"{fm} @ {sh}"] = summary(errors(g, test))
+                shape_out[f"{label} @ {sh}"] = summary(errors(g, test))
     format_out = {}
-    for fm in fmts:
-        train = [c for c in curves if c.fmt != fm]
+    for label in labels:
+        train = [c for c in curves if curve_label(c) != label]
         if train:
-            format_out[fm] = summary(errors(fit(train), [c for c in curves if c.fmt == fm]))
-    where = {c.shape: c.where for c in curves}
-    per_fmt = {fm: {"tensor_tflops": tensor_tflops(gpu, product_math(fm)),
-                    "kernels": {sh: kernel_counts(fm, w, gpu) for sh, w in where.items()},
-                    "fixed_us": {sh: kernel_counts(fm, w, gpu, (1,))["1"] * f.launch_us for sh, w in where.items()}}
-               for fm in fmts}
+            format_out[label] = summary(errors(fit(train), [c for c in curves if curve_label(c) == label]))
+    per_fmt = {}
+    for label in labels:
+        mine = {c.shape: c for c in curves if curve_label(c) == label}
+        fm = next(iter(mine.values())).fmt
+        per_fmt[label] = {"tensor_tflops": tensor_tflops(gpu, product_math(fm)),
+                          "kernels": {sh: kernel_counts(fm, c.where, gpu) for sh, c in mine.items()},
+                          "fixed_us": {sh: kernel_counts(fm, c.where, gpu, (1,))["1"] * f.launch_us
+                                       for sh, c in mine.items()}}
     return {"gpu": gpu.name, "activation_quantizer": "fused" if gpu.fused_act_quant else "torch",
             "copy_bandwidth_GBps": copy, "copy_e_bw": copy / gpu.bandwidth_GBps, "e_bw": f.e_bw,
-            "fit": asdict(f), "formats": per_fmt,
-            "in_sample": {fm: summary(errors(f, [c for c in curves if c.fmt == fm])) for fm in fmts},
+            "fit": {k: v for k, v in asdict(f).items() if v is not None}, "formats": per_fmt,
+            "in_sample": {label: summary(errors(f, [c for c in curves if curve_label(c) == label])) for label in labels},
             "leave_one_shape_out": shape_out, "leave_one_format_out": format_out,
-            "whole_model": {f"{c.fmt} @ {c.shape}": summary(errors(f, [c])) for c in models},
-            "curves": [{"format": c.fmt, "shape": c.shape} for c in curves]}
+            "whole_model": {f"{curve_label(c)} @ {c.shape}": summary(errors(f, [c])) for c in models},
+            "curves": [{"format": curve_label(c), "shape": c.shape} for c in curves]}
 
 
 # ---- projections -----------------------------------------------------------------------------
@@ -713,14 +756,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         profiles = [json.loads(Path(p).read_text()) for p in a.profiles.split(",") if p]
         compats = [json.loads(Path(p).read_text()) for p in a.compat.split(",") if p]
         names = {p.get("device") for p in profiles}
-        if len(names) != 1 or next(iter(names)) not in GPUS:
+        gpu = gpu_named(next(iter(names))) if len(names) == 1 else None
+        if gpu is None:
             raise ValueError(f"the profiles must come from one GPU the model knows ({', '.join(GPUS)}); got {names}")
         gpus = [GPUS[g.strip()] for g in a.gpus.split(",") if g.strip()]
     except KeyError as e:
         return refuse(f"unknown GPU {e}; known: {', '.join(GPUS)}")
     except (OSError, ValueError) as e:
         return refuse(str(e))
-    gpu = GPUS[next(iter(names))]
     cal = calibrate(profiles, gpu)
     info: dict[str, Any] = {"schema": SCHEMA, "label": LABEL, "calibration": cal,
                             "gpus": [asdict(g) for g in gpus], "projections": []}
