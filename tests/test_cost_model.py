@@ -455,3 +455,24 @@ def test_a_gpu_is_known_by_the_name_torch_gives_it(tmp_path, profiles, capsys):
     odd.write_text(json.dumps({**profiles[1], "device": "a GPU nobody sells"}))
     assert cm.main(["--profiles", str(odd), "--out", str(tmp_path / "out2")]) != 0
     assert "one GPU the model knows" in capsys.readouterr().err
+
+
+H100_PROFILES = [ROOT / f"docs/bench/profile-h100-llama3-{n}.json" for n in ("70b-formats", "70b-cuda", "8b-formats", "8b-cuda")]
+
+
+def test_the_h100_calibration_with_both_w4_kernels_is_what_a_refit_gives():
+    """docs/bench/cost-model-h100.json (profiles of every format and of the CUDA MMA variant on an
+    H100) is what the model computes from those profiles now; its CUDA curves are priced through
+    e_mma, the Triton W4 curves stay within 15 % in-sample and with a shape left out, and the CUDA
+    kernel's in-sample error stays where docs/formats.md records it."""
+    recorded = json.loads((ROOT / "docs/bench/cost-model-h100.json").read_text())["calibration"]
+    cal = cm.calibrate([json.loads(p.read_text()) for p in H100_PROFILES], cm.gpu_named("NVIDIA H100 80GB HBM3"))
+    assert cal["gpu"] == recorded["gpu"] == "NVIDIA H100 SXM" and cal["fit"] == pytest.approx(recorded["fit"])
+    for key in ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model"):
+        assert cal[key].keys() == recorded[key].keys(), key
+        for name, s in cal[key].items():
+            assert recorded[key][name] == pytest.approx(s), (key, name)
+    assert 0.1 < cal["fit"]["e_mma"] < cal["fit"]["e_c"]
+    assert cal["in_sample"]["w4a16"]["max_abs"] < 0.15
+    assert all(cal["leave_one_shape_out"][f"w4a16 @ {sh}"]["max_abs"] < 0.15 for sh in ("llama3-70b", "llama3-8b"))
+    assert cal["in_sample"]["w4a16 (cuda_mma)"]["max_abs"] < 0.25

@@ -488,26 +488,30 @@ def _grid_best(pts: list[tuple[Terms, float]], axes: list[np.ndarray]) -> tuple[
                               None if d is None else float(d[j]))
 
 
-def _zoom(axis: np.ndarray, best: float) -> np.ndarray:
+def _zoom(axis: np.ndarray, best: float, points: int = 9) -> np.ndarray:
     """A finer axis between the best value's neighbours."""
     if len(axis) == 1:
         return axis
     i = int(np.abs(axis - best).argmin())
-    return np.linspace(axis[max(i - 1, 0)], axis[min(i + 1, len(axis) - 1)], 9)
+    return np.linspace(axis[max(i - 1, 0)], axis[min(i + 1, len(axis) - 1)], points)
 
 
 def fit(curves: list[Curve]) -> Fit:
     """(launch, e_bw, e_c, fill, and e_mma where a curve measured the CUDA MMA variant) minimising
-    the squared relative error over the curves: a grid, zoomed in three times. Every product with
-    a K loop waits the fill, so any format tells it."""
+    the squared relative error over the curves: a grid, zoomed in three times (with e_mma, a
+    coarser grid zoomed in six times, which keeps the five-axis grids as small as the four-axis
+    ones). Every product with a K loop waits the fill, so any format tells it."""
     pts = _points(curves)
-    mma = any(tm.mma_comp_us for tm, _ in pts)
-    axes = [np.linspace(*E_BW, 25), np.geomspace(*E_C, 31), np.linspace(*FILL, 17)]
-    axes += [np.geomspace(*E_MMA, 21)] if mma else []
+    if not any(tm.mma_comp_us for tm, _ in pts):
+        axes = [np.linspace(*E_BW, 25), np.geomspace(*E_C, 31), np.linspace(*FILL, 17)]
+        zooms, points = 3, 9
+    else:
+        axes = [np.linspace(*E_BW, 13), np.geomspace(*E_C, 16), np.linspace(*FILL, 9), np.geomspace(*E_MMA, 11)]
+        zooms, points = 6, 5
     best = _grid_best(pts, axes)[1]
-    for _ in range(3):
-        axes = [_zoom(axes[0], best.e_bw), _zoom(axes[1], best.e_c), _zoom(axes[2], best.fill),
-                *(_zoom(axes[3], best.e_mma) for _ in axes[3:])]
+    for _ in range(zooms):
+        axes = [_zoom(axes[0], best.e_bw, points), _zoom(axes[1], best.e_c, points), _zoom(axes[2], best.fill, points),
+                *(_zoom(axes[3], best.e_mma, points) for _ in axes[3:])]
         best = _grid_best(pts, axes)[1]
     return best
 
