@@ -262,18 +262,23 @@ def test_formats_left_out_are_predicted_from_the_others(cal, curves):
     assert g.fill == pytest.approx(cal["fit"]["fill"], rel=0.5)
 
 
-def test_the_shipped_file_is_what_the_command_writes(cal):
+def test_the_shipped_file_is_what_the_command_writes():
+    """assets/whatif/cost-model.json: the calibration on the H100's profiles (every format and both
+    fp16 W4 kernels), projecting the H200's compat tables."""
     shipped = json.loads(formats_panel.COST_MODEL_FILE.read_text())
+    cal = cm.calibrate([json.loads(p.read_text()) for p in H100_PROFILES], cm.gpu_named("NVIDIA H100 80GB HBM3"))
     assert shipped["calibration"]["fit"] == pytest.approx(cal["fit"])
 
-    def by_name(d: dict) -> dict:       # the shipped file names W4A16 by its alias "w4"
-        return {" @ ".join([get_format(k.split(" @ ")[0]).name, *k.split(" @ ")[1:]]): v for k, v in d.items()}
     for key in ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model"):
-        ship = by_name(shipped["calibration"][key])
-        assert ship.keys() == cal[key].keys(), key
+        assert shipped["calibration"][key].keys() == cal[key].keys(), key
         for name, s in cal[key].items():
-            assert ship[name] == pytest.approx(s), (key, name)
-    assert "--profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json" in shipped["command"]
+            assert shipped["calibration"][key][name] == pytest.approx(s), (key, name)
+    assert "--profiles " + ",".join(str(p.relative_to(ROOT)) for p in H100_PROFILES) in shipped["command"]
+    assert "--compat assets/whatif/compat-h200-llama3-70b.json,assets/whatif/compat-h200-llama3-8b.json" in shipped["command"]
+    compats = [json.loads((ROOT / f"assets/whatif/compat-h200-llama3-{n}.json").read_text()) for n in ("70b", "8b")]
+    for proj, compat in zip(shipped["projections"], compats):
+        assert proj == json.loads(json.dumps(cm.project(cal, compat, compat["configs"], [cm.GPUS[g["name"]] for g in shipped["gpus"]])))
+        assert proj["measured_on"] == "NVIDIA H200" and proj["projected_w4_kernels"] == ["triton", "cuda_mma"]
 
 
 # ---- projections -----------------------------------------------------------------------------------
@@ -476,3 +481,39 @@ def test_the_h100_calibration_with_both_w4_kernels_is_what_a_refit_gives():
     assert cal["in_sample"]["w4a16"]["max_abs"] < 0.15
     assert all(cal["leave_one_shape_out"][f"w4a16 @ {sh}"]["max_abs"] < 0.15 for sh in ("llama3-70b", "llama3-8b"))
     assert cal["in_sample"]["w4a16 (cuda_mma)"]["max_abs"] < 0.25
+
+
+def test_a_projection_prices_w4_forwards_at_the_faster_kernel_where_the_calibration_measured_both(cal):
+    """With e_mma (a calibration that measured the CUDA MMA variant) a projected GPU's W4 forwards
+    take the faster of the two kernels, as HIERVIZ_W4_CUDA=auto runs them; without it, or on a GPU
+    before sm_80, the Triton kernel alone. Measured rows stay as measured either way."""
+    compat = json.loads(COMPAT.read_text())
+    a100 = cm.GPUS["NVIDIA A100 80GB SXM"]
+    with_mma = {**cal, "fit": {**cal["fit"], "e_mma": 0.18}}
+    assert cm.projected_w4_kernels(cm.Fit(**with_mma["fit"]), a100) == ("triton", cm.CUDA_VARIANT)
+    assert cm.projected_w4_kernels(cm.Fit(**cal["fit"]), a100) == ("triton",)
+    turing = dataclasses.replace(a100, name="turing", capability=(7, 5))
+    assert cm.projected_w4_kernels(cm.Fit(**with_mma["fit"]), turing) == ("triton",)
+    both, triton = (cm.project(c, compat, compat["configs"], [H200, a100]) for c in (with_mma, cal))
+    rows = {(e["gpu"], e["format"]): e for e in both["rows"]}
+    rows_triton = {(e["gpu"], e["format"]): e for e in triton["rows"]}
+    assert rows[("NVIDIA H200", "w4a16")]["tokens_per_s"] == rows_triton[("NVIDIA H200", "w4a16")]["tokens_per_s"]
+    for m, tps in rows[(a100.name, "w4a16")]["tokens_per_s"].items():
+        assert tps >= rows_triton[(a100.name, "w4a16")]["tokens_per_s"][m] * (1 - 1e-9), m
+    assert rows[(a100.name, "w4a16")]["tokens_per_s"]["ar"] > rows_triton[(a100.name, "w4a16")]["tokens_per_s"]["ar"]
+    assert both["measured_on"] == "NVIDIA H200" and both["measured_w4_kernel"] == "triton"
+
+
+def test_the_cuda_kernels_loop_scales_with_multiprocessors_and_clock():
+    """The clock follows from the spec sheet's FP32 rate and lanes; the loop's rate from SMs x clock,
+    capped by the tensor rate (a GPU whose tensor pipe is the slower is priced at it)."""
+    assert cm.GPUS["NVIDIA H100 SXM"].clock_ghz == pytest.approx(1.98, abs=0.01)
+    assert cm.GPUS["NVIDIA A100 80GB SXM"].clock_ghz == pytest.approx(1.41, abs=0.01)
+    assert cm.issue_tflops(cm.GPUS["NVIDIA A100 80GB SXM"]) / cm.issue_tflops(cm.GPUS["NVIDIA H100 SXM"]) == pytest.approx(
+        108 * 1.41 / (132 * 1.98), rel=0.01)
+    where = cm.Shape({}, group=128, w4_kernel=cm.CUDA_VARIANT)
+    f = cm.Fit(3.0, 0.93, 0.6, 1.0, e_mma=0.9)
+    ada = cm.GPUS["NVIDIA GeForce RTX 4090"]
+    tm = cm.terms_of(cm.w4_kernels(get_format("w4a16"), 40, 4096, 14336, False, where, ada), ada)
+    assert tm.mma_comp_us[0] / 0.9 < tm.mma_peak_us[0]
+    assert cm.predict_us(f, tm) == pytest.approx(3.0 + max(tm.mma_mem_us[0] / 0.93, tm.mma_peak_us[0]))

@@ -125,7 +125,7 @@ def test_the_compat_table_and_the_cost_model_take_it(capsys):
     assert cm.weight_bytes(toy.NAME, shape) == pytest.approx(2 * cm.weight_bytes("dense", shape))
     h200 = cm.GPUS["NVIDIA H200"]
     assert len(cm.product_kernels(toy.NAME, 1, 8192, 8192, True, shape, h200)) == 2      # one GEMM + the add
-    fit = cm.Fit(**json.loads((ROOT / "assets/whatif/cost-model-h200.json").read_text())["calibration"]["fit"])
+    fit = cm.Fit(**json.loads((ROOT / "assets/whatif/cost-model.json").read_text())["calibration"]["fit"])
     assert cm.model_us(fit, h200, toy.NAME, shape, 1) > 1.8 * cm.model_us(fit, h200, "dense", shape, 1)
     assert cm._skip_reason(h200, toy.NAME, 300e9, False).startswith("needs ~")
 

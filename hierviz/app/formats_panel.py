@@ -1,6 +1,6 @@
 """The What-if tab's "formats and GPUs" panel: which method wins on which GPU and weight format.
 
-It reads one shipped file, assets/whatif/cost-model-h200.json (`python -m hierviz cost-model`):
+It reads one shipped file, assets/whatif/cost-model.json (`python -m hierviz cost-model`):
 the compat tables measured on the H200 (`python -m hierviz compat`) and their projections to other
 GPUs by the roofline cost model. Every projected figure says so; nothing here imports a model.
 """
@@ -16,17 +16,19 @@ from hierviz.methods import BASELINE, PEER, SUBJECT, short
 from hierviz.viz.style import method_label
 
 ROOT = Path(__file__).resolve().parents[2]
-COST_MODEL_FILE = ROOT / "assets" / "whatif" / "cost-model-h200.json"
+COST_MODEL_FILE = ROOT / "assets" / "whatif" / "cost-model.json"
 COMPAT_70B = ROOT / "assets" / "whatif" / "compat-h200-llama3-70b.json"
 SWEEP_70B = ROOT / "assets" / "whatif" / "h200-llama3-70b-sweep.json"
 MAX_BYTES = 2_000_000
 
 EXPLAIN = """**Which method wins on my GPU and format?** Each table is one target / intermediate pair at the
-paper's trees and the what-if's default acceptance. The calibration GPU's rows are measured
+paper's trees and the what-if's default acceptance. The rows marked measured are
 (`python -m hierviz compat`, synthetic weights of the real shapes, real kernels); every other row is
-**projected**: the measured stages scaled by a roofline cost model fitted to the measured per-format
+**projected**: the measured stages scaled by a roofline cost model fitted to measured per-format
 forward curves and applied to each GPU's spec sheet (`python -m hierviz cost-model`, docs/formats.md
-says how well it fits). A format the GPU cannot run or hold is named with the reason."""
+says how well it fits), its 4-bit forwards at the faster of the Triton kernel and the CUDA MMA
+kernel, as the default kernel choice runs them. A format the GPU cannot run or hold is named with
+the reason."""
 
 
 def _read(path: Path) -> Optional[dict[str, Any]]:
@@ -85,7 +87,7 @@ def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
     and AR's tokens/s, or why the GPU cannot run that format."""
     labels = pair_labels(d)
     if not d or label not in labels:
-        return "No cost-model file is shipped (assets/whatif/cost-model-h200.json)."
+        return "No cost-model file is shipped (assets/whatif/cost-model.json)."
     proj = d["projections"][labels.index(label)]
     tree = proj["head"]
     fmts = list(dict.fromkeys(e["name"] for e in proj["rows"]))
@@ -102,6 +104,11 @@ def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
     lines.append(f"\nSpeedups over AR of the same format and GPU. \"Does not fit\": the target's and M's weights "
                  f"exceed 90 % of the GPU's memory. Cost model calibrated on the {cal['gpu']} (largest error on "
                  f"its own measured curves {worst:.0%}).")
+    if "measured_on" in proj:
+        kernels = " and the CUDA MMA kernel" if len(proj.get("projected_w4_kernels", [])) > 1 else ""
+        ran = "the CUDA MMA kernel" if proj.get("measured_w4_kernel") == "cuda_mma" else "the Triton kernel"
+        lines.append(f"Measured rows: the {proj['measured_on'].removeprefix('NVIDIA ')}, W4A16 in {ran}; "
+                     f"projected W4A16 forwards at the faster of the Triton kernel{kernels}.")
     fused = sorted({e["gpu"].removeprefix("NVIDIA ") for e in proj["rows"] if e.get("activation_quantizer") == "fused"})
     if fused:
         lines.append(f"The 8-bit rows of the {', '.join(fused)} ran hierviz's fused activation quantizer (proven "

@@ -1,59 +1,40 @@
 """`python -m hierviz cost-model`: a cost model of one decoder layer per weight format, built from
 the kernels the layer launches, calibrated on profiles measured on one GPU, checked against them,
 and applied to other GPUs from their spec sheets. Every figure it gives for a GPU it did not run
-on is labelled projected.
+on is labelled projected. docs/formats.md describes it in full.
 
 A layer verifying T tokens (a profile curve, hierviz.measure.profile: the fused static path of
 hierviz.models.llama replayed from a CUDA graph) is the list of kernels it launches
-(`layer_kernels`): the ones every format shares (two RMSNorms, RoPE with the cache write, the
-mask's visible columns, the attention over the cache, SiLU * up) and what each of
-the four products (qkv, o, gate_up, down, their [K, N] from the shape) launches in its format:
-
-    FP16        one cuBLAS GEMM; o and down add the residual in a separate kernel
-    W4A16       one Triton kernel (hierviz.quant.triton_w4), in the regime pick_config gives it
-                (`w4_regime`): one token on the CUDA cores (its PTX block's instructions at the
-                spec CUDA-core rate beside its loads); 16-token MMA tiles; larger tiles, whose K
-                split (fixed-order sum through fp32 partials) costs their arithmetic's time again;
-                a tile of rows dequantizes all weights again. Where a profile records the CUDA
-                MMA variant (`w4_fp16_kernel`), its loops instead (`cuda_mma_kernels`)
-    W8A8-int8   per-token int8 quantization (9 kernels), zero rows up to 17, torch._int_mm,
-                rescaling (4 kernels), the residual add (hierviz.quant.w8a8)
-    W8A8-FP8    per-token e4m3 quantization (8), a ones fill, zero rows up to 128 (the GEMM always
-                has 128 rows), torch._scaled_mm, rescaling (2), the residual add (hierviz.quant.fp8)
-
-The 8-bit quantization is one kernel instead where hierviz.quant.act_quant's fused quantizer runs
-(its proven platforms): a measurement records which ran (`activation_quantizer` in a profile and
-in a compat file's machine), the model counts that, and a GPU it projects onto gets torch's.
-
-Each kernel costs a launch plus its traffic or its arithmetic:
+(`layer_kernels`): the ones every format shares and what each of the four products launches in
+its format: FP16 a cuBLAS GEMM (and a residual add); W4A16 one Triton kernel in the regime
+pick_config gives it (`w4_regime`), or where a profile records the CUDA MMA variant
+(`w4_fp16_kernel`) its one launch (`cuda_mma_kernels`); the 8-bit formats their activation
+quantization (torch's kernels, or the fused quantizer where a measurement recorded it), padding,
+torch._int_mm / torch._scaled_mm, rescaling and the residual add. Each kernel costs a launch plus
+its traffic or its arithmetic:
 
     stream      launch + bytes / (e_bw BW)                                  elementwise, norms, attention
     gemm        launch + max(bytes (1 + fill stages / steps) / (e_bw BW),   cuBLAS / cuBLASLt products
                              flops / (e_c P))
     w4          launch + bytes (1 + fill stages / steps) / (e_bw BW)        the W4A16 Triton product
                        + flops / (e_c P)
+    mma_sync    launch + max(bytes / (e_bw BW), flops / (e_mma I),          the CUDA MMA variant
+                             flops / P)
 
-BW: the GPU's memory bandwidth; P: its dense tensor rate for the product's arithmetic (FP16 for
-FP16 and W4A16, FP8, int8: see `tensor_tflops`). Four numbers are fitted, all shared by every
+BW: the GPU's memory bandwidth; P: its dense tensor rate for the product's arithmetic; I: one
+m16n8k16 MMA issued per multiprocessor and clock (`issue_tflops`). Fitted, shared by every
 format: launch (us per kernel), e_bw and e_c (the fraction of bandwidth and tensor rate a kernel
-reaches) and fill: the K steps of latency a program of a product waits per pipeline stage before
-its K loop streams (a program runs `steps` K steps with `stages` in flight), so short K loops read
-slower. The W4 kernel's stages and steps come from its configuration; the library GEMMs' from an
-assumption (CUBLAS_STAGES, CUBLAS_K_BYTES: the kernel the H200 profile recorded, K not split). The
-W4 kernel's arithmetic does not hide under its reads (it dequantizes in the warps that multiply).
-A format's fixed part is its counted kernels times the launch cost. The model is checked by
-leaving one model shape out (fit on the other, predict it) and one format out (fit on the other
-formats, predict it: the fill is learnt from the others' GEMMs), and, where a profile has
-whole-model curves, by predicting them from the layer fit.
+reaches), fill (the K steps of latency a program waits per pipeline stage before its K loop
+streams) and, where a curve measured the CUDA MMA variant, e_mma. The model is checked by leaving
+one model shape out, one format (a W4 format per kernel) out, and by predicting whole-model
+curves from the layer fit.
 
-A method's step on another GPU: the measured stages of `python -m hierviz compat` (same shapes),
-each target / intermediate verification scaled by the model's ratio of that GPU to the measured
-one at the rows it verifies (the engine's whole forward: layers, final norm, LM head); drafting
-and bookkeeping are kept as measured (launch-bound). Launches keep their microseconds and kernels
-their efficiencies on another GPU.
+A method's step on another GPU: the measured stages of `python -m hierviz compat`, each target /
+intermediate verification scaled by the model's ratio of that GPU to the measured one at the
+rows it verifies (the engine's whole forward; W4 forwards at the faster fp16 W4 kernel); drafting
+and bookkeeping are kept as measured.
 
-    python -m hierviz cost-model --profiles assets/profile/h200-llama3-70b-formats.json,assets/profile/h200-llama3-8b-formats.json \\
-        --compat assets/whatif/compat-h200-llama3-70b.json,assets/whatif/compat-h200-llama3-8b.json --out DIR
+    python -m hierviz cost-model --profiles P1.json,P2.json --compat C1.json,C2.json --out DIR
 """
 from __future__ import annotations
 
@@ -90,6 +71,11 @@ class GPU:
     fused_act_quant: bool = False
     fp32_tflops: float = 0.0        # CUDA-core (non-tensor) FP32 rate, spec sheet: one FMA a lane a clock
     aliases: tuple[str, ...] = ()   # the names torch gives the part (a measurement's "device")
+    fp32_lanes: int = 128           # FP32 lanes per multiprocessor (64 on sm_80): with fp32_tflops, the clock
+
+    @property
+    def clock_ghz(self) -> float:
+        return self.fp32_tflops * 1e3 / (2 * self.sms * self.fp32_lanes)
 
 
 # Spec-sheet figures, dense (no sparsity), FP16 with FP32 accumulation.
@@ -97,7 +83,8 @@ GPUS = {g.name: g for g in (
     GPU("NVIDIA H200", 4800, 141, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9),
     GPU("NVIDIA H100 SXM", 3350, 80, {"f16": 989.5, "i8": 1979, "f8": 1979}, (9, 0), 132, fp32_tflops=66.9,
         aliases=("NVIDIA H100 80GB HBM3",)),
-    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"f16": 312, "i8": 624}, (8, 0), 108, "no FP8 tensor cores", fp32_tflops=19.5),
+    GPU("NVIDIA A100 80GB SXM", 2039, 80, {"f16": 312, "i8": 624}, (8, 0), 108, "no FP8 tensor cores", fp32_tflops=19.5,
+        fp32_lanes=64),
     GPU("NVIDIA GeForce RTX 4090", 1008, 24, {"f16": 165.2, "i8": 660.6, "f8": 330.3}, (8, 9), 128, fp32_tflops=82.6),
     GPU("NVIDIA L4", 300, 24, {"f16": 121, "i8": 242.5, "f8": 242.5}, (8, 9), 58, fp32_tflops=30.3),
     GPU("NVIDIA RTX PRO 6000 Blackwell", 1792, 96, {"f16": 500, "i8": 1000, "f8": 1000}, (12, 0), 188,
@@ -253,9 +240,10 @@ def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where
     activations into shared memory once a stage, in grid chunks of 64 tokens that each read the
     weights again. Its time is the slower of its memory reads (the weights once per grid chunk, the
     activations in and out, the split's fp32 partials; the activations each block reads again come
-    from the L2 and L1) and its MMA loop (the padded token tiles' arithmetic at the fitted mma.sync
-    rate `e_mma`, which carries the dequantization issued in the same warps): one token's 8-row
-    tile hides under the weight read, more tiles lengthen the loop. Costed at the one-pass entry
+    from the L2 and L1) and its MMA loop: the padded token tiles' arithmetic at a fitted fraction
+    `e_mma` of the issue rate (issue_tflops: the loop issues its dequantization beside its mma.sync,
+    so it scales with multiprocessors x clock), never faster than the spec tensor rate. One token's
+    8-row tile hides under the weight read, more tiles lengthen the loop. Costed at the one-pass entry
     (token_tiles); a timed tile plan only ever runs faster."""
     from hierviz.quant import cuda_w4
     split = cuda_w4.split_for(n, k, gpu.sms)
@@ -384,6 +372,13 @@ def forward_kernels(fmt: str, t: int, where: Shape, gpu: GPU, layers: int = 1, h
 
 # ---- their time ------------------------------------------------------------------------------
 
+def issue_tflops(gpu: GPU) -> float:
+    """The rate of arithmetic at one m16n8k16 MMA (4,096 flops) issued per multiprocessor and clock:
+    the CUDA MMA variant's loop is bound by issuing its instructions (its dequantization beside its
+    mma.sync), not by the tensor pipe, so across GPUs it scales with multiprocessors x clock."""
+    return gpu.sms * gpu.clock_ghz * 4096 / 1e3
+
+
 def tensor_tflops(gpu: GPU, math_: str) -> float:
     """The spec tensor rate a product's arithmetic can use. torch._int_mm calls cuBLASLt without
     a workspace, which on Hopper leaves it the sm80-class int8 kernels (pytorch/pytorch#187094
@@ -409,7 +404,8 @@ class Terms:
     simt_us: float = 0.0            # the one-token CUDA-core kernel's arithmetic at the spec CUDA-core rate
     ordered_comp_us: float = 0.0    # the part of w4_comp_us in split tiles of more than 16 rows (Kernel.ordered)
     mma_mem_us: tuple[float, ...] = ()     # each CUDA MMA product's memory reads
-    mma_comp_us: tuple[float, ...] = ()    # and its arithmetic at the spec tensor rate
+    mma_comp_us: tuple[float, ...] = ()    # its arithmetic at the issue rate (issue_tflops)
+    mma_peak_us: tuple[float, ...] = ()    # and at the spec tensor rate, which no loop beats
 
 
 def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
@@ -426,7 +422,8 @@ def terms_of(kernels: list[Kernel], gpu: GPU) -> Terms:
                  tuple(k.bytes / per_us for k in gemms), tuple(comp([k]) for k in gemms),
                  tuple(k.bytes * k.stages / per_us for k in gemms),
                  sum(k.bytes for k in w4) / per_us, sum(k.bytes * k.stages for k in w4) / per_us, comp(mma),
-                 comp(simt), comp(ordered), tuple(k.bytes / per_us for k in sync), tuple(comp([k]) for k in sync))
+                 comp(simt), comp(ordered), tuple(k.bytes / per_us for k in sync),
+                 tuple(k.flops / (issue_tflops(gpu) * 1e6) for k in sync), tuple(comp([k]) for k in sync))
 
 
 def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: float | np.ndarray,
@@ -435,12 +432,13 @@ def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: 
     The CUDA-core kernel issues its arithmetic beside its loads at the spec rate (its loads, not
     the tensor cores, set its pace); the Triton MMA kernel dequantizes in the warps that multiply,
     and its split tiles of more than 16 rows spend their arithmetic's time again in the fixed-order
-    mode; the CUDA MMA variant takes the slower of its reads and its MMA loop (e_mma; e_c if None)."""
+    mode; the CUDA MMA variant takes the slower of its reads and its MMA loop (e_mma of the issue
+    rate, e_c if None, never faster than the spec tensor rate)."""
     total = ((tm.stream_us + tm.w4_mem_us + fill * tm.w4_fill_us) / e_bw
              + (tm.w4_comp_us + tm.ordered_comp_us) / e_c + tm.simt_us)
     rate = e_c if e_mma is None else e_mma
-    for mem, comp in zip(tm.mma_mem_us, tm.mma_comp_us):
-        total = total + np.maximum(mem / e_bw, comp / rate)
+    for mem, comp, peak in zip(tm.mma_mem_us, tm.mma_comp_us, tm.mma_peak_us):
+        total = total + np.maximum(np.maximum(mem / e_bw, comp / rate), peak)
     for mem, comp, fl in zip(tm.gemm_mem_us, tm.gemm_comp_us, tm.gemm_fill_us):
         total = total + np.maximum((mem + fill * fl) / e_bw, comp / e_c)
     return total
@@ -642,17 +640,29 @@ def _skip_reason(gpu: GPU, fm: str, need: float, measured_here: bool) -> Optiona
     return None
 
 
+def projected_w4_kernels(f: Fit, gpu: GPU) -> tuple[str, ...]:
+    """The fp16 W4 kernels a projection prices on a GPU: the Triton kernel, and the CUDA MMA variant
+    (mma.sync, from sm_80) where the calibration measured it (its e_mma); HIERVIZ_W4_CUDA=auto runs
+    whichever is faster, so a forward is priced at the faster of them."""
+    cuda = f.e_mma is not None and gpu.capability >= (8, 0)
+    return ("triton", CUDA_VARIANT) if cuda else ("triton",)
+
+
 def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[str, dict[str, Any]],
             gpus: list[GPU]) -> dict[str, Any]:
-    """Each compat row's methods on each GPU: measured stages, verification scaled by the model."""
+    """Each compat row's methods on each GPU: measured stages on the GPU the rows were measured on
+    (the compat file's machine; else the calibration's), verification scaled by the model on the
+    others, W4 forwards there at the faster fp16 W4 kernel (projected_w4_kernels)."""
     from hierviz.measure.whatif import model_bytes
     from hierviz.models.config import ModelConfig
+    machine = compat.get("machine", {})
     # the compat rows ran with the quantizer they recorded; the other GPUs get torch's (the fused
     # one is on only on its proven platforms, which a spec sheet does not tell)
-    base = as_measured(GPUS[calibration["gpu"]], compat.get("machine", {}).get("activation_quantizer"))
+    base = as_measured(gpu_named(machine.get("gpu", "")) or GPUS[calibration["gpu"]], machine.get("activation_quantizer"))
     f = Fit(**calibration["fit"])
     s = compat["settings"]
-    t_shape, m_shape = Shape(configs["target"]), Shape(configs["intermediate"])
+    measured_kernel = CUDA_VARIANT if machine.get("w4_fp16_kernel") == CUDA_VARIANT else "triton"
+    t_shape, m_shape = Shape(configs["target"], w4_kernel=measured_kernel), Shape(configs["intermediate"], w4_kernel=measured_kernel)
     m_fmt = (format_of_description(compat["intermediate"]) or DENSE).name
     rows_of = {BASELINE: 1, compat["head"]: s["t_tree_size"] + 1, SUBJECT: s["min_draft_len"] + 2}
     shapes = {"target": t_shape, "intermediate": m_shape}
@@ -661,7 +671,8 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
     def ratio(gpu: GPU, fm: str, which: str, t: int) -> float:
         key = (gpu.name, fm, which, t)
         if key not in cache:
-            cache[key] = model_us(f, gpu, fm, shapes[which], t) / model_us(f, base, fm, shapes[which], t)
+            here = min(model_us(f, gpu, fm, replace(shapes[which], w4_kernel=k), t) for k in projected_w4_kernels(f, gpu))
+            cache[key] = here / model_us(f, base, fm, shapes[which], t)
         return cache[key]
 
     out = []
@@ -677,7 +688,7 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
                 entry["activation_quantizer"] = "fused" if gpu.name == base.name and base.fused_act_quant else "torch"
             if r.get("layers_measured", 0) < r.get("layers", 0):
                 entry["layers_note"] = f"{r['layers_measured']} of {r['layers']} layers measured, scaled"
-            skip = _skip_reason(gpu, fm, need, gpu.name == base.name)   # the calibration GPU's rows were measured
+            skip = _skip_reason(gpu, fm, need, gpu.name == base.name)   # the compat GPU's rows were measured
             if skip:
                 entry["skipped"] = skip
                 out.append(entry)
@@ -698,7 +709,8 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
                 entry["speedup_vs_ar"] = {m: v / tps[BASELINE] for m, v in tps.items()}
             entry["winner"] = max(tps, key=tps.get)
             out.append(entry)
-    return {"shapes": compat["shapes"], "head": compat["head"], "settings": s, "rows": out}
+    return {"shapes": compat["shapes"], "head": compat["head"], "settings": s, "measured_on": base.name, "measured_w4_kernel": measured_kernel,
+            "projected_w4_kernels": list(projected_w4_kernels(f, base)), "rows": out}
 
 
 def _cfg_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -719,7 +731,8 @@ def markdown(info: dict[str, Any]) -> str:
     shapes = ", ".join(sorted({c["shape"] for c in cal["curves"]}))
     lines = [f"# Cost model, calibrated on {cal['gpu']}", "",
              f"Per kernel launch {f['launch_us']:.2f} us; e_bw {f['e_bw']:.3f} (copy measured: {cal['copy_e_bw']:.3f}); "
-             f"e_c {f['e_c']:.3f}; fill {f['fill']:.2f} K steps per pipeline stage.", "",
+             f"e_c {f['e_c']:.3f}; fill {f['fill']:.2f} K steps per pipeline stage"
+             + (f"; e_mma {f['e_mma']:.3f} (the CUDA MMA variant's loop, of the issue rate)." if "e_mma" in f else "."), "",
              f"| format | kernels per layer (T = 1 / 128: {shapes}) | each shape left out: mean / max ({shapes}) | "
              "in-sample mean / max | format left out: mean / max |", "|---|---|---|---|---|"]
     for fm, d in cal["formats"].items():
@@ -732,8 +745,10 @@ def markdown(info: dict[str, Any]) -> str:
     for proj in info.get("projections", []):
         tree = proj["head"]
         ar, subject = registry.short(BASELINE), registry.label(SUBJECT)
+        measured_on = proj.get("measured_on", cal["gpu"])
+        kernels = " or ".join(proj.get("projected_w4_kernels", ["triton"]))
         lines += ["", f"## {proj['shapes']['target']} target, {proj['shapes']['intermediate']} intermediate ({LABEL}"
-                      " except the calibration GPU's own rows)", "",
+                      f" except the rows measured on the {measured_on}; projected W4 forwards at the faster of {kernels})", "",
                   f"| GPU | format | {ar} tok/s | {tree} / {ar} | {subject} / {ar} | {subject} / {tree} | winner |",
                   "|---|---|---|---|---|---|---|"]
         for e in proj["rows"]:
@@ -752,7 +767,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "Fit a per-kernel cost model of a decoder layer in every weight format to measured profiles, check it "
         "(shape and format left out) and project compat tables to other GPUs from their spec sheets."))
     ap.add_argument("--profiles", required=True, help="comma-separated profile.json files of one GPU")
-    ap.add_argument("--compat", default="", help="comma-separated compat.json files of the same GPU to project")
+    ap.add_argument("--compat", default="", help="comma-separated compat.json files to project (measured on a GPU "
+                                                 "the model knows, the calibration's or another)")
     ap.add_argument("--gpus", default=",".join(GPUS), help="GPUs to project onto (names as in the model's table)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
