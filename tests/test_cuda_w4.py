@@ -277,16 +277,31 @@ def skip_without_nvrtc() -> None:
         pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
 
 
-# A100, H100/H200 (sm_90a: what cuda_w4 builds there, with the wgmma entries; a plain sm_90 build
-# is never made, as every Hopper part is 9.0), and the Blackwell parts (B200, RTX PRO 6000) where
-# the start-up proof decides
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_100", "sm_120"])
+# A100 and H100/H200 (sm_90a: what cuda_w4 builds there, with the wgmma entries; a plain sm_90
+# build is never made, as every Hopper part is 9.0): every shipped entry
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_nvrtc_compiles_the_kernel(arch) -> None:
     skip_without_nvrtc()
     cubin = cuda_w4.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
     assert all(name.encode() in cubin for name in cuda_w4.entry_names(arch))
     assert (b"w4_wgmma_t8" in cubin) == (arch == "sm_90a") == cuda_w4.has_wgmma(arch)
+
+
+# The Blackwell parts (B200, RTX PRO 6000), where the start-up proof decides and a build that fails
+# leaves the Triton kernel running: one entry of each kind (the entries of a kind differ only in
+# their template constants), which keeps the CPU suite's compile time to the two archs above
+@pytest.mark.parametrize("arch", ["sm_100", "sm_120"])
+def test_nvrtc_compiles_each_kind_of_entry_for_blackwell(arch) -> None:
+    skip_without_nvrtc()
+    direct = {1: cuda_w4.DIRECT_BUILD[1]}
+    staged = {cuda_w4.MAX_TOKEN_TILES: cuda_w4.STAGED_BUILD[cuda_w4.MAX_TOKEN_TILES]}
+    rows = dict([next(iter(cuda_w4.DIRECT_ROWS_BUILD.items()))])
+    source = cuda_w4.kernel_source(direct, staged, arch=arch, rows_build=rows)
+    macros = {line.split("(")[0] for line in source[len(cuda_w4.kernel_text()):].splitlines()}
+    assert macros == {"DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY", "STAGED_ENTRY"}
+    cubin = cuda_w4.compile_cubin(arch, source)
+    assert cubin[:4] == b"\x7fELF" and b"w4_direct_t1" in cubin and b"w4_staged_t8" in cubin
 
 
 def test_nvrtc_errors_come_back_as_a_compile_error_with_the_log() -> None:
