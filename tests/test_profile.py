@@ -98,6 +98,18 @@ def test_profile_figure_hand_made() -> None:
     assert "llama3-70b · NVIDIA H200 · copy 4300 GB/s" in fig.layout.title.text
 
 
+def test_a_curve_is_named_by_the_w4_kernel_that_ran() -> None:
+    """A profile made with HIERVIZ_W4_CUDA=on (its machine says the CUDA MMA variant ran the fp16 W4
+    products) names the W4 curve and the crossing by that kernel, not by the format's own."""
+    cuda = {**HAND, "machine": {"w4_fp16_kernel": "cuda_mma"}}
+    names = {t.name for t in profile_figure(cuda).data}
+    assert "w4a16-cuda_mma" in names and not any(n.startswith("w4a16-triton") for n in names)
+    assert "fp16" in names                           # other formats keep their names
+    assert "w4a16-triton" in {t.name for t in profile_figure({**HAND, "machine": {"w4_fp16_kernel": "triton"}}).data}
+    crossing = [a.text for a in profile_figure(cuda).layout.annotations if "slower than" in a.text]
+    assert all(t.startswith("w4a16-cuda_mma") for t in crossing)
+
+
 def test_profile_figure_empty() -> None:
     fig = profile_figure({"series": [], "tokens": []})
     assert fig.data == () and [a.text for a in fig.layout.annotations] == ["one decoder layer"]

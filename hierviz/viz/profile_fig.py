@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from hierviz.quant.formats import DEFAULT_FORMAT, format_of_series
+from hierviz.quant.w4_verdicts import CUDA_VARIANT
 
 # Blue for full precision, orange for the 4-bit kernel (the tab's text calls it "orange"): lines
 # at >= 3:1 on white and apart under simulated colour blindness
@@ -69,6 +70,17 @@ def crossing(tokens: list[float], dense: list[float], w4: list[float]) -> Option
     return None
 
 
+def series_name(row: dict, profile_json: dict) -> str:
+    """A curve's name: its series, except that a format's own GPU kernel whose fp16 products ran the
+    CUDA MMA variant (a profile made with HIERVIZ_W4_CUDA=on: its machine's `w4_fp16_kernel`) is
+    named by the kernel that ran."""
+    fmt = format_of_series(row["format"])
+    ran = (profile_json.get("machine") or {}).get("w4_fp16_kernel")
+    if fmt is not None and fmt.gpu_kernel and row["format"] == fmt.series(fmt.gpu_kernel) and ran == CUDA_VARIANT:
+        return fmt.series(CUDA_VARIANT)
+    return row["format"]
+
+
 def _is_dense(row: dict) -> bool:
     fmt = format_of_series(row["format"])
     return fmt is not None and fmt.dense
@@ -79,10 +91,11 @@ def _is_w4_curve(row: dict) -> bool:
     return fmt is not None and fmt.name == DEFAULT_FORMAT and row.get("kernel") not in COMPARISON_KERNELS
 
 
-def _mark_crossing(fig: go.Figure, rows: list[dict], tokens: list[float], col: int) -> None:
+def _mark_crossing(fig: go.Figure, rows: list[dict], profile_json: dict, col: int) -> None:
     """A dotted vertical line where W4A16 turns slower than fp16 in this panel, and its words."""
     dense = next((r for r in rows if _is_dense(r)), None)
     w4 = next((r for r in rows if _is_w4_curve(r)), None)
+    tokens = profile_json.get("tokens") or []
     at = crossing(tokens, dense["us"], w4["us"]) if dense and w4 else None
     if at is None:
         return
@@ -91,7 +104,7 @@ def _mark_crossing(fig: go.Figure, rows: list[dict], tokens: list[float], col: i
                   line=dict(color="#333333", width=1.5, dash="dot"))
     # an annotation's position on a log axis is the log of the value
     fig.add_annotation(x=math.log10(at), y=1, xref=xref, yref=yref,
-                       text=f"{w4['format']} slower than<br>{dense['format']} from ≈{at:.0f} tokens",
+                       text=f"{series_name(w4, profile_json)} slower than<br>{dense['format']} from ≈{at:.0f} tokens",
                        showarrow=False, xanchor="right", yanchor="top", align="right", font=dict(size=12),
                        bgcolor="rgba(255,255,255,0.85)")
 
@@ -100,7 +113,7 @@ def _add_curves(fig: go.Figure, rows: list[dict], profile_json: dict, col: int, 
                 colors: dict[str, str], show_comparison: bool) -> None:
     """One panel's curves and their bandwidth floors; a comparison kernel's are off unless asked for."""
     for r in rows:
-        name = r["format"]
+        name = series_name(r, profile_json)
         c = _color(r, colors)
         est = bool(r.get("estimated"))
         off = r.get("kernel") in COMPARISON_KERNELS and not show_comparison
@@ -140,7 +153,7 @@ def profile_figure(profile_json: dict, show_comparison: bool = False) -> go.Figu
         slow = any(max(r.get("us") or [0]) > 5000 for r in drawn)
         unit, div = ("ms", 1000.0) if slow else ("µs", 1.0)
         _add_curves(fig, rows, profile_json, col, div, unit, colors, show_comparison)
-        _mark_crossing(fig, rows, profile_json.get("tokens") or [], col)
+        _mark_crossing(fig, rows, profile_json, col)
         fig.update_xaxes(type="log", title_text="tokens verified in one forward",
                          tickvals=tokens_all or None, row=1, col=col)
         # log: a comparison kernel many times slower would squash the others' curves on a linear axis
