@@ -114,8 +114,8 @@ class Fit:
     e_bw: float          # fraction of the spec bandwidth a streaming kernel reaches
     e_c: float           # fraction of the spec tensor rate a product reaches
     fill: float = 0.0    # K steps of latency per pipeline stage a program waits before its loop streams
-    # the fraction of the spec tensor rate the CUDA MMA variant's mma.sync loops reach (dequantizing
-    # in the same warps); None where no curve measured that kernel (e_c stands in)
+    # the fraction of the issue rate (issue_tflops) the CUDA MMA variant's mma.sync loops reach,
+    # dequantizing in the same warps; None where no curve measured that kernel (e_c stands in)
     e_mma: Optional[float] = None
 
     @property
