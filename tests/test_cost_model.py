@@ -511,6 +511,7 @@ def test_the_cuda_kernels_loop_scales_with_multiprocessors_and_clock():
     assert cm.GPUS["NVIDIA A100 80GB SXM"].clock_ghz == pytest.approx(1.41, abs=0.01)
     assert cm.issue_tflops(cm.GPUS["NVIDIA A100 80GB SXM"]) / cm.issue_tflops(cm.GPUS["NVIDIA H100 SXM"]) == pytest.approx(
         108 * 1.41 / (132 * 1.98), rel=0.01)
+    assert cm.issue_tflops(dataclasses.replace(H200, fp32_tflops=0.0)) == H200.tflops["f16"]   # no FP32 rate on file
     where = cm.Shape({}, group=128, w4_kernel=cm.CUDA_VARIANT)
     f = cm.Fit(3.0, 0.93, 0.6, 1.0, e_mma=0.9)
     ada = cm.GPUS["NVIDIA GeForce RTX 4090"]

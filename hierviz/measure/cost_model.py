@@ -375,8 +375,9 @@ def forward_kernels(fmt: str, t: int, where: Shape, gpu: GPU, layers: int = 1, h
 def issue_tflops(gpu: GPU) -> float:
     """The rate of arithmetic at one m16n8k16 MMA (4,096 flops) issued per multiprocessor and clock:
     the CUDA MMA variant's loop is bound by issuing its instructions (its dequantization beside its
-    mma.sync), not by the tensor pipe, so across GPUs it scales with multiprocessors x clock."""
-    return gpu.sms * gpu.clock_ghz * 4096 / 1e3
+    mma.sync), not by the tensor pipe, so across GPUs it scales with multiprocessors x clock. A GPU
+    without an FP32 rate on file gets its tensor rate."""
+    return gpu.sms * gpu.clock_ghz * 4096 / 1e3 or gpu.tflops["f16"]
 
 
 def tensor_tflops(gpu: GPU, math_: str) -> float:
