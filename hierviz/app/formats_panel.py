@@ -13,6 +13,7 @@ from typing import Any, Optional
 import gradio as gr
 
 from hierviz.methods import BASELINE, PEER, SUBJECT, short
+from hierviz.quant.w4_verdicts import CUDA_VARIANT
 from hierviz.viz.style import method_label
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +107,7 @@ def table_markdown(d: Optional[dict[str, Any]], label: Optional[str]) -> str:
                  f"its own measured curves {worst:.0%}).")
     if "measured_on" in proj:
         kernels = " and the CUDA MMA kernel" if len(proj.get("projected_w4_kernels", [])) > 1 else ""
-        ran = "the CUDA MMA kernel" if proj.get("measured_w4_kernel") == "cuda_mma" else "the Triton kernel"
+        ran = "the CUDA MMA kernel" if proj.get("measured_w4_kernel") == CUDA_VARIANT else "the Triton kernel"
         lines.append(f"Measured rows: the {proj['measured_on'].removeprefix('NVIDIA ')}, W4A16 in {ran}; "
                      f"projected W4A16 forwards at the faster of the Triton kernel{kernels}.")
     fused = sorted({e["gpu"].removeprefix("NVIDIA ") for e in proj["rows"] if e.get("activation_quantizer") == "fused"})

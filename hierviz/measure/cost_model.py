@@ -51,7 +51,7 @@ from hierviz import methods as registry
 from hierviz.measure.common import refuse, stamp, write_report
 from hierviz.methods import BASELINE, SUBJECT
 from hierviz.quant.formats import DENSE, WeightFormat, format_of_description, format_of_series, get_format
-from hierviz.quant.w4_verdicts import CUDA_VARIANT
+from hierviz.quant.w4_verdicts import CUDA_VARIANT, kernel_that_ran
 
 SCHEMA = "hierviz.cost_model/1"
 LABEL = "projected by the roofline cost model"
@@ -117,10 +117,6 @@ class Fit:
     # the fraction of the issue rate (issue_tflops) the CUDA MMA variant's mma.sync loops reach,
     # dequantizing in the same warps; None where no curve measured that kernel (e_c stands in)
     e_mma: Optional[float] = None
-
-    @property
-    def mma_rate(self) -> float:
-        return self.e_c if self.e_mma is None else self.e_mma
 
 
 @dataclass(frozen=True)
@@ -446,7 +442,7 @@ def body_us(tm: Terms, e_bw: float | np.ndarray, e_c: float | np.ndarray, fill: 
 
 
 def predict_us(f: Fit, tm: Terms) -> float:
-    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.fill, f.mma_rate))
+    return float(tm.kernels * f.launch_us + body_us(tm, f.e_bw, f.e_c, f.fill, f.e_mma))
 
 
 def layer_us(f: Fit, gpu: GPU, fmt: str, where: Shape, t: int) -> float:
@@ -479,7 +475,7 @@ def _grid_best(pts: list[tuple[Terms, float]], axes: list[np.ndarray]) -> tuple[
     d = grid[3] if len(grid) > 3 else None
     u = np.array([p[1] for p in pts])[:, None]
     n = np.array([float(p[0].kernels) for p in pts])[:, None]
-    body = np.stack([body_us(tm, a, b, c, d) * np.ones_like(a) for tm, _ in pts])
+    body = np.stack([body_us(tm, a, b, c, d) for tm, _ in pts])
     launch = np.maximum(0.0, (n * (u - body) / u ** 2).sum(0) / (n ** 2 / u ** 2).sum(0))
     err = (((n * launch + body - u) / u) ** 2).sum(0)
     j = int(err.argmin())
@@ -509,8 +505,7 @@ def fit(curves: list[Curve]) -> Fit:
         zooms, points = 6, 5
     best = _grid_best(pts, axes)[1]
     for _ in range(zooms):
-        axes = [_zoom(axes[0], best.e_bw, points), _zoom(axes[1], best.e_c, points), _zoom(axes[2], best.fill, points),
-                *(_zoom(axes[3], best.e_mma, points) for _ in axes[3:])]
+        axes = [_zoom(axis, at, points) for axis, at in zip(axes, (best.e_bw, best.e_c, best.fill, best.e_mma))]
         best = _grid_best(pts, axes)[1]
     return best
 
@@ -553,8 +548,7 @@ def curves_of(profile: dict[str, Any], gpu: GPU, scope: str = "layer") -> list[C
     """The curves of a profile (hierviz.measure.profile's JSON) that the model knows, measured
     (not estimated), of one scope: "layer" (the fit) or "model" (a check)."""
     gpu = as_measured(gpu, profile.get("activation_quantizer"))
-    # the fp16 W4 kernel the profile ran (hierviz.machine.w4_fp16_kernel; files without it ran Triton's)
-    kernel = CUDA_VARIANT if profile.get("machine", {}).get("w4_fp16_kernel") == CUDA_VARIANT else "triton"
+    kernel = kernel_that_ran(profile.get("machine"))
     where = Shape(profile["config"], profile["context"], profile["context"] + max(profile["tokens"]),
                   profile.get("group_size", 128), kernel)
     out = []
@@ -662,7 +656,7 @@ def project(calibration: dict[str, Any], compat: dict[str, Any], configs: dict[s
     base = as_measured(gpu_named(machine.get("gpu", "")) or GPUS[calibration["gpu"]], machine.get("activation_quantizer"))
     f = Fit(**calibration["fit"])
     s = compat["settings"]
-    measured_kernel = CUDA_VARIANT if machine.get("w4_fp16_kernel") == CUDA_VARIANT else "triton"
+    measured_kernel = kernel_that_ran(machine)
     t_shape, m_shape = Shape(configs["target"], w4_kernel=measured_kernel), Shape(configs["intermediate"], w4_kernel=measured_kernel)
     m_fmt = (format_of_description(compat["intermediate"]) or DENSE).name
     rows_of = {BASELINE: 1, compat["head"]: s["t_tree_size"] + 1, SUBJECT: s["min_draft_len"] + 2}

@@ -402,6 +402,13 @@ def forget_kernel_choices() -> None:
     _ROW_KERNEL.clear()
 
 
+def kernel_that_ran(machine: Optional[dict[str, Any]]) -> str:
+    """The fp16 W4 kernel a measurement's `machine` (hierviz.machine.machine_info) says ran all its
+    products: CUDA_VARIANT, or "triton" (a record without the field, or kernels by kind, counts as
+    the Triton kernel's)."""
+    return CUDA_VARIANT if (machine or {}).get("w4_fp16_kernel") == CUDA_VARIANT else "triton"
+
+
 def kernel_summary() -> str:
     """One line naming the weights the CUDA MMA kernel runs under auto: "triton" where it runs
     none, "cuda_mma" where it runs every kind, else the shapes it runs."""

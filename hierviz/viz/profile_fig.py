@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from hierviz.quant.formats import DEFAULT_FORMAT, format_of_series
-from hierviz.quant.w4_verdicts import CUDA_VARIANT
+from hierviz.quant.w4_verdicts import CUDA_VARIANT, kernel_that_ran
 
 # Blue for full precision, orange for the 4-bit kernel (the tab's text calls it "orange"): lines
 # at >= 3:1 on white and apart under simulated colour blindness
@@ -75,8 +75,8 @@ def series_name(row: dict, profile_json: dict) -> str:
     CUDA MMA variant (a profile made with HIERVIZ_W4_CUDA=on: its machine's `w4_fp16_kernel`) is
     named by the kernel that ran."""
     fmt = format_of_series(row["format"])
-    ran = (profile_json.get("machine") or {}).get("w4_fp16_kernel")
-    if fmt is not None and fmt.gpu_kernel and row["format"] == fmt.series(fmt.gpu_kernel) and ran == CUDA_VARIANT:
+    if fmt is not None and fmt.gpu_kernel and row["format"] == fmt.series(fmt.gpu_kernel) \
+            and kernel_that_ran(profile_json.get("machine")) == CUDA_VARIANT:
         return fmt.series(CUDA_VARIANT)
     return row["format"]
 
