@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILES = [ROOT / "assets/profile/h200-llama3-70b-formats.json", ROOT / "assets/profile/h200-llama3-8b-formats.json"]
 COMPAT = ROOT / "assets/whatif/compat-h200-llama3-70b.json"
 H200 = cm.GPUS["NVIDIA H200"]
+# every format, and W4A16 through the CUDA MMA variant, on an H100: the shipped calibration
+H100_PROFILES = [ROOT / f"docs/bench/profile-h100-llama3-{n}.json" for n in ("70b-formats", "70b-cuda", "8b-formats", "8b-cuda")]
+CHECKS = ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model")
 FORMATS = ("dense", "w4a16", "w8a8-int8", "w8a8-fp8")
 
 
@@ -37,6 +40,20 @@ def curves(profiles) -> list[cm.Curve]:
 @pytest.fixture(scope="module")
 def cal(profiles) -> dict:
     return cm.calibrate(profiles, H200)
+
+
+@pytest.fixture(scope="module")
+def cal_h100() -> dict:
+    return cm.calibrate([json.loads(p.read_text()) for p in H100_PROFILES], cm.gpu_named("NVIDIA H100 80GB HBM3"))
+
+
+def assert_same_checks(recorded: dict, cal: dict) -> None:
+    """A recorded calibration's fit and every check are what the model computes now."""
+    assert recorded["fit"] == pytest.approx(cal["fit"])
+    for key in CHECKS:
+        assert recorded[key].keys() == cal[key].keys(), key
+        for name, s in cal[key].items():
+            assert recorded[key][name] == pytest.approx(s), (key, name)
 
 
 # ---- the kernels counted are the code's ----------------------------------------------------------
@@ -262,17 +279,12 @@ def test_formats_left_out_are_predicted_from_the_others(cal, curves):
     assert g.fill == pytest.approx(cal["fit"]["fill"], rel=0.5)
 
 
-def test_the_shipped_file_is_what_the_command_writes():
+def test_the_shipped_file_is_what_the_command_writes(cal_h100):
     """assets/whatif/cost-model.json: the calibration on the H100's profiles (every format and both
     fp16 W4 kernels), projecting the H200's compat tables."""
     shipped = json.loads(formats_panel.COST_MODEL_FILE.read_text())
-    cal = cm.calibrate([json.loads(p.read_text()) for p in H100_PROFILES], cm.gpu_named("NVIDIA H100 80GB HBM3"))
-    assert shipped["calibration"]["fit"] == pytest.approx(cal["fit"])
-
-    for key in ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model"):
-        assert shipped["calibration"][key].keys() == cal[key].keys(), key
-        for name, s in cal[key].items():
-            assert shipped["calibration"][key][name] == pytest.approx(s), (key, name)
+    cal = cal_h100
+    assert_same_checks(shipped["calibration"], cal)
     assert "--profiles " + ",".join(str(p.relative_to(ROOT)) for p in H100_PROFILES) in shipped["command"]
     assert "--compat assets/whatif/compat-h200-llama3-70b.json,assets/whatif/compat-h200-llama3-8b.json" in shipped["command"]
     compats = [json.loads((ROOT / f"assets/whatif/compat-h200-llama3-{n}.json").read_text()) for n in ("70b", "8b")]
@@ -462,21 +474,15 @@ def test_a_gpu_is_known_by_the_name_torch_gives_it(tmp_path, profiles, capsys):
     assert "one GPU the model knows" in capsys.readouterr().err
 
 
-H100_PROFILES = [ROOT / f"docs/bench/profile-h100-llama3-{n}.json" for n in ("70b-formats", "70b-cuda", "8b-formats", "8b-cuda")]
-
-
-def test_the_h100_calibration_with_both_w4_kernels_is_what_a_refit_gives():
+def test_the_h100_calibration_with_both_w4_kernels_is_what_a_refit_gives(cal_h100):
     """docs/bench/cost-model-h100.json (profiles of every format and of the CUDA MMA variant on an
     H100) is what the model computes from those profiles now; its CUDA curves are priced through
     e_mma, the Triton W4 curves stay within 15 % in-sample and with a shape left out, and the CUDA
     kernel's in-sample error stays where docs/formats.md records it."""
     recorded = json.loads((ROOT / "docs/bench/cost-model-h100.json").read_text())["calibration"]
-    cal = cm.calibrate([json.loads(p.read_text()) for p in H100_PROFILES], cm.gpu_named("NVIDIA H100 80GB HBM3"))
-    assert cal["gpu"] == recorded["gpu"] == "NVIDIA H100 SXM" and cal["fit"] == pytest.approx(recorded["fit"])
-    for key in ("in_sample", "leave_one_shape_out", "leave_one_format_out", "whole_model"):
-        assert cal[key].keys() == recorded[key].keys(), key
-        for name, s in cal[key].items():
-            assert recorded[key][name] == pytest.approx(s), (key, name)
+    cal = cal_h100
+    assert cal["gpu"] == recorded["gpu"] == "NVIDIA H100 SXM"
+    assert_same_checks(recorded, cal)
     assert 0.1 < cal["fit"]["e_mma"] < cal["fit"]["e_c"]
     assert cal["in_sample"]["w4a16"]["max_abs"] < 0.15
     assert all(cal["leave_one_shape_out"][f"w4a16 @ {sh}"]["max_abs"] < 0.15 for sh in ("llama3-70b", "llama3-8b"))
