@@ -163,7 +163,7 @@ def test_a_live_run_owns_the_page_from_its_first_update(page):
     assert "this run (scale 0.91)" in pg.inner_text("#hv-crossover")
     pg.locator("#hv-settings button").first.click()
     box = pg.locator("#hv-max-new input[type=number]")
-    box.fill("48")                  # a run of several seconds, sampled many times
+    box.fill("12")                  # every step waits for the page to draw it: seconds, sampled many times
     box.press("Enter")
     pg.evaluate(LIVE_SAMPLER_JS)
     pg.click("#hv-run")
