@@ -46,6 +46,10 @@ BUILDS = {      # name: (register-loop entries, staged entries[, entries of seve
     "r2a2b4": ({}, {}, {(t, 2): (2, 4) for t in (1, 2, 3, 4, 5)}),
     "r4a2b4": ({}, {}, {(t, 4): (2, 4) for t in (1, 2, 3, 4)}),
     "r4a2b2": ({}, {}, {(t, 4): (2, 2) for t in (3, 4, 5)}),
+    # the shipped tables, the register loop's activations loaded at use in every entry, or a
+    # chunk ahead in every entry (the shipped build: in X_AHEAD_ENTRIES')
+    "xoff": ({}, {}, {}, frozenset()),
+    "xall": ({}, {}, {}, frozenset({*((t, 1) for t in cuda_w4.DIRECT_BUILD), *cuda_w4.DIRECT_ROWS_BUILD})),
 }
 
 
@@ -62,16 +66,18 @@ def entries(fns: dict, direct: dict, staged: dict, rows: Optional[dict] = None) 
         cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD, cuda_w4.DIRECT_ROWS_BUILD = saved
 
 
-def build(arch: str, direct: dict, staged: dict, rows: Optional[dict] = None) -> tuple[dict, dict, dict, dict]:
+def build(arch: str, direct: dict, staged: dict, rows: Optional[dict] = None,
+          x_ahead: frozenset = cuda_w4.X_AHEAD_ENTRIES) -> tuple[dict, dict, dict, dict]:
     """A build's CUfunctions and tables: the shipped entries with `direct`, `staged` and `rows` in
-    place of theirs (wgmma entries only for the tile counts still staged)."""
+    place of theirs (wgmma entries only for the tile counts still staged), and `x_ahead` the direct
+    entries that load activations a chunk ahead."""
     d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **direct}.items() if t not in staged}
     s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
     r = {**cuda_w4.DIRECT_ROWS_BUILD, **(rows or {})}
     wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
     with entries({}, d, s, r):
-        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r),
-                                   wgmma, r)
+        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
+                                                                x_ahead=x_ahead), wgmma, r)
     return fns, d, s, r
 
 
@@ -110,9 +116,12 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(),
            "torch": torch.__version__, "sms": sms,
-           "shipped": {"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD},
+           "shipped": {"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD,
+                       "rows": {f"{t}x{r}": v for (t, r), v in cuda_w4.DIRECT_ROWS_BUILD.items()},
+                       "x_ahead": sorted(cuda_w4.X_AHEAD_ENTRIES)},
            "builds": {n: {"direct": BUILDS[n][0], "staged": BUILDS[n][1],
-                          "rows": {f"{t}x{r}": v for (t, r), v in (BUILDS[n][2:] or [{}])[0].items()}}
+                          "rows": {f"{t}x{r}": v for (t, r), v in (BUILDS[n][2:] or [{}])[0].items()},
+                          "x_ahead": sorted((BUILDS[n][3:] or [cuda_w4.X_AHEAD_ENTRIES])[0])}
                       for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
         k, n, g, inv = (int(v) for v in spec.split(","))
@@ -131,15 +140,19 @@ def main() -> None:
             time_variant(row, "shipped", x[:m], ws, alone)
             for t in range(1, full):            # fewer tiles per block, more passes
                 time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
+            for (t, rt) in cuda_w4.DIRECT_ROWS_BUILD:      # the shipped entries of several row tiles
+                if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
+                    time_variant(row, f"rows_tiles{t}", x[:m], ws, alone, t, rt)
             for name, (fns, d, s, r) in builds.items():
                 with entries(fns, d, s, r):
-                    rows_only = len(BUILDS[name]) > 2
+                    rows_only = len(BUILDS[name]) == 3
                     if not rows_only:
                         time_variant(row, name, x[:m], ws, alone)
                     for t in sorted({*BUILDS[name][0], *BUILDS[name][1]}):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
-                    for (t, rt) in (BUILDS[name][2] if rows_only else {}):
+                    # a rows build's own entries; an x_ahead build's: the shipped ones of several row tiles
+                    for (t, rt) in (r if len(BUILDS[name]) == 4 else BUILDS[name][2] if rows_only else {}):
                         if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t, rt)
             res["rows"].append(row)

@@ -183,7 +183,7 @@ def test_group_pairs_by_offset_only_where_every_slice_starts_on_a_group() -> Non
         for g in (32, 64, 128, 256, 8192):
             for per in (1, 2, 7, 8, 19, 32, 56):
                 assert cuda_w4.entry_for(tiles, cuda_w4.pair_group(tiles, g, per)) in names
-    assert all(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, 128)" in cuda_w4.kernel_source()
+    assert all(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, 128, {int((t, 1) in cuda_w4.X_AHEAD_ENTRIES)})" in cuda_w4.kernel_source()
                for t, (a, b) in cuda_w4.DIRECT_BUILD.items())
 
 
@@ -198,15 +198,33 @@ def test_entries_of_several_row_tiles_per_warp_are_named_and_built() -> None:
     assert {"w4_direct_t2_r2", "w4_direct_t2_r2_g64", "w4_direct_t2_r2_g128", "w4_direct_t4_r2",
             "w4_direct_t4_r2_g64", "w4_direct_t4_r2_g128", "w4_direct_t3_r4"} <= set(names)
     assert len(set(names)) == len(names)
-    source = cuda_w4.kernel_source(rows_build=build)
-    assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})" in source for (t, r), (a, b) in build.items())
+    source = cuda_w4.kernel_source(rows_build=build, x_ahead=frozenset({(2, 2)}))
+    assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r}, {int((t, r) == (2, 2))})" in source for (t, r), (a, b) in build.items())
     shipped = cuda_w4.kernel_source(arch="sm_90a")
     assert cuda_w4.DIRECT_ROWS_BUILD and set(cuda_w4.entry_names()) >= {
         cuda_w4.entry_for(t, 0, row_tiles=r) for t, r in cuda_w4.DIRECT_ROWS_BUILD}
-    assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})" in shipped for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items())
+    assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r}, {int((t, r) in cuda_w4.X_AHEAD_ENTRIES)})" in shipped
+               for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items())
     for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items():
         assert 8 % r == 0 and cuda_w4.ahead_chunks(t, r) == a and t <= max(cuda_w4.DIRECT_BUILD)
         assert cuda_w4.pair_group(t, 128, 32, r) == (128 if a % 2 == 0 else 0)
+
+
+def test_activations_a_chunk_ahead_only_where_the_entries_are_built() -> None:
+    """X_AHEAD_ENTRIES names direct entries that exist (one row tile: DIRECT_BUILD; several:
+    DIRECT_ROWS_BUILD), and each entry's flag, its pair-group entries' too, follows the set."""
+    built = {(t, 1) for t in cuda_w4.DIRECT_BUILD} | set(cuda_w4.DIRECT_ROWS_BUILD)
+    assert cuda_w4.X_AHEAD_ENTRIES and cuda_w4.X_AHEAD_ENTRIES <= built
+    for x_ahead in (cuda_w4.X_AHEAD_ENTRIES, frozenset(), frozenset(built)):
+        lines = cuda_w4.kernel_source(x_ahead=x_ahead)[len(cuda_w4.kernel_text()):].splitlines()
+        direct = [line for line in lines if line.startswith("DIRECT")]
+        assert len(direct) == len(built) * (1 + len(cuda_w4.PAIR_GROUPS)) - sum(
+            not cuda_w4.has_group_entry(a, g) for a, _ in [*cuda_w4.DIRECT_BUILD.values(), *cuda_w4.DIRECT_ROWS_BUILD.values()]
+            for g in cuda_w4.PAIR_GROUPS)
+        for line in direct:
+            args = [int(v) for v in line[line.index("(") + 1:-1].split(",")]
+            t, r = args[0], (args[3] if line.startswith("DIRECT_ROWS") else 1)
+            assert args[-1] == int((t, r) in x_ahead), line
 
 
 def test_bad_operands_are_refused_before_any_launch() -> None:

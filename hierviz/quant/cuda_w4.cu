@@ -184,7 +184,9 @@ __device__ __forceinline__ int advance_tiles(const U4** xp) {
 // (GC = 0: any group size, the pair address computed per chunk from the channel index).
 // R: row tiles per warp (rt0 .. rt0 + R - 1, acc[r * T + tt]): each activation load serves R MMAs,
 // which is what bounds the loop from a few token tiles on; every element's MMA chain is unchanged.
-template <int T, int AHEAD, int GC, int R>
+// XA: the steady loop holds the next chunk's activations while it multiplies this one's, so no
+// chunk's MMAs wait on their own loads, across the loop's back edge too (8T registers more).
+template <int T, int AHEAD, int GC, int R, bool XA>
 __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0, int tok0, int c_begin, int c_end) {
   static_assert(GC == 0 || AHEAD % GC == 0, "a look-ahead of whole groups");
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -212,7 +214,7 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
     advance_tiles<T, AHEAD>(xp);                                                                 \
   }
   // chunk c0 + s of every row tile from the ring, refilled (if REFILL) with chunk c0 + s + AHEAD
-#define CHUNK_STEP(s, REFILL)                                                                    \
+#define CHUNK_STEP(s, REFILL, XN)                                                                  \
   {                                                                                              \
     U4 a[R];                                                                                     \
     U2 pair[R];                                                                                  \
@@ -224,9 +226,16 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
         ring_p[r][s] = load_pair(PAIR_AT(r, k0 + ((s) + AHEAD) * 64, (s) + AHEAD));              \
       }                                                                                          \
     }                                                                                            \
-    U4 xa[T], xb[T];                                                                             \
-    load_tiles<T>(xa, xb, xp, s);                                                                \
-    _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb); \
+    if (XN) {                                                                                    \
+      U4 ya[T], yb[T];             /* the next chunk's activations, loaded before these MMAs */  \
+      load_tiles<T>(ya, yb, xp, (s) + 1);                                                        \
+      _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xn, xbn); \
+      _Pragma("unroll") for (int tt = 0; tt < T; tt++) { xn[tt] = ya[tt]; xbn[tt] = yb[tt]; }     \
+    } else {                                                                                     \
+      U4 xa[T], xb[T];                                                                           \
+      load_tiles<T>(xa, xb, xp, s);                                                              \
+      _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb); \
+    }                                                                                            \
   }
   U4 ring[R][AHEAD];
   U2 ring_p[R][AHEAD];
@@ -245,9 +254,11 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
   for (int tt = 0; tt < T; tt++)
     xp[tt] = (const U4*)(x + (size_t)min(tok0 + 8 * tt + g, M - 1) * ldx + (size_t)c_begin * 64 + 16 * t);
   int c0 = c_begin;
+  U4 xn[T], xbn[T];          // XA: the next chunk's activations
+  if (XA && c0 + 2 * AHEAD <= c_end) load_tiles<T>(xn, xbn, xp, 0);
   for (; c0 + 2 * AHEAD <= c_end; c0 += AHEAD) {
 #pragma unroll
-    for (int s = 0; s < AHEAD; s++) CHUNK_STEP(s, true)
+    for (int s = 0; s < AHEAD; s++) CHUNK_STEP(s, true, XA)
     ADVANCE_RING()
   }
   if (c0 + AHEAD == c_end) {      // the usual end (slices of whole rings): the ring drains, no loads
@@ -263,7 +274,7 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
   for (; c0 < c_end; c0 += AHEAD) {
 #pragma unroll
     for (int s = 0; s < AHEAD; s++)
-      if (c0 + s < c_end) CHUNK_STEP(s, c0 + s + AHEAD < c_end)
+      if (c0 + s < c_end) CHUNK_STEP(s, c0 + s + AHEAD < c_end, false)
     ADVANCE_RING()
   }
 #undef CHUNK_STEP
@@ -564,7 +575,7 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
 // Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1>
+template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1, bool XA = false>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   static_assert(DIRECT || R == 1, "one row tile per warp in the staged loops");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -580,7 +591,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   for (int tt = 0; tt < R * T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
   // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
-    if (rt < row_tiles) product_direct<T, S, GC, R>(acc, ARGS, rt, tok0, c_begin, c_end);
+    if (rt < row_tiles) product_direct<T, S, GC, R, XA>(acc, ARGS, rt, tok0, c_begin, c_end);
   } else if constexpr (WGMMA) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     product_wgmma<T, S, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
@@ -635,22 +646,23 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   if (threadIdx.x == 0) counters[tile] = 0;
 }
 
-#define DIRECT_ENTRY(T, AHEAD, BLOCKS)                                                           \
+// XA: 1 for the entries of cuda_w4.X_AHEAD_ENTRIES (activations a chunk ahead), else 0
+#define DIRECT_ENTRY(T, AHEAD, BLOCKS, XA)                                                       \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T(PARAMS) {               \
-    w4_mma<T, true, AHEAD>(ARGS);                                                                \
+    w4_mma<T, true, AHEAD, 0, false, 0, 1, XA>(ARGS);                                            \
   }
-#define DIRECT_GROUP_ENTRY(T, AHEAD, BLOCKS, G)                                                  \
+#define DIRECT_GROUP_ENTRY(T, AHEAD, BLOCKS, G, XA)                                              \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_direct_t##T##_g##G(PARAMS) {        \
-    w4_mma<T, true, AHEAD, G / 64>(ARGS);                                                        \
+    w4_mma<T, true, AHEAD, G / 64, false, 0, 1, XA>(ARGS);                                       \
   }
 // R row tiles per warp: 8 / R warps a block, the same 128 rows, grid and K slices
-#define DIRECT_ROWS_ENTRY(T, AHEAD, BLOCKS, R)                                                   \
+#define DIRECT_ROWS_ENTRY(T, AHEAD, BLOCKS, R, XA)                                               \
   extern "C" __global__ void __launch_bounds__(256 / R, BLOCKS) w4_direct_t##T##_r##R(PARAMS) {    \
-    w4_mma<T, true, AHEAD, 0, false, 0, R>(ARGS);                                                \
+    w4_mma<T, true, AHEAD, 0, false, 0, R, XA>(ARGS);                                            \
   }
-#define DIRECT_ROWS_GROUP_ENTRY(T, AHEAD, BLOCKS, R, G)                                          \
+#define DIRECT_ROWS_GROUP_ENTRY(T, AHEAD, BLOCKS, R, G, XA)                                      \
   extern "C" __global__ void __launch_bounds__(256 / R, BLOCKS) w4_direct_t##T##_r##R##_g##G(PARAMS) { \
-    w4_mma<T, true, AHEAD, G / 64, false, 0, R>(ARGS);                                           \
+    w4_mma<T, true, AHEAD, G / 64, false, 0, R, XA>(ARGS);                                       \
   }
 #define STAGED_ENTRY(T, S, BLOCKS)                                                               \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \

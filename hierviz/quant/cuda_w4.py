@@ -78,6 +78,10 @@ DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2), 4: (4, 2), 5: (2, 2)}
 # are candidates that w4_choice times per kind and row count (docs/kernels.md, "Row tiles per warp").
 DIRECT_ROWS_BUILD: dict[tuple[int, int], tuple[int, int]] = {(2, 2): (2, 4), (3, 2): (2, 4), (4, 2): (4, 2),
                                                               (5, 2): (4, 2)}
+# (token tiles, row tiles per warp) of the direct entries that load each chunk's activations one
+# chunk ahead: those measured faster so on every kind of the what-if (docs/kernels.md,
+# "Activations a chunk ahead"); the same MMAs in the same order, so the same bits.
+X_AHEAD_ENTRIES = frozenset({(3, 1), (4, 2), (5, 1)})
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {6: (2, 2), 7: (2, 2), 8: (2, 2)}
 # The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
@@ -119,17 +123,20 @@ def has_wgmma(arch: Optional[str]) -> bool:
 
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                  rows_build: Optional[dict] = None) -> str:
+                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
-    entries only for an arch that has them."""
+    entries only for an arch that has them; x_ahead: the direct entries, by (token tiles, row tiles
+    per warp), that load activations a chunk ahead."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
     rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
-    return (kernel_text() + "".join(f"DIRECT_ENTRY({t}, {a}, {b})\n" for t, (a, b) in direct_build.items())
-            + "".join(f"DIRECT_GROUP_ENTRY({t}, {a}, {b}, {g})\n" for t, (a, b) in direct_build.items()
-                      for g in PAIR_GROUPS if has_group_entry(a, g))
-            + "".join(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r})\n" for (t, r), (a, b) in rows_build.items())
-            + "".join(f"DIRECT_ROWS_GROUP_ENTRY({t}, {a}, {b}, {r}, {g})\n" for (t, r), (a, b) in rows_build.items()
-                      for g in PAIR_GROUPS if has_group_entry(a, g))
+    direct = [(t, 1, a, b) for t, (a, b) in direct_build.items()] + [(t, r, a, b) for (t, r), (a, b) in rows_build.items()]
+
+    def entry(t: int, r: int, a: int, b: int, g: int = 0) -> str:
+        xa = int((t, r) in x_ahead)
+        kind = "DIRECT" + ("_ROWS" if r > 1 else "") + ("_GROUP" if g else "")
+        return f"{kind}_ENTRY({t}, {a}, {b}{f', {r}' if r > 1 else ''}{f', {g}' if g else ''}, {xa})\n"
+    return (kernel_text() + "".join(entry(*e) for e in direct)
+            + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[2], g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
             + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
                if has_wgmma(arch) else ""))
