@@ -148,7 +148,8 @@ def main() -> None:
                     rows_only = len(BUILDS[name]) == 3
                     if not rows_only:
                         time_variant(row, name, x[:m], ws, alone)
-                    for t in sorted({*BUILDS[name][0], *BUILDS[name][1]}):
+                    # a build's own tile counts; an x_ahead build's: every smaller one, as the shipped build's
+                    for t in (range(1, full) if len(BUILDS[name]) == 4 else sorted({*BUILDS[name][0], *BUILDS[name][1]})):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
                     # a rows build's own entries; an x_ahead build's: the shipped ones of several row tiles
