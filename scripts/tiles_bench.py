@@ -155,7 +155,8 @@ def main() -> None:
                     # a rows build's own entries; an x_ahead build's: the shipped ones of several row tiles
                     for (t, rt) in (r if len(BUILDS[name]) == 4 else BUILDS[name][2] if rows_only else {}):
                         if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                            time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t, rt)
+                            label = f"{name}_rows_tiles{t}" if len(BUILDS[name]) == 4 else f"{name}_tiles{t}"
+                            time_variant(row, label, x[:m], ws, alone, t, rt)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
