@@ -79,7 +79,7 @@ DIRECT_BUILD = {1: (4, 2), 2: (4, 2), 3: (4, 2), 4: (4, 2), 5: (2, 2)}
 DIRECT_ROWS_BUILD: dict[tuple[int, int], tuple[int, int]] = {(2, 2): (2, 4), (3, 2): (2, 4), (4, 2): (4, 2),
                                                               (5, 2): (4, 2)}
 # (token tiles, row tiles per warp) of the direct entries that load each chunk's activations one
-# chunk ahead: those measured faster so on every kind of the what-if (docs/kernels.md,
+# chunk ahead: those measured no slower so on any kind of the what-if (docs/kernels.md,
 # "Activations a chunk ahead"); the same MMAs in the same order, so the same bits.
 X_AHEAD_ENTRIES = frozenset({(3, 1), (4, 2), (5, 1)})
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
