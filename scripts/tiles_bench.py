@@ -49,7 +49,7 @@ BUILDS = {      # name: (register-loop entries, staged entries[, entries of seve
     # the shipped tables, the register loop's activations loaded at use in every entry, or a
     # chunk ahead in every entry (the shipped build: in X_AHEAD_ENTRIES')
     "xoff": ({}, {}, {}, frozenset()),
-    "xall": ({}, {}, {}, frozenset({*((t, 1) for t in cuda_w4.DIRECT_BUILD), *cuda_w4.DIRECT_ROWS_BUILD})),
+    "xall": ({}, {}, {}, frozenset(cuda_w4.direct_entries())),
 }
 
 
@@ -140,23 +140,25 @@ def main() -> None:
             time_variant(row, "shipped", x[:m], ws, alone)
             for t in range(1, full):            # fewer tiles per block, more passes
                 time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
-            for (t, rt) in cuda_w4.DIRECT_ROWS_BUILD:      # the shipped entries of several row tiles
-                if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                    time_variant(row, f"rows_tiles{t}", x[:m], ws, alone, t, rt)
+            def row_tiles(rows: dict, label: str) -> None:
+                """Entries of several row tiles per warp, each at its token tiles, within MAX_PASSES."""
+                for (t, rt) in rows:
+                    if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
+                        time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt)
+            row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
             for name, (fns, d, s, r) in builds.items():
                 with entries(fns, d, s, r):
-                    rows_only = len(BUILDS[name]) == 3
-                    if not rows_only:
-                        time_variant(row, name, x[:m], ws, alone)
+                    spec = BUILDS[name]
+                    if len(spec) == 3:          # a rows build: its own entries
+                        row_tiles(spec[2], f"{name}_tiles")
+                        continue
+                    time_variant(row, name, x[:m], ws, alone)
                     # a build's own tile counts; an x_ahead build's: every smaller one, as the shipped build's
-                    for t in (range(1, full) if len(BUILDS[name]) == 4 else sorted({*BUILDS[name][0], *BUILDS[name][1]})):
+                    for t in (range(1, full) if len(spec) == 4 else sorted({*spec[0], *spec[1]})):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
-                    # a rows build's own entries; an x_ahead build's: the shipped ones of several row tiles
-                    for (t, rt) in (r if len(BUILDS[name]) == 4 else BUILDS[name][2] if rows_only else {}):
-                        if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                            label = f"{name}_rows_tiles{t}" if len(BUILDS[name]) == 4 else f"{name}_tiles{t}"
-                            time_variant(row, label, x[:m], ws, alone, t, rt)
+                    if len(spec) == 4:          # an x_ahead build: the shipped row-tile entries
+                        row_tiles(r, f"{name}_rows_tiles")
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

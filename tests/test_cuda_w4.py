@@ -213,14 +213,14 @@ def test_entries_of_several_row_tiles_per_warp_are_named_and_built() -> None:
 def test_activations_a_chunk_ahead_only_where_the_entries_are_built() -> None:
     """X_AHEAD_ENTRIES names direct entries that exist (one row tile: DIRECT_BUILD; several:
     DIRECT_ROWS_BUILD), and each entry's flag, its pair-group entries' too, follows the set."""
-    built = {(t, 1) for t in cuda_w4.DIRECT_BUILD} | set(cuda_w4.DIRECT_ROWS_BUILD)
-    assert cuda_w4.X_AHEAD_ENTRIES and cuda_w4.X_AHEAD_ENTRIES <= built
+    built = cuda_w4.direct_entries()
+    assert set(built) == {(t, 1) for t in cuda_w4.DIRECT_BUILD} | set(cuda_w4.DIRECT_ROWS_BUILD)
+    assert cuda_w4.X_AHEAD_ENTRIES and cuda_w4.X_AHEAD_ENTRIES <= set(built)
     for x_ahead in (cuda_w4.X_AHEAD_ENTRIES, frozenset(), frozenset(built)):
         lines = cuda_w4.kernel_source(x_ahead=x_ahead)[len(cuda_w4.kernel_text()):].splitlines()
         direct = [line for line in lines if line.startswith("DIRECT")]
         assert len(direct) == len(built) * (1 + len(cuda_w4.PAIR_GROUPS)) - sum(
-            not cuda_w4.has_group_entry(a, g) for a, _ in [*cuda_w4.DIRECT_BUILD.values(), *cuda_w4.DIRECT_ROWS_BUILD.values()]
-            for g in cuda_w4.PAIR_GROUPS)
+            not cuda_w4.has_group_entry(a, g) for a, _ in built.values() for g in cuda_w4.PAIR_GROUPS)
         for line in direct:
             args = [int(v) for v in line[line.index("(") + 1:-1].split(",")]
             t, r = args[0], (args[3] if line.startswith("DIRECT_ROWS") else 1)

@@ -121,6 +121,14 @@ def has_wgmma(arch: Optional[str]) -> bool:
     return arch in WGMMA_ARCHS
 
 
+def direct_entries(direct_build: Optional[dict] = None, rows_build: Optional[dict] = None) -> dict[tuple[int, int], tuple[int, int]]:
+    """Every direct entry of a build (defaults: the shipped ones), by (token tiles, row tiles per
+    warp): (chunks ahead, blocks per multiprocessor)."""
+    direct_build = DIRECT_BUILD if direct_build is None else direct_build
+    rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
+    return {**{(t, 1): v for t, v in direct_build.items()}, **rows_build}
+
+
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
                   rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES) -> str:
@@ -128,8 +136,7 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
     entries only for an arch that has them; x_ahead: the direct entries, by (token tiles, row tiles
     per warp), that load activations a chunk ahead."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
-    rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
-    direct = [(t, 1, a, b) for t, (a, b) in direct_build.items()] + [(t, r, a, b) for (t, r), (a, b) in rows_build.items()]
+    direct = [(t, r, a, b) for (t, r), (a, b) in direct_entries(direct_build, rows_build).items()]
 
     def entry(t: int, r: int, a: int, b: int, g: int = 0) -> str:
         xa = int((t, r) in x_ahead)
