@@ -226,16 +226,14 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
         ring_p[r][s] = load_pair(PAIR_AT(r, k0 + ((s) + AHEAD) * 64, (s) + AHEAD));              \
       }                                                                                          \
     }                                                                                            \
-    if (XN) {                                                                                    \
-      U4 ya[T], yb[T];             /* the next chunk's activations, loaded before these MMAs */  \
-      load_tiles<T>(ya, yb, xp, (s) + 1);                                                        \
-      _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xn, xbn); \
-      _Pragma("unroll") for (int tt = 0; tt < T; tt++) { xn[tt] = ya[tt]; xbn[tt] = yb[tt]; }     \
+    U4 xa[T], xb[T];                                                                             \
+    if (XN) {                      /* this chunk's activations came a chunk ahead; load the next */ \
+      _Pragma("unroll") for (int tt = 0; tt < T; tt++) { xa[tt] = xn[tt]; xb[tt] = xbn[tt]; }     \
+      load_tiles<T>(xn, xbn, xp, (s) + 1);                                                       \
     } else {                                                                                     \
-      U4 xa[T], xb[T];                                                                           \
       load_tiles<T>(xa, xb, xp, s);                                                              \
-      _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb); \
     }                                                                                            \
+    _Pragma("unroll") for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb);   \
   }
   U4 ring[R][AHEAD];
   U2 ring_p[R][AHEAD];
