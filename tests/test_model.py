@@ -172,12 +172,14 @@ def test_cpu_verification_is_batch_invariant(kernel, threads_restored):
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (40,), generator=g).tolist()
     results = {}
-    for inv in (True, False):
+    # the reference kernel is only checked out of the mode (a node at a time through its BLAS
+    # product is the suite's slowest path): it is the int4 kernel's cases that the mode must hold
+    cases = [(True, TREE_24), (True, CHAIN_6), (False, TREE_24)] if kernel == "int4pack_cpu" else [(False, TREE_24)]
+    for inv, parents in cases:
         target.set_batch_invariant(inv)
-        for parents in (TREE_24, CHAIN_6):
-            toks = torch.randint(0, 256, (len(parents),), generator=g).tolist()
-            r = tree_vs_paths(target, parents, prompt, toks, static=False)
-            results[(inv, len(parents))] = all(r["hidden"]) and all(r["logits"])
+        toks = torch.randint(0, 256, (len(parents),), generator=g).tolist()
+        r = tree_vs_paths(target, parents, prompt, toks, static=False)
+        results[(inv, len(parents))] = all(r["hidden"]) and all(r["logits"])
     if kernel == "int4pack_cpu":
         assert results[(True, 24)] and results[(True, 6)], results
     assert not results[(False, 24)], results
