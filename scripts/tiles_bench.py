@@ -4,8 +4,8 @@ For each kind of weight (K,N,G and whether batch-invariant, as w4_choice times t
 the Triton kernel's time in the kind's mode, the CUDA kernel's one-pass entry (token_tiles), every
 smaller tile count forced (`tiles`: more passes over the tokens, each block re-reading its weight
 tile), and each extra build (BUILDS: the staged loop at 4-5 tiles, another register-loop depth, a
-6-tile register loop, register-loop entries with several 16-row tiles per warp) at one pass and at
-its own tile counts. Every variant's rows are
+6-tile register loop, register-loop or staged entries with several 16-row tiles per warp) at one
+pass and at its own tile counts. Every variant's rows are
 checked bitwise against the rows multiplied one at a time, so a variant that keeps batch invariance
 shows `equal`. Times: w4_choice's timer (20 products in a CUDA graph, weight copies cycled past the
 L2, median of three replays).
@@ -31,54 +31,78 @@ from hierviz.quant import cuda_w4, w4_choice  # noqa: E402
 # the 70B target's (batch-invariant) and the 8B intermediate's kinds of the default what-if
 KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,128,1",
          "4096,28672,128,0", "14336,4096,128,0", "4096,6144,128,0", "4096,4096,128,0"]
-BUILDS = {      # name: (register-loop entries, staged entries[, entries of several row tiles per warp]),
-    # each replacing the shipped entry of its tile count
-    "staged45": ({}, {4: (4, 3), 5: (2, 2)}),      # the staged loop from 25 rows
-    "d4a2": ({4: (2, 2)}, {}),
-    "d6a2": ({6: (2, 2)}, {}),
+# name: the tables a build replaces the shipped ones' entries with (cuda_w4's): "direct" (register-loop
+# entries), "staged", "rows" and "staged_rows" (entries of several row tiles per warp, timed at their
+# own token tiles), "x_ahead" (the direct entries that load activations a chunk ahead)
+BUILDS = {
+    "staged45": {"staged": {4: (4, 3), 5: (2, 2)}},      # the staged loop from 25 rows
+    "d4a2": {"direct": {4: (2, 2)}},
+    "d6a2": {"direct": {6: (2, 2)}},
     # the one- and two-tile register loops at more blocks per multiprocessor (fewer registers), so
     # that two passes of a 32-row product fit one wave
-    "b4": ({1: (2, 4), 2: (2, 4)}, {}),
-    "b3": ({1: (4, 3), 2: (4, 3)}, {}),
+    "b4": {"direct": {1: (2, 4), 2: (2, 4)}},
+    "b3": {"direct": {1: (4, 3), 2: (4, 3)}},
     # (token tiles, row tiles per warp): (chunks ahead, blocks per multiprocessor)
-    "r2a4b2": ({}, {}, {(t, 2): (4, 2) for t in (1, 2, 3, 4, 5)}),
-    "r2a4b3": ({}, {}, {(t, 2): (4, 3) for t in (1, 2, 3)}),
-    "r2a2b4": ({}, {}, {(t, 2): (2, 4) for t in (1, 2, 3, 4, 5)}),
-    "r4a2b4": ({}, {}, {(t, 4): (2, 4) for t in (1, 2, 3, 4)}),
-    "r4a2b2": ({}, {}, {(t, 4): (2, 2) for t in (3, 4, 5)}),
-    # the shipped tables, the register loop's activations loaded at use in every entry, or a
-    # chunk ahead in every entry (the shipped build: in X_AHEAD_ENTRIES')
-    "xoff": ({}, {}, {}, frozenset()),
-    "xall": ({}, {}, {}, frozenset(cuda_w4.direct_entries())),
+    "r2a4b2": {"rows": {(t, 2): (4, 2) for t in (1, 2, 3, 4, 5)}},
+    "r2a4b3": {"rows": {(t, 2): (4, 3) for t in (1, 2, 3)}},
+    "r2a2b4": {"rows": {(t, 2): (2, 4) for t in (1, 2, 3, 4, 5)}},
+    "r4a2b4": {"rows": {(t, 4): (2, 4) for t in (1, 2, 3, 4)}},
+    "r4a2b2": {"rows": {(t, 4): (2, 2) for t in (3, 4, 5)}},
+    # the register loop's activations loaded at use in every entry, or a chunk ahead in every entry
+    # (the shipped build: in X_AHEAD_ENTRIES')
+    "xoff": {"x_ahead": frozenset()},
+    "xall": {"x_ahead": frozenset(cuda_w4.direct_entries())},
+    # staged entries of two or four row tiles per warp: (token tiles, row tiles per warp): (chunks a
+    # stage, blocks per multiprocessor, x stages in shared memory)
+    "sr2": {"staged_rows": {(t, 2): (2, 2, 2) for t in (6, 7, 8)}},
+    "sr2s1n4": {"staged_rows": {(t, 2): (1, 2, 4) for t in (6, 7, 8)}},
+    "sr2b3": {"staged_rows": {(t, 2): (2, 3, 2) for t in (6, 8)}},
+    "sr4": {"staged_rows": {(6, 4): (2, 2, 2)}},
+    "sr4s1n4": {"staged_rows": {(t, 4): (1, 2, 4) for t in (6, 8)}},
 }
+TABLES = ("direct", "staged", "rows", "staged_rows")
 
 
 @contextmanager
-def entries(fns: dict, direct: dict, staged: dict, rows: Optional[dict] = None) -> Iterator[None]:
-    """cuda_w4 launching a build's entries (its CUfunctions and its tables) inside the block."""
+def entries(fns: dict, tables: dict) -> Iterator[None]:
+    """cuda_w4 launching a build's entries (its CUfunctions and its TABLES) inside the block."""
     idx = torch.cuda.current_device()
-    saved = cuda_w4._FUNCTIONS.get(idx), cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD, cuda_w4.DIRECT_ROWS_BUILD
-    cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD = fns, direct, staged
-    cuda_w4.DIRECT_ROWS_BUILD = cuda_w4.DIRECT_ROWS_BUILD if rows is None else rows
+    names = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD",
+             "staged_rows": "STAGED_ROWS_BUILD"}
+    saved = cuda_w4._FUNCTIONS.get(idx), {t: getattr(cuda_w4, names[t]) for t in TABLES}
+    cuda_w4._FUNCTIONS[idx] = fns
+    for t in TABLES:
+        setattr(cuda_w4, names[t], tables[t])
     try:
         yield
     finally:
-        cuda_w4._FUNCTIONS[idx], cuda_w4.DIRECT_BUILD, cuda_w4.STAGED_BUILD, cuda_w4.DIRECT_ROWS_BUILD = saved
+        cuda_w4._FUNCTIONS[idx] = saved[0]
+        for t in TABLES:
+            setattr(cuda_w4, names[t], saved[1][t])
 
 
-def build(arch: str, direct: dict, staged: dict, rows: Optional[dict] = None,
-          x_ahead: frozenset = cuda_w4.X_AHEAD_ENTRIES) -> tuple[dict, dict, dict, dict]:
-    """A build's CUfunctions and tables: the shipped entries with `direct`, `staged` and `rows` in
-    place of theirs (wgmma entries only for the tile counts still staged), and `x_ahead` the direct
-    entries that load activations a chunk ahead."""
-    d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **direct}.items() if t not in staged}
+def build(arch: str, spec: dict) -> tuple[dict, dict]:
+    """A build's CUfunctions and tables: the shipped entries with the spec's (BUILDS) in place of
+    theirs (wgmma entries only for the tile counts still staged)."""
+    staged = spec.get("staged", {})
+    d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **spec.get("direct", {})}.items() if t not in staged}
     s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
-    r = {**cuda_w4.DIRECT_ROWS_BUILD, **(rows or {})}
+    r = {**cuda_w4.DIRECT_ROWS_BUILD, **spec.get("rows", {})}
+    sr = {**cuda_w4.STAGED_ROWS_BUILD, **spec.get("staged_rows", {})}
     wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
-    with entries({}, d, s, r):
-        fns = cuda_w4.load_entries(arch, cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
-                                                                x_ahead=x_ahead), wgmma, r)
-    return fns, d, s, r
+    tables = {"direct": d, "staged": s, "rows": r, "staged_rows": sr}
+    with entries({}, tables):
+        source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
+                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), staged_rows_build=sr)
+        fns = cuda_w4.load_entries(arch, source, wgmma, r, sr)
+    return fns, tables
+
+
+def described(spec: dict) -> dict:
+    """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists."""
+    return {name: (sorted(v) if isinstance(v, frozenset) else
+                   {(f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k): val for k, val in v.items()})
+            for name, v in spec.items()}
 
 
 def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.Tensor, tiles: Optional[int] = None,
@@ -110,19 +134,16 @@ def main() -> None:
     builds = {}
     for name in [b for b in a.builds.split(",") if b]:
         t0 = time.time()
-        builds[name] = build(arch, *BUILDS[name])
+        builds[name] = build(arch, BUILDS[name])
         print(f"built {name} in {time.time() - t0:.1f} s", flush=True)
     ms = [int(v) for v in a.ms.split(",")]
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(),
            "torch": torch.__version__, "sms": sms,
-           "shipped": {"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD,
-                       "rows": {f"{t}x{r}": v for (t, r), v in cuda_w4.DIRECT_ROWS_BUILD.items()},
-                       "x_ahead": sorted(cuda_w4.X_AHEAD_ENTRIES)},
-           "builds": {n: {"direct": BUILDS[n][0], "staged": BUILDS[n][1],
-                          "rows": {f"{t}x{r}": v for (t, r), v in (BUILDS[n][2:] or [{}])[0].items()},
-                          "x_ahead": sorted((BUILDS[n][3:] or [cuda_w4.X_AHEAD_ENTRIES])[0])}
-                      for n in builds}, "rows": []}
+           "shipped": described({"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD,
+                                 "rows": cuda_w4.DIRECT_ROWS_BUILD, "staged_rows": cuda_w4.STAGED_ROWS_BUILD,
+                                 "x_ahead": cuda_w4.X_AHEAD_ENTRIES}),
+           "builds": {n: described(BUILDS[n]) for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
         k, n, g, inv = (int(v) for v in spec.split(","))
         kind = (idx, k, n, g, False, bool(inv))
@@ -140,25 +161,27 @@ def main() -> None:
             time_variant(row, "shipped", x[:m], ws, alone)
             for t in range(1, full):            # fewer tiles per block, more passes
                 time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
-            def row_tiles(rows: dict, label: str) -> None:
+            def row_tiles(rows: list, label: str) -> None:
                 """Entries of several row tiles per warp, each at its token tiles, within MAX_PASSES."""
                 for (t, rt) in rows:
                     if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
                         time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt)
-            row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
-            for name, (fns, d, s, r) in builds.items():
-                with entries(fns, d, s, r):
+            row_tiles(cuda_w4.row_tile_entries(), "rows_tiles")      # the shipped ones
+            for name, (fns, tables) in builds.items():
+                with entries(fns, tables):
                     spec = BUILDS[name]
-                    if len(spec) == 3:          # a rows build: its own entries
-                        row_tiles(spec[2], f"{name}_tiles")
+                    own_rows = [*spec.get("rows", {}), *spec.get("staged_rows", {})]
+                    if own_rows:                # a rows build: its own entries
+                        row_tiles(own_rows, f"{name}_tiles")
                         continue
                     time_variant(row, name, x[:m], ws, alone)
                     # a build's own tile counts; an x_ahead build's: every smaller one, as the shipped build's
-                    for t in (range(1, full) if len(spec) == 4 else sorted({*spec[0], *spec[1]})):
+                    x_ahead = "x_ahead" in spec
+                    for t in (range(1, full) if x_ahead else sorted({*spec.get("direct", {}), *spec.get("staged", {})})):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
-                    if len(spec) == 4:          # an x_ahead build: the shipped row-tile entries
-                        row_tiles(r, f"{name}_rows_tiles")
+                    if x_ahead:                 # an x_ahead build: the shipped row-tile entries
+                        row_tiles(cuda_w4.row_tile_entries(), f"{name}_rows_tiles")
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
