@@ -19,18 +19,34 @@ NEEDS_CHROMIUM = [
 
 
 @contextmanager
-def opened_page(url: str, width: int, height: int, bound_ms: int) -> Iterator[Any]:
-    """The app at `url` in a new browser, once its opening recorded trace has loaded (the page
-    opens on one: clicks and checks then act on a loaded session). bound_ms bounds every wait."""
+def launched_browser() -> Iterator[Any]:
+    """Debian's chromium under Playwright, closed on leaving."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        pg = browser.new_page(viewport={"width": width, "height": height})
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextmanager
+def opened_page(url: str, width: int, height: int, bound_ms: int, browser: Any = None) -> Iterator[Any]:
+    """The app at `url` in a fresh browser context (of `browser`, else of a browser of its own),
+    once its opening recorded trace has loaded (the page opens on one: clicks and checks then act
+    on a loaded session). bound_ms bounds every wait."""
+    if browser is None:
+        with launched_browser() as own:
+            with opened_page(url, width, height, bound_ms, own) as pg:
+                yield pg
+        return
+    context = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        pg = context.new_page()
         pg.set_default_timeout(bound_ms)
         pg.goto(url)
         pg.wait_for_selector("#hv-tree .js-plotly-plot")
         pg.wait_for_function("() => document.querySelector('#hv-status')?.innerText.includes('recorded trace')")
-        try:
-            yield pg
-        finally:
-            browser.close()
+        yield pg
+    finally:
+        context.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS, NEEDS_CHROMIUM, opened_page
+from tests.browser import NEEDS_CHROMIUM, launched_browser, opened_page
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -57,9 +57,16 @@ def app_url():
         log.close()
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One chromium for the module's pages, each in a context of its own (no shared state)."""
+    with launched_browser() as b:
+        yield b
+
+
 @pytest.fixture()
-def page(app_url):
-    with opened_page(app_url, 1600, 1000, BOUND_MS) as pg:
+def page(app_url, browser):
+    with opened_page(app_url, 1600, 1000, BOUND_MS, browser) as pg:
         yield pg
 
 
@@ -450,7 +457,7 @@ def check_side_by_side(pg, width: int, height: int, tree_top: float) -> None:
     pg.wait_for_selector("#hv-tree .js-plotly-plot")
 
 
-def test_layouts_fit_their_screens(app_url):
+def test_layouts_fit_their_screens(app_url, browser):
     """At 1440x900 and 1280x720 (the presentation layout, on by default from 1200 px wide) and at
     390x844: nothing wider than its box without a scroll container; at the desktop sizes the
     headline, tree, sequence and verdict in the first screen and the tree's box holds every tree of
@@ -458,42 +465,36 @@ def test_layouts_fit_their_screens(app_url):
     stands where the tree stood; on a phone the tree comes right after the prompt, Run and the status,
     and the Analyse tab's acceptance chart keeps its height under its legend. No chart text is cut,
     no chooser's arrow covers its text, and the statistics fit a desktop screen."""
-    from playwright.sync_api import sync_playwright
     wide = widest_step()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            for width, height in ((1440, 900), (1280, 720), (390, 844)):
-                pg = browser.new_page(viewport={"width": width, "height": height})
-                pg.set_default_timeout(BOUND_MS)
-                pg.goto(app_url)
-                pg.wait_for_selector("#hv-tree .js-plotly-plot")
-                wait_status(pg, "recorded trace")
-                present = width >= 1200
-                pg.wait_for_function("(on) => document.body.classList.contains('hv-present') === on", arg=present)
-                assert pg.is_checked("#hv-present input") == present
-                pg.screenshot(path=str(ARTIFACTS / f"browser-layout-{width}x{height}.png"))
-                assert pg.evaluate(UNREACHABLE_JS, list(PANELS)) == [], (width, height)
-                top = {sel: pg.locator(sel).bounding_box() for sel in (*FIRST_SCREEN, "#hv-settings")}
-                tree_top = pg.evaluate(PAGE_BOX_JS, "#hv-tree-head")["top"]
-                if present:
-                    off = {sel: b for sel, b in top.items() if sel in FIRST_SCREEN and (b["y"] < 0 or b["y"] + b["height"] > height)}
-                    assert not off, (width, height, off)
-                    assert pg.locator("h1").is_visible()
-                if width < 700:
-                    assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
-                assert pg.evaluate(SMALL_DEFECTS_JS, present) == [], (width, height)
-                show_step(pg, wide)
-                pg.screenshot(path=str(ARTIFACTS / f"browser-widest-step-{width}x{height}.png"))
-                check_tree_box(pg, width, height, first_screen=present)
-                if (width, height) == (1280, 720):
-                    check_projector_sizes(pg)
-                check_side_by_side(pg, width, height, tree_top)
-                if width < 700:         # under its legend of 13 entries, a chart a phone can read
-                    assert acceptance_chart_height(pg) >= 150
-                pg.close()
-        finally:
-            browser.close()
+    for width, height in ((1440, 900), (1280, 720), (390, 844)):
+        pg = browser.new_page(viewport={"width": width, "height": height})
+        pg.set_default_timeout(BOUND_MS)
+        pg.goto(app_url)
+        pg.wait_for_selector("#hv-tree .js-plotly-plot")
+        wait_status(pg, "recorded trace")
+        present = width >= 1200
+        pg.wait_for_function("(on) => document.body.classList.contains('hv-present') === on", arg=present)
+        assert pg.is_checked("#hv-present input") == present
+        pg.screenshot(path=str(ARTIFACTS / f"browser-layout-{width}x{height}.png"))
+        assert pg.evaluate(UNREACHABLE_JS, list(PANELS)) == [], (width, height)
+        top = {sel: pg.locator(sel).bounding_box() for sel in (*FIRST_SCREEN, "#hv-settings")}
+        tree_top = pg.evaluate(PAGE_BOX_JS, "#hv-tree-head")["top"]
+        if present:
+            off = {sel: b for sel, b in top.items() if sel in FIRST_SCREEN and (b["y"] < 0 or b["y"] + b["height"] > height)}
+            assert not off, (width, height, off)
+            assert pg.locator("h1").is_visible()
+        if width < 700:
+            assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
+        assert pg.evaluate(SMALL_DEFECTS_JS, present) == [], (width, height)
+        show_step(pg, wide)
+        pg.screenshot(path=str(ARTIFACTS / f"browser-widest-step-{width}x{height}.png"))
+        check_tree_box(pg, width, height, first_screen=present)
+        if (width, height) == (1280, 720):
+            check_projector_sizes(pg)
+        check_side_by_side(pg, width, height, tree_top)
+        if width < 700:         # under its legend of 13 entries, a chart a phone can read
+            assert acceptance_chart_height(pg) >= 150
+        pg.close()
 
 
 # ---- messages beside what caused them; the replay's pace ----------------------------------------
@@ -521,12 +522,12 @@ def wait_text(pg, sel: str, text: str) -> None:
 
 
 @pytest.mark.parametrize("width, height", [(390, 844), (1440, 900)])
-def test_a_message_shows_beside_the_control_that_caused_it(app_url, tmp_path, width, height):
+def test_a_message_shows_beside_the_control_that_caused_it(app_url, browser, tmp_path, width, height):
     """A bad upload's and a bad setting's message are on the screen together with the control, on a
     phone too (where the status box is screens above them); a .txt gets the app's answer there, no
     Gradio toast; a clamped value is said aloud."""
     positions = {}
-    with opened_page(app_url, width, height, BOUND_MS) as pg:
+    with opened_page(app_url, width, height, BOUND_MS, browser) as pg:
         def upload(name: str, text: str, answer: str) -> tuple:
             """Uploads a file holding `text`; the answer shows under the upload: both places."""
             (tmp_path / name).write_text(text)
@@ -599,11 +600,11 @@ def test_replay_at_10_steps_a_second_shows_10_steps_a_second(page):
     assert "Step 49:" in pg.inner_text("#hv-tree")                # the last step draws every panel
 
 
-def test_profile_measures_only_on_a_gpu_and_answers_beside_the_button(app_url):
+def test_profile_measures_only_on_a_gpu_and_answers_beside_the_button(app_url, browser):
     """Without a GPU the button is off and says why right under it; the chart (log y, tinygemm off)
     is looked at in test-artifacts/browser-profile-1280x720.png."""
     import torch
-    with opened_page(app_url, 1280, 720, BOUND_MS) as pg:
+    with opened_page(app_url, 1280, 720, BOUND_MS, browser) as pg:
         pg.get_by_role("tab", name="Profile").click()
         pg.wait_for_selector("#hv-profile-plot .js-plotly-plot")
         pg.screenshot(path=str(ARTIFACTS / "browser-profile-1280x720.png"))
