@@ -39,14 +39,14 @@ _share_default_ssl_context()
 
 
 # Seconds each long test file takes on the 2-core CPU machine under `-n 2 --dist loadfile`
-# (pytest --durations=0, setup included); files not listed take under 10 s. Only their order
-# matters: see pytest_collection_modifyitems.
+# (pytest --durations=0, setup included; test_triton_compile.py with Triton's compile cache cold, as
+# in CI); files not listed take under 10 s. Only their order matters: see
+# pytest_collection_modifyitems.
 FILE_SECONDS = {
-    "test_sampling_power.py": 200, "test_browser.py": 123, "test_whatif.py": 92, "test_hardening.py": 87,
-    "test_triton_w4.py": 64, "test_triton_compile.py": 55, "test_oracle_acceptance.py": 54, "test_fused.py": 37,
-    "test_gguf.py": 35, "test_train_stack.py": 34, "test_decoding.py": 22, "test_engine_bench.py": 21, "test_train.py": 17,
-    "test_model.py": 16, "test_ui_whatif.py": 15, "test_app.py": 15, "test_live_eta.py": 15, "test_greedy_oracle.py": 11,
-    "test_formats.py": 11,
+    "test_browser.py": 135, "test_sampling_power.py": 113, "test_hardening.py": 56, "test_whatif.py": 47,
+    "test_triton_compile.py": 55, "test_cuda_w4.py": 40, "test_triton_w4.py": 33, "test_oracle_acceptance.py": 30,
+    "test_accessibility.py": 27, "test_gguf.py": 26, "test_train_stack.py": 23, "test_app.py": 20, "test_fused.py": 18, "test_decoding.py": 15,
+    "test_ui_whatif.py": 12, "test_engine_bench.py": 10, "test_train.py": 9, "test_greedy_oracle.py": 8,
 }
 
 
