@@ -60,25 +60,24 @@ BUILDS = {
     "sr4": {"staged_rows": {(6, 4): (2, 2, 2)}},
     "sr4s1n4": {"staged_rows": {(t, 4): (1, 2, 4) for t in (6, 8)}},
 }
-TABLES = ("direct", "staged", "rows", "staged_rows")
+TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD",
+          "staged_rows": "STAGED_ROWS_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
 
 @contextmanager
 def entries(fns: dict, tables: dict) -> Iterator[None]:
     """cuda_w4 launching a build's entries (its CUfunctions and its TABLES) inside the block."""
     idx = torch.cuda.current_device()
-    names = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD",
-             "staged_rows": "STAGED_ROWS_BUILD"}
-    saved = cuda_w4._FUNCTIONS.get(idx), {t: getattr(cuda_w4, names[t]) for t in TABLES}
+    saved_fns, saved = cuda_w4._FUNCTIONS.get(idx), {t: getattr(cuda_w4, name) for t, name in TABLES.items()}
     cuda_w4._FUNCTIONS[idx] = fns
-    for t in TABLES:
-        setattr(cuda_w4, names[t], tables[t])
+    for t, name in TABLES.items():
+        setattr(cuda_w4, name, tables[t])
     try:
         yield
     finally:
-        cuda_w4._FUNCTIONS[idx] = saved[0]
-        for t in TABLES:
-            setattr(cuda_w4, names[t], saved[1][t])
+        cuda_w4._FUNCTIONS[idx] = saved_fns
+        for t, name in TABLES.items():
+            setattr(cuda_w4, name, saved[t])
 
 
 def build(arch: str, spec: dict) -> tuple[dict, dict]:

@@ -450,12 +450,12 @@ def pair_group(tiles: int, group_size: int, chunks_per_slice: int, row_tiles: in
 def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 1) -> str:
     """The entry that multiplies `tiles` token tiles per block: the direct loop for few (group:
     its pair_group entry; row_tiles: 16-row tiles per warp), else staged (wgmma: its wgmma entry)."""
-    if row_tiles > 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD and tiles not in DIRECT_BUILD:
-        return f"w4_staged_t{tiles}_r{row_tiles}"
+    if tiles not in DIRECT_BUILD:
+        if row_tiles > 1:
+            return f"w4_staged_t{tiles}_r{row_tiles}"
+        return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
     if row_tiles > 1:
         return f"w4_direct_t{tiles}_r{row_tiles}" + (f"_g{group}" if group else "")
-    if tiles not in DIRECT_BUILD:
-        return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
     return f"w4_direct_t{tiles}_g{group}" if group else f"w4_direct_t{tiles}"
 
 
@@ -470,7 +470,7 @@ def entry_names(arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
         entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + [
         entry_for(t, g, row_tiles=r) for (t, r), (a, _) in rows_build.items()
         for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(a, g)] + [
-        f"w4_staged_t{t}_r{r}" for t, r in staged_rows_build] + (
+        entry_for(t, row_tiles=r) for t, r in staged_rows_build] + (
         [entry_for(t, wgmma=True) for t in (WGMMA_BUILD if wgmma_build is None else wgmma_build)]
         if has_wgmma(arch) else [])
 
