@@ -160,8 +160,9 @@ def test_cpu_verification_is_batch_invariant(kernel, threads_restored):
     """A batch-invariant target on the CPU: a 24-node tree and a 6-token sequence verified in one
     forward give every node the hidden state and logits of decoding it alone after its path, bit for
     bit, with the row-invariant int4 kernel (per-token attention, chunked LM head). Without the mode
-    (torch's SDPA and BLAS round one row differently from several) they do not; nor with the
-    `reference` kernel, whose BLAS product is not row-invariant."""
+    (torch's SDPA and BLAS round one row differently from several) they do not, with either kernel
+    (the `reference` kernel, whose BLAS product is not row-invariant, is checked out of the mode
+    only)."""
     from hierviz.quant import int4pack_cpu
     from hierviz.models.synthetic import tiny_models
     from hierviz.measure.batch_invariance import CHAIN_6, TREE_24, tree_vs_paths
