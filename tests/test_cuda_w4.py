@@ -210,7 +210,7 @@ def test_entries_of_several_row_tiles_per_warp_are_named_and_built() -> None:
         assert cuda_w4.pair_group(t, 128, 32, r) == (128 if a % 2 == 0 else 0)
 
 
-def test_staged_entries_of_several_row_tiles_per_warp_are_named_built_and_compiled() -> None:
+def test_staged_entries_of_several_row_tiles_per_warp_are_named_built_and_compiled(monkeypatch) -> None:
     """A staged (token tiles, row tiles per warp) entry gets its own name, its stage length as its
     look-ahead and a STAGED_ROWS_ENTRY line with its x stages, at the staged tile counts only; the
     direct tile counts keep their direct entries; every such build compiles for sm_80 (tiles_bench
@@ -223,12 +223,12 @@ def test_staged_entries_of_several_row_tiles_per_warp_are_named_built_and_compil
     assert cuda_w4.entry_for(8, 0, row_tiles=2) == "w4_staged_t8_r2"
     assert cuda_w4.entry_for(4, 0, row_tiles=2) == "w4_direct_t4_r2"        # a direct tile count
     assert sorted(cuda_w4.row_tile_entries({(4, 2): (4, 2)}, build)) == [(4, 2), (6, 4), (8, 2)]
-    try:
-        saved, cuda_w4.STAGED_ROWS_BUILD = cuda_w4.STAGED_ROWS_BUILD, build
+    with monkeypatch.context() as mp:
+        mp.setattr(cuda_w4, "STAGED_ROWS_BUILD", build)
         assert cuda_w4.ahead_chunks(8, 2) == 2 and cuda_w4.ahead_chunks(6, 4) == 1
         assert cuda_w4.pair_group(8, 128, 32, 2) == 0                       # no pair-group staged entries
-    finally:
-        cuda_w4.STAGED_ROWS_BUILD = saved
+        assert cuda_w4.has_row_tile_entry(8, 2) and cuda_w4.has_row_tile_entry(6, 4)
+        assert not cuda_w4.has_row_tile_entry(7, 2) and not cuda_w4.has_row_tile_entry(8, 4)
     for (t, r), (s, b, nb) in cuda_w4.STAGED_ROWS_BUILD.items():            # the shipped ones
         assert t not in cuda_w4.DIRECT_BUILD and cuda_w4.WARPS % r == 0 and nb >= 2
         assert f"STAGED_ROWS_ENTRY({t}, {s}, {b}, {r}, {nb})" in cuda_w4.kernel_source()

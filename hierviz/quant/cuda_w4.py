@@ -141,6 +141,12 @@ def row_tile_entries(rows_build: Optional[dict] = None, staged_rows_build: Optio
             *(STAGED_ROWS_BUILD if staged_rows_build is None else staged_rows_build)]
 
 
+def has_row_tile_entry(tiles: int, row_tiles: int) -> bool:
+    """Whether the shipped build has an entry of `tiles` token tiles and `row_tiles` (> 1) row
+    tiles per warp: a lookup in its two tables (tiles_for asks it on every product)."""
+    return (tiles, row_tiles) in DIRECT_ROWS_BUILD or (tiles, row_tiles) in STAGED_ROWS_BUILD
+
+
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
                   rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES,
@@ -223,7 +229,7 @@ def tiles_for(w: W4Weight, m: int) -> tuple[int, int]:
     if planned is None:
         return token_tiles(m), 1
     tiles, row_tiles = min(planned[0], token_tiles(m)), planned[1]
-    return (tiles, row_tiles) if row_tiles == 1 or (tiles, row_tiles) in row_tile_entries() else (tiles, 1)
+    return (tiles, row_tiles) if row_tiles == 1 or has_row_tile_entry(tiles, row_tiles) else (tiles, 1)
 
 
 def serves(w: W4Weight, m: Optional[int] = None) -> bool:
