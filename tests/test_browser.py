@@ -467,34 +467,29 @@ def test_layouts_fit_their_screens(app_url, browser):
     no chooser's arrow covers its text, and the statistics fit a desktop screen."""
     wide = widest_step()
     for width, height in ((1440, 900), (1280, 720), (390, 844)):
-        pg = browser.new_page(viewport={"width": width, "height": height})
-        pg.set_default_timeout(BOUND_MS)
-        pg.goto(app_url)
-        pg.wait_for_selector("#hv-tree .js-plotly-plot")
-        wait_status(pg, "recorded trace")
-        present = width >= 1200
-        pg.wait_for_function("(on) => document.body.classList.contains('hv-present') === on", arg=present)
-        assert pg.is_checked("#hv-present input") == present
-        pg.screenshot(path=str(ARTIFACTS / f"browser-layout-{width}x{height}.png"))
-        assert pg.evaluate(UNREACHABLE_JS, list(PANELS)) == [], (width, height)
-        top = {sel: pg.locator(sel).bounding_box() for sel in (*FIRST_SCREEN, "#hv-settings")}
-        tree_top = pg.evaluate(PAGE_BOX_JS, "#hv-tree-head")["top"]
-        if present:
-            off = {sel: b for sel, b in top.items() if sel in FIRST_SCREEN and (b["y"] < 0 or b["y"] + b["height"] > height)}
-            assert not off, (width, height, off)
-            assert pg.locator("h1").is_visible()
-        if width < 700:
-            assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
-        assert pg.evaluate(SMALL_DEFECTS_JS, present) == [], (width, height)
-        show_step(pg, wide)
-        pg.screenshot(path=str(ARTIFACTS / f"browser-widest-step-{width}x{height}.png"))
-        check_tree_box(pg, width, height, first_screen=present)
-        if (width, height) == (1280, 720):
-            check_projector_sizes(pg)
-        check_side_by_side(pg, width, height, tree_top)
-        if width < 700:         # under its legend of 13 entries, a chart a phone can read
-            assert acceptance_chart_height(pg) >= 150
-        pg.close()
+        with opened_page(app_url, width, height, BOUND_MS, browser) as pg:
+            present = width >= 1200
+            pg.wait_for_function("(on) => document.body.classList.contains('hv-present') === on", arg=present)
+            assert pg.is_checked("#hv-present input") == present
+            pg.screenshot(path=str(ARTIFACTS / f"browser-layout-{width}x{height}.png"))
+            assert pg.evaluate(UNREACHABLE_JS, list(PANELS)) == [], (width, height)
+            top = {sel: pg.locator(sel).bounding_box() for sel in (*FIRST_SCREEN, "#hv-settings")}
+            tree_top = pg.evaluate(PAGE_BOX_JS, "#hv-tree-head")["top"]
+            if present:
+                off = {sel: b for sel, b in top.items() if sel in FIRST_SCREEN and (b["y"] < 0 or b["y"] + b["height"] > height)}
+                assert not off, (width, height, off)
+                assert pg.locator("h1").is_visible()
+            if width < 700:
+                assert top["#hv-tree"]["y"] < top["#hv-settings"]["y"]
+            assert pg.evaluate(SMALL_DEFECTS_JS, present) == [], (width, height)
+            show_step(pg, wide)
+            pg.screenshot(path=str(ARTIFACTS / f"browser-widest-step-{width}x{height}.png"))
+            check_tree_box(pg, width, height, first_screen=present)
+            if (width, height) == (1280, 720):
+                check_projector_sizes(pg)
+            check_side_by_side(pg, width, height, tree_top)
+            if width < 700:         # under its legend of 13 entries, a chart a phone can read
+                assert acceptance_chart_height(pg) >= 150
 
 
 # ---- messages beside what caused them; the replay's pace ----------------------------------------
