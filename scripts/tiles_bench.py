@@ -4,7 +4,7 @@ For each kind of weight (K,N,G and whether batch-invariant, as w4_choice times t
 the Triton kernel's time in the kind's mode, the CUDA kernel's one-pass entry (token_tiles), every
 smaller tile count forced (`tiles`: more passes over the tokens, each block re-reading its weight
 tile), and each extra build (BUILDS: the staged loop at 4-5 tiles, another register-loop depth, a
-6-tile register loop, register-loop or staged entries with several 16-row tiles per warp) at one
+6-tile register loop, register-loop entries with several 16-row tiles per warp) at one
 pass and at its own tile counts. Every variant's rows are
 checked bitwise against the rows multiplied one at a time, so a variant that keeps batch invariance
 shows `equal`. Times: w4_choice's timer (20 products in a CUDA graph, weight copies cycled past the
@@ -32,8 +32,8 @@ from hierviz.quant import cuda_w4, w4_choice  # noqa: E402
 KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,128,1",
          "4096,28672,128,0", "14336,4096,128,0", "4096,6144,128,0", "4096,4096,128,0"]
 # name: the tables a build replaces the shipped ones' entries with (cuda_w4's): "direct" (register-loop
-# entries), "staged", "rows" and "staged_rows" (entries of several row tiles per warp, timed at their
-# own token tiles), "x_ahead" (the direct entries that load activations a chunk ahead)
+# entries), "staged", "rows" (entries of several row tiles per warp, timed at their own token tiles),
+# "x_ahead" (the direct entries that load activations a chunk ahead)
 BUILDS = {
     "staged45": {"staged": {4: (4, 3), 5: (2, 2)}},      # the staged loop from 25 rows
     "d4a2": {"direct": {4: (2, 2)}},
@@ -52,16 +52,8 @@ BUILDS = {
     # (the shipped build: in X_AHEAD_ENTRIES')
     "xoff": {"x_ahead": frozenset()},
     "xall": {"x_ahead": frozenset(cuda_w4.direct_entries())},
-    # staged entries of two or four row tiles per warp: (token tiles, row tiles per warp): (chunks a
-    # stage, blocks per multiprocessor, x stages in shared memory)
-    "sr2": {"staged_rows": {(t, 2): (2, 2, 2) for t in (6, 7, 8)}},
-    "sr2s1n4": {"staged_rows": {(t, 2): (1, 2, 4) for t in (6, 7, 8)}},
-    "sr2b3": {"staged_rows": {(t, 2): (2, 3, 2) for t in (6, 8)}},
-    "sr4": {"staged_rows": {(6, 4): (2, 2, 2)}},
-    "sr4s1n4": {"staged_rows": {(t, 4): (1, 2, 4) for t in (6, 8)}},
 }
-TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD",
-          "staged_rows": "STAGED_ROWS_BUILD"}     # a build's table -> the cuda_w4 table it replaces
+TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
 
 @contextmanager
@@ -87,13 +79,12 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
     d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **spec.get("direct", {})}.items() if t not in staged}
     s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
     r = {**cuda_w4.DIRECT_ROWS_BUILD, **spec.get("rows", {})}
-    sr = {**cuda_w4.STAGED_ROWS_BUILD, **spec.get("staged_rows", {})}
     wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
-    tables = {"direct": d, "staged": s, "rows": r, "staged_rows": sr}
+    tables = {"direct": d, "staged": s, "rows": r}
     with entries({}, tables):
         source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
-                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), staged_rows_build=sr)
-        fns = cuda_w4.load_entries(arch, source, wgmma, r, sr)
+                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES))
+        fns = cuda_w4.load_entries(arch, source, wgmma, r)
     return fns, tables
 
 
@@ -140,7 +131,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(),
            "torch": torch.__version__, "sms": sms,
            "shipped": described({"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD,
-                                 "rows": cuda_w4.DIRECT_ROWS_BUILD, "staged_rows": cuda_w4.STAGED_ROWS_BUILD,
+                                 "rows": cuda_w4.DIRECT_ROWS_BUILD,
                                  "x_ahead": cuda_w4.X_AHEAD_ENTRIES}),
            "builds": {n: described(BUILDS[n]) for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
@@ -165,11 +156,11 @@ def main() -> None:
                 for (t, rt) in rows:
                     if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
                         time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt)
-            row_tiles(cuda_w4.row_tile_entries(), "rows_tiles")      # the shipped ones
+            row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
             for name, (fns, tables) in builds.items():
                 with entries(fns, tables):
                     spec = BUILDS[name]
-                    own_rows = [*spec.get("rows", {}), *spec.get("staged_rows", {})]
+                    own_rows = list(spec.get("rows", {}))
                     if own_rows:                # a rows build: its own entries
                         row_tiles(own_rows, f"{name}_tiles")
                         continue
@@ -180,7 +171,7 @@ def main() -> None:
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
                     if x_ahead:                 # an x_ahead build: the shipped row-tile entries
-                        row_tiles(cuda_w4.row_tile_entries(), f"{name}_rows_tiles")
+                        row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"{name}_rows_tiles")
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

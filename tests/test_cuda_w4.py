@@ -210,33 +210,6 @@ def test_entries_of_several_row_tiles_per_warp_are_named_and_built() -> None:
         assert cuda_w4.pair_group(t, 128, 32, r) == (128 if a % 2 == 0 else 0)
 
 
-def test_staged_entries_of_several_row_tiles_per_warp_are_named_built_and_compiled(monkeypatch) -> None:
-    """A staged (token tiles, row tiles per warp) entry gets its own name, its stage length as its
-    look-ahead and a STAGED_ROWS_ENTRY line with its x stages, at the staged tile counts only; the
-    direct tile counts keep their direct entries; every such build compiles for sm_80 (tiles_bench
-    times them on a GPU)."""
-    build = {(8, 2): (2, 2, 2), (6, 4): (1, 2, 4)}
-    with_rows = cuda_w4.kernel_source({}, {}, rows_build={}, staged_rows_build=build)
-    assert "STAGED_ROWS_ENTRY(8, 2, 2, 2, 2)" in with_rows and "STAGED_ROWS_ENTRY(6, 1, 2, 4, 4)" in with_rows
-    names = cuda_w4.entry_names(rows_build={}, staged_rows_build=build)
-    assert {"w4_staged_t8_r2", "w4_staged_t6_r4"} <= set(names) and len(set(names)) == len(names)
-    assert cuda_w4.entry_for(8, 0, row_tiles=2) == "w4_staged_t8_r2"
-    assert cuda_w4.entry_for(4, 0, row_tiles=2) == "w4_direct_t4_r2"        # a direct tile count
-    assert sorted(cuda_w4.row_tile_entries({(4, 2): (4, 2)}, build)) == [(4, 2), (6, 4), (8, 2)]
-    with monkeypatch.context() as mp:
-        mp.setattr(cuda_w4, "STAGED_ROWS_BUILD", build)
-        assert cuda_w4.ahead_chunks(8, 2) == 2 and cuda_w4.ahead_chunks(6, 4) == 1
-        assert cuda_w4.pair_group(8, 128, 32, 2) == 0                       # no pair-group staged entries
-        assert cuda_w4.has_row_tile_entry(8, 2) and cuda_w4.has_row_tile_entry(6, 4)
-        assert not cuda_w4.has_row_tile_entry(7, 2) and not cuda_w4.has_row_tile_entry(8, 4)
-    for (t, r), (s, b, nb) in cuda_w4.STAGED_ROWS_BUILD.items():            # the shipped ones
-        assert t not in cuda_w4.DIRECT_BUILD and cuda_w4.WARPS % r == 0 and nb >= 2
-        assert f"STAGED_ROWS_ENTRY({t}, {s}, {b}, {r}, {nb})" in cuda_w4.kernel_source()
-    skip_without_nvrtc()
-    cubin = cuda_w4.compile_cubin("sm_80", cuda_w4.kernel_source({}, {}, rows_build={}, staged_rows_build={(6, 2): (2, 2, 2)}))
-    assert b"w4_staged_t6_r2" in cubin
-
-
 def test_activations_a_chunk_ahead_only_where_the_entries_are_built() -> None:
     """X_AHEAD_ENTRIES names direct entries that exist (one row tile: DIRECT_BUILD; several:
     DIRECT_ROWS_BUILD), and each entry's flag, its pair-group entries' too, follows the set."""
@@ -342,14 +315,11 @@ def test_nvrtc_compiles_each_kind_of_entry_for_blackwell(arch) -> None:
     direct = {1: cuda_w4.DIRECT_BUILD[1]}
     staged = {cuda_w4.MAX_TOKEN_TILES: cuda_w4.STAGED_BUILD[cuda_w4.MAX_TOKEN_TILES]}
     rows = dict([next(iter(cuda_w4.DIRECT_ROWS_BUILD.items()))])
-    staged_rows = {(cuda_w4.MAX_TOKEN_TILES, 2): (2, 2, 2)}
-    source = cuda_w4.kernel_source(direct, staged, arch=arch, rows_build=rows, staged_rows_build=staged_rows)
+    source = cuda_w4.kernel_source(direct, staged, arch=arch, rows_build=rows)
     macros = {line.split("(")[0] for line in source[len(cuda_w4.kernel_text()):].splitlines()}
-    assert macros == {"DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY", "STAGED_ENTRY",
-                      "STAGED_ROWS_ENTRY"}
+    assert macros == {"DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY", "STAGED_ENTRY"}
     cubin = cuda_w4.compile_cubin(arch, source)
     assert cubin[:4] == b"\x7fELF" and b"w4_direct_t1" in cubin and b"w4_staged_t8" in cubin
-    assert b"w4_staged_t8_r2" in cubin
 
 
 def test_nvrtc_errors_come_back_as_a_compile_error_with_the_log() -> None:

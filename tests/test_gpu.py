@@ -589,7 +589,7 @@ def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) 
             assert torch.equal(y, alone[:m]), m
     for tiles in range(1, cuda_w4.MAX_TOKEN_TILES + 1):
         assert torch.equal(cuda_w4.matmul(x[:40], w, tiles=tiles), alone[:40]), tiles
-    for tiles, row_tiles in cuda_w4.row_tile_entries():
+    for tiles, row_tiles in cuda_w4.DIRECT_ROWS_BUILD:
         for m in sorted({1, 8 * tiles - 3, 8 * tiles, 40}):
             assert torch.equal(cuda_w4.matmul(x[:m], w, tiles=tiles, row_tiles=row_tiles), alone[:m]), (tiles, row_tiles, m)
         r = torch.randn(8 * tiles, n, device="cuda").half()

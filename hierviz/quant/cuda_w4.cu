@@ -302,62 +302,48 @@ __device__ __forceinline__ void stage_x(u32 buf, const u16* x, int M, int ldx, i
 }
 
 // More tokens: the block's warps share each stage of S chunks of activations through shared
-// memory (asynchronous copies, NB stages in flight); codes and group pairs one stage ahead.
-// R: row tiles per warp (8 / R warps a block, the same 128 rows; acc[r * T + tt]), so that each
-// shared-memory load of activations serves R MMAs; every element's MMA chain is unchanged.
-template <int T, int S, int R, int NB>
-__device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt0, int tok0, int c_begin, int c_end) {
+// memory (asynchronous copies, NBUF stages in flight); codes and group pairs one stage ahead.
+template <int T, int S>
+__device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, int tok0, int c_begin, int c_end) {
   constexpr int ROW = S * 64 + 8;
   constexpr int STAGE_BYTES = 8 * T * ROW * 2;
-  constexpr int THREADS = 256 / R;
-  __shared__ __align__(16) u16 xs[NB][8 * T * ROW];
+  __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
   const u32 xs_at = smem_address(&xs[0][0]);   // shared addresses as 32-bit offsets: no conversion per load
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Chunks f[R];
-  U4 ring[R][S];
-  U2 ring_so[R][S];
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-    // a second tile past N multiplies the last tile again and stores nothing
-    f[r] = chunks_of(ARGS, min(rt0 + r, (N >> 4) - 1), c_begin);
-    f[r].template fill<S>(ring[r], ring_so[r], c_begin, c_end);
-  }
+  Chunks f = chunks_of(ARGS, rt, c_begin);
+  U4 ring[S];
+  U2 ring_so[S];
+  f.template fill<S>(ring, ring_so, c_begin, c_end);
   // one commit group per stage, empty ones past the slice, so waiting for all but the newest
-  // NB - 1 groups always means "this stage has landed"
+  // NBUF - 1 groups always means "this stage has landed"
 #pragma unroll
-  for (int s = 0; s < NB - 1; s++) {
-    if (c_begin + s * S < c_end) stage_x<T, S, THREADS>(xs_at + s * STAGE_BYTES, x, M, ldx, tok0, c_begin + s * S, c_end);
+  for (int s = 0; s < NBUF - 1; s++) {
+    if (c_begin + s * S < c_end) stage_x<T, S, 256>(xs_at + s * STAGE_BYTES, x, M, ldx, tok0, c_begin + s * S, c_end);
     copy_commit();
   }
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += S, stage++) {
-    const int ahead = c0 + (NB - 1) * S;
+    const int ahead = c0 + (NBUF - 1) * S;
     if (ahead < c_end)
-      stage_x<T, S, THREADS>(xs_at + ((stage + NB - 1) % NB) * STAGE_BYTES, x, M, ldx, tok0, ahead, c_end);
+      stage_x<T, S, 256>(xs_at + ((stage + NBUF - 1) % NBUF) * STAGE_BYTES, x, M, ldx, tok0, ahead, c_end);
     copy_commit();
-    copy_wait<NB - 1>();
+    copy_wait<NBUF - 1>();
     __syncthreads();
-    const u32 xrow = xs_at + (stage % NB) * STAGE_BYTES + 2 * (g * ROW + 16 * t);
+    const u32 xrow = xs_at + (stage % NBUF) * STAGE_BYTES + 2 * (g * ROW + 16 * t);
 #pragma unroll
     for (int p = 0; p < S; p++) {
       const int c = c0 + p;
       if (c < c_end) {
-        U4 a[R];
-        U2 pair[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          a[r] = ring[r][p];
-          pair[r] = ring_so[r][p];
-          if (c + S < c_end) f[r].get(ring[r][p], ring_so[r][p]);   // chunks in order: c + S
-        }
+        const U4 a = ring[p];
+        const U2 pair = ring_so[p];
+        if (c + S < c_end) f.get(ring[p], ring_so[p]);   // chunks in order: c + S
         U4 xa[T], xb[T];
 #pragma unroll
         for (int tt = 0; tt < T; tt++) {
           xa[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64));
           xb[tt] = lds128_at(xrow + 2 * (tt * 8 * ROW + p * 64 + 8));
         }
-#pragma unroll
-        for (int r = 0; r < R; r++) chunk<T>(acc + r * T, a[r], pair[r], xa, xb);
+        chunk<T>(acc, a, pair, xa, xb);
       }
     }
     __syncthreads();     // the buffer just read is one the copies of a later stage overwrite
@@ -588,10 +574,9 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
 // Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1, bool XA = false,
-          int NB = NBUF>
+template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1, bool XA = false>
 __device__ __forceinline__ void w4_mma(PARAMS) {
-  static_assert(!WGMMA || R == 1, "one row tile per warp in the wgmma loop");
+  static_assert(DIRECT || R == 1, "one row tile per warp in the staged loops");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tok0 = blockIdx.x * (8 * T);
@@ -611,7 +596,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
     product_wgmma<T, S, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
 #endif
   } else {
-    product_staged<T, S, R, NB>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
+    product_staged<T, S>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
   }
   // acc[r * T + tt][i]: row (rt + r)*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
   if (split == 1) {
@@ -681,11 +666,6 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 #define STAGED_ENTRY(T, S, BLOCKS)                                                               \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \
     w4_mma<T, false, S>(ARGS);                                                                   \
-  }
-// R row tiles per warp (8 / R warps a block), NB activation stages in shared memory
-#define STAGED_ROWS_ENTRY(T, S, BLOCKS, R, NB)                                                   \
-  extern "C" __global__ void __launch_bounds__(256 / R, BLOCKS) w4_staged_t##T##_r##R(PARAMS) {    \
-    w4_mma<T, false, S, 0, false, 0, R, false, NB>(ARGS);                                        \
   }
 // sm_90a only (cuda_w4.kernel_source adds these lines for it): the dynamic shared memory is
 // cuda_w4.wgmma_shared_bytes(T)

@@ -84,11 +84,6 @@ DIRECT_ROWS_BUILD: dict[tuple[int, int], tuple[int, int]] = {(2, 2): (2, 4), (3,
 X_AHEAD_ENTRIES = frozenset({(3, 1), (4, 2), (5, 1)})
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
 STAGED_BUILD = {6: (2, 2), 7: (2, 2), 8: (2, 2)}
-# Staged entries whose warps each multiply several 16-row tiles (8 / row tiles warps a block, the
-# same 128 rows, grid and K split, so the same bits), each shared-memory load of activations serving
-# that many MMAs: (token tiles, row tiles per warp) -> (K chunks per x stage, blocks per
-# multiprocessor, x stages in shared memory). Candidates w4_choice times, as DIRECT_ROWS_BUILD's.
-STAGED_ROWS_BUILD: dict[tuple[int, int], tuple[int, int, int]] = {}
 # The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
 # of the activations ahead of the two stages in the wgmma layout (0: one stage through registers),
 # blocks per multiprocessor). The same bits as the staged loop, slower than it on the H100
@@ -134,28 +129,13 @@ def direct_entries(direct_build: Optional[dict] = None, rows_build: Optional[dic
     return {**{(t, 1): v for t, v in direct_build.items()}, **rows_build}
 
 
-def row_tile_entries(rows_build: Optional[dict] = None, staged_rows_build: Optional[dict] = None) -> list[tuple[int, int]]:
-    """(token tiles, row tiles per warp) of every entry of several row tiles per warp, direct and
-    staged (defaults: the shipped tables)."""
-    return [*(DIRECT_ROWS_BUILD if rows_build is None else rows_build),
-            *(STAGED_ROWS_BUILD if staged_rows_build is None else staged_rows_build)]
-
-
-def has_row_tile_entry(tiles: int, row_tiles: int) -> bool:
-    """Whether the shipped build has an entry of `tiles` token tiles and `row_tiles` (> 1) row
-    tiles per warp: a lookup in its two tables (tiles_for asks it on every product)."""
-    return (tiles, row_tiles) in DIRECT_ROWS_BUILD or (tiles, row_tiles) in STAGED_ROWS_BUILD
-
-
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES,
-                  staged_rows_build: Optional[dict] = None) -> str:
+                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
     entries only for an arch that has them; x_ahead: the direct entries, by (token tiles, row tiles
     per warp), that load activations a chunk ahead."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
-    staged_rows_build = STAGED_ROWS_BUILD if staged_rows_build is None else staged_rows_build
     direct = [(t, r, a, b) for (t, r), (a, b) in direct_entries(direct_build, rows_build).items()]
 
     def entry(t: int, r: int, a: int, b: int, g: int = 0) -> str:
@@ -165,7 +145,6 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
     return (kernel_text() + "".join(entry(*e) for e in direct)
             + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[2], g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
-            + "".join(f"STAGED_ROWS_ENTRY({t}, {s}, {b}, {r}, {nb})\n" for (t, r), (s, b, nb) in staged_rows_build.items())
             + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
                if has_wgmma(arch) else ""))
 
@@ -229,7 +208,7 @@ def tiles_for(w: W4Weight, m: int) -> tuple[int, int]:
     if planned is None:
         return token_tiles(m), 1
     tiles, row_tiles = min(planned[0], token_tiles(m)), planned[1]
-    return (tiles, row_tiles) if row_tiles == 1 or has_row_tile_entry(tiles, row_tiles) else (tiles, 1)
+    return (tiles, row_tiles) if row_tiles == 1 or (tiles, row_tiles) in DIRECT_ROWS_BUILD else (tiles, 1)
 
 
 def serves(w: W4Weight, m: Optional[int] = None) -> bool:
@@ -441,7 +420,7 @@ def ahead_chunks(tiles: int, row_tiles: int = 1) -> int:
     build = _direct_build(tiles, row_tiles)
     if build:
         return build[0]
-    return STAGED_BUILD[tiles][0] if row_tiles == 1 else STAGED_ROWS_BUILD[(tiles, row_tiles)][0]
+    return STAGED_BUILD[tiles][0]
 
 
 def pair_group(tiles: int, group_size: int, chunks_per_slice: int, row_tiles: int = 1) -> int:
@@ -457,8 +436,6 @@ def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 
     """The entry that multiplies `tiles` token tiles per block: the direct loop for few (group:
     its pair_group entry; row_tiles: 16-row tiles per warp), else staged (wgmma: its wgmma entry)."""
     if tiles not in DIRECT_BUILD:
-        if row_tiles > 1:
-            return f"w4_staged_t{tiles}_r{row_tiles}"
         return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
     if row_tiles > 1:
         return f"w4_direct_t{tiles}_r{row_tiles}" + (f"_g{group}" if group else "")
@@ -466,17 +443,15 @@ def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 
 
 
 def entry_names(arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                rows_build: Optional[dict] = None, staged_rows_build: Optional[dict] = None) -> list[str]:
+                rows_build: Optional[dict] = None) -> list[str]:
     """The entries a build for `arch` holds (None: an arch without the wgmma entries; wgmma_build:
-    its wgmma entries, default WGMMA_BUILD; rows_build, staged_rows_build: its direct and staged
-    entries of several row tiles per warp, default DIRECT_ROWS_BUILD, STAGED_ROWS_BUILD)."""
+    its wgmma entries, default WGMMA_BUILD; rows_build: its direct entries of several row tiles per
+    warp, default DIRECT_ROWS_BUILD)."""
     rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
-    staged_rows_build = STAGED_ROWS_BUILD if staged_rows_build is None else staged_rows_build
     return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
         entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + [
         entry_for(t, g, row_tiles=r) for (t, r), (a, _) in rows_build.items()
-        for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(a, g)] + [
-        entry_for(t, row_tiles=r) for t, r in staged_rows_build] + (
+        for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(a, g)] + (
         [entry_for(t, wgmma=True) for t in (WGMMA_BUILD if wgmma_build is None else wgmma_build)]
         if has_wgmma(arch) else [])
 
@@ -510,14 +485,14 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                 rows_build: Optional[dict] = None, staged_rows_build: Optional[dict] = None) -> dict[str, ctypes.c_void_p]:
+                 rows_build: Optional[dict] = None) -> dict[str, ctypes.c_void_p]:
     """`source` (default: the shipped entries) compiled for arch and loaded into the current
     context: entry name -> CUfunction, the wgmma entries allowed their dynamic shared memory."""
     cubin = compile_cubin(arch, source)
     module = ctypes.c_void_p()
     _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
     found = {}
-    for name in entry_names(arch, wgmma_build, rows_build, staged_rows_build):
+    for name in entry_names(arch, wgmma_build, rows_build):
         fn = ctypes.c_void_p()
         _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
         found[name] = fn
@@ -571,8 +546,7 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     tiles_for(w, M), with its row tiles per warp); any choice gives a row the same bits. wgmma:
     whether the staged tile counts run the wgmma entries (default: WGMMA_BY_DEFAULT, where this
     GPU's build has them; else the mma.sync staged loop), the same bits either way. row_tiles:
-    16-row tiles per warp of a direct or staged entry (DIRECT_ROWS_BUILD, STAGED_ROWS_BUILD), the
-    same bits too."""
+    16-row tiles per warp of a direct entry (DIRECT_ROWS_BUILD), the same bits too."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:

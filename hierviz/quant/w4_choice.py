@@ -126,10 +126,10 @@ def tile_candidates(m: int) -> list[tuple[int, int]]:
     warp): from the entry that takes all m tokens in one pass of the grid (cuda_w4.token_tiles) down
     to fewer tiles in up to MAX_PASSES passes, each block re-reading its weight tile (from the L2
     when the passes run side by side), then the built entries of several row tiles per warp
-    (cuda_w4.row_tile_entries: direct and staged) within as many passes."""
+    (cuda_w4.DIRECT_ROWS_BUILD) within as many passes."""
     full = cuda_w4.token_tiles(m)
     fits = [t for t in range(full, 0, -1) if -(-m // (8 * t)) <= MAX_PASSES]
-    rows_entries = sorted((e for e in cuda_w4.row_tile_entries() if e[0] in fits), key=lambda e: (-e[0], e[1]))
+    rows_entries = sorted((e for e in cuda_w4.DIRECT_ROWS_BUILD if e[0] in fits), key=lambda e: (-e[0], e[1]))
     return [(t, 1) for t in fits] + rows_entries
 
 
