@@ -36,7 +36,7 @@ PROFILE_KERNEL = "triton"       # the 4-bit kernel the decoders use on a GPU: it
 
 # One EAGLE draft-head forward (one tree depth) at these shapes: the shipped what-if runs on the
 # H200 measured 50.3 ms of drafting over 343 E_M forwards and 36.1 ms over 249 E_T forwards
-# (assets/whatif/h200-llama3-70b-paper-trees.json), 0.145-0.147 ms each; rounded up.
+# (assets/whatif/h200-llama3-70b-paper-trees-triton.json), 0.145-0.147 ms each; rounded up.
 DRAFT_HEAD_MS = 0.15
 
 MEASURED = "as measured on this machine"
@@ -233,15 +233,16 @@ def tokens_per_s(steps: list[Step], n_tokens: Optional[int] = None) -> float:
 
 # ---- the real-scale what-if result the app quotes --------------------------------------------------
 
-WHATIF_HEADLINE = ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-trees.json"
+WHATIF_HEADLINE = ROOT / "assets" / "whatif" / "h200-llama3-70b-paper-trees.json"   # docs/whatif.md
 WHATIF_SWEEP = ROOT / "assets" / "whatif" / "h200-llama3-70b-sweep.json"
 
 
 @functools.cache
 def whatif_headline() -> Optional[dict[str, float]]:
     """HierSpec's speedups in the shipped what-if result at the paper's settings (Llama-3-70B/8B
-    shapes on an H200, the paper's acceptance rates): other method -> HierSpec's speedup over it, in
-    comparison order, for every method the file ran; None if not shipped."""
+    shapes on an H200, the default acceptance rates, EAGLE-3's published ones for its rows): other
+    method -> HierSpec's speedup over it, in comparison order, for every method the file ran; None
+    if not shipped. The What-if tab opens with the same file."""
     try:
         d = json.loads(WHATIF_HEADLINE.read_text(encoding="utf-8"))
         ms = d["methods"]

@@ -450,8 +450,8 @@ def small_stack_html(meta: dict, time_scale: str = MEASURED) -> str:
            "on a CPU a 135M target is compute-bound: every verified token costs nearly a full step")
     headline = whatif_headline()
     real = (f' At Llama-3-70B / 8B shapes on an H200 the <b>{tab_link(WHATIF_TAB, "What-if")}</b> tab projects {esc(method_label(SUBJECT))} at '
-            + " and ".join(f'<b>{x:.2f}×</b> {esc(method_label(m))}' for m, x in headline.items())
-            + ' (the paper\'s trees, assumed acceptance rates).') if headline else ""
+            + and_list([f'<b>{x:.2f}×</b> {esc(method_label(m))}' for m, x in headline.items()])
+            + ' (the paper\'s trees; assumed acceptance rates, EAGLE-3\'s published ones for its heads).') if headline else ""
     shown = ("These numbers are the small stack's tokens priced at real scale; choose "
              f"“{MEASURED}” for the times it took." if time_scale == RETIMED else
              f"Choose “{RETIMED}” to price these same tokens at Llama-3-70B / 8B.")
