@@ -96,16 +96,19 @@ def described(spec: dict) -> dict:
 
 
 def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.Tensor, tiles: Optional[int] = None,
-                 row_tiles: int = 1) -> None:
-    """row[label_equal]: whether the product's rows equal `alone`'s; row[label_us]: its time."""
+                 row_tiles: int = 1, split: Optional[int] = None) -> None:
+    """row[label_equal]: whether the product's rows equal `alone`'s (another K split sums in another
+    order: then row[label_err], the largest difference from them); row[label_us]: its time."""
     m = x.shape[0]
     try:
-        got = cuda_w4.matmul(x, ws[0], tiles=tiles, row_tiles=row_tiles)
+        got = cuda_w4.matmul(x, ws[0], tiles=tiles, row_tiles=row_tiles, split=split)
         torch.cuda.synchronize()
         row[f"{label}_equal"] = bool(torch.equal(got, alone[:m]))
+        if split is not None:
+            row[f"{label}_err"] = float((got.float() - alone[:m].float()).abs().max())
         copies = itertools.cycle(ws)
         row[f"{label}_us"] = round(w4_choice.cuda_graph_timer(
-            lambda: cuda_w4.matmul(x, next(copies), tiles=tiles, row_tiles=row_tiles)), 2)
+            lambda: cuda_w4.matmul(x, next(copies), tiles=tiles, row_tiles=row_tiles, split=split)), 2)
     except Exception as e:            # a sticky fault ends every later launch too
         row[f"{label}_error"] = repr(e)[:300]
 
@@ -116,6 +119,9 @@ def main() -> None:
     ap.add_argument("--kind", action="append")
     ap.add_argument("--ms", default="17,24,25,32,40,48,64,96,128")
     ap.add_argument("--builds", default=",".join(BUILDS))
+    # the kinds that need no batch invariance (the intermediate's) may take any K split: each one's
+    # entries timed at these splits too (the shipped build)
+    ap.add_argument("--splits", default="")
     a = ap.parse_args()
     dev = torch.device("cuda")
     idx = torch.cuda.current_device()
@@ -157,6 +163,14 @@ def main() -> None:
                     if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
                         time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt)
             row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
+            for sp in ([int(v) for v in a.splits.split(",") if v] if not inv else []):
+                sp = cuda_w4.slice_plan(k, sp)[0]
+                if sp == split or f"split{sp}_us" in row:
+                    continue
+                time_variant(row, f"split{sp}", x[:m], ws, alone, split=sp)
+                for (t, rt) in [(t, 1) for t in range(1, full)] + list(cuda_w4.DIRECT_ROWS_BUILD):
+                    if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
+                        time_variant(row, f"split{sp}_tiles{t}" + (f"x{rt}" if rt > 1 else ""), x[:m], ws, alone, t, rt, sp)
             for name, (fns, tables) in builds.items():
                 with entries(fns, tables):
                     spec = BUILDS[name]
