@@ -238,6 +238,10 @@ def test_bad_operands_are_refused_before_any_launch() -> None:
     for row_tiles in (0, 3):
         with pytest.raises(ValueError, match=f"no entry multiplies {row_tiles} row tiles per warp"):
             cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w, row_tiles=row_tiles)
+    for tiles in (1, cuda_w4.MAX_TOKEN_TILES):     # no such entry: the one-tile and staged warps
+        assert (tiles, 2) not in cuda_w4.DIRECT_ROWS_BUILD
+        with pytest.raises(ValueError, match=f"no entry multiplies {tiles} token tiles with 2 row tiles per warp"):
+            cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), w, tiles=tiles, row_tiles=2)
 
 
 def test_the_option_and_the_cpu_never_choose_it(monkeypatch) -> None:

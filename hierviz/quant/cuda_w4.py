@@ -553,6 +553,9 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
         raise ValueError(f"x has {k} input features, the weight {w.in_features}")
     if row_tiles < 1 or WARPS % row_tiles:
         raise ValueError(f"no entry multiplies {row_tiles} row tiles per warp (a block holds {WARPS})")
+    if tiles is not None and row_tiles > 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD:
+        # the staged loop and the untabled direct entries have warps of one row tile
+        raise ValueError(f"no entry multiplies {tiles} token tiles with {row_tiles} row tiles per warp")
     if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != torch.float16
                                or not add_to.is_contiguous()):
         raise ValueError(f"add_to must be a contiguous fp16 {(m, n)} tensor, got {tuple(add_to.shape)} {add_to.dtype}")
