@@ -157,20 +157,19 @@ def main() -> None:
             time_variant(row, "shipped", x[:m], ws, alone)
             for t in range(1, full):            # fewer tiles per block, more passes
                 time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
-            def row_tiles(rows: list, label: str) -> None:
-                """Entries of several row tiles per warp, each at its token tiles, within MAX_PASSES."""
+            def row_tiles(rows: list, label: str, sp: Optional[int] = None) -> None:
+                """Entries of (token tiles, row tiles per warp), each at its token tiles, within
+                MAX_PASSES; sp: at that K split instead of the shipped one."""
                 for (t, rt) in rows:
                     if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                        time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt)
+                        time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt, sp)
             row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
-            for sp in ([int(v) for v in a.splits.split(",") if v] if not inv else []):
-                sp = cuda_w4.slice_plan(k, sp)[0]
-                if sp == split or f"split{sp}_us" in row:
-                    continue
+            # the other K splits asked for (a batch-invariant kind keeps its own), as slice_plan lays them out
+            splits = sorted({cuda_w4.slice_plan(k, int(v))[0] for v in a.splits.split(",") if v} - {split}) if not inv else []
+            for sp in splits:
                 time_variant(row, f"split{sp}", x[:m], ws, alone, split=sp)
-                for (t, rt) in [(t, 1) for t in range(1, full)] + list(cuda_w4.DIRECT_ROWS_BUILD):
-                    if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                        time_variant(row, f"split{sp}_tiles{t}" + (f"x{rt}" if rt > 1 else ""), x[:m], ws, alone, t, rt, sp)
+                row_tiles([(t, 1) for t in range(1, full)], f"split{sp}_tiles", sp)
+                row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"split{sp}_rows_tiles", sp)
             for name, (fns, tables) in builds.items():
                 with entries(fns, tables):
                     spec = BUILDS[name]
