@@ -703,7 +703,8 @@ def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch
 
 def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(monkeypatch) -> None:
     """A W4 model that is not batch-invariant (an intermediate) gets each row count's faster kernel:
-    every product at 1-130 rows runs the kernel its kind's plan names there and is right, and a
+    every product at 1-130 rows runs the kernel (and the CUDA kernel's K split) its kind's plan
+    names there and is right, and a
     weight whose kind runs both kernels multiplies through both layouts (the codes rebuilt from
     the first for the second)."""
     from hierviz.measure.common import load_shape
@@ -722,13 +723,19 @@ def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(m
         for w in triton_weights([model]):
             kind = w4_verdicts.kernel_kind(w)
             times = w4_verdicts.kernel_times(kind)
+            splits = w4_choice.split_candidates(kind, torch.cuda.get_device_properties(0).multi_processor_count)
+            print(f"{w.in_features}x{w.out_features}", {m: times["cuda_tiles"][m] for m in (16, 32, 64)})
             x = torch.randn(130, w.in_features, device="cuda").half()
             ref = reference(x, w)
             for m in (1, 8, 16, 24, 32, 48, 64, 96, 128, 130):
                 timed = next((c for c in w4_choice.CHOICE_ROWS if c >= m), w4_choice.CHOICE_ROWS[-1])
                 want = chosen[kind] and times["cuda_us"][timed] <= times["triton_us"][timed]
                 assert cuda_w4.serves(w, m) == want, (kind, m)
-                assert triton_w4.chosen_config(x[:m], w).cuda == want, (kind, m)
+                cfg = triton_w4.chosen_config(x[:m], w)
+                assert cfg.cuda == want, (kind, m)
+                if want:    # the K split timed fastest there (past the largest timed count: the kind's own)
+                    planned = times["cuda_tiles"][timed][2] if m <= w4_choice.CHOICE_ROWS[-1] else splits[0]
+                    assert cfg.split_k == planned and cfg.split_k in splits, (kind, m)
                 assert float(kernel_guard.row_errors(triton_w4.triton_w4_matmul(x[:m], w), ref[:m]).max()) < 5e-3
     finally:
         w4_verdicts.forget_kernel_choices()
@@ -749,7 +756,9 @@ def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invaria
         for kind, cuda in chosen.items():
             times = w4_verdicts.kernel_times(kind)
             assert set(times["cuda_us"]) == set(times["triton_us"]) == set(times["cuda_tiles"]) == set(w4_choice.CHOICE_ROWS)
-            assert all(times["cuda_tiles"][m] in w4_choice.tile_candidates(m) for m in w4_choice.CHOICE_ROWS)
+            assert all(times["cuda_tiles"][m][:2] in w4_choice.tile_candidates(m) for m in w4_choice.CHOICE_ROWS)
+            own_split = w4_choice.split_candidates(kind, torch.cuda.get_device_properties(0).multi_processor_count)
+            assert own_split == [times["cuda_tiles"][1][2]] and {e[2] for e in times["cuda_tiles"].values()} == set(own_split)
             assert all(0 < t < 10_000 for t in (*times["cuda_us"].values(), *times["triton_us"].values()))
             assert cuda == w4_choice.faster_everywhere(times["cuda_us"], times["triton_us"])
         print({f"{k[1]}x{k[2]}": v for k, v in chosen.items()})

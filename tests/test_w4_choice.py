@@ -10,6 +10,8 @@ from hierviz.config import options
 from hierviz.quant import cuda_w4, kernel_guard, w4_choice, w4_verdicts
 from tests.test_cuda_w4 import random_weight
 
+SMS = 132       # an H100's multiprocessors: the K split of the small test weights is one slice at any count
+
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
@@ -45,7 +47,7 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
         timed.append((kind, "cuda"))
         faster = kind == kinds[0]
         # the faster kind's 32-row products run fastest as two passes of 16 tokens
-        return {m: {t: (10.0 if faster else 30.0) - (t == (2, 1) and m == 32) for t in w4_choice.tile_candidates(m)}
+        return {m: {(*t, 1): (10.0 if faster else 30.0) - (t == (2, 1) and m == 32) for t in w4_choice.tile_candidates(m)}
                 for m in rows}
 
     def fake_triton(kind, device, rows=w4_choice.CHOICE_ROWS, timer=None):
@@ -56,11 +58,11 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
     chosen = w4_choice.choose_for_models([], "cuda")
     assert chosen == {kinds[0]: True, kinds[1]: False} and len(timed) == 4
     times = w4_verdicts.kernel_times(kinds[0])
-    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == (2, 1)
+    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == (2, 1, 1)
     assert cuda_w4.serves(fast) and not cuda_w4.serves(slow)
     # the tile plan: 32 rows (and 26-31, timed at 32) in two passes; elsewhere one pass
-    assert [cuda_w4.tiles_for(fast, m)[0] for m in (1, 16, 24, 25, 32, 33, 40, 64, 128, 300)] == [1, 2, 3, 4, 2, 5, 5, 8, 8, 8]
-    assert [cuda_w4.tiles_for(slow, m) for m in (25, 32)] == [(4, 1), (4, 1)]     # no plan: Triton runs it anyway
+    assert [cuda_w4.plan_for(fast, m, SMS)[0] for m in (1, 16, 24, 25, 32, 33, 40, 64, 128, 300)] == [1, 2, 3, 4, 2, 5, 5, 8, 8, 8]
+    assert [cuda_w4.plan_for(slow, m, SMS) for m in (25, 32)] == [(4, 1, 1), (4, 1, 1)]     # no plan: Triton runs it anyway
     # a twin weight of the same kind (another layer) runs the same kernel; nothing is timed again
     twin = random_weight(64, 128, 32)
     twin.batch_invariant = True
@@ -80,10 +82,10 @@ def test_a_kind_that_ran_a_product_before_any_choice_keeps_the_triton_kernel(mon
     kind = w4_verdicts.kernel_kind(w)
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
-    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {(1, 1): 1.0}})
+    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {(1, 1, 1): 1.0}})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {1: 9.0})
     assert w4_choice.choose_for_models([], "cuda") == {kind: False} and not cuda_w4.serves(w)
-    assert cuda_w4.tiles_for(w, 32) == (4, 1)
+    assert cuda_w4.plan_for(w, 32, SMS) == (4, 1, 1)
 
 
 def test_nothing_is_timed_off_auto_on_a_cpu_or_where_the_variant_is_not_enabled(monkeypatch) -> None:
@@ -140,26 +142,30 @@ def test_tile_candidates_and_the_fastest_tiles(monkeypatch) -> None:
     assert w4_choice.tile_candidates(32) == [(4, 1), (3, 1), (2, 1), (1, 1), (4, 2), (4, 4), (2, 2), (1, 4)]
     assert w4_choice.tile_candidates(17) == [(3, 1), (2, 1), (1, 1), (2, 2), (1, 4)]
     assert all(-(-m // (8 * t)) <= w4_choice.MAX_PASSES for m in w4_choice.CHOICE_ROWS for t, _ in w4_choice.tile_candidates(m))
-    assert w4_choice.fastest_tiles(32, {(4, 1): 10.05, (2, 1): 10.0}) == (4, 1)
-    assert w4_choice.fastest_tiles(32, {(4, 1): 10.5, (2, 1): 10.0, (1, 1): 12.0}) == (2, 1)
-    assert w4_choice.fastest_tiles(32, {(4, 1): 10.5, (2, 1): 10.0, (4, 2): 8.0}) == (4, 2)
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (2, 1, 4): 10.0}) == (4, 1, 4)
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (1, 1, 4): 12.0}) == (2, 1, 4)
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (4, 2, 4): 8.0}) == (4, 2, 4)
+    # the kind's own split is the fewest slices timed; more slices win only beyond the noise
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (4, 1, 8): 10.0, (4, 1, 16): 10.02}) == (4, 1, 4)
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (4, 1, 8): 10.0, (2, 1, 4): 10.4}) == (4, 1, 8)
 
 
 def test_a_planned_entry_of_several_row_tiles_runs_only_where_it_is_built(monkeypatch) -> None:
-    """tiles_for clamps a plan's token tiles to the rows at hand; a (tiles, row tiles) pair that is
+    """plan_for clamps a plan's token tiles to the rows at hand; a (tiles, row tiles) pair that is
     not built then runs one row tile per warp, the same bits."""
     w = random_weight(64, 128, 32)
     kind = w4_verdicts.kernel_kind(w)
     monkeypatch.setattr(cuda_w4, "DIRECT_ROWS_BUILD", {(4, 2): (4, 2), (2, 2): (4, 2)})
-    w4_verdicts.choose_kernel(kind, True, None, {16: (2, 2), 32: (4, 2)})
-    assert [cuda_w4.tiles_for(w, m) for m in (9, 16, 17, 25, 32, 33)] == [(2, 2), (2, 2), (3, 1), (4, 2), (4, 2), (5, 1)]
+    w4_verdicts.choose_kernel(kind, True, None, {16: (2, 2, 1), 32: (4, 2, 1)})
+    assert ([cuda_w4.plan_for(w, m, SMS) for m in (9, 16, 17, 25, 32, 33)]
+            == [(2, 2, 1), (2, 2, 1), (3, 1, 1), (4, 2, 1), (4, 2, 1), (5, 1, 1)])
 
 
 def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
     w = random_weight(64, 128, 32)
     kind = w4_verdicts.kernel_kind(w)
     assert not w4_verdicts.cuda_chosen(w)                       # a product ran: fixed to Triton
-    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: (2, 1)}) is False
+    assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: (2, 1, 1)}) is False
     assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None and w4_verdicts.planned_tiles(kind, 32) is None
 
 
@@ -173,7 +179,7 @@ def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: sorted({k for m in models for k in kinds[m]}))
     monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {
-        m: {t: 40.0 if m == 32 else 10.0 for t in w4_choice.tile_candidates(m)} for m in w4_choice.CHOICE_ROWS})
+        m: {(*t, 1): 40.0 if m == 32 else 10.0 for t in w4_choice.tile_candidates(m)} for m in w4_choice.CHOICE_ROWS})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {m: 20.0 for m in w4_choice.CHOICE_ROWS})
     said = []
     chosen = w4_choice.choose_for_models(["target", "verifier", "intermediate"], "cuda", log=said.append,
@@ -248,8 +254,25 @@ def test_each_row_count_and_choice_is_timed_over_cycled_weight_copies(monkeypatc
     assert timed[0][1] != timed[1][1]          # consecutive products read different copies
     # a choice whose rows differ from the default entry's on this machine is neither timed nor planned
     seen.clear()
-    with pytest.warns(RuntimeWarning, match=r"W4 CUDA entry b gave other bits than the default entry for 64x32 "
+    with pytest.warns(RuntimeWarning, match=r"W4 CUDA entry b disagreed with the default entry for 64x32 "
                                             r"\(verifier\) at 5 rows on this GPU: not used"):
         times = w4_choice._time_rows(kind, torch.device("cpu"), (1, 5), timer, product,
                                      lambda m: ["a", "b"] if m > 1 else ["a"], same_bits=lambda x, w, choice: choice == "a")
     assert times == {1: {"a": 1.0}, 5: {"a": 1.0}}
+
+
+def test_a_kind_that_is_not_batch_invariant_also_times_more_k_slices(monkeypatch) -> None:
+    """An intermediate's kind times its own split and the slices of SPLIT_FACTORS times as many; a
+    verifier's only its own (its rows keep their bits only there). The plan's split runs the
+    intermediate's products; a verifier's plan never moves its split."""
+    assert w4_choice.split_candidates((0, 4096, 4096, 128, False, False), 132) == [4, 8, 16]
+    assert w4_choice.split_candidates((0, 4096, 28672, 128, False, False), 132) == [1, 2, 4]
+    assert w4_choice.split_candidates((0, 14336, 4096, 128, False, False), 132) == [8, 14, 28]
+    assert w4_choice.split_candidates((0, 4096, 4096, 128, False, True), 132) == [4]
+    plain, verifier = random_weight(64, 1024, 32), random_weight(64, 1024, 32)
+    verifier.batch_invariant = True
+    for w in (plain, verifier):
+        w4_verdicts.choose_kernel(w4_verdicts.kernel_kind(w), True, None, {1: (1, 1, 1), 32: (2, 1, 4)})
+    assert cuda_w4.split_for(64, 1024, SMS) == 1
+    assert [cuda_w4.plan_for(plain, m, SMS) for m in (1, 32)] == [(1, 1, 1), (2, 1, 4)]
+    assert [cuda_w4.plan_for(verifier, m, SMS) for m in (1, 32)] == [(1, 1, 1), (2, 1, 1)]

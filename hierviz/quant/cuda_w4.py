@@ -27,7 +27,7 @@ grid). Up to 40 tokens a pass the activations come straight from L1 and the code
 are held in registers several chunks ahead (`product_direct`, one or two 16-row tiles per warp:
 DIRECT_ROWS_BUILD); from 41 the block's warps share the activations through shared memory
 (`product_staged`, the codes read once for up to 64 tokens); all run the same MMAs. Where w4_choice
-timed a weight's kind, each row count runs the entry timed fastest (tiles_for): a narrow weight may
+timed a weight's kind, each row count runs the entry timed fastest (plan_for): a narrow weight may
 take 32 tokens as two passes of 16, a wide one 24 tokens with two row tiles per warp. On Hopper the
 kernel is built for sm_90a, which adds wgmma entries for the staged tile counts (`product_wgmma`:
 each warpgroup's 64 rows times the pass's tokens per MMA step, A from the same dequantized
@@ -199,16 +199,21 @@ def token_tiles(m: int) -> int:
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
 
 
-def tiles_for(w: W4Weight, m: int) -> tuple[int, int]:
-    """(8-token tiles per block, 16-row tiles per warp) of an m-row product of w: where
-    hierviz.quant.w4_choice timed w's kind, its fastest entry (fewer token tiles run more passes of
-    the grid over the tokens, each block re-reading its weight tile; more row tiles per warp let each
-    activation load serve more MMAs; any choice gives a row the same bits), else (token_tiles(m), 1)."""
+def plan_for(w: W4Weight, m: int, sms: int) -> tuple[int, int, int]:
+    """(8-token tiles per block, 16-row tiles per warp, K slices) of an m-row product of w on a GPU
+    of `sms` multiprocessors: where hierviz.quant.w4_choice timed w's kind, its fastest entry (fewer
+    token tiles run more passes of the grid over the tokens, each block re-reading its weight tile;
+    more row tiles per warp let each activation load serve more MMAs; any of them gives a row the
+    same bits; a kind that is not batch-invariant may also have timed another K split faster),
+    else (token_tiles(m), 1, split_for)."""
+    default = (token_tiles(m), 1, split_for(w.out_features, w.in_features, sms))
     planned = w4_verdicts.planned_tiles(w4_verdicts.kernel_kind(w), m)
     if planned is None:
-        return token_tiles(m), 1
-    tiles, row_tiles = min(planned[0], token_tiles(m)), planned[1]
-    return (tiles, row_tiles) if row_tiles == 1 or (tiles, row_tiles) in DIRECT_ROWS_BUILD else (tiles, 1)
+        return default
+    tiles, row_tiles, split = min(planned[0], token_tiles(m)), planned[1], planned[2]
+    if w.batch_invariant:       # a verifier's rows keep their bits only at the split of its kind
+        split = default[2]
+    return (tiles, row_tiles, split) if row_tiles == 1 or (tiles, row_tiles) in DIRECT_ROWS_BUILD else (tiles, 1, split)
 
 
 def serves(w: W4Weight, m: Optional[int] = None) -> bool:
@@ -541,9 +546,10 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
            split: Optional[int] = None, tiles: Optional[int] = None, wgmma: Optional[bool] = None,
            row_tiles: int = 1) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
-    and returned. split: K slices (default split_for on this GPU; the same for every M; another
-    split sums in another order, so other bits). tiles: 8-token tiles per block (default
-    tiles_for(w, M), with its row tiles per warp); any choice gives a row the same bits. wgmma:
+    and returned. split: K slices (default: plan_for's, for a batch-invariant weight split_for on
+    this GPU, the same for every M; another split sums in another order, so other bits). tiles:
+    8-token tiles per block (default plan_for(w, M), with its row tiles per warp and K slices);
+    any choice of tiles gives a row the same bits. wgmma:
     whether the staged tile counts run the wgmma entries (default: WGMMA_BY_DEFAULT, where this
     GPU's build has them; else the mma.sync staged loop), the same bits either way. row_tiles:
     16-row tiles per warp of a direct entry (DIRECT_ROWS_BUILD), the same bits too."""
@@ -572,11 +578,12 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     if codes.stride()[1:] != (128, 4, 1):
         raise ValueError("the CUDA W4 kernel reads its codes tile by tile (cuda_w4.pack_layout)")
     x = x.contiguous()
+    if tiles is None:
+        tiles, row_tiles, planned_split = plan_for(w, m, multiprocessor_count(x.device))
+        split = planned_split if split is None else split
     if split is None:
         split = split_for(n, k, multiprocessor_count(x.device))
     split, per = slice_plan(k, split)
-    if tiles is None:
-        tiles, row_tiles = tiles_for(w, m)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
     grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)

@@ -368,9 +368,9 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
     if w4_verdicts.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
         from hierviz.quant import cuda_w4
         if cuda_w4.serves(w, m) and cuda_w4.supports_shape(n, k, w.group_size):
-            tiles, row_tiles = cuda_w4.tiles_for(w, m)       # num_warps: 8 / row tiles per warp
+            tiles, row_tiles, split = cuda_w4.plan_for(w, m, sm_count(x.device))   # num_warps: 8 / row tiles per warp
             return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles,
-                          split_k=cuda_w4.split_for(n, k, sm_count(x.device)), num_warps=cuda_w4.WARPS // row_tiles,
+                          split_k=split, num_warps=cuda_w4.WARPS // row_tiles,
                           num_stages=cuda_w4.ahead_chunks(tiles, row_tiles), cuda=True)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.

@@ -13,7 +13,8 @@ product: a stack load calls
 building their models. Each kind is timed on synthetic weights of its shape, both kernels in the
 mode the weight runs in (a verifier's batch-invariant products, another weight's normal ones), at
 CHOICE_ROWS; the CUDA kernel at each of its tile choices per row count (tile_candidates: any gives a
-row the same bits), so a kind the CUDA kernel runs also gets the fastest tiles at each row count
+row the same bits) and, for a kind that is not batch-invariant, at more K slices too
+(split_candidates), so a kind the CUDA kernel runs also gets the fastest entry at each row count
 (w4_verdicts.planned_tiles). Every method of a comparison runs the same weights, so the comparison stays fair:
 a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
 is not chosen for that weight, as those rows are in the workload. docs/kernels.md gives the choices measured on the H100 and H200."""
@@ -29,6 +30,7 @@ import torch
 
 from hierviz.config import options, overrides
 from hierviz.quant import cuda_w4, kernel_guard, triton_w4, w4_verdicts
+from hierviz.quant.tickets import multiprocessor_count
 from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
 from hierviz.quant.w4_proof import synthetic_weight, triton_weights
 
@@ -43,6 +45,9 @@ COPIES_BYTES = 128 << 20       # weight copies cycled per timing: more than the 
 MAX_COPIES = 16
 MAX_PASSES = 4                 # passes of the grid over the tokens a timed tile choice may take
 TILES_NOISE = 1.01
+# a kind that is not batch-invariant (an intermediate's) also times its K split times these
+# (cuda_w4.split_for's slices fill one wave at one token; more rows can use more, docs/kernels.md)
+SPLIT_FACTORS = (1, 2, 4)
 Timer = Callable[[Callable[[], Any]], float]
 
 
@@ -103,7 +108,7 @@ def _time_rows(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterabl
         out[m] = {}
         for choice in choices(m):
             if same_bits is not None and not same_bits(x, ws[0], choice):
-                warnings.warn(f"W4 CUDA entry {choice} gave other bits than the default entry for "
+                warnings.warn(f"W4 CUDA entry {choice} disagreed with the default entry for "
                               f"{w4_verdicts.kind_label(kind)} at {m} rows on this GPU: not used", RuntimeWarning,
                               stacklevel=3)
                 continue
@@ -133,30 +138,50 @@ def tile_candidates(m: int) -> list[tuple[int, int]]:
     return [(t, 1) for t in fits] + rows_entries
 
 
+def split_candidates(kind: w4_verdicts.KernelKind, sms: int) -> list[int]:
+    """The K slice counts timed for a kind on a GPU of `sms` multiprocessors, its default first:
+    cuda_w4.split_for's (a verifier's only one: its rows keep their bits only at it), and for a
+    kind that is not batch-invariant the slices of SPLIT_FACTORS times as many (deduplicated)."""
+    _, k, n, _, _, invariant = kind
+    split = cuda_w4.split_for(n, k, sms)
+    factors = (1,) if invariant else SPLIT_FACTORS
+    return list(dict.fromkeys(cuda_w4.slice_plan(k, f * split)[0] for f in factors))
+
+
 def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
-              timer: Timer = cuda_graph_timer) -> dict[int, dict[tuple[int, int], float]]:
+              timer: Timer = cuda_graph_timer) -> dict[int, dict[tuple[int, int, int], float]]:
     """Microseconds per product of this kind in the CUDA MMA kernel at each row count, for each of
-    its tile_candidates (row count -> (tiles, row tiles per warp) -> us): every choice is built to
-    give a row the same bits, and one that does not here is left out."""
-    def product(x: torch.Tensor, w: W4Weight, entry: Optional[tuple[int, int]]) -> torch.Tensor:
-        tiles, row_tiles = entry or (None, 1)
-        return cuda_w4.matmul(x, w, tiles=tiles, row_tiles=row_tiles)
+    its tile_candidates at each of its split_candidates (row count -> (tiles, row tiles per warp,
+    K slices) -> us). Every tile choice is built to give a row the same bits at one split, and one
+    that does not here is left out; another split (a kind that is not batch-invariant) sums in
+    another order, so its products must agree with the default split's within fp16 rounding."""
+    splits = split_candidates(kind, multiprocessor_count(device))
 
-    def same_bits(x: torch.Tensor, w: W4Weight, entry: tuple[int, int]) -> bool:
-        # every entry is built to give the one-pass entry's bits; one that does not on this GPU
-        # (an arch or compiler nobody here ran) is never planned
-        one_pass = (cuda_w4.token_tiles(x.shape[0]), 1)
-        return entry == one_pass or torch.equal(product(x, w, entry), product(x, w, one_pass))
-    return _time_rows(kind, device, rows, timer, product, tile_candidates, same_bits)
+    def product(x: torch.Tensor, w: W4Weight, entry: Optional[tuple[int, int, int]]) -> torch.Tensor:
+        tiles, row_tiles, split = entry or (None, 1, None)
+        return cuda_w4.matmul(x, w, tiles=tiles, row_tiles=row_tiles, split=split)
+
+    def agrees(x: torch.Tensor, w: W4Weight, entry: tuple[int, int, int]) -> bool:
+        # an entry that gives other bits at the default split (an arch or compiler nobody here
+        # ran), or other values at another split, is never planned
+        one_pass = (cuda_w4.token_tiles(x.shape[0]), 1, splits[0])
+        if entry == one_pass:
+            return True
+        y, ref = product(x, w, entry), product(x, w, one_pass)
+        if entry[2] == splits[0]:
+            return torch.equal(y, ref)
+        return torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    return _time_rows(kind, device, rows, timer, product,
+                      lambda m: [(t, r, s) for s in splits for t, r in tile_candidates(m)], agrees)
 
 
-def fastest_tiles(m: int, by_tiles: dict[tuple[int, int], float]) -> tuple[int, int]:
+def fastest_tiles(m: int, by_entry: dict[tuple[int, int, int], float]) -> tuple[int, int, int]:
     """The entry an m-row product runs: the fastest timed, or the one-pass entry of one row tile
-    per warp unless another is faster by more than TILES_NOISE (so that noise does not move a
-    product off its default)."""
-    best = min(by_tiles, key=by_tiles.get)
-    full = (cuda_w4.token_tiles(m), 1)
-    return full if full in by_tiles and by_tiles[full] <= TILES_NOISE * by_tiles[best] else best
+    per warp at the kind's own split (split_for's, the fewest slices timed: split_candidates) unless
+    another is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
+    best = min(by_entry, key=by_entry.get)
+    full = (cuda_w4.token_tiles(m), 1, min(split for _, _, split in by_entry))
+    return full if full in by_entry and by_entry[full] <= TILES_NOISE * by_entry[best] else best
 
 
 def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], noise: float = NOISE,
