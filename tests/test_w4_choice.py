@@ -145,9 +145,9 @@ def test_tile_candidates_and_the_fastest_tiles(monkeypatch) -> None:
     assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (2, 1, 4): 10.0}) == (4, 1, 4)
     assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (1, 1, 4): 12.0}) == (2, 1, 4)
     assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (4, 2, 4): 8.0}) == (4, 2, 4)
-    # the kind's own split is the fewest slices timed; more slices win only beyond the noise
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (4, 1, 8): 10.0, (4, 1, 16): 10.02}) == (4, 1, 4)
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (4, 1, 8): 10.0, (2, 1, 4): 10.4}) == (4, 1, 8)
+    # the kind's own split is the most slices timed; fewer slices win only beyond the noise
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (4, 1, 2): 10.0, (4, 1, 1): 10.02}) == (4, 1, 4)
+    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (4, 1, 1): 10.0, (2, 1, 4): 10.4}) == (4, 1, 1)
 
 
 def test_a_planned_entry_of_several_row_tiles_runs_only_where_it_is_built(monkeypatch) -> None:
@@ -262,12 +262,12 @@ def test_each_row_count_and_choice_is_timed_over_cycled_weight_copies(monkeypatc
 
 
 def test_a_kind_that_is_not_batch_invariant_also_times_more_k_slices(monkeypatch) -> None:
-    """An intermediate's kind times its own split and the slices of SPLIT_FACTORS times as many; a
+    """An intermediate's kind times its own split and it divided by SPLIT_DIVISORS; a
     verifier's only its own (its rows keep their bits only there). The plan's split runs the
     intermediate's products; a verifier's plan never moves its split."""
-    assert w4_choice.split_candidates((0, 4096, 4096, 128, False, False), 132) == [4, 8, 16]
-    assert w4_choice.split_candidates((0, 4096, 28672, 128, False, False), 132) == [1, 2, 4]
-    assert w4_choice.split_candidates((0, 14336, 4096, 128, False, False), 132) == [8, 14, 28]
+    assert w4_choice.split_candidates((0, 4096, 4096, 128, False, False), 132) == [4, 2, 1]
+    assert w4_choice.split_candidates((0, 4096, 28672, 128, False, False), 132) == [1]
+    assert w4_choice.split_candidates((0, 14336, 4096, 128, False, False), 132) == [8, 4, 2]
     assert w4_choice.split_candidates((0, 4096, 4096, 128, False, True), 132) == [4]
     plain, verifier = random_weight(64, 1024, 32), random_weight(64, 1024, 32)
     verifier.batch_invariant = True

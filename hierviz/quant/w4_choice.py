@@ -45,9 +45,11 @@ COPIES_BYTES = 128 << 20       # weight copies cycled per timing: more than the 
 MAX_COPIES = 16
 MAX_PASSES = 4                 # passes of the grid over the tokens a timed tile choice may take
 TILES_NOISE = 1.01
-# a kind that is not batch-invariant (an intermediate's) also times its K split times these
-# (cuda_w4.split_for's slices fill one wave at one token; more rows can use more, docs/kernels.md)
-SPLIT_FACTORS = (1, 2, 4)
+# a kind that is not batch-invariant (an intermediate's) also times its K split divided by these:
+# cuda_w4.split_for's slices fill one wave of blocks at one token, and at 32-64 rows, where a block
+# has more work per chunk, fewer and longer slices were faster on the narrow kinds (more were slower
+# everywhere: docs/kernels.md)
+SPLIT_DIVISORS = (1, 2, 4)
 Timer = Callable[[Callable[[], Any]], float]
 
 
@@ -141,11 +143,11 @@ def tile_candidates(m: int) -> list[tuple[int, int]]:
 def split_candidates(kind: w4_verdicts.KernelKind, sms: int) -> list[int]:
     """The K slice counts timed for a kind on a GPU of `sms` multiprocessors, its default first:
     cuda_w4.split_for's (a verifier's only one: its rows keep their bits only at it), and for a
-    kind that is not batch-invariant the slices of SPLIT_FACTORS times as many (deduplicated)."""
+    kind that is not batch-invariant the slices of it divided by SPLIT_DIVISORS (deduplicated)."""
     _, k, n, _, _, invariant = kind
     split = cuda_w4.split_for(n, k, sms)
-    factors = (1,) if invariant else SPLIT_FACTORS
-    return list(dict.fromkeys(cuda_w4.slice_plan(k, f * split)[0] for f in factors))
+    divisors = (1,) if invariant else SPLIT_DIVISORS
+    return list(dict.fromkeys(cuda_w4.slice_plan(k, max(1, split // d))[0] for d in divisors))
 
 
 def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
@@ -177,10 +179,10 @@ def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable
 
 def fastest_tiles(m: int, by_entry: dict[tuple[int, int, int], float]) -> tuple[int, int, int]:
     """The entry an m-row product runs: the fastest timed, or the one-pass entry of one row tile
-    per warp at the kind's own split (split_for's, the fewest slices timed: split_candidates) unless
+    per warp at the kind's own split (split_for's, the most slices timed: split_candidates) unless
     another is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
     best = min(by_entry, key=by_entry.get)
-    full = (cuda_w4.token_tiles(m), 1, min(split for _, _, split in by_entry))
+    full = (cuda_w4.token_tiles(m), 1, max(split for _, _, split in by_entry))
     return full if full in by_entry and by_entry[full] <= TILES_NOISE * by_entry[best] else best
 
 
