@@ -17,7 +17,7 @@ DELEGATED = {"bench": "hierviz.measure.bench", "profile": "hierviz.measure.profi
              "batch-invariance": "hierviz.measure.batch_invariance", "draft-sweep": "hierviz.measure.draft_sweep",
              "op-profile": "hierviz.measure.op_profile", "engine-bench": "hierviz.measure.engine_bench",
              "endurance": "hierviz.app.endurance", "compat": "hierviz.measure.compat",
-             "cost-model": "hierviz.measure.cost_model"}
+             "cost-model": "hierviz.measure.cost_model", "cost-check": "hierviz.measure.cost_check"}
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -95,6 +95,7 @@ HELP = """\
   whatif        real-scale projection with replayed acceptance (--exact: lossless at real shapes)
   compat        AR / EAGLE-2 / HierSpec per target weight format (FP16, W8A8, FP8, W4A16), one process
   cost-model    roofline model per format fitted to measured profiles; projections to other GPUs
+  cost-check    that model against the single W4 products a what-if timed on a GPU
   train         train the offline stack's intermediate model and EAGLE heads
   kernel-bench  W4A16 kernel micro-benchmark (GPU)
   engine-bench  the engine against transformers on the offline stack's shapes, exactness included

@@ -524,3 +524,46 @@ def test_the_cuda_kernels_loop_scales_with_multiprocessors_and_clock():
     tm = cm.terms_of(cm.w4_kernels(get_format("w4a16"), 40, 4096, 14336, False, where, ada), ada)
     assert tm.mma_comp_us[0] / 0.9 < tm.mma_peak_us[0]
     assert cm.predict_us(f, tm) == pytest.approx(3.0 + max(tm.mma_mem_us[0] / 0.93, tm.mma_peak_us[0]))
+
+
+def test_cost_check_prices_each_product_a_whatif_timed(tmp_path, capsys) -> None:
+    """`cost-check`: every product of a what-if's w4_kernel_choices, both kernels, priced with the
+    shipped H100 calibration on the what-if's GPU; the summary covers only what the model models (a
+    verifier's Triton products run the batch-invariant mode its profiles never ran)."""
+    from hierviz.measure import cost_check
+    whatif = ROOT / "assets/whatif/h100-llama3-70b-paper-trees.json"
+    calibration = ROOT / "docs/bench/cost-model-h100.json"
+    assert cost_check.main(["--calibration", str(calibration), "--whatif", str(whatif), "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "cost_check.json").read_text())
+    choices = json.loads(whatif.read_text())["w4_kernel_choices"]
+    assert len(info["products"]) == sum(len(c["cuda_us"]) + len(c["triton_us"]) for c in choices)
+    fit = cm.Fit(**json.loads(calibration.read_text())["calibration"]["fit"])
+    gpu = cm.gpu_named(info["measured_on"])
+    for r in info["products"][:: 17]:      # the price is the model's for that product, the error against the record
+        c = next(c for c in choices if (c["K"], c["N"], c["batch_invariant"]) == (r["K"], r["N"], r["batch_invariant"]))
+        measured = c["cuda_us" if r["kernel"] == "cuda_mma" else "triton_us"][str(r["rows"])]
+        kernels = cm.product_kernels("w4a16", r["rows"], r["K"], r["N"], False,
+                                     cm.Shape(cfg={}, group=r["group"], w4_kernel=r["kernel"]), gpu)
+        assert r["measured_us"] == measured and r["predicted_us"] == pytest.approx(cm.predict_us(fit, cm.terms_of(kernels, gpu)))
+        assert r["error"] == pytest.approx(r["predicted_us"] / measured - 1)
+    modeled = [r for r in info["products"] if r["modeled"]]
+    assert {r["kernel"] for r in info["products"] if not r["modeled"]} == {"triton"}
+    assert all(not r["batch_invariant"] for r in modeled if r["kernel"] == "triton")
+    assert info["summary"]["cuda_mma"]["max_abs"] == max(abs(r["error"]) for r in modeled if r["kernel"] == "cuda_mma")
+    assert "| cuda_mma |" in (tmp_path / "cost_check.md").read_text() and "not modeled" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="knows no GPU named 'Voodoo5 5500'"):
+        cost_check.product_errors(fit, "Voodoo5 5500", choices)
+
+
+@pytest.mark.parametrize("calibration, whatif, said", [
+    ("docs/bench/cost-model-h100.json", "assets/whatif/acceptance", "IsADirectoryError|Is a directory"),
+    ("docs/bench/cost-model-h100.json", "docs/bench/cost-model-h100.json", "holds no timed W4 products"),
+    ("assets/whatif/h100-llama3-70b-paper-trees.json", "assets/whatif/h100-llama3-70b-paper-trees.json",
+     "holds no fit"),
+    ("docs/bench/cost-model-h100.json", "no-such-file.json", "No such file"),
+])
+def test_cost_check_refuses_files_it_cannot_use_with_one_line(calibration, whatif, said, capsys) -> None:
+    from hierviz.measure import cost_check
+    assert cost_check.main(["--calibration", str(ROOT / calibration), "--whatif", str(ROOT / whatif)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and any(s in err for s in said.split("|"))
