@@ -257,7 +257,7 @@ def test_each_row_count_and_choice_is_timed_over_cycled_weight_copies(monkeypatc
     with pytest.warns(RuntimeWarning, match=r"W4 CUDA entry b disagreed with the default entry for 64x32 "
                                             r"\(verifier\) at 5 rows on this GPU: not used"):
         times = w4_choice._time_rows(kind, torch.device("cpu"), (1, 5), timer, product,
-                                     lambda m: ["a", "b"] if m > 1 else ["a"], same_bits=lambda x, w, choice: choice == "a")
+                                     lambda m: ["a", "b"] if m > 1 else ["a"], agrees=lambda x, w, choice: choice == "a")
     assert times == {1: {"a": 1.0}, 5: {"a": 1.0}}
 
 

@@ -13,7 +13,7 @@ product: a stack load calls
 building their models. Each kind is timed on synthetic weights of its shape, both kernels in the
 mode the weight runs in (a verifier's batch-invariant products, another weight's normal ones), at
 CHOICE_ROWS; the CUDA kernel at each of its tile choices per row count (tile_candidates: any gives a
-row the same bits) and, for a kind that is not batch-invariant, at more K slices too
+row the same bits) and, for a kind that is not batch-invariant, at fewer K slices too
 (split_candidates), so a kind the CUDA kernel runs also gets the fastest entry at each row count
 (w4_verdicts.planned_tiles). Every method of a comparison runs the same weights, so the comparison stays fair:
 a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
@@ -95,11 +95,11 @@ def _rows(kind: w4_verdicts.KernelKind, rows: Iterable[int]) -> list[int]:
 
 def _time_rows(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int], timer: Timer,
                product: Callable[[torch.Tensor, W4Weight, Any], Any], choices: Callable[[int], list],
-               same_bits: Optional[Callable[[torch.Tensor, W4Weight, Any], bool]] = None
+               agrees: Optional[Callable[[torch.Tensor, W4Weight, Any], bool]] = None
                ) -> dict[int, dict[Any, float]]:
     """Microseconds of product(x, w, choice) at each row count of this kind, for each of
     choices(row count), cycling weight copies so that reads come from DRAM; a choice for which
-    same_bits(x, w, choice) is False is left out, with a warning."""
+    agrees(x, w, choice) is False is left out, with a warning."""
     ws = _copies(kind, device)
     x1 = torch.randn(1, kind[1], device=device).to(torch.float16)
     for w in ws:        # each copy's kernel layout is built here, eagerly, never inside a capture
@@ -109,7 +109,7 @@ def _time_rows(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterabl
         x = torch.randn(m, kind[1], device=device).to(torch.float16)
         out[m] = {}
         for choice in choices(m):
-            if same_bits is not None and not same_bits(x, ws[0], choice):
+            if agrees is not None and not agrees(x, ws[0], choice):
                 warnings.warn(f"W4 CUDA entry {choice} disagreed with the default entry for "
                               f"{w4_verdicts.kind_label(kind)} at {m} rows on this GPU: not used", RuntimeWarning,
                               stacklevel=3)
