@@ -709,7 +709,7 @@ def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(m
     the first for the second)."""
     from hierviz.measure.common import load_shape
     from hierviz.models.synthetic import synthetic_model
-    from hierviz.quant import cuda_w4, kernel_guard, triton_w4, w4_choice, w4_verdicts
+    from hierviz.quant import cuda_w4, kernel_guard, tickets, triton_w4, w4_choice, w4_verdicts
     from hierviz.quant.w4_proof import reference, triton_weights
     monkeypatch.delenv("HIERVIZ_W4_CUDA", raising=False)
     w4_verdicts.forget_kernel_choices()
@@ -723,7 +723,7 @@ def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(m
         for w in triton_weights([model]):
             kind = w4_verdicts.kernel_kind(w)
             times = w4_verdicts.kernel_times(kind)
-            splits = w4_choice.split_candidates(kind, torch.cuda.get_device_properties(0).multi_processor_count)
+            splits = w4_choice.split_candidates(kind, tickets.multiprocessor_count(torch.device("cuda")))
             print(f"{w.in_features}x{w.out_features}", {m: times["cuda_tiles"][m] for m in (16, 32, 64)})
             x = torch.randn(130, w.in_features, device="cuda").half()
             ref = reference(x, w)
@@ -746,7 +746,7 @@ def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invaria
     kernels at every CHOICE_ROWS count before any product, the CUDA kernel chosen exactly where no
     row count is slower (within the noise), every weight of a kind runs its choice, and the target's
     verification keeps every token's bits under the chosen kernels."""
-    from hierviz.quant import cuda_w4, w4_choice, w4_verdicts
+    from hierviz.quant import cuda_w4, tickets, w4_choice, w4_verdicts
     monkeypatch.delenv("HIERVIZ_W4_CUDA", raising=False)
     w4_verdicts.forget_kernel_choices()
     try:
@@ -757,7 +757,7 @@ def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invaria
             times = w4_verdicts.kernel_times(kind)
             assert set(times["cuda_us"]) == set(times["triton_us"]) == set(times["cuda_tiles"]) == set(w4_choice.CHOICE_ROWS)
             assert all(times["cuda_tiles"][m][:2] in w4_choice.tile_candidates(m) for m in w4_choice.CHOICE_ROWS)
-            own_split = w4_choice.split_candidates(kind, torch.cuda.get_device_properties(0).multi_processor_count)
+            own_split = w4_choice.split_candidates(kind, tickets.multiprocessor_count(torch.device("cuda")))
             assert own_split == [times["cuda_tiles"][1][2]] and {e[2] for e in times["cuda_tiles"].values()} == set(own_split)
             assert all(0 < t < 10_000 for t in (*times["cuda_us"].values(), *times["triton_us"].values()))
             assert cuda == w4_choice.faster_everywhere(times["cuda_us"], times["triton_us"])

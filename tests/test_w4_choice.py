@@ -128,7 +128,7 @@ def test_the_choice_times_every_bucket_the_static_runners_pad_to() -> None:
     assert set(BUCKETS) <= set(w4_choice.CHOICE_ROWS)
 
 
-def test_tile_candidates_and_the_fastest_tiles(monkeypatch) -> None:
+def test_tile_candidates_and_the_fastest_entry(monkeypatch) -> None:
     """Candidates run from the one-pass entry down to MAX_PASSES passes over the tokens, then the
     built entries of several row tiles per warp within as many passes; the one-pass entry keeps a
     row count unless another is faster by more than TILES_NOISE."""
@@ -142,12 +142,12 @@ def test_tile_candidates_and_the_fastest_tiles(monkeypatch) -> None:
     assert w4_choice.tile_candidates(32) == [(4, 1), (3, 1), (2, 1), (1, 1), (4, 2), (4, 4), (2, 2), (1, 4)]
     assert w4_choice.tile_candidates(17) == [(3, 1), (2, 1), (1, 1), (2, 2), (1, 4)]
     assert all(-(-m // (8 * t)) <= w4_choice.MAX_PASSES for m in w4_choice.CHOICE_ROWS for t, _ in w4_choice.tile_candidates(m))
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (2, 1, 4): 10.0}) == (4, 1, 4)
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (1, 1, 4): 12.0}) == (2, 1, 4)
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (4, 2, 4): 8.0}) == (4, 2, 4)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.05, (2, 1, 4): 10.0}) == (4, 1, 4)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (1, 1, 4): 12.0}) == (2, 1, 4)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (4, 2, 4): 8.0}) == (4, 2, 4)
     # the kind's own split is the most slices timed; fewer slices win only beyond the noise
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.05, (4, 1, 2): 10.0, (4, 1, 1): 10.02}) == (4, 1, 4)
-    assert w4_choice.fastest_tiles(32, {(4, 1, 4): 10.5, (4, 1, 1): 10.0, (2, 1, 4): 10.4}) == (4, 1, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.05, (4, 1, 2): 10.0, (4, 1, 1): 10.02}) == (4, 1, 4)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.5, (4, 1, 1): 10.0, (2, 1, 4): 10.4}) == (4, 1, 1)
 
 
 def test_a_planned_entry_of_several_row_tiles_runs_only_where_it_is_built(monkeypatch) -> None:
@@ -166,7 +166,7 @@ def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
     kind = w4_verdicts.kernel_kind(w)
     assert not w4_verdicts.cuda_chosen(w)                       # a product ran: fixed to Triton
     assert w4_verdicts.choose_kernel(kind, True, {"cuda_us": {1: 1.0}}, {32: (2, 1, 1)}) is False
-    assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None and w4_verdicts.planned_tiles(kind, 32) is None
+    assert not cuda_w4.serves(w) and w4_verdicts.kernel_times(kind) is None and w4_verdicts.planned_entry(kind, 32) is None
 
 
 def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:

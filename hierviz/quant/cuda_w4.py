@@ -207,7 +207,7 @@ def plan_for(w: W4Weight, m: int, sms: int) -> tuple[int, int, int]:
     same bits; a kind that is not batch-invariant may also have timed another K split faster),
     else (token_tiles(m), 1, split_for)."""
     default = (token_tiles(m), 1, split_for(w.out_features, w.in_features, sms))
-    planned = w4_verdicts.planned_tiles(w4_verdicts.kernel_kind(w), m)
+    planned = w4_verdicts.planned_entry(w4_verdicts.kernel_kind(w), m)
     if planned is None:
         return default
     tiles, row_tiles, split = min(planned[0], token_tiles(m)), planned[1], planned[2]

@@ -15,7 +15,7 @@ mode the weight runs in (a verifier's batch-invariant products, another weight's
 CHOICE_ROWS; the CUDA kernel at each of its tile choices per row count (tile_candidates: any gives a
 row the same bits) and, for a kind that is not batch-invariant, at fewer K slices too
 (split_candidates), so a kind the CUDA kernel runs also gets the fastest entry at each row count
-(w4_verdicts.planned_tiles). Every method of a comparison runs the same weights, so the comparison stays fair:
+(w4_verdicts.planned_entry). Every method of a comparison runs the same weights, so the comparison stays fair:
 a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
 is not chosen for that weight, as those rows are in the workload. docs/kernels.md gives the choices measured on the H100 and H200."""
 from __future__ import annotations
@@ -177,7 +177,7 @@ def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable
                       lambda m: [(t, r, s) for s in splits for t, r in tile_candidates(m)], agrees)
 
 
-def fastest_tiles(m: int, by_entry: dict[tuple[int, int, int], float]) -> tuple[int, int, int]:
+def fastest_entry(m: int, by_entry: dict[tuple[int, int, int], float]) -> tuple[int, int, int]:
     """The entry an m-row product runs: the fastest timed, or the one-pass entry of one row tile
     per warp at the kind's own split (split_for's, the most slices timed: split_candidates) unless
     another is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
@@ -196,7 +196,7 @@ def faster_everywhere(cuda_us: dict[int, float], triton_us: dict[int, float], no
 
 def deciding_rows(rows: Iterable[int]) -> list[int]:
     """The timed row counts that stand for a workload's: for each, the smallest CHOICE_ROWS count at
-    or above it (whose timed tiles it runs: w4_verdicts.planned_tiles), the largest for more rows.
+    or above it (whose timed tiles it runs: w4_verdicts.planned_entry), the largest for more rows.
     A caller names the rows both as run and as the static runners pad them (their bucket)."""
     return sorted({next((c for c in CHOICE_ROWS if c >= m), CHOICE_ROWS[-1]) for m in rows if m >= 1})
 
@@ -250,7 +250,7 @@ def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], t
                           "the Triton kernel runs it", RuntimeWarning, stacklevel=2)
             chosen[kind] = w4_verdicts.choose_kernel(kind, False)
             continue
-        tiles = {m: fastest_tiles(m, us) for m, us in by_tiles.items()}
+        tiles = {m: fastest_entry(m, us) for m, us in by_tiles.items()}
         cuda_us = {m: by_tiles[m][t] for m, t in tiles.items()}
         by_rows = None
         if kind[5]:     # a verifier: one kernel for every row count its forwards run

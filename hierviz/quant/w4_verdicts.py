@@ -377,7 +377,7 @@ def cuda_rows(kind: KernelKind) -> Optional[str]:
     return ", ".join(f"{a}+" if open_end and b == prev else f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)
 
 
-def planned_tiles(kind: KernelKind, m: int) -> Optional[tuple[int, int, int]]:
+def planned_entry(kind: KernelKind, m: int) -> Optional[tuple[int, int, int]]:
     """The CUDA kernel's (token tiles per block, row tiles per warp, K slices) that timing chose for an m-row
     product of this kind: those of the smallest timed row count at or above m; None for a kind
     without a plan or past it."""
