@@ -94,8 +94,8 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
 
 
 def described(spec: dict) -> dict:
-    """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists."""
-    return {name: (sorted(v) if isinstance(v, frozenset) else
+    """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists, numbers as they are."""
+    return {name: (sorted(v) if isinstance(v, frozenset) else v if isinstance(v, int) else
                    {(f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k): val for k, val in v.items()})
             for name, v in spec.items()}
 
