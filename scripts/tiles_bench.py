@@ -33,7 +33,7 @@ KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,
          "4096,28672,128,0", "14336,4096,128,0", "4096,6144,128,0", "4096,4096,128,0"]
 # name: the tables a build replaces the shipped ones' entries with (cuda_w4's): "direct" (register-loop
 # entries), "staged", "rows" (entries of several row tiles per warp, timed at their own token tiles),
-# "x_ahead" (the direct entries that load activations a chunk ahead), "l2_ahead" (cuda_w4.L2_AHEAD)
+# "x_ahead" (the direct entries that load activations a chunk ahead)
 BUILDS = {
     "staged45": {"staged": {4: (4, 3), 5: (2, 2)}},      # the staged loop from 25 rows
     "d4a2": {"direct": {4: (2, 2)}},
@@ -52,10 +52,6 @@ BUILDS = {
     # (the shipped build: in X_AHEAD_ENTRIES')
     "xoff": {"x_ahead": frozenset()},
     "xall": {"x_ahead": frozenset(cuda_w4.direct_entries())},
-    # codes asked of the L2 this many chunks past the register look-ahead (cuda_w4.L2_AHEAD)
-    "l2a4": {"l2_ahead": 4},
-    "l2a8": {"l2_ahead": 8},
-    "l2a16": {"l2_ahead": 16},
 }
 TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
@@ -87,15 +83,14 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
     tables = {"direct": d, "staged": s, "rows": r}
     with entries({}, tables):
         source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
-                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES),
-                                       l2_ahead=spec.get("l2_ahead", cuda_w4.L2_AHEAD))
+                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES))
         fns = cuda_w4.load_entries(arch, source, wgmma, r)
     return fns, tables
 
 
 def described(spec: dict) -> dict:
-    """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists, numbers as they are."""
-    return {name: (sorted(v) if isinstance(v, frozenset) else v if isinstance(v, int) else
+    """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists."""
+    return {name: (sorted(v) if isinstance(v, frozenset) else
                    {(f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k): val for k, val in v.items()})
             for name, v in spec.items()}
 
@@ -183,17 +178,13 @@ def main() -> None:
                         row_tiles(own_rows, f"{name}_tiles")
                         continue
                     time_variant(row, name, x[:m], ws, alone)
-                    # a build's own tile counts; an x_ahead or l2_ahead build's: every smaller one, as the shipped build's
-                    x_ahead = "x_ahead" in spec or "l2_ahead" in spec
+                    # a build's own tile counts; an x_ahead build's: every smaller one, as the shipped build's
+                    x_ahead = "x_ahead" in spec
                     for t in (range(1, full) if x_ahead else sorted({*spec.get("direct", {}), *spec.get("staged", {})})):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
-                    if x_ahead:                 # an x_ahead or l2_ahead build: the shipped row-tile entries
+                    if x_ahead:                 # an x_ahead build: the shipped row-tile entries
                         row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"{name}_rows_tiles")
-                        for sp in splits:       # and the other K splits asked for
-                            time_variant(row, f"{name}_split{sp}", x[:m], ws, alone, split=sp)
-                            row_tiles([(t, 1) for t in range(1, full)], f"{name}_split{sp}_tiles", sp)
-                            row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"{name}_split{sp}_rows_tiles", sp)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

@@ -26,10 +26,6 @@ __device__ __forceinline__ U2 load_pair(const U2* p) {    // the (scale, offset)
   asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
   return r;
 }
-// asks the L2 for a line of codes a loop multiplies L2_AHEAD chunks later (no register holds it)
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
 __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {   // (a & b) | c
   u32 d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -115,13 +111,11 @@ __device__ __forceinline__ U4 lds128_at(u32 a) {
 // chunk from the slice's first: the addresses advance rather than being recomputed per chunk.
 struct Chunks {
   const U4* a;         // the lane's 16 bytes of the next chunk (a chunk: 32 words of a tile)
-  const U4* a_end;     // the same past the slice's last chunk
   const U2* pairs;     // the pair of rows (g, g + 8) of group 0
   int k, group_shift;  // the next chunk's first channel of the lane's 16
   __device__ __forceinline__ const U2* pair() const { return pairs + ((u32)k >> group_shift) * 8u; }
   __device__ __forceinline__ void advance() { a += 32; k += 64; }
   __device__ __forceinline__ void get(U4& a_out, U2& so_out) {
-    if (L2_AHEAD && a + L2_AHEAD * 32 < a_end) prefetch_l2(a + L2_AHEAD * 32);
     a_out = load_codes(a);
     so_out = load_pair(pair());
     advance();
@@ -135,11 +129,10 @@ struct Chunks {
   }
 };
 
-__device__ __forceinline__ Chunks chunks_of(PARAMS, int rt, int c_begin, int c_end) {
+__device__ __forceinline__ Chunks chunks_of(PARAMS, int rt, int c_begin) {
   const int lane = threadIdx.x & 31;
   Chunks f;
   f.a = codes + rt * tile_stride + c_begin * 32 + lane;
-  f.a_end = codes + rt * tile_stride + c_end * 32 + lane;
   f.pairs = so + (size_t)rt * n_groups * 8 + (lane >> 2);
   f.k = c_begin * 64 + 16 * (lane & 3);
   f.group_shift = group_shift;
@@ -229,8 +222,6 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
       a[r] = ring[r][s];                                                                         \
       pair[r] = ring_p[r][s];                                                                    \
       if (REFILL) {                                                                              \
-        if (L2_AHEAD && c0 + (s) + AHEAD + L2_AHEAD < c_end)                                     \
-          prefetch_l2(ap[r] + ((s) + AHEAD + L2_AHEAD) * 32);                                    \
         ring[r][s] = load_codes(ap[r] + ((s) + AHEAD) * 32);                                     \
         ring_p[r][s] = load_pair(PAIR_AT(r, k0 + ((s) + AHEAD) * 64, (s) + AHEAD));              \
       }                                                                                          \
@@ -254,11 +245,6 @@ __device__ __forceinline__ void product_direct(float (*acc)[4], PARAMS, int rt0,
         ring[r][s] = load_codes(ap[r] + s * 32);
         ring_p[r][s] = load_pair(PAIR_AT(r, k0 + s * 64, s));
       }
-#pragma unroll
-  for (int s = AHEAD; s < AHEAD + L2_AHEAD; s++)
-    if (c_begin + s < c_end)
-#pragma unroll
-      for (int r = 0; r < R; r++) prefetch_l2(ap[r] + s * 32);
   // tokens past M multiply token M - 1's activations: an MMA column depends on its own column
   // only, and those columns are never stored
   const U4* xp[T];
@@ -324,7 +310,7 @@ __device__ __forceinline__ void product_staged(float (*acc)[4], PARAMS, int rt, 
   __shared__ __align__(16) u16 xs[NBUF][8 * T * ROW];
   const u32 xs_at = smem_address(&xs[0][0]);   // shared addresses as 32-bit offsets: no conversion per load
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  Chunks f = chunks_of(ARGS, rt, c_begin, c_end);
+  Chunks f = chunks_of(ARGS, rt, c_begin);
   U4 ring[S];
   U2 ring_so[S];
   f.template fill<S>(ring, ring_so, c_begin, c_end);
@@ -508,7 +494,7 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
   extern __shared__ __align__(128) unsigned char xs_wgmma[];
   const u32 xs_at = smem_address(xs_wgmma), slots_at = xs_at + 2 * STAGE_BYTES;
   using XS = XStage<T, S>;
-  Chunks f = chunks_of(ARGS, rt, c_begin, c_end);
+  Chunks f = chunks_of(ARGS, rt, c_begin);
   U4 ring[S];
   U2 ring_so[S];
   f.fill<S>(ring, ring_so, c_begin, c_end);

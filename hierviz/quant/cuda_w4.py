@@ -67,9 +67,6 @@ _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block (a warp each, or two a warp): 128 weight rows share its K slice
 ROWS_PER_BLOCK = 16 * WARPS
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-# K chunks past the register look-ahead whose codes the loops ask the L2 for (prefetch.global.L2),
-# so that more of the weight is in flight than registers hold; 0: none
-L2_AHEAD = 0
 # The entries, by token tiles per block, measured best per entry on the H200 and H100 (docs/kernels.md;
 # every choice gives a row the same bits). Direct (up to 40 tokens): (K chunks of codes and group
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
@@ -106,11 +103,11 @@ NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 KERNEL_FILE = Path(__file__).with_name("cuda_w4.cu")   # the CUDA C, read when the kernel is built
 
 
-def kernel_text(l2_ahead: int = L2_AHEAD) -> str:
+def kernel_text() -> str:
     """cuda_w4.cu with the constants it takes from here defined before it; `#line` keeps NVRTC's
     messages on the file's own line numbers."""
-    return (f"#define NBUF {NBUF}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n#define L2_AHEAD {l2_ahead}\n"
-            f"#line 1 \"{KERNEL_FILE.name}\"\n" + KERNEL_FILE.read_text())
+    return (f"#define NBUF {NBUF}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n#line 1 \"{KERNEL_FILE.name}\"\n"
+            + KERNEL_FILE.read_text())
 
 
 def has_group_entry(ahead: int, group: int) -> bool:
@@ -134,11 +131,10 @@ def direct_entries(direct_build: Optional[dict] = None, rows_build: Optional[dic
 
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES,
-                  l2_ahead: int = L2_AHEAD) -> str:
+                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
     entries only for an arch that has them; x_ahead: the direct entries, by (token tiles, row tiles
-    per warp), that load activations a chunk ahead; l2_ahead: L2_AHEAD."""
+    per warp), that load activations a chunk ahead."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
     direct = [(t, r, a, b) for (t, r), (a, b) in direct_entries(direct_build, rows_build).items()]
 
@@ -146,7 +142,7 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
         xa = int((t, r) in x_ahead)
         kind = "DIRECT" + ("_ROWS" if r > 1 else "") + ("_GROUP" if g else "")
         return f"{kind}_ENTRY({t}, {a}, {b}{f', {r}' if r > 1 else ''}{f', {g}' if g else ''}, {xa})\n"
-    return (kernel_text(l2_ahead) + "".join(entry(*e) for e in direct)
+    return (kernel_text() + "".join(entry(*e) for e in direct)
             + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[2], g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
             + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
