@@ -33,7 +33,8 @@ KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,
          "4096,28672,128,0", "14336,4096,128,0", "4096,6144,128,0", "4096,4096,128,0"]
 # name: the tables a build replaces the shipped ones' entries with (cuda_w4's): "direct" (register-loop
 # entries), "staged", "rows" (entries of several row tiles per warp, timed at their own token tiles),
-# "x_ahead" (the direct entries that load activations a chunk ahead)
+# "x_ahead" (the direct entries that load activations a chunk ahead), "k_warps" (entries of several
+# warps per row tile, timed at their own token tiles)
 BUILDS = {
     "staged45": {"staged": {4: (4, 3), 5: (2, 2)}},      # the staged loop from 25 rows
     "d4a2": {"direct": {4: (2, 2)}},
@@ -52,8 +53,12 @@ BUILDS = {
     # (the shipped build: in X_AHEAD_ENTRIES')
     "xoff": {"x_ahead": frozenset()},
     "xall": {"x_ahead": frozenset(cuda_w4.direct_entries())},
+    # two warps per row tile, each multiplying half of the K slice's chunks (token tiles, row tiles,
+    # warps per row tile): (chunks ahead, blocks per multiprocessor)
+    "kw2": {"k_warps": {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1), (4, 1, 2): (4, 1),
+                        (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}},
 }
-TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD"}     # a build's table -> the cuda_w4 table it replaces
+TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD", "k_warps": "K_WARP_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
 
 @contextmanager
@@ -79,36 +84,38 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
     d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **spec.get("direct", {})}.items() if t not in staged}
     s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
     r = {**cuda_w4.DIRECT_ROWS_BUILD, **spec.get("rows", {})}
+    kw = {**cuda_w4.K_WARP_BUILD, **spec.get("k_warps", {})}
     wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
-    tables = {"direct": d, "staged": s, "rows": r}
+    tables = {"direct": d, "staged": s, "rows": r, "k_warps": kw}
     with entries({}, tables):
         source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
-                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES))
-        fns = cuda_w4.load_entries(arch, source, wgmma, r)
+                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), kw_build=kw)
+        fns = cuda_w4.load_entries(arch, source, wgmma, r, kw)
     return fns, tables
 
 
 def described(spec: dict) -> dict:
     """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists."""
     return {name: (sorted(v) if isinstance(v, frozenset) else
-                   {(f"{k[0]}x{k[1]}" if isinstance(k, tuple) else k): val for k, val in v.items()})
+                   {("x".join(map(str, k)) if isinstance(k, tuple) else k): val for k, val in v.items()})
             for name, v in spec.items()}
 
 
 def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.Tensor, tiles: Optional[int] = None,
-                 row_tiles: int = 1, split: Optional[int] = None) -> None:
-    """row[label_equal]: whether the product's rows equal `alone`'s (another K split sums in another
-    order: then row[label_err], the largest difference from them); row[label_us]: its time."""
+                 row_tiles: int = 1, split: Optional[int] = None, k_warps: int = 1) -> None:
+    """row[label_equal]: whether the product's rows equal `alone`'s (another K split or several warps
+    per row tile sum in another order: then row[label_err], the largest difference from them);
+    row[label_us]: its time."""
     m = x.shape[0]
     try:
-        got = cuda_w4.matmul(x, ws[0], tiles=tiles, row_tiles=row_tiles, split=split)
+        got = cuda_w4.matmul(x, ws[0], tiles=tiles, row_tiles=row_tiles, split=split, k_warps=k_warps)
         torch.cuda.synchronize()
         row[f"{label}_equal"] = bool(torch.equal(got, alone[:m]))
-        if split is not None:
+        if split is not None or k_warps > 1:
             row[f"{label}_err"] = float((got.float() - alone[:m].float()).abs().max())
         copies = itertools.cycle(ws)
         row[f"{label}_us"] = round(w4_choice.cuda_graph_timer(
-            lambda: cuda_w4.matmul(x, next(copies), tiles=tiles, row_tiles=row_tiles, split=split)), 2)
+            lambda: cuda_w4.matmul(x, next(copies), tiles=tiles, row_tiles=row_tiles, split=split, k_warps=k_warps)), 2)
     except Exception as e:            # a sticky fault ends every later launch too
         row[f"{label}_error"] = repr(e)[:300]
 
@@ -173,6 +180,13 @@ def main() -> None:
             for name, (fns, tables) in builds.items():
                 with entries(fns, tables):
                     spec = BUILDS[name]
+                    for (t, rt, kw) in spec.get("k_warps", {}):   # a k_warps build: its entries, at each split
+                        if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
+                            for sp in [None, *splits]:
+                                time_variant(row, f"{name}_t{t}r{rt}" + (f"_split{sp}" if sp else ""), x[:m], ws, alone,
+                                             t, rt, sp, kw)
+                    if "k_warps" in spec:
+                        continue
                     own_rows = list(spec.get("rows", {}))
                     if own_rows:                # a rows build: its own entries
                         row_tiles(own_rows, f"{name}_tiles")

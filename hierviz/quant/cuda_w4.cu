@@ -574,14 +574,20 @@ __device__ __forceinline__ void product_wgmma(float (*acc)[4], PARAMS, int rt, i
 // Every loop runs the same MMAs in the same order for a given token, so its bits do not depend on
 // which one ran (or on M). Then: one slice: store; else fp32 partials, and the last block of the
 // output tile sums them in slice order.
-template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1, bool XA = false>
+// KW: warps per row tile in a direct entry, each multiplying a part of the slice's chunks (whole
+// rounds of 4), their sums met in shared memory in part order before the slices meet: more warps
+// per block with the same K slices (other bits than KW = 1's: a sum of fixed order per shape).
+template <int T, bool DIRECT, int S, int GC = 0, bool WGMMA = false, int XRING = 0, int R = 1, bool XA = false,
+          int KW = 1>
 __device__ __forceinline__ void w4_mma(PARAMS) {
   static_assert(DIRECT || R == 1, "one row tile per warp in the staged loops");
+  static_assert(DIRECT || KW == 1, "one warp per row tile in the staged loops");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tok0 = blockIdx.x * (8 * T);
   const int row_tiles = N >> 4, chunks = K >> 6;
-  const int rt = blockIdx.y * 8 + warp * R;       // the warp's first row tile (8 / R warps a block)
+  const int kh = KW == 1 ? 0 : warp / (8 / R);   // the warp's part of the slice (KW parts)
+  const int rt = blockIdx.y * 8 + (KW == 1 ? warp : warp % (8 / R)) * R;   // its first row tile (8 / R warps a part)
   const int slice = blockIdx.z;
   const int c_begin = slice * chunks_per_slice;
   const int c_end = min(chunks, c_begin + chunks_per_slice);
@@ -590,7 +596,23 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
   for (int tt = 0; tt < R * T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
   // a warp past N idles in its loop (the staged loop's barriers need every warp) and stores nothing
   if (DIRECT) {
-    if (rt < row_tiles) product_direct<T, S, GC, R, XA>(acc, ARGS, rt, tok0, c_begin, c_end);
+    const int part = KW == 1 ? 0 : ((c_end - c_begin + KW - 1) / KW + 3) / 4 * 4;
+    const int p_begin = KW == 1 ? c_begin : min(c_end, c_begin + kh * part);
+    const int p_end = KW == 1 ? c_end : min(c_end, p_begin + part);
+    if (rt < row_tiles) product_direct<T, S, GC, R, XA>(acc, ARGS, rt, tok0, p_begin, p_end);
+    if constexpr (KW > 1) {
+      constexpr int PART_THREADS = 256 / R, VALUES = R * T * 4;
+      __shared__ float parts_sum[(KW - 1) * PART_THREADS * VALUES];
+      const int me = threadIdx.x % PART_THREADS;
+      if (kh > 0)
+#pragma unroll
+        for (int v = 0; v < VALUES; v++) parts_sum[((kh - 1) * VALUES + v) * PART_THREADS + me] = acc[v / 4][v % 4];
+      __syncthreads();
+      if (kh == 0)
+        for (int p = 0; p < KW - 1; p++)
+#pragma unroll
+          for (int v = 0; v < VALUES; v++) acc[v / 4][v % 4] += parts_sum[(p * VALUES + v) * PART_THREADS + me];
+    }
   } else if constexpr (WGMMA) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     product_wgmma<T, S, XRING>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
@@ -607,7 +629,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
           const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt + r) * 16 + g + 8 * (i >> 1);
-          if (tok < M && rt + r < row_tiles) {
+          if (tok < M && rt + r < row_tiles && kh == 0) {
             float v = acc[r * T + tt][i];
             if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
             y[(size_t)tok * ldy + n] = f2h(v);
@@ -622,7 +644,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 #pragma unroll
       for (int i = 0; i < 4; i++) {
         const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt + r) * 16 + g + 8 * (i >> 1);
-        if (tok < M && rt + r < row_tiles) partials[((size_t)slice * M + tok) * N + n] = acc[r * T + tt][i];
+        if (tok < M && rt + r < row_tiles && kh == 0) partials[((size_t)slice * M + tok) * N + n] = acc[r * T + tt][i];
       }
   // The last block of this output tile to finish sums the slices in slice order.
   __shared__ int last;
@@ -662,6 +684,15 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
 #define DIRECT_ROWS_GROUP_ENTRY(T, AHEAD, BLOCKS, R, G, XA)                                      \
   extern "C" __global__ void __launch_bounds__(256 / R, BLOCKS) w4_direct_t##T##_r##R##_g##G(PARAMS) { \
     w4_mma<T, true, AHEAD, G / 64, false, 0, R, XA>(ARGS);                                       \
+  }
+// KW warps per row tile (K_WARP_BUILD): 256 / R * KW threads a block, the same 128 rows, grid and K slices
+#define DIRECT_KW_ENTRY(T, AHEAD, BLOCKS, R, KW, XA)                                             \
+  extern "C" __global__ void __launch_bounds__(256 / R * KW, BLOCKS) w4_direct_t##T##_r##R##_k##KW(PARAMS) { \
+    w4_mma<T, true, AHEAD, 0, false, 0, R, XA, KW>(ARGS);                                        \
+  }
+#define DIRECT_KW_GROUP_ENTRY(T, AHEAD, BLOCKS, R, KW, G, XA)                                    \
+  extern "C" __global__ void __launch_bounds__(256 / R * KW, BLOCKS) w4_direct_t##T##_r##R##_k##KW##_g##G(PARAMS) { \
+    w4_mma<T, true, AHEAD, G / 64, false, 0, R, XA, KW>(ARGS);                                   \
   }
 #define STAGED_ENTRY(T, S, BLOCKS)                                                               \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_staged_t##T(PARAMS) {               \

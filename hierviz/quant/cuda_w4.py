@@ -83,6 +83,11 @@ DIRECT_ROWS_BUILD: dict[tuple[int, int], tuple[int, int]] = {(2, 2): (2, 4), (3,
 # "Activations a chunk ahead"); the same MMAs in the same order, so the same bits.
 X_AHEAD_ENTRIES = frozenset({(3, 1), (4, 2), (5, 1)})
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
+# Direct entries of several warps per row tile, each multiplying a part of the K slice's chunks, their
+# sums met in shared memory (more warps in flight with the same K slices; other bits than one warp
+# per row tile): (token tiles, row tiles per warp, warps per row tile) -> (chunks ahead, blocks per
+# multiprocessor). Candidates measured by scripts/tiles_bench.py; none is built by default.
+K_WARP_BUILD: dict[tuple[int, int, int], tuple[int, int]] = {}
 STAGED_BUILD = {6: (2, 2), 7: (2, 2), 8: (2, 2)}
 # The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
 # of the activations ahead of the two stages in the wgmma layout (0: one stage through registers),
@@ -131,10 +136,12 @@ def direct_entries(direct_build: Optional[dict] = None, rows_build: Optional[dic
 
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES) -> str:
+                  rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES,
+                  kw_build: Optional[dict] = None) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
     entries only for an arch that has them; x_ahead: the direct entries, by (token tiles, row tiles
-    per warp), that load activations a chunk ahead."""
+    per warp), that load activations a chunk ahead; kw_build: the entries of several warps per row tile
+    (default K_WARP_BUILD)."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
     direct = [(t, r, a, b) for (t, r), (a, b) in direct_entries(direct_build, rows_build).items()]
 
@@ -142,8 +149,13 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
         xa = int((t, r) in x_ahead)
         kind = "DIRECT" + ("_ROWS" if r > 1 else "") + ("_GROUP" if g else "")
         return f"{kind}_ENTRY({t}, {a}, {b}{f', {r}' if r > 1 else ''}{f', {g}' if g else ''}, {xa})\n"
+    def kw_entry(t: int, r: int, kw: int, a: int, b: int, g: int = 0) -> str:
+        xa = int((t, r) in x_ahead)
+        return f"DIRECT_KW{'_GROUP' if g else ''}_ENTRY({t}, {a}, {b}, {r}, {kw}{f', {g}' if g else ''}, {xa})\n"
+    kw = [(*key, a, b) for key, (a, b) in (K_WARP_BUILD if kw_build is None else kw_build).items()]
     return (kernel_text() + "".join(entry(*e) for e in direct)
             + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[2], g))
+            + "".join(kw_entry(*e, g) for e in kw for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(e[3], g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
             + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
                if has_wgmma(arch) else ""))
@@ -414,9 +426,12 @@ def _arch(index: int) -> str:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
-def _direct_build(tiles: int, row_tiles: int = 1) -> Optional[tuple[int, int]]:
-    """(chunks ahead, blocks per multiprocessor) of the direct entry for `tiles` token tiles and
-    `row_tiles` row tiles per warp; None where no direct entry is built (staged tile counts)."""
+def _direct_build(tiles: int, row_tiles: int = 1, k_warps: int = 1) -> Optional[tuple[int, int]]:
+    """(chunks ahead, blocks per multiprocessor) of the direct entry for `tiles` token tiles,
+    `row_tiles` row tiles per warp and `k_warps` warps per row tile; None where no direct entry is
+    built (staged tile counts)."""
+    if k_warps > 1:
+        return K_WARP_BUILD.get((tiles, row_tiles, k_warps))
     return DIRECT_BUILD.get(tiles) if row_tiles == 1 else DIRECT_ROWS_BUILD.get((tiles, row_tiles))
 
 
@@ -428,18 +443,21 @@ def ahead_chunks(tiles: int, row_tiles: int = 1) -> int:
     return STAGED_BUILD[tiles][0]
 
 
-def pair_group(tiles: int, group_size: int, chunks_per_slice: int, row_tiles: int = 1) -> int:
+def pair_group(tiles: int, group_size: int, chunks_per_slice: int, row_tiles: int = 1, k_warps: int = 1) -> int:
     """The group size whose direct entry addresses the group pairs by constant offsets (every
     slice starting on a group, the look-ahead whole groups), else 0: the generic entry."""
-    build = _direct_build(tiles, row_tiles)
+    build = _direct_build(tiles, row_tiles, k_warps)
     if build is None or not has_group_entry(build[0], group_size):
         return 0
     return group_size if chunks_per_slice % (group_size // 64) == 0 else 0
 
 
-def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 1) -> str:
+def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 1, k_warps: int = 1) -> str:
     """The entry that multiplies `tiles` token tiles per block: the direct loop for few (group:
-    its pair_group entry; row_tiles: 16-row tiles per warp), else staged (wgmma: its wgmma entry)."""
+    its pair_group entry; row_tiles: 16-row tiles per warp; k_warps: warps per row tile), else
+    staged (wgmma: its wgmma entry)."""
+    if k_warps > 1:
+        return f"w4_direct_t{tiles}_r{row_tiles}_k{k_warps}" + (f"_g{group}" if group else "")
     if tiles not in DIRECT_BUILD:
         return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
     if row_tiles > 1:
@@ -448,14 +466,17 @@ def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 
 
 
 def entry_names(arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                rows_build: Optional[dict] = None) -> list[str]:
+                rows_build: Optional[dict] = None, kw_build: Optional[dict] = None) -> list[str]:
     """The entries a build for `arch` holds (None: an arch without the wgmma entries; wgmma_build:
     its wgmma entries, default WGMMA_BUILD; rows_build: its direct entries of several row tiles per
-    warp, default DIRECT_ROWS_BUILD)."""
+    warp, default DIRECT_ROWS_BUILD; kw_build: of several warps per row tile, default K_WARP_BUILD)."""
     rows_build = DIRECT_ROWS_BUILD if rows_build is None else rows_build
+    kw_build = K_WARP_BUILD if kw_build is None else kw_build
     return [entry_for(t) for t in range(1, MAX_TOKEN_TILES + 1)] + [
         entry_for(t, g) for t, (a, _) in DIRECT_BUILD.items() for g in PAIR_GROUPS if has_group_entry(a, g)] + [
         entry_for(t, g, row_tiles=r) for (t, r), (a, _) in rows_build.items()
+        for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(a, g)] + [
+        entry_for(t, g, row_tiles=r, k_warps=kw) for (t, r, kw), (a, _) in kw_build.items()
         for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(a, g)] + (
         [entry_for(t, wgmma=True) for t in (WGMMA_BUILD if wgmma_build is None else wgmma_build)]
         if has_wgmma(arch) else [])
@@ -490,14 +511,14 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[dict] = None,
-                 rows_build: Optional[dict] = None) -> dict[str, ctypes.c_void_p]:
+                 rows_build: Optional[dict] = None, kw_build: Optional[dict] = None) -> dict[str, ctypes.c_void_p]:
     """`source` (default: the shipped entries) compiled for arch and loaded into the current
     context: entry name -> CUfunction, the wgmma entries allowed their dynamic shared memory."""
     cubin = compile_cubin(arch, source)
     module = ctypes.c_void_p()
     _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
     found = {}
-    for name in entry_names(arch, wgmma_build, rows_build):
+    for name in entry_names(arch, wgmma_build, rows_build, kw_build):
         fn = ctypes.c_void_p()
         _DRIVER.check(_DRIVER.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
         found[name] = fn
@@ -544,7 +565,7 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
            split: Optional[int] = None, tiles: Optional[int] = None, wgmma: Optional[bool] = None,
-           row_tiles: int = 1) -> torch.Tensor:
+           row_tiles: int = 1, k_warps: int = 1) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default: plan_for's, for a batch-invariant weight split_for on
     this GPU, the same for every M; another split sums in another order, so other bits). tiles:
@@ -552,14 +573,17 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     any choice of tiles gives a row the same bits. wgmma:
     whether the staged tile counts run the wgmma entries (default: WGMMA_BY_DEFAULT, where this
     GPU's build has them; else the mma.sync staged loop), the same bits either way. row_tiles:
-    16-row tiles per warp of a direct entry (DIRECT_ROWS_BUILD), the same bits too."""
+    16-row tiles per warp of a direct entry (DIRECT_ROWS_BUILD), the same bits too. k_warps: warps
+    per row tile (K_WARP_BUILD, with tiles given), other bits (a sum of another order)."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, the weight {w.in_features}")
     if row_tiles < 1 or WARPS % row_tiles:
         raise ValueError(f"no entry multiplies {row_tiles} row tiles per warp (a block holds {WARPS})")
-    if tiles is not None and row_tiles > 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD:
+    if k_warps > 1 and (tiles, row_tiles, k_warps) not in K_WARP_BUILD:
+        raise ValueError(f"no entry multiplies {tiles} token tiles with {row_tiles} row tiles and {k_warps} warps per row tile")
+    if tiles is not None and row_tiles > 1 and k_warps == 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD:
         # the staged loop and the untabled direct entries have warps of one row tile
         raise ValueError(f"no entry multiplies {tiles} token tiles with {row_tiles} row tiles per warp")
     if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != torch.float16
@@ -601,10 +625,10 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
     use_wgmma = WGMMA_BY_DEFAULT and entry_for(tiles, wgmma=True) in fns if wgmma is None else wgmma
-    entry = entry_for(tiles, pair_group(tiles, w.group_size, per, row_tiles), use_wgmma, row_tiles)
+    entry = entry_for(tiles, pair_group(tiles, w.group_size, per, row_tiles, k_warps), use_wgmma, row_tiles, k_warps)
     if entry not in fns:
         raise ValueError(f"this GPU's build of the CUDA W4 kernel has no entry {entry}")
     shared = wgmma_shared_bytes(tiles) if entry.startswith("w4_wgmma") else 0
-    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS // row_tiles, 1, 1, shared,
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS // row_tiles * k_warps, 1, 1, shared,
                                              stream, ptrs, None), "cuLaunchKernel")
     return y
