@@ -173,6 +173,16 @@ def main() -> None:
             row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
             # the other K splits asked for (a batch-invariant kind keeps its own), as slice_plan lays them out
             splits = sorted({cuda_w4.slice_plan(k, int(v))[0] for v in a.splits.split(",") if v} - {split}) if not inv else []
+
+            def k_warp_entries(build_entries: dict, label: str) -> None:
+                """Entries of several warps per row tile (another order of sums: a kind that is not
+                batch-invariant only), each at its token tiles within MAX_PASSES, at every split."""
+                for (t, rt, kw) in build_entries if not inv else ():
+                    if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
+                        for sp in [None, *splits]:
+                            time_variant(row, f"{label}_t{t}r{rt}" + (f"_split{sp}" if sp else ""), x[:m], ws, alone,
+                                         t, rt, sp, kw)
+            k_warp_entries(cuda_w4.K_WARP_BUILD, "kwarps")              # the shipped ones
             for sp in splits:
                 time_variant(row, f"split{sp}", x[:m], ws, alone, split=sp)
                 row_tiles([(t, 1) for t in range(1, full)], f"split{sp}_tiles", sp)
@@ -180,12 +190,8 @@ def main() -> None:
             for name, (fns, tables) in builds.items():
                 with entries(fns, tables):
                     spec = BUILDS[name]
-                    for (t, rt, kw) in spec.get("k_warps", {}):   # a k_warps build: its entries, at each split
-                        if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                            for sp in [None, *splits]:
-                                time_variant(row, f"{name}_t{t}r{rt}" + (f"_split{sp}" if sp else ""), x[:m], ws, alone,
-                                             t, rt, sp, kw)
-                    if "k_warps" in spec:
+                    if "k_warps" in spec:       # a k_warps build: its entries
+                        k_warp_entries(spec["k_warps"], name)
                         continue
                     own_rows = list(spec.get("rows", {}))
                     if own_rows:                # a rows build: its own entries

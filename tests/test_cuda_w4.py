@@ -164,7 +164,7 @@ def test_nvrtc_compiles_every_kind_of_wgmma_build() -> None:
     skip_without_nvrtc()
     build = {4: (2, 0, 2), 5: (4, 2, 1), 6: (2, 3, 2), 7: (4, 0, 1), 8: (2, 4, 2)}
     # the wgmma entries alone (the other entries compile in test_nvrtc_compiles_the_kernel)
-    source = cuda_w4.kernel_source({}, {}, arch="sm_90a", wgmma_build=build, rows_build={})
+    source = cuda_w4.kernel_source({}, {}, arch="sm_90a", wgmma_build=build, rows_build={}, kw_build={})
     cubin = cuda_w4.compile_cubin("sm_90a", source)
     assert all(f"w4_wgmma_t{t}".encode() in cubin for t in build) and b"w4_direct_t1" not in cubin
 
@@ -218,13 +218,34 @@ def test_activations_a_chunk_ahead_only_where_the_entries_are_built() -> None:
     assert cuda_w4.X_AHEAD_ENTRIES and cuda_w4.X_AHEAD_ENTRIES <= set(built)
     for x_ahead in (cuda_w4.X_AHEAD_ENTRIES, frozenset(), frozenset(built)):
         lines = cuda_w4.kernel_source(x_ahead=x_ahead)[len(cuda_w4.kernel_text()):].splitlines()
-        direct = [line for line in lines if line.startswith("DIRECT")]
+        direct = [line for line in lines if line.startswith("DIRECT") and not line.startswith("DIRECT_KW")]
         assert len(direct) == len(built) * (1 + len(cuda_w4.PAIR_GROUPS)) - sum(
             not cuda_w4.has_group_entry(a, g) for a, _ in built.values() for g in cuda_w4.PAIR_GROUPS)
-        for line in direct:
+        # an entry of two warps per row tile loads activations ahead as its (tiles, row tiles) entry does
+        for line in [line for line in lines if line.startswith("DIRECT")]:
             args = [int(v) for v in line[line.index("(") + 1:-1].split(",")]
-            t, r = args[0], (args[3] if line.startswith("DIRECT_ROWS") else 1)
+            t, r = args[0], (args[3] if line.startswith(("DIRECT_ROWS", "DIRECT_KW")) else 1)
             assert args[-1] == int((t, r) in x_ahead), line
+
+
+def test_entries_of_two_warps_per_row_tile_are_built_named_and_planned_for_intermediates_only() -> None:
+    """K_WARP_BUILD: each entry and its pair-group entries in the source and the names, launched
+    with 256 / row tiles x warps threads (launch bounds in the macro); a plan keeps two warps per row
+    tile only where that entry is built and never for a verifier (other bits than one warp's)."""
+    assert cuda_w4.K_WARP_BUILD and all(kw == 2 and 8 % r == 0 and (t, r) in cuda_w4.direct_entries()
+                                        for t, r, kw in cuda_w4.K_WARP_BUILD)
+    source = cuda_w4.kernel_source()
+    names = set(cuda_w4.entry_names())
+    for (t, r, kw), (a, b) in cuda_w4.K_WARP_BUILD.items():
+        xa = int((t, r) in cuda_w4.X_AHEAD_ENTRIES)
+        assert f"DIRECT_KW_ENTRY({t}, {a}, {b}, {r}, {kw}, {xa})" in source
+        assert cuda_w4.entry_for(t, 0, row_tiles=r, k_warps=kw) == f"w4_direct_t{t}_r{r}_k{kw}" in names
+        assert cuda_w4.entry_for(t, 128, row_tiles=r, k_warps=kw) in names or not cuda_w4.has_group_entry(a, 128)
+        assert cuda_w4.ahead_chunks(t, r, kw) == a and cuda_w4.pair_group(t, 128, 32, r, kw) == (128 if a % 2 == 0 else 0)
+        assert 256 // r * kw * b <= 2048          # threads a multiprocessor holds
+    assert len(names) == len(cuda_w4.entry_names())
+    with pytest.raises(ValueError, match="no entry multiplies 4 token tiles with 1 row tiles and 2 warps"):
+        cuda_w4.matmul(torch.zeros(2, 128, dtype=torch.float16), random_weight(64, 128, 32), tiles=4, k_warps=2)
 
 
 def test_bad_operands_are_refused_before_any_launch() -> None:
@@ -319,9 +340,11 @@ def test_nvrtc_compiles_each_kind_of_entry_for_blackwell(arch) -> None:
     direct = {1: cuda_w4.DIRECT_BUILD[1]}
     staged = {cuda_w4.MAX_TOKEN_TILES: cuda_w4.STAGED_BUILD[cuda_w4.MAX_TOKEN_TILES]}
     rows = dict([next(iter(cuda_w4.DIRECT_ROWS_BUILD.items()))])
-    source = cuda_w4.kernel_source(direct, staged, arch=arch, rows_build=rows)
+    k_warps = dict([next(iter(cuda_w4.K_WARP_BUILD.items()))])
+    source = cuda_w4.kernel_source(direct, staged, arch=arch, rows_build=rows, kw_build=k_warps)
     macros = {line.split("(")[0] for line in source[len(cuda_w4.kernel_text()):].splitlines()}
-    assert macros == {"DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY", "STAGED_ENTRY"}
+    assert macros == {"DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY",
+                      "DIRECT_KW_ENTRY", "DIRECT_KW_GROUP_ENTRY", "STAGED_ENTRY"}
     cubin = cuda_w4.compile_cubin(arch, source)
     assert cubin[:4] == b"\x7fELF" and b"w4_direct_t1" in cubin and b"w4_staged_t8" in cubin
 
@@ -343,7 +366,8 @@ def test_the_cuda_c_is_the_cu_file_beside_the_module() -> None:
     assert head == f'#define NBUF {cuda_w4.NBUF}\n#define ROWS_PER_BLOCK {cuda_w4.ROWS_PER_BLOCK}\n#line 1 "cuda_w4.cu"\n'
     assert len(entries.splitlines()) == len(cuda_w4.entry_names())
     assert all(line.split("(")[0] in ("DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY",
-                                      "STAGED_ENTRY") for line in entries.splitlines())
+                                      "DIRECT_KW_ENTRY", "DIRECT_KW_GROUP_ENTRY", "STAGED_ENTRY")
+               for line in entries.splitlines())
     head90a, entries90a = cuda_w4.kernel_source(arch="sm_90a").split(text)
     assert head90a == head and len(entries90a.splitlines()) == len(cuda_w4.entry_names("sm_90a"))
     assert entries90a.startswith(entries) and all(line.startswith("WGMMA_ENTRY(")

@@ -602,6 +602,35 @@ def test_cuda_w4_rows_are_right_and_batch_invariant_across_its_entries(k, n, g) 
     assert torch.equal(cuda_w4.source_codes(w), cuda_w4.unpack_layout(cuda_w4.layout(w)[0]))
 
 
+@pytest.mark.parametrize("k,n,g", CUDA_W4_SHAPES)
+def test_cuda_w4_entries_of_two_warps_per_row_tile_are_right_and_row_invariant(k, n, g) -> None:
+    """Each K_WARP_BUILD entry (an intermediate's candidates) at its own split and at one slice:
+    every row within the fp16 tolerance of the fp32 reference and within fp16 rounding of the
+    one-warp entry's, each row's bits the same at every row count the entry takes (1 .. its
+    tiles x 8 x 4 passes), and the residual added in place (1040 rows: a warp's second tile past N)."""
+    from hierviz.quant import cuda_w4, kernel_guard, tickets
+    from hierviz.quant.w4_proof import reference, synthetic_weight
+    w = synthetic_weight(n, k, g, "cuda", seed=k + n + g, act_order=False, dtype=torch.float16)
+    x = torch.randn(160, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(k)).half()
+    ref = reference(x, w)
+    own = cuda_w4.split_for(n, k, tickets.multiprocessor_count(torch.device("cuda")))
+    for (tiles, row_tiles, k_warps) in cuda_w4.K_WARP_BUILD:
+        for split in sorted({own, 1}):
+            def product(m: int, add_to=None):
+                return cuda_w4.matmul(x[:m], w, add_to, split=split, tiles=tiles, row_tiles=row_tiles, k_warps=k_warps)
+            top = 32 * tiles
+            full = product(top)
+            one_warp = cuda_w4.matmul(x[:top], w, split=split, tiles=tiles)
+            assert float(kernel_guard.row_errors(full, ref[:top]).max()) < 5e-3, (tiles, row_tiles, split)
+            assert torch.allclose(full.float(), one_warp.float(), rtol=2 ** -7, atol=2 ** -7 * one_warp.abs().max().item())
+            for m in sorted({1, 8 * tiles - 3, 8 * tiles, 8 * tiles + 1, top - 1}):
+                assert torch.equal(product(m), full[:m]), (tiles, row_tiles, split, m)
+            r = torch.randn(8 * tiles, n, device="cuda").half()
+            r0 = r.clone()
+            assert product(8 * tiles, r) is r
+            assert float(kernel_guard.row_errors(r.float() - r0.float(), ref[:8 * tiles]).max()) < 5e-3
+
+
 WGMMA_SHAPES = [(8192, 28672, 128), (8192, 10240, 128), (4096, 6144, 128), (14336, 4096, 128), (576, 1536, 32),
                 (1536, 576, 64), (576, 576, 64), (1536, 576, 128)]
 
@@ -703,8 +732,8 @@ def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch
 
 def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(monkeypatch) -> None:
     """A W4 model that is not batch-invariant (an intermediate) gets each row count's faster kernel:
-    every product at 1-130 rows runs the kernel (and the CUDA kernel's K split) its kind's plan
-    names there and is right, and a
+    every product at 1-130 rows runs the kernel (and the CUDA kernel's K split and warps per row
+    tile) its kind's plan names there and is right, and a
     weight whose kind runs both kernels multiplies through both layouts (the codes rebuilt from
     the first for the second)."""
     from hierviz.measure.common import load_shape
@@ -734,8 +763,10 @@ def test_auto_gives_an_intermediates_kinds_the_faster_kernel_at_each_row_count(m
                 cfg = triton_w4.chosen_config(x[:m], w)
                 assert cfg.cuda == want, (kind, m)
                 if want:    # the K split timed fastest there (past the largest timed count: the kind's own)
-                    planned = times["cuda_tiles"][timed][2] if m <= w4_choice.CHOICE_ROWS[-1] else splits[0]
-                    assert cfg.split_k == planned and cfg.split_k in splits, (kind, m)
+                    planned = times["cuda_tiles"][timed] if m <= w4_choice.CHOICE_ROWS[-1] else (0, 1, splits[0], 1)
+                    assert cfg.split_k == planned[2] and cfg.split_k in splits, (kind, m)
+                    # two warps per row tile where timed fastest (one where the rows at hand have no such entry)
+                    assert cfg.k_warps in {1, planned[3]}, (kind, m)
                 assert float(kernel_guard.row_errors(triton_w4.triton_w4_matmul(x[:m], w), ref[:m]).max()) < 5e-3
     finally:
         w4_verdicts.forget_kernel_choices()
@@ -759,6 +790,7 @@ def test_auto_times_each_w4_kind_and_its_choice_keeps_verification_batch_invaria
             assert all(times["cuda_tiles"][m][:2] in w4_choice.tile_candidates(m) for m in w4_choice.CHOICE_ROWS)
             own_split = w4_choice.split_candidates(kind, tickets.multiprocessor_count(torch.device("cuda")))
             assert own_split == [times["cuda_tiles"][1][2]] and {e[2] for e in times["cuda_tiles"].values()} == set(own_split)
+            assert all(e[3] == 1 for e in times["cuda_tiles"].values())      # one warp per row tile: the same bits
             assert all(0 < t < 10_000 for t in (*times["cuda_us"].values(), *times["triton_us"].values()))
             assert cuda == w4_choice.faster_everywhere(times["cuda_us"], times["triton_us"])
         print({f"{k[1]}x{k[2]}": v for k, v in chosen.items()})

@@ -47,7 +47,7 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
         timed.append((kind, "cuda"))
         faster = kind == kinds[0]
         # the faster kind's 32-row products run fastest as two passes of 16 tokens
-        return {m: {(*t, 1): (10.0 if faster else 30.0) - (t == (2, 1) and m == 32) for t in w4_choice.tile_candidates(m)}
+        return {m: {(*t, 1, 1): (10.0 if faster else 30.0) - (t == (2, 1) and m == 32) for t in w4_choice.tile_candidates(m)}
                 for m in rows}
 
     def fake_triton(kind, device, rows=w4_choice.CHOICE_ROWS, timer=None):
@@ -58,11 +58,11 @@ def test_a_choice_holds_for_the_kind_and_serves_follows_it(monkeypatch) -> None:
     chosen = w4_choice.choose_for_models([], "cuda")
     assert chosen == {kinds[0]: True, kinds[1]: False} and len(timed) == 4
     times = w4_verdicts.kernel_times(kinds[0])
-    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == (2, 1, 1)
+    assert times["cuda_us"][1] == 10.0 and times["cuda_us"][32] == 9.0 and times["cuda_tiles"][32] == (2, 1, 1, 1)
     assert cuda_w4.serves(fast) and not cuda_w4.serves(slow)
     # the tile plan: 32 rows (and 26-31, timed at 32) in two passes; elsewhere one pass
     assert [cuda_w4.plan_for(fast, m, SMS)[0] for m in (1, 16, 24, 25, 32, 33, 40, 64, 128, 300)] == [1, 2, 3, 4, 2, 5, 5, 8, 8, 8]
-    assert [cuda_w4.plan_for(slow, m, SMS) for m in (25, 32)] == [(4, 1, 1), (4, 1, 1)]     # no plan: Triton runs it anyway
+    assert [cuda_w4.plan_for(slow, m, SMS) for m in (25, 32)] == [(4, 1, 1, 1), (4, 1, 1, 1)]     # no plan: Triton runs it anyway
     # a twin weight of the same kind (another layer) runs the same kernel; nothing is timed again
     twin = random_weight(64, 128, 32)
     twin.batch_invariant = True
@@ -82,10 +82,10 @@ def test_a_kind_that_ran_a_product_before_any_choice_keeps_the_triton_kernel(mon
     kind = w4_verdicts.kernel_kind(w)
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
     monkeypatch.setattr(w4_choice, "kinds_of", lambda models: [kind])
-    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {(1, 1, 1): 1.0}})
+    monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {1: {(1, 1, 1, 1): 1.0}})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {1: 9.0})
     assert w4_choice.choose_for_models([], "cuda") == {kind: False} and not cuda_w4.serves(w)
-    assert cuda_w4.plan_for(w, 32, SMS) == (4, 1, 1)
+    assert cuda_w4.plan_for(w, 32, SMS) == (4, 1, 1, 1)
 
 
 def test_nothing_is_timed_off_auto_on_a_cpu_or_where_the_variant_is_not_enabled(monkeypatch) -> None:
@@ -142,23 +142,40 @@ def test_tile_candidates_and_the_fastest_entry(monkeypatch) -> None:
     assert w4_choice.tile_candidates(32) == [(4, 1), (3, 1), (2, 1), (1, 1), (4, 2), (4, 4), (2, 2), (1, 4)]
     assert w4_choice.tile_candidates(17) == [(3, 1), (2, 1), (1, 1), (2, 2), (1, 4)]
     assert all(-(-m // (8 * t)) <= w4_choice.MAX_PASSES for m in w4_choice.CHOICE_ROWS for t, _ in w4_choice.tile_candidates(m))
-    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.05, (2, 1, 4): 10.0}) == (4, 1, 4)
-    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (1, 1, 4): 12.0}) == (2, 1, 4)
-    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.5, (2, 1, 4): 10.0, (4, 2, 4): 8.0}) == (4, 2, 4)
-    # the kind's own split is the most slices timed; fewer slices win only beyond the noise
-    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.05, (4, 1, 2): 10.0, (4, 1, 1): 10.02}) == (4, 1, 4)
-    assert w4_choice.fastest_entry(32, {(4, 1, 4): 10.5, (4, 1, 1): 10.0, (2, 1, 4): 10.4}) == (4, 1, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.05, (2, 1, 4, 1): 10.0}) == (4, 1, 4, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.5, (2, 1, 4, 1): 10.0, (1, 1, 4, 1): 12.0}) == (2, 1, 4, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.5, (2, 1, 4, 1): 10.0, (4, 2, 4, 1): 8.0}) == (4, 2, 4, 1)
+    # the kind's own split is the most slices timed; fewer slices, or two warps per row tile, win
+    # only beyond the noise
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.05, (4, 1, 2, 1): 10.0, (4, 1, 1, 1): 10.02}) == (4, 1, 4, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.5, (4, 1, 1, 1): 10.0, (2, 1, 4, 1): 10.4}) == (4, 1, 1, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.05, (2, 1, 4, 2): 10.0}) == (4, 1, 4, 1)
+    assert w4_choice.fastest_entry(32, {(4, 1, 4, 1): 10.5, (2, 1, 1, 2): 8.0}) == (2, 1, 1, 2)
+
+
+def test_k_warp_candidates_are_the_built_entries_within_the_passes(monkeypatch) -> None:
+    """An intermediate's kind also times the entries of two warps per row tile whose token tiles
+    tile_candidates would time; a verifier's kind never does (time_cuda: other bits)."""
+    monkeypatch.setattr(cuda_w4, "K_WARP_BUILD", {(1, 1, 2): (4, 1), (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)})
+    assert w4_choice.k_warp_candidates(1) == [(1, 1, 2)]
+    assert w4_choice.k_warp_candidates(16) == [(2, 2, 2), (1, 1, 2)]
+    assert w4_choice.k_warp_candidates(32) == [(4, 2, 2), (2, 2, 2), (1, 1, 2)]
+    assert w4_choice.k_warp_candidates(64) == [(4, 2, 2), (2, 2, 2)]        # one token tile: 8 passes
+    assert w4_choice.k_warp_candidates(128) == [(4, 2, 2)]
 
 
 def test_a_planned_entry_of_several_row_tiles_runs_only_where_it_is_built(monkeypatch) -> None:
-    """plan_for clamps a plan's token tiles to the rows at hand; a (tiles, row tiles) pair that is
-    not built then runs one row tile per warp, the same bits."""
+    """plan_for clamps a plan's token tiles to the rows at hand; an entry of several warps per row
+    tile that is not built then runs one warp per row tile, and a (tiles, row tiles) pair that is
+    not built one row tile per warp."""
     w = random_weight(64, 128, 32)
     kind = w4_verdicts.kernel_kind(w)
     monkeypatch.setattr(cuda_w4, "DIRECT_ROWS_BUILD", {(4, 2): (4, 2), (2, 2): (4, 2)})
-    w4_verdicts.choose_kernel(kind, True, None, {16: (2, 2, 1), 32: (4, 2, 1)})
-    assert ([cuda_w4.plan_for(w, m, SMS) for m in (9, 16, 17, 25, 32, 33)]
-            == [(2, 2, 1), (2, 2, 1), (3, 1, 1), (4, 2, 1), (4, 2, 1), (5, 1, 1)])
+    monkeypatch.setattr(cuda_w4, "K_WARP_BUILD", {(2, 1, 2): (4, 1)})
+    w4_verdicts.choose_kernel(kind, True, None, {8: (2, 1, 1, 2), 16: (2, 2, 1, 1), 32: (4, 2, 1, 1), 40: (3, 1, 1, 2)})
+    assert ([cuda_w4.plan_for(w, m, SMS) for m in (8, 9, 16, 17, 25, 32, 33, 40)]
+            == [(1, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 1), (3, 1, 1, 1), (4, 2, 1, 1), (4, 2, 1, 1), (3, 1, 1, 1),
+                (3, 1, 1, 1)])
 
 
 def test_choose_kernel_keeps_the_choice_a_kind_already_has() -> None:
@@ -264,7 +281,7 @@ def test_each_row_count_and_choice_is_timed_over_cycled_weight_copies(monkeypatc
 def test_a_kind_that_is_not_batch_invariant_also_times_more_k_slices(monkeypatch) -> None:
     """An intermediate's kind times its own split and it divided by SPLIT_DIVISORS; a
     verifier's only its own (its rows keep their bits only there). The plan's split runs the
-    intermediate's products; a verifier's plan never moves its split."""
+    intermediate's products; a verifier's plan never moves its split or its warps per row tile."""
     assert w4_choice.split_candidates((0, 4096, 4096, 128, False, False), 132) == [4, 2, 1]
     assert w4_choice.split_candidates((0, 4096, 28672, 128, False, False), 132) == [1]
     assert w4_choice.split_candidates((0, 14336, 4096, 128, False, False), 132) == [8, 4, 2]
@@ -272,7 +289,7 @@ def test_a_kind_that_is_not_batch_invariant_also_times_more_k_slices(monkeypatch
     plain, verifier = random_weight(64, 1024, 32), random_weight(64, 1024, 32)
     verifier.batch_invariant = True
     for w in (plain, verifier):
-        w4_verdicts.choose_kernel(w4_verdicts.kernel_kind(w), True, None, {1: (1, 1, 1), 32: (2, 1, 4)})
+        w4_verdicts.choose_kernel(w4_verdicts.kernel_kind(w), True, None, {1: (1, 1, 1, 1), 32: (2, 1, 4, 2)})
     assert cuda_w4.split_for(64, 1024, SMS) == 1
-    assert [cuda_w4.plan_for(plain, m, SMS) for m in (1, 32)] == [(1, 1, 1), (2, 1, 4)]
-    assert [cuda_w4.plan_for(verifier, m, SMS) for m in (1, 32)] == [(1, 1, 1), (2, 1, 1)]
+    assert [cuda_w4.plan_for(plain, m, SMS) for m in (1, 32)] == [(1, 1, 1, 1), (2, 1, 4, 2)]
+    assert [cuda_w4.plan_for(verifier, m, SMS) for m in (1, 32)] == [(1, 1, 1, 1), (2, 1, 1, 1)]

@@ -83,11 +83,14 @@ DIRECT_ROWS_BUILD: dict[tuple[int, int], tuple[int, int]] = {(2, 2): (2, 4), (3,
 # "Activations a chunk ahead"); the same MMAs in the same order, so the same bits.
 X_AHEAD_ENTRIES = frozenset({(3, 1), (4, 2), (5, 1)})
 PAIR_GROUPS = (64, 128)    # group sizes with direct entries that address group pairs by offset
-# Direct entries of several warps per row tile, each multiplying a part of the K slice's chunks, their
-# sums met in shared memory (more warps in flight with the same K slices; other bits than one warp
-# per row tile): (token tiles, row tiles per warp, warps per row tile) -> (chunks ahead, blocks per
-# multiprocessor). Candidates measured by scripts/tiles_bench.py; none is built by default.
-K_WARP_BUILD: dict[tuple[int, int, int], tuple[int, int]] = {}
+# Direct entries of two warps per row tile, each multiplying half of the K slice's chunks, their sums
+# met in shared memory: twice the warps in flight with the same K slices, for the narrow products
+# that cannot fill a multiprocessor (docs/kernels.md, "Warps per row tile"). They sum in another
+# order than one warp per row tile, so only kinds that are not batch-invariant (an intermediate's)
+# time them: (token tiles, row tiles per warp, warps per row tile) -> (chunks ahead, blocks per
+# multiprocessor).
+K_WARP_BUILD: dict[tuple[int, int, int], tuple[int, int]] = {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1),
+                                                              (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}
 STAGED_BUILD = {6: (2, 2), 7: (2, 2), 8: (2, 2)}
 # The wgmma staged entries (sm_90a), by token tiles: (K chunks per x stage, asynchronous-copy slots
 # of the activations ahead of the two stages in the wgmma layout (0: one stage through registers),
@@ -211,21 +214,25 @@ def token_tiles(m: int) -> int:
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
 
 
-def plan_for(w: W4Weight, m: int, sms: int) -> tuple[int, int, int]:
-    """(8-token tiles per block, 16-row tiles per warp, K slices) of an m-row product of w on a GPU
-    of `sms` multiprocessors: where hierviz.quant.w4_choice timed w's kind, its fastest entry (fewer
-    token tiles run more passes of the grid over the tokens, each block re-reading its weight tile;
-    more row tiles per warp let each activation load serve more MMAs; any of them gives a row the
-    same bits; a kind that is not batch-invariant may also have timed another K split faster),
-    else (token_tiles(m), 1, split_for)."""
-    default = (token_tiles(m), 1, split_for(w.out_features, w.in_features, sms))
+def plan_for(w: W4Weight, m: int, sms: int) -> w4_verdicts.Entry:
+    """(8-token tiles per block, 16-row tiles per warp, K slices, warps per row tile) of an m-row
+    product of w on a GPU of `sms` multiprocessors: where hierviz.quant.w4_choice timed w's kind,
+    its fastest entry (fewer token tiles run more passes of the grid over the tokens, each block
+    re-reading its weight tile; more row tiles per warp let each activation load serve more MMAs;
+    any of them gives a row the same bits; a kind that is not batch-invariant may also have timed
+    another K split or two warps per row tile faster), else (token_tiles(m), 1, split_for, 1)."""
+    default = (token_tiles(m), 1, split_for(w.out_features, w.in_features, sms), 1)
     planned = w4_verdicts.planned_entry(w4_verdicts.kernel_kind(w), m)
     if planned is None:
         return default
-    tiles, row_tiles, split = min(planned[0], token_tiles(m)), planned[1], planned[2]
-    if w.batch_invariant:       # a verifier's rows keep their bits only at the split of its kind
-        split = default[2]
-    return (tiles, row_tiles, split) if row_tiles == 1 or (tiles, row_tiles) in DIRECT_ROWS_BUILD else (tiles, 1, split)
+    tiles, row_tiles, split, k_warps = min(planned[0], token_tiles(m)), planned[1], planned[2], planned[3]
+    if w.batch_invariant:       # a verifier's rows keep their bits only at the split of its kind, one warp a tile
+        split, k_warps = default[2], 1
+    if k_warps > 1 and (tiles, row_tiles, k_warps) not in K_WARP_BUILD:     # clamped to fewer tiles than built
+        k_warps = 1
+    if row_tiles > 1 and k_warps == 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD:
+        row_tiles = 1
+    return tiles, row_tiles, split, k_warps
 
 
 def serves(w: W4Weight, m: Optional[int] = None) -> bool:
@@ -435,9 +442,9 @@ def _direct_build(tiles: int, row_tiles: int = 1, k_warps: int = 1) -> Optional[
     return DIRECT_BUILD.get(tiles) if row_tiles == 1 else DIRECT_ROWS_BUILD.get((tiles, row_tiles))
 
 
-def ahead_chunks(tiles: int, row_tiles: int = 1) -> int:
+def ahead_chunks(tiles: int, row_tiles: int = 1, k_warps: int = 1) -> int:
     """K chunks of codes the entry of `tiles` token tiles fetches ahead of the one it multiplies."""
-    build = _direct_build(tiles, row_tiles)
+    build = _direct_build(tiles, row_tiles, k_warps)
     if build:
         return build[0]
     return STAGED_BUILD[tiles][0]
@@ -565,7 +572,7 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
            split: Optional[int] = None, tiles: Optional[int] = None, wgmma: Optional[bool] = None,
-           row_tiles: int = 1, k_warps: int = 1) -> torch.Tensor:
+           row_tiles: int = 1, k_warps: Optional[int] = None) -> torch.Tensor:
     """y = x @ W.T (x [M, K] fp16, contiguous, on CUDA); add_to [M, N] fp16: added into in place
     and returned. split: K slices (default: plan_for's, for a batch-invariant weight split_for on
     this GPU, the same for every M; another split sums in another order, so other bits). tiles:
@@ -574,16 +581,17 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     whether the staged tile counts run the wgmma entries (default: WGMMA_BY_DEFAULT, where this
     GPU's build has them; else the mma.sync staged loop), the same bits either way. row_tiles:
     16-row tiles per warp of a direct entry (DIRECT_ROWS_BUILD), the same bits too. k_warps: warps
-    per row tile (K_WARP_BUILD, with tiles given), other bits (a sum of another order)."""
+    per row tile of a direct entry (K_WARP_BUILD; default plan_for's where tiles is None, else 1),
+    other bits than one warp's (a sum of another order)."""
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:
         raise ValueError(f"x has {k} input features, the weight {w.in_features}")
     if row_tiles < 1 or WARPS % row_tiles:
         raise ValueError(f"no entry multiplies {row_tiles} row tiles per warp (a block holds {WARPS})")
-    if k_warps > 1 and (tiles, row_tiles, k_warps) not in K_WARP_BUILD:
+    if tiles is not None and (k_warps or 1) > 1 and (tiles, row_tiles, k_warps) not in K_WARP_BUILD:
         raise ValueError(f"no entry multiplies {tiles} token tiles with {row_tiles} row tiles and {k_warps} warps per row tile")
-    if tiles is not None and row_tiles > 1 and k_warps == 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD:
+    if tiles is not None and row_tiles > 1 and (k_warps or 1) == 1 and (tiles, row_tiles) not in DIRECT_ROWS_BUILD:
         # the staged loop and the untabled direct entries have warps of one row tile
         raise ValueError(f"no entry multiplies {tiles} token tiles with {row_tiles} row tiles per warp")
     if add_to is not None and (add_to.shape != (m, n) or add_to.dtype != torch.float16
@@ -603,8 +611,10 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
         raise ValueError("the CUDA W4 kernel reads its codes tile by tile (cuda_w4.pack_layout)")
     x = x.contiguous()
     if tiles is None:
-        tiles, row_tiles, planned_split = plan_for(w, m, multiprocessor_count(x.device))
+        tiles, row_tiles, planned_split, planned_warps = plan_for(w, m, multiprocessor_count(x.device))
         split = planned_split if split is None else split
+        k_warps = planned_warps if k_warps is None else k_warps
+    k_warps = k_warps or 1
     if split is None:
         split = split_for(n, k, multiprocessor_count(x.device))
     split, per = slice_plan(k, split)

@@ -82,7 +82,9 @@ class Config:
                            # per iteration; num_stages >= 2: the next iteration's loads first
     block_q: int = 8
     cuda: bool = False     # the CUDA MMA kernel (hierviz.quant.cuda_w4, fp16): block_m = tokens per
-                           # block (8 x its token tiles), split_k = its K slices; other fields unused
+                           # block (8 x its token tiles), split_k = its K slices, num_warps = warps per
+                           # block; other fields unused
+    k_warps: int = 1       # with cuda: warps per 16-row tile (cuda_w4.K_WARP_BUILD)
 
 
 # Picked by `python -m hierviz kernel-bench --tune` on an H200 (K=8192, N=28672, G=128), keyed by
@@ -368,10 +370,10 @@ def chosen_config(x: torch.Tensor, w: W4Weight, hopper_paths: Optional[bool] = N
     if w4_verdicts.CUDA_VARIANT in variants and x.is_cuda and x.dtype == torch.float16:
         from hierviz.quant import cuda_w4
         if cuda_w4.serves(w, m) and cuda_w4.supports_shape(n, k, w.group_size):
-            tiles, row_tiles, split = cuda_w4.plan_for(w, m, sm_count(x.device))   # num_warps: 8 / row tiles per warp
-            return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles,
-                          split_k=split, num_warps=cuda_w4.WARPS // row_tiles,
-                          num_stages=cuda_w4.ahead_chunks(tiles, row_tiles), cuda=True)
+            tiles, row_tiles, split, k_warps = cuda_w4.plan_for(w, m, sm_count(x.device))
+            return Config(block_n=cuda_w4.ROWS_PER_BLOCK, block_m=8 * tiles, split_k=split,
+                          num_warps=cuda_w4.WARPS // row_tiles * k_warps,
+                          num_stages=cuda_w4.ahead_chunks(tiles, row_tiles, k_warps), cuda=True, k_warps=k_warps)
     # The one-token CUDA-core kernel was measured on Hopper only; older GPUs (the A100 of the
     # public Space) keep the MMA kernel there. The interpreter (CPU) runs both.
     if w.batch_invariant and m <= INVARIANT_MAX_ROWS:
@@ -449,7 +451,7 @@ def _launch(x: torch.Tensor, w: W4Weight, cfg: Config, interp: bool,
     if cfg.cuda:
         from hierviz.quant import cuda_w4
         return cuda_w4.matmul(x, w, add_to, split=cfg.split_k, tiles=cfg.block_m // 8,
-                              row_tiles=cuda_w4.WARPS // cfg.num_warps), None
+                              row_tiles=cuda_w4.WARPS * cfg.k_warps // cfg.num_warps, k_warps=cfg.k_warps), None
     p = packed(w, x.dtype)
     if cfg.gemv and x.dtype == torch.float16:
         return _gemv(x, p, w.group_size, cfg, interp, add_to)

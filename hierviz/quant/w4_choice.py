@@ -13,8 +13,9 @@ product: a stack load calls
 building their models. Each kind is timed on synthetic weights of its shape, both kernels in the
 mode the weight runs in (a verifier's batch-invariant products, another weight's normal ones), at
 CHOICE_ROWS; the CUDA kernel at each of its tile choices per row count (tile_candidates: any gives a
-row the same bits) and, for a kind that is not batch-invariant, at fewer K slices too
-(split_candidates), so a kind the CUDA kernel runs also gets the fastest entry at each row count
+row the same bits) and, for a kind that is not batch-invariant, at fewer K slices and with two warps
+per row tile too (split_candidates, k_warp_candidates: sums in another order, which only what is
+drafted sees), so a kind the CUDA kernel runs also gets the fastest entry at each row count
 (w4_verdicts.planned_entry). Every method of a comparison runs the same weights, so the comparison stays fair:
 a kernel that is faster at one token but slower on the tree verifications EAGLE-2's target runs
 is not chosen for that weight, as those rows are in the workload. docs/kernels.md gives the choices measured on the H100 and H200."""
@@ -140,6 +141,14 @@ def tile_candidates(m: int) -> list[tuple[int, int]]:
     return [(t, 1) for t in fits] + rows_entries
 
 
+def k_warp_candidates(m: int) -> list[tuple[int, int, int]]:
+    """The built entries of several warps per row tile (cuda_w4.K_WARP_BUILD) worth timing for an
+    m-row product of a kind that is not batch-invariant, as (token tiles, row tiles per warp, warps
+    per row tile): those within tile_candidates' passes."""
+    fits = {t for t, r in tile_candidates(m) if r == 1}
+    return sorted((e for e in cuda_w4.K_WARP_BUILD if e[0] in fits), key=lambda e: (-e[0], e[1], e[2]))
+
+
 def split_candidates(kind: w4_verdicts.KernelKind, sms: int) -> list[int]:
     """The K slice counts timed for a kind on a GPU of `sms` multiprocessors, its default first:
     cuda_w4.split_for's (a verifier's only one: its rows keep their bits only at it), and for a
@@ -151,38 +160,42 @@ def split_candidates(kind: w4_verdicts.KernelKind, sms: int) -> list[int]:
 
 
 def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable[int] = CHOICE_ROWS,
-              timer: Timer = cuda_graph_timer) -> dict[int, dict[tuple[int, int, int], float]]:
+              timer: Timer = cuda_graph_timer) -> dict[int, dict[w4_verdicts.Entry, float]]:
     """Microseconds per product of this kind in the CUDA MMA kernel at each row count, for each of
-    its tile_candidates at each of its split_candidates (row count -> (tiles, row tiles per warp,
-    K slices) -> us). Every tile choice is built to give a row the same bits at one split, and one
-    that does not here is left out; another split (a kind that is not batch-invariant) sums in
-    another order, so its products must agree with the default split's within fp16 rounding."""
+    its tile_candidates at each of its split_candidates, and for a kind that is not batch-invariant
+    its k_warp_candidates too (row count -> Entry -> us). Every tile choice is built to give a row
+    the same bits at one split, and one that does not here is left out; another split or two warps
+    per row tile (a kind that is not batch-invariant) sum in another order, so their products must
+    agree with the default entry's within fp16 rounding."""
     splits = split_candidates(kind, multiprocessor_count(device))
 
-    def product(x: torch.Tensor, w: W4Weight, entry: Optional[tuple[int, int, int]]) -> torch.Tensor:
-        tiles, row_tiles, split = entry or (None, 1, None)
-        return cuda_w4.matmul(x, w, tiles=tiles, row_tiles=row_tiles, split=split)
+    def product(x: torch.Tensor, w: W4Weight, entry: Optional[w4_verdicts.Entry]) -> torch.Tensor:
+        tiles, row_tiles, split, k_warps = entry or (None, 1, None, None)
+        return cuda_w4.matmul(x, w, tiles=tiles, row_tiles=row_tiles, split=split, k_warps=k_warps)
 
-    def agrees(x: torch.Tensor, w: W4Weight, entry: tuple[int, int, int]) -> bool:
+    def agrees(x: torch.Tensor, w: W4Weight, entry: w4_verdicts.Entry) -> bool:
         # an entry that gives other bits at the default split (an arch or compiler nobody here
-        # ran), or other values at another split, is never planned
-        one_pass = (cuda_w4.token_tiles(x.shape[0]), 1, splits[0])
+        # ran), or other values at another split or warps per row tile, is never planned
+        one_pass = (cuda_w4.token_tiles(x.shape[0]), 1, splits[0], 1)
         if entry == one_pass:
             return True
         y, ref = product(x, w, entry), product(x, w, one_pass)
-        if entry[2] == splits[0]:
+        if entry[2] == splits[0] and entry[3] == 1:
             return torch.equal(y, ref)
         return torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
-    return _time_rows(kind, device, rows, timer, product,
-                      lambda m: [(t, r, s) for s in splits for t, r in tile_candidates(m)], agrees)
+
+    def choices(m: int) -> list[w4_verdicts.Entry]:
+        one_warp = [(t, r, s, 1) for s in splits for t, r in tile_candidates(m)]
+        return one_warp + ([] if kind[5] else [(t, r, s, kw) for s in splits for t, r, kw in k_warp_candidates(m)])
+    return _time_rows(kind, device, rows, timer, product, choices, agrees)
 
 
-def fastest_entry(m: int, by_entry: dict[tuple[int, int, int], float]) -> tuple[int, int, int]:
+def fastest_entry(m: int, by_entry: dict[w4_verdicts.Entry, float]) -> w4_verdicts.Entry:
     """The entry an m-row product runs: the fastest timed, or the one-pass entry of one row tile
     per warp at the kind's own split (split_for's, the most slices timed: split_candidates) unless
     another is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
     best = min(by_entry, key=by_entry.get)
-    full = (cuda_w4.token_tiles(m), 1, max(split for _, _, split in by_entry))
+    full = (cuda_w4.token_tiles(m), 1, max(entry[2] for entry in by_entry), 1)
     return full if full in by_entry and by_entry[full] <= TILES_NOISE * by_entry[best] else best
 
 

@@ -306,11 +306,12 @@ def forget_in_memory() -> None:
 # by the first product of a kind nobody chose for, so that a weight never changes kernel mid-run
 # (its rows' bits would change with it)
 KernelKind = tuple[int, int, int, int, bool, bool]
+# an entry of the CUDA kernel: (token tiles per block, row tiles per warp, K slices, warps per row tile)
+Entry = tuple[int, int, int, int]
 _KERNEL_CHOICE: dict[KernelKind, bool] = {}
 _KERNEL_TIMES: dict[KernelKind, dict[str, Any]] = {}
-# the CUDA kernel's entry by row count, for a kind it runs: (rows timed, (token tiles per block, row
-# tiles per warp, K slices)) sorted
-_TILE_PLAN: dict[KernelKind, tuple[tuple[int, tuple[int, int, int]], ...]] = {}
+# the CUDA kernel's entry by row count, for a kind it runs: (rows timed, Entry) sorted
+_TILE_PLAN: dict[KernelKind, tuple[tuple[int, Entry], ...]] = {}
 # the kernel by row count of a kind that is not batch-invariant and runs each row count in the kernel
 # timed faster there (an intermediate's products decide only what is drafted): (rows timed, CUDA?) sorted
 _ROW_KERNEL: dict[KernelKind, tuple[tuple[int, bool], ...]] = {}
@@ -341,11 +342,10 @@ def _at_rows(plan: tuple[tuple[int, Any], ...], m: int, past: Any = None) -> Any
 
 
 def choose_kernel(kind: KernelKind, cuda: bool, times: Optional[dict[str, Any]] = None,
-                  tiles: Optional[dict[int, tuple[int, int, int]]] = None,
+                  tiles: Optional[dict[int, Entry]] = None,
                   by_rows: Optional[dict[int, bool]] = None) -> bool:
     """Record the kernel a kind runs, unless it has one already (chosen, or fixed by a product),
-    and for the CUDA kernel its entry per row count (rows timed -> (token tiles, row tiles per
-    warp, K slices)); by_rows (rows timed -> CUDA?), for a kind that is not batch-invariant: each row count's
+    and for the CUDA kernel its entry per row count (rows timed -> Entry); by_rows (rows timed -> CUDA?), for a kind that is not batch-invariant: each row count's
     own kernel (cuda: whether any runs CUDA). Returns the choice in force."""
     if by_rows and kind[5] and len(set(by_rows.values())) > 1:     # a verifier's rows keep their bits only within one kernel
         raise ValueError(f"{kind_label(kind)} is batch-invariant: its products must all run one kernel")
@@ -377,10 +377,10 @@ def cuda_rows(kind: KernelKind) -> Optional[str]:
     return ", ".join(f"{a}+" if open_end and b == prev else f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)
 
 
-def planned_entry(kind: KernelKind, m: int) -> Optional[tuple[int, int, int]]:
-    """The CUDA kernel's (token tiles per block, row tiles per warp, K slices) that timing chose for an m-row
-    product of this kind: those of the smallest timed row count at or above m; None for a kind
-    without a plan or past it."""
+def planned_entry(kind: KernelKind, m: int) -> Optional[Entry]:
+    """The CUDA kernel's Entry (token tiles per block, row tiles per warp, K slices, warps per row
+    tile) that timing chose for an m-row product of this kind: that of the smallest timed row count
+    at or above m; None for a kind without a plan or past it."""
     return _at_rows(_TILE_PLAN.get(kind, ()), m)
 
 
