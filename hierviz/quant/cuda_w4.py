@@ -146,19 +146,19 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
     per warp), that load activations a chunk ahead; kw_build: the entries of several warps per row tile
     (default K_WARP_BUILD)."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
-    direct = [(t, r, a, b) for (t, r), (a, b) in direct_entries(direct_build, rows_build).items()]
+    kw_build = K_WARP_BUILD if kw_build is None else kw_build
+    # (token tiles, row tiles per warp, warps per row tile, chunks ahead, blocks per multiprocessor)
+    direct = [(t, r, 1, a, b) for (t, r), (a, b) in direct_entries(direct_build, rows_build).items()]
+    kw = [(t, r, k_warps, a, b) for (t, r, k_warps), (a, b) in kw_build.items()]
 
-    def entry(t: int, r: int, a: int, b: int, g: int = 0) -> str:
+    def entry(t: int, r: int, kw: int, a: int, b: int, g: int = 0) -> str:
         xa = int((t, r) in x_ahead)
-        kind = "DIRECT" + ("_ROWS" if r > 1 else "") + ("_GROUP" if g else "")
-        return f"{kind}_ENTRY({t}, {a}, {b}{f', {r}' if r > 1 else ''}{f', {g}' if g else ''}, {xa})\n"
-    def kw_entry(t: int, r: int, kw: int, a: int, b: int, g: int = 0) -> str:
-        xa = int((t, r) in x_ahead)
-        return f"DIRECT_KW{'_GROUP' if g else ''}_ENTRY({t}, {a}, {b}, {r}, {kw}{f', {g}' if g else ''}, {xa})\n"
-    kw = [(*key, a, b) for key, (a, b) in (K_WARP_BUILD if kw_build is None else kw_build).items()]
+        kind = "DIRECT" + ("_KW" if kw > 1 else "_ROWS" if r > 1 else "") + ("_GROUP" if g else "")
+        shape = f", {r}, {kw}" if kw > 1 else f", {r}" if r > 1 else ""
+        return f"{kind}_ENTRY({t}, {a}, {b}{shape}{f', {g}' if g else ''}, {xa})\n"
     return (kernel_text() + "".join(entry(*e) for e in direct)
-            + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[2], g))
-            + "".join(kw_entry(*e, g) for e in kw for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(e[3], g))
+            + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[3], g))
+            + "".join(entry(*e, g) for e in kw for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(e[3], g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
             + ("".join(f"WGMMA_ENTRY({t}, {s}, {r}, {b})\n" for t, (s, r, b) in wgmma_build.items())
                if has_wgmma(arch) else ""))
