@@ -34,7 +34,7 @@ KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,
 # name: the tables a build replaces the shipped ones' entries with (cuda_w4's): "direct" (register-loop
 # entries), "staged", "rows" (entries of several row tiles per warp, timed at their own token tiles),
 # "x_ahead" (the direct entries that load activations a chunk ahead), "k_warps" (entries of several
-# warps per row tile, timed at their own token tiles)
+# warps per row tile, timed at their own token tiles), "sum_loads" (cuda_w4.SUM_LOADS)
 BUILDS = {
     "staged45": {"staged": {4: (4, 3), 5: (2, 2)}},      # the staged loop from 25 rows
     "d4a2": {"direct": {4: (2, 2)}},
@@ -57,6 +57,9 @@ BUILDS = {
     # warps per row tile): (chunks ahead, blocks per multiprocessor)
     "kw2": {"k_warps": {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1), (4, 1, 2): (4, 1),
                         (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}},
+    # the last block of an output tile loads this many fp32 partials before adding them (cuda_w4.SUM_LOADS)
+    "sum4": {"sum_loads": 4},
+    "sum8": {"sum_loads": 8},
 }
 TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD", "k_warps": "K_WARP_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
@@ -89,7 +92,8 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
     tables = {"direct": d, "staged": s, "rows": r, "k_warps": kw}
     with entries({}, tables):
         source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
-                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), kw_build=kw)
+                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), kw_build=kw,
+                                       sum_loads=spec.get("sum_loads", cuda_w4.SUM_LOADS))
         fns = cuda_w4.load_entries(arch, source, wgmma, r, kw)
     return fns, tables
 
@@ -198,13 +202,15 @@ def main() -> None:
                         row_tiles(own_rows, f"{name}_tiles")
                         continue
                     time_variant(row, name, x[:m], ws, alone)
-                    # a build's own tile counts; an x_ahead build's: every smaller one, as the shipped build's
-                    x_ahead = "x_ahead" in spec
+                    # a build's own tile counts; an x_ahead or sum_loads build's: every smaller one, as the
+                    # shipped build's, its row-tile entries and its entries of two warps per row tile
+                    x_ahead = "x_ahead" in spec or "sum_loads" in spec
                     for t in (range(1, full) if x_ahead else sorted({*spec.get("direct", {}), *spec.get("staged", {})})):
                         if t < full:
                             time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
-                    if x_ahead:                 # an x_ahead build: the shipped row-tile entries
+                    if x_ahead:
                         row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"{name}_rows_tiles")
+                        k_warp_entries(cuda_w4.K_WARP_BUILD, f"{name}_kwarps")
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

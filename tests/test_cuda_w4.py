@@ -357,13 +357,14 @@ def test_nvrtc_errors_come_back_as_a_compile_error_with_the_log() -> None:
 
 def test_the_cuda_c_is_the_cu_file_beside_the_module() -> None:
     """The kernel's CUDA C is hierviz/quant/cuda_w4.cu, not a string in the Python module: the
-    source NVRTC gets is that file, after the two constants cuda_w4.py defines and before one
+    source NVRTC gets is that file, after the constants cuda_w4.py defines and before one
     entry line per build."""
     path = Path(cuda_w4.__file__).with_name("cuda_w4.cu")
     assert cuda_w4.KERNEL_FILE == path and path.is_file()
     text = path.read_text()
     head, entries = cuda_w4.kernel_source().split(text)
-    assert head == f'#define NBUF {cuda_w4.NBUF}\n#define ROWS_PER_BLOCK {cuda_w4.ROWS_PER_BLOCK}\n#line 1 "cuda_w4.cu"\n'
+    assert head == (f'#define NBUF {cuda_w4.NBUF}\n#define ROWS_PER_BLOCK {cuda_w4.ROWS_PER_BLOCK}\n'
+                    f'#define SUM_LOADS {cuda_w4.SUM_LOADS}\n#line 1 "cuda_w4.cu"\n')
     assert len(entries.splitlines()) == len(cuda_w4.entry_names())
     assert all(line.split("(")[0] in ("DIRECT_ENTRY", "DIRECT_GROUP_ENTRY", "DIRECT_ROWS_ENTRY", "DIRECT_ROWS_GROUP_ENTRY",
                                       "DIRECT_KW_ENTRY", "DIRECT_KW_GROUP_ENTRY", "STAGED_ENTRY")
