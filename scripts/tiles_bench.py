@@ -99,8 +99,8 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
 
 
 def described(spec: dict) -> dict:
-    """A build's tables as JSON: (token tiles, row tiles) keys as "TxR", sets as sorted lists."""
-    return {name: (sorted(v) if isinstance(v, frozenset) else
+    """A build's tables as JSON: tuple keys as "TxR" (or "TxRxW"), sets as sorted lists, numbers as they are."""
+    return {name: (sorted(v) if isinstance(v, frozenset) else v if isinstance(v, int) else
                    {("x".join(map(str, k)) if isinstance(k, tuple) else k): val for k, val in v.items()})
             for name, v in spec.items()}
 
@@ -122,6 +122,63 @@ def time_variant(row: dict, label: str, x: torch.Tensor, ws: list, alone: torch.
             lambda: cuda_w4.matmul(x, next(copies), tiles=tiles, row_tiles=row_tiles, split=split, k_warps=k_warps)), 2)
     except Exception as e:            # a sticky fault ends every later launch too
         row[f"{label}_error"] = repr(e)[:300]
+
+
+def time_row(row: dict, x: torch.Tensor, ws: list, alone: torch.Tensor, invariant: bool, splits: list[int],
+             builds: dict) -> None:
+    """Every variant of one kind at one row count (x's rows) into row: the shipped build's entries
+    (one pass, fewer token tiles, several row tiles per warp, and for a kind that is not
+    batch-invariant two warps per row tile and the other K splits), then each build's."""
+    m = x.shape[0]
+    full = cuda_w4.token_tiles(m)
+
+    def within_passes(t: int) -> bool:
+        return t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES
+
+    def row_tiles(rows: list, label: str, sp: Optional[int] = None) -> None:
+        """Entries of (token tiles, row tiles per warp), each at its token tiles, within
+        MAX_PASSES; sp: at that K split instead of the shipped one."""
+        for (t, rt) in rows:
+            if within_passes(t):
+                time_variant(row, f"{label}{t}", x, ws, alone, t, rt, sp)
+
+    def k_warp_entries(build_entries: dict, label: str) -> None:
+        """Entries of several warps per row tile (another order of sums: a kind that is not
+        batch-invariant only), each at its token tiles within MAX_PASSES, at every split."""
+        for (t, rt, kw) in build_entries if not invariant else ():
+            if within_passes(t):
+                for sp in [None, *splits]:
+                    time_variant(row, f"{label}_t{t}r{rt}" + (f"_split{sp}" if sp else ""), x, ws, alone, t, rt, sp, kw)
+
+    time_variant(row, "shipped", x, ws, alone)
+    for t in range(1, full):            # fewer tiles per block, more passes
+        time_variant(row, f"tiles{t}", x, ws, alone, t)
+    row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
+    k_warp_entries(cuda_w4.K_WARP_BUILD, "kwarps")
+    for sp in splits:
+        time_variant(row, f"split{sp}", x, ws, alone, split=sp)
+        row_tiles([(t, 1) for t in range(1, full)], f"split{sp}_tiles", sp)
+        row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"split{sp}_rows_tiles", sp)
+    for name, (fns, tables) in builds.items():
+        with entries(fns, tables):
+            spec = BUILDS[name]
+            if "k_warps" in spec:       # a k_warps build: its entries
+                k_warp_entries(spec["k_warps"], name)
+                continue
+            own_rows = list(spec.get("rows", {}))
+            if own_rows:                # a rows build: its own entries
+                row_tiles(own_rows, f"{name}_tiles")
+                continue
+            time_variant(row, name, x, ws, alone)
+            # a build's own tile counts; an x_ahead or sum_loads build's: every smaller one, as the
+            # shipped build's, its row-tile entries and its entries of two warps per row tile
+            x_ahead = "x_ahead" in spec or "sum_loads" in spec
+            for t in (range(1, full) if x_ahead else sorted({*spec.get("direct", {}), *spec.get("staged", {})})):
+                if t < full:
+                    time_variant(row, f"{name}_tiles{t}", x, ws, alone, t)
+            if x_ahead:
+                row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"{name}_rows_tiles")
+                k_warp_entries(cuda_w4.K_WARP_BUILD, f"{name}_kwarps")
 
 
 def main() -> None:
@@ -148,8 +205,8 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(),
            "torch": torch.__version__, "sms": sms,
            "shipped": described({"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD,
-                                 "rows": cuda_w4.DIRECT_ROWS_BUILD,
-                                 "x_ahead": cuda_w4.X_AHEAD_ENTRIES}),
+                                 "rows": cuda_w4.DIRECT_ROWS_BUILD, "k_warps": cuda_w4.K_WARP_BUILD,
+                                 "x_ahead": cuda_w4.X_AHEAD_ENTRIES, "sum_loads": cuda_w4.SUM_LOADS}),
            "builds": {n: described(BUILDS[n]) for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
         k, n, g, inv = (int(v) for v in spec.split(","))
@@ -161,61 +218,16 @@ def main() -> None:
             cuda_w4.matmul(x[:1], w)            # each copy's layout, eagerly
         alone = torch.cat([cuda_w4.matmul(x[i:i + 1], ws[0]) for i in range(max(ms))])
         split = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, sms))[0]
+        # the other K splits asked for (a batch-invariant kind keeps its own), as slice_plan lays them out
+        splits = sorted({cuda_w4.slice_plan(k, int(v))[0] for v in a.splits.split(",") if v} - {split}) if not inv else []
         for m in ms:
             row = {"K": k, "N": n, "G": g, "invariant": bool(inv), "M": m, "split": split,
                    "triton_us": round(triton_us[m], 2)}
-            full = cuda_w4.token_tiles(m)
-            time_variant(row, "shipped", x[:m], ws, alone)
-            for t in range(1, full):            # fewer tiles per block, more passes
-                time_variant(row, f"tiles{t}", x[:m], ws, alone, t)
-            def row_tiles(rows: list, label: str, sp: Optional[int] = None) -> None:
-                """Entries of (token tiles, row tiles per warp), each at its token tiles, within
-                MAX_PASSES; sp: at that K split instead of the shipped one."""
-                for (t, rt) in rows:
-                    if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                        time_variant(row, f"{label}{t}", x[:m], ws, alone, t, rt, sp)
-            row_tiles(cuda_w4.DIRECT_ROWS_BUILD, "rows_tiles")      # the shipped ones
-            # the other K splits asked for (a batch-invariant kind keeps its own), as slice_plan lays them out
-            splits = sorted({cuda_w4.slice_plan(k, int(v))[0] for v in a.splits.split(",") if v} - {split}) if not inv else []
-
-            def k_warp_entries(build_entries: dict, label: str) -> None:
-                """Entries of several warps per row tile (another order of sums: a kind that is not
-                batch-invariant only), each at its token tiles within MAX_PASSES, at every split."""
-                for (t, rt, kw) in build_entries if not inv else ():
-                    if t <= full and -(-m // (8 * t)) <= w4_choice.MAX_PASSES:
-                        for sp in [None, *splits]:
-                            time_variant(row, f"{label}_t{t}r{rt}" + (f"_split{sp}" if sp else ""), x[:m], ws, alone,
-                                         t, rt, sp, kw)
-            k_warp_entries(cuda_w4.K_WARP_BUILD, "kwarps")              # the shipped ones
-            for sp in splits:
-                time_variant(row, f"split{sp}", x[:m], ws, alone, split=sp)
-                row_tiles([(t, 1) for t in range(1, full)], f"split{sp}_tiles", sp)
-                row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"split{sp}_rows_tiles", sp)
-            for name, (fns, tables) in builds.items():
-                with entries(fns, tables):
-                    spec = BUILDS[name]
-                    if "k_warps" in spec:       # a k_warps build: its entries
-                        k_warp_entries(spec["k_warps"], name)
-                        continue
-                    own_rows = list(spec.get("rows", {}))
-                    if own_rows:                # a rows build: its own entries
-                        row_tiles(own_rows, f"{name}_tiles")
-                        continue
-                    time_variant(row, name, x[:m], ws, alone)
-                    # a build's own tile counts; an x_ahead or sum_loads build's: every smaller one, as the
-                    # shipped build's, its row-tile entries and its entries of two warps per row tile
-                    x_ahead = "x_ahead" in spec or "sum_loads" in spec
-                    for t in (range(1, full) if x_ahead else sorted({*spec.get("direct", {}), *spec.get("staged", {})})):
-                        if t < full:
-                            time_variant(row, f"{name}_tiles{t}", x[:m], ws, alone, t)
-                    if x_ahead:
-                        row_tiles(cuda_w4.DIRECT_ROWS_BUILD, f"{name}_rows_tiles")
-                        k_warp_entries(cuda_w4.K_WARP_BUILD, f"{name}_kwarps")
+            time_row(row, x[:m], ws, alone[:m], bool(inv), splits, builds)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
     write_json(Path(a.out) / "tiles-bench.json", res)
-
 
 if __name__ == "__main__":
     main()
