@@ -68,8 +68,8 @@ WARPS = 8                  # row tiles per block (a warp each, or two a warp): 1
 ROWS_PER_BLOCK = 16 * WARPS
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
 # fp32 partials of the fixed-order K sum that the output tile's last block loads before it adds them
-# (in slice order: the same bits at any value); 1: each loaded as it is added. Not yet timed on a GPU
-# above 1 (scripts/tiles_bench.py --builds sum4).
+# (in slice order: the same bits at any value); 1: each loaded as it is added. Values above 1 are
+# untimed candidates (scripts/tiles_bench.py --builds sum4).
 SUM_LOADS = 1
 # The entries, by token tiles per block, measured best per entry on the H200 and H100 (docs/kernels.md;
 # every choice gives a row the same bits). Direct (up to 40 tokens): (K chunks of codes and group
