@@ -34,7 +34,7 @@ KINDS = ["8192,57344,128,1", "28672,8192,128,1", "8192,10240,128,1", "8192,8192,
 # name: the tables a build replaces the shipped ones' entries with (cuda_w4's): "direct" (register-loop
 # entries), "staged", "rows" (entries of several row tiles per warp, timed at their own token tiles),
 # "x_ahead" (the direct entries that load activations a chunk ahead), "k_warps" (entries of several
-# warps per row tile, timed at their own token tiles), "sum_loads" (cuda_w4.SUM_LOADS)
+# warps per row tile, timed at their own token tiles)
 BUILDS = {
     "staged45": {"staged": {4: (4, 3), 5: (2, 2)}},      # the staged loop from 25 rows
     "d4a2": {"direct": {4: (2, 2)}},
@@ -57,9 +57,6 @@ BUILDS = {
     # warps per row tile): (chunks ahead, blocks per multiprocessor)
     "kw2": {"k_warps": {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1), (4, 1, 2): (4, 1),
                         (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}},
-    # the last block of an output tile loads this many fp32 partials before adding them (cuda_w4.SUM_LOADS)
-    "sum4": {"sum_loads": 4},
-    "sum8": {"sum_loads": 8},
 }
 TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD", "k_warps": "K_WARP_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
@@ -92,15 +89,14 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
     tables = {"direct": d, "staged": s, "rows": r, "k_warps": kw}
     with entries({}, tables):
         source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
-                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), kw_build=kw,
-                                       sum_loads=spec.get("sum_loads", cuda_w4.SUM_LOADS))
+                                       x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), kw_build=kw)
         fns = cuda_w4.load_entries(arch, source, wgmma, r, kw)
     return fns, tables
 
 
 def described(spec: dict) -> dict:
-    """A build's tables as JSON: tuple keys as "TxR" (or "TxRxW"), sets as sorted lists, numbers as they are."""
-    return {name: (sorted(v) if isinstance(v, frozenset) else v if isinstance(v, int) else
+    """A build's tables as JSON: tuple keys as "TxR" (or "TxRxW"), sets as sorted lists."""
+    return {name: (sorted(v) if isinstance(v, frozenset) else
                    {("x".join(map(str, k)) if isinstance(k, tuple) else k): val for k, val in v.items()})
             for name, v in spec.items()}
 
@@ -170,9 +166,9 @@ def time_row(row: dict, x: torch.Tensor, ws: list, alone: torch.Tensor, invarian
                 row_tiles(own_rows, f"{name}_tiles")
                 continue
             time_variant(row, name, x, ws, alone)
-            # a build's own tile counts; an x_ahead or sum_loads build's: every smaller one, as the
-            # shipped build's, its row-tile entries and its entries of two warps per row tile
-            x_ahead = "x_ahead" in spec or "sum_loads" in spec
+            # a build's own tile counts; an x_ahead build's: every smaller one, as the shipped
+            # build's, its row-tile entries and its entries of two warps per row tile
+            x_ahead = "x_ahead" in spec
             for t in (range(1, full) if x_ahead else sorted({*spec.get("direct", {}), *spec.get("staged", {})})):
                 if t < full:
                     time_variant(row, f"{name}_tiles{t}", x, ws, alone, t)
@@ -206,7 +202,7 @@ def main() -> None:
            "torch": torch.__version__, "sms": sms,
            "shipped": described({"direct": cuda_w4.DIRECT_BUILD, "staged": cuda_w4.STAGED_BUILD,
                                  "rows": cuda_w4.DIRECT_ROWS_BUILD, "k_warps": cuda_w4.K_WARP_BUILD,
-                                 "x_ahead": cuda_w4.X_AHEAD_ENTRIES, "sum_loads": cuda_w4.SUM_LOADS}),
+                                 "x_ahead": cuda_w4.X_AHEAD_ENTRIES}),
            "builds": {n: described(BUILDS[n]) for n in builds}, "rows": []}
     for spec in a.kind or KINDS:
         k, n, g, inv = (int(v) for v in spec.split(","))

@@ -1,6 +1,6 @@
 // The CUDA MMA W4 kernel: y = x @ W.T for fp16 activations (hierviz/quant/cuda_w4.py holds its
 // weight layout, its launch and which products it serves; docs/kernels.md, "The CUDA MMA variant").
-// NVRTC compiles it at run time: cuda_w4.kernel_source() defines NBUF, ROWS_PER_BLOCK and SUM_LOADS
+// NVRTC compiles it at run time: cuda_w4.kernel_source() defines NBUF and ROWS_PER_BLOCK
 // before this text and adds one DIRECT_[ROWS_|KW_][GROUP_]ENTRY / STAGED_ENTRY / WGMMA_ENTRY line per
 // build after it (cuda_w4.DIRECT_BUILD, DIRECT_ROWS_BUILD, K_WARP_BUILD, PAIR_GROUPS, STAGED_BUILD,
 // WGMMA_BUILD on sm_90a).
@@ -661,17 +661,7 @@ __device__ __forceinline__ void w4_mma(PARAMS) {
     const int tok = tok0 + e / rows, n = blockIdx.y * ROWS_PER_BLOCK + e % rows;
     const float* p = partials + (size_t)tok * N + n;
     float v = 0.f;
-    int s = 0;
-    // SUM_LOADS partials loaded before they are added (in slice order, so the same sum), so that
-    // the serial tail waits on one round trip to the L2 per SUM_LOADS slices rather than per slice
-    for (; SUM_LOADS > 1 && s + SUM_LOADS <= split; s += SUM_LOADS) {
-      float q[SUM_LOADS];
-#pragma unroll
-      for (int i = 0; i < SUM_LOADS; i++) q[i] = __ldcg(p + (size_t)(s + i) * M * N);
-#pragma unroll
-      for (int i = 0; i < SUM_LOADS; i++) v += q[i];
-    }
-    for (; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
+    for (int s = 0; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
     if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
     y[(size_t)tok * ldy + n] = f2h(v);
   }

@@ -67,10 +67,6 @@ _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block (a warp each, or two a warp): 128 weight rows share its K slice
 ROWS_PER_BLOCK = 16 * WARPS
 NBUF = 2                   # x stages the staged loop keeps in shared memory (NBUF - 1 in flight)
-# fp32 partials of the fixed-order K sum that the output tile's last block loads before it adds them
-# (in slice order: the same bits at any value); 1: each loaded as it is added. Values above 1 are
-# untimed candidates (scripts/tiles_bench.py --builds sum4).
-SUM_LOADS = 1
 # The entries, by token tiles per block, measured best per entry on the H200 and H100 (docs/kernels.md;
 # every choice gives a row the same bits). Direct (up to 40 tokens): (K chunks of codes and group
 # pairs held in registers ahead; blocks per multiprocessor it is built for). Staged: (K chunks per
@@ -115,10 +111,10 @@ NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 KERNEL_FILE = Path(__file__).with_name("cuda_w4.cu")   # the CUDA C, read when the kernel is built
 
 
-def kernel_text(sum_loads: int = SUM_LOADS) -> str:
+def kernel_text() -> str:
     """cuda_w4.cu with the constants it takes from here defined before it; `#line` keeps NVRTC's
     messages on the file's own line numbers."""
-    return (f"#define NBUF {NBUF}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n#define SUM_LOADS {sum_loads}\n"
+    return (f"#define NBUF {NBUF}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n"
             f"#line 1 \"{KERNEL_FILE.name}\"\n" + KERNEL_FILE.read_text())
 
 
@@ -144,11 +140,11 @@ def direct_entries(direct_build: Optional[dict] = None, rows_build: Optional[dic
 def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED_BUILD,
                   arch: Optional[str] = None, wgmma_build: Optional[dict] = None,
                   rows_build: Optional[dict] = None, x_ahead: frozenset = X_AHEAD_ENTRIES,
-                  kw_build: Optional[dict] = None, sum_loads: int = SUM_LOADS) -> str:
+                  kw_build: Optional[dict] = None) -> str:
     """The CUDA source with one entry per build (the defaults: the shipped entries), the wgmma
     entries only for an arch that has them; x_ahead: the direct entries, by (token tiles, row tiles
     per warp), that load activations a chunk ahead; kw_build: the entries of several warps per row tile
-    (default K_WARP_BUILD); sum_loads: SUM_LOADS."""
+    (default K_WARP_BUILD)."""
     wgmma_build = WGMMA_BUILD if wgmma_build is None else wgmma_build
     kw_build = K_WARP_BUILD if kw_build is None else kw_build
     # (token tiles, row tiles per warp, warps per row tile, chunks ahead, blocks per multiprocessor)
@@ -160,7 +156,7 @@ def kernel_source(direct_build: dict = DIRECT_BUILD, staged_build: dict = STAGED
         kind = "DIRECT" + ("_KW" if kw > 1 else "_ROWS" if r > 1 else "") + ("_GROUP" if g else "")
         shape = f", {r}, {kw}" if kw > 1 else f", {r}" if r > 1 else ""
         return f"{kind}_ENTRY({t}, {a}, {b}{shape}{f', {g}' if g else ''}, {xa})\n"
-    return (kernel_text(sum_loads) + "".join(entry(*e) for e in direct)
+    return (kernel_text() + "".join(entry(*e) for e in direct)
             + "".join(entry(*e, g) for e in direct for g in PAIR_GROUPS if has_group_entry(e[3], g))
             + "".join(entry(*e, g) for e in kw for g in (0, *PAIR_GROUPS) if g == 0 or has_group_entry(e[3], g))
             + "".join(f"STAGED_ENTRY({t}, {s}, {b})\n" for t, (s, b) in staged_build.items())
