@@ -679,6 +679,39 @@ def test_cuda_w4_replays_in_a_graph_and_runs_from_another_thread() -> None:
     assert torch.equal(box["y"], want)
 
 
+def test_cuda_w4_build_kept_on_disk_loads_and_gives_the_same_bits(monkeypatch, tmp_path) -> None:
+    """The first load compiles and keeps the build (cubin_cache), the next reads it; products
+    through the entries loaded from disk equal those of the process's own build, at one token, in
+    the direct loop and in the staged loop. Prints the compile and the disk load times."""
+    import time
+    from hierviz.quant import cubin_cache, cuda_w4
+    from hierviz.quant.w4_proof import synthetic_weight
+    monkeypatch.setenv("HIERVIZ_CACHE", str(tmp_path))
+    idx = torch.cuda.current_device()
+    own = cuda_w4.functions(idx)
+    arch = cuda_w4._arch(idx)
+    source = cuda_w4.kernel_source(arch=arch)
+    assert cubin_cache.read(cubin_cache.cache_file(arch, source, cuda_w4.compiler_id())) is None
+    t0 = time.perf_counter()
+    cuda_w4.load_entries(arch)
+    t1 = time.perf_counter()
+    assert cubin_cache.read(cubin_cache.cache_file(arch, source, cuda_w4.compiler_id())) is not None
+
+    def no_compiler(arch: str, source: str) -> bytes:
+        raise AssertionError("the kept build was compiled again")
+    monkeypatch.setattr(cuda_w4, "compile_cubin", no_compiler)
+    from_disk = cuda_w4.load_entries(arch)
+    t2 = time.perf_counter()
+    print(f"\n{arch}: compiled and kept in {t1 - t0:.1f} s, loaded from disk in {t2 - t1:.2f} s")
+    w = synthetic_weight(8192, 4096, 128, "cuda", seed=2, act_order=False, dtype=torch.float16)
+    x = torch.randn(64, 4096, device="cuda").half()
+    want = [cuda_w4.matmul(x[:m], w) for m in (1, 24, 64)]
+    monkeypatch.setitem(cuda_w4._FUNCTIONS, idx, from_disk)
+    for m, y in zip((1, 24, 64), want):
+        assert torch.equal(cuda_w4.matmul(x[:m], w), y), m
+    monkeypatch.setitem(cuda_w4._FUNCTIONS, idx, own)
+
+
 def test_verification_is_batch_invariant_on_the_static_path_with_the_cuda_w4_kernel(monkeypatch) -> None:
     """HIERVIZ_W4_CUDA=on: the target's W4 products run the CUDA kernel (CUDA graphs, fused layers),
     and verification keeps every token's bits as in the Triton test above."""

@@ -1,7 +1,8 @@
 """The CUDA MMA variant of the GPU W4 product: y = x @ W.T for fp16 activations, every M.
 
 One small CUDA C kernel (cuda_w4.cu, beside this module), compiled at first use with NVRTC (the
-runtime compiler that ships with torch's CUDA wheels: no nvcc, no build step) and launched through
+runtime compiler that ships with torch's CUDA wheels: no nvcc, no build step; the build is kept on
+disk by cubin_cache, so later processes load it) and launched through
 the CUDA driver API on torch's current stream, so CUDA graphs capture it like any other kernel.
 The Triton kernel hands a product here (triton_w4.chosen_config) where the variant `cuda_mma` is
 proven (kernel_guard) and `serves` says the weight runs here: with HIERVIZ_W4_CUDA=auto (the
@@ -61,7 +62,7 @@ import torch
 from hierviz.config import options
 from hierviz.quant.tickets import multiprocessor_count, ticket_buffer
 from hierviz.quant.w4 import W4Weight, codes_of, codes_released, pack_codes, release_codes, unpack_codes
-from hierviz.quant import w4_verdicts
+from hierviz.quant import cubin_cache, w4_verdicts
 
 _CACHE_KEY = "cuda_w4"
 WARPS = 8                  # row tiles per block (a warp each, or two a warp): 128 weight rows share its K slice
@@ -366,6 +367,14 @@ def nvrtc_version() -> Optional[str]:
     return f"{major.value}.{minor.value}"
 
 
+NVRTC_OPTIONS = ("--std=c++17", "-default-device")
+
+
+def compiler_id() -> str:
+    """What a build's bytes depend on besides its source and arch (the disk cache's key)."""
+    return f"nvrtc {nvrtc_version()} {' '.join(NVRTC_OPTIONS)}"
+
+
 def compile_cubin(arch: str, source: Optional[str] = None) -> bytes:
     """`source` (default: kernel_source(arch=arch), the shipped entries) compiled by NVRTC for arch
     ("sm_90"): the CUBIN bytes (CompileError with the compiler's log otherwise). Needs no GPU:
@@ -375,7 +384,7 @@ def compile_cubin(arch: str, source: Optional[str] = None) -> bytes:
     src = (kernel_source(arch=arch) if source is None else source).encode()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"hierviz_w4.cu", 0, None, None) != 0:
         raise CompileError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
+    opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in NVRTC_OPTIONS]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     try:
         res = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -519,11 +528,18 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[dict] = None,
                  rows_build: Optional[dict] = None, kw_build: Optional[dict] = None) -> dict[str, ctypes.c_void_p]:
-    """`source` (default: the shipped entries) compiled for arch and loaded into the current
-    context: entry name -> CUfunction, the wgmma entries allowed their dynamic shared memory."""
-    cubin = compile_cubin(arch, source)
+    """`source` (default: the shipped entries) compiled for arch (or its build kept on disk:
+    cubin_cache) and loaded into the current context: entry name -> CUfunction, the wgmma entries
+    allowed their dynamic shared memory."""
+    source = kernel_source(arch=arch) if source is None else source
+    cubin, from_disk = cubin_cache.cubin(arch, source, compiler_id(), compile_cubin)
     module = ctypes.c_void_p()
-    _DRIVER.check(_DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+    res = _DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin)
+    if res != 0 and from_disk:      # a kept build the driver refuses: compiled again, once
+        cubin_cache.forget(arch, source, compiler_id())
+        cubin, _ = cubin_cache.cubin(arch, source, compiler_id(), compile_cubin)
+        res = _DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin)
+    _DRIVER.check(res, "cuModuleLoadData")
     found = {}
     for name in entry_names(arch, wgmma_build, rows_build, kw_build):
         fn = ctypes.c_void_p()
