@@ -245,6 +245,30 @@ def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -
         assert all(seeded[m]["tokens_per_round"] > 2 for m in ("spec", "eagle2", "hierspec")), (preset, seeded)
 
 
+def test_whatif_with_a_w4_intermediate_lm_head_on_the_gpu(tmp_path) -> None:
+    """--intermediate-lm-head w4 on the GPU path: the W4 product at an LM head's shape (4096 x
+    128,256, Llama-3-8B's) right at the row counts E_M's frontier and M's trees run, in both
+    kernels; and --exact through CUDA graphs with M's and E_M's logits from a W4 head,
+    every output equal to AR's."""
+    import json
+
+    from hierviz.measure import whatif
+    from hierviz.quant import cuda_w4, kernel_guard
+    from hierviz.quant.w4 import w4_linear
+    from hierviz.quant.w4_proof import reference, synthetic_weight
+    w = synthetic_weight(128256, 4096, 128, "cuda", seed=3, act_order=False, dtype=torch.float16)
+    x = torch.randn(40, 4096, device="cuda").half()
+    ref = reference(x, w)
+    for m in (1, 8, 10, 16, 31, 40):
+        for y in (w4_linear(x[:m], w, kernel="triton"), cuda_w4.matmul(x[:m], w)):
+            assert float(kernel_guard.row_errors(y, ref[:m]).max()) < 5e-3, m
+    assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods", "ar,hierspec",
+                        "--intermediate-format", "w4", "--intermediate-lm-head", "w4", "--exact-trees", "paper",
+                        "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
+    assert runs and all(r["identical"] and not r["steering_miss"] for r in runs)
+
+
 def test_whatif_exact_with_eagle3_heads_through_cuda_graphs(tmp_path) -> None:
     """--exact --head eagle3 on the GPU path: EAGLE-3 heads over T's and M's layer features, their
     draft logits steered through the tree graphs (successors mapped to draft indices), every output

@@ -13,6 +13,7 @@ import torch
 from hierviz.settings import DecodeSettings
 from hierviz.decoding.tree import Tree
 from hierviz.decoding.verify import forced_tree_path
+from hierviz.measure.common import MeasureError
 from hierviz.measure.whatif import build_models, main, run_one, tiny_config
 from hierviz.measure.whatif_acceptance import RatesOracle, ReplayOracle
 
@@ -186,6 +187,7 @@ def test_sweep_with_eagle3_heads_compares_eagle3_and_hierspec(tmp_path: Path) ->
     (FAST + ["--head", "eagle3", "--methods", "eagle2,hierspec"], "method eagle2 drafts with EAGLE-2 heads: it needs --head eagle2"),
     (FAST + ["--head", "eagle3", "--draft-vocab", "513"], "--draft-vocab must be between 1 and the vocabulary size 512"),
     (FAST + ["--head", "eagle3", "--exact", "--methods", "ar,eagle2"], "it needs --head eagle2"),
+    (FAST + ["--intermediate-lm-head", "w4", "--draft-vocab", "300"], "takes no --draft-vocab for E_M"),
 ])
 def test_bad_arguments(args: list[str], msg: str, tmp_path: Path, capsys) -> None:
     assert main(args + ["--out", str(tmp_path)]) == 2
@@ -505,3 +507,28 @@ def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None
     assert sharp_eagle3_head(base, 1).draft_vocab_size == 32000
     assert sharp_eagle3_head(base, 2, 1000).draft_vocab_size == 1000
     assert sharp_eagle2_head(base, 3).draft_vocab is None
+
+
+def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_the_output(tmp_path: Path) -> None:
+    """--intermediate-lm-head w4: M's LM head (which E_M drafts through) is a W4 weight, T's stays
+    dense; the record and the title say so; every method's output still equals AR's (--exact), as
+    only drafts go through it; a tied LM head is refused with a clear error."""
+    import dataclasses
+
+    from hierviz.measure import whatif
+    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference", m_lm_head="w4a16")
+    assert models.intermediate.lm_head.q is not None and models.target.lm_head.q is None
+    assert models.e_m.base is models.intermediate
+    args = FAST + ["--intermediate-format", "w4", "--intermediate-lm-head", "w4", "--methods", "hierspec,eagle2",
+                   "--max-new-tokens", "8", "--out", str(tmp_path / "rates")]
+    assert whatif.main(args) == 0
+    info = json.loads((tmp_path / "rates" / "whatif.json").read_text())
+    assert info["formats"]["intermediate"].endswith(", LM head W4A16")
+    assert "(W4A16, LM head W4A16)" in (tmp_path / "rates" / "whatif.md").read_text().splitlines()[0]
+    assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24",
+                        "--methods", "ar,hierspec", "--intermediate-lm-head", "w4", "--out", str(tmp_path / "exact")]) == 0
+    runs = json.loads((tmp_path / "exact" / "whatif_exact.json").read_text())["runs"]
+    assert runs and all(r["identical"] for r in runs)
+    tied = dataclasses.replace(tiny_config(False), tie_embeddings=True)
+    with pytest.raises(MeasureError, match="needs an untied LM head"):
+        build_models(tiny_config(True), tied, "cpu", torch.float32, "reference", m_lm_head="w4a16")

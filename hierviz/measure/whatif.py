@@ -144,13 +144,14 @@ def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] =
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
                  seed: int = 0, m_format: str = DENSE.name, head: Optional[str] = None,
                  draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT,
-                 rows: Optional[dict[str, Iterable[int]]] = None) -> Models:
+                 rows: Optional[dict[str, Iterable[int]]] = None, m_lm_head: str = DENSE.name) -> Models:
     """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
     dense as in the paper's stack by default) and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3; None: both E_T types and
     an EAGLE-2 E_M, see variant_models for the EAGLE-3 E_M) drafting over `draft_vocab` token ids
     (None: the full vocabulary). `rows` ("target" / "intermediate" -> row counts: workload_rows)
-    decides each W4 weight's kernel under HIERVIZ_W4_CUDA=auto; None: every row count."""
+    decides each W4 weight's kernel under HIERVIZ_W4_CUDA=auto; None: every row count. `m_lm_head`: M's
+    LM head's format (T keeps a dense one: it verifies)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise MeasureError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
@@ -158,9 +159,12 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
         raise MeasureError(f"unknown head type {head!r}; choose one of {', '.join(registry.tree_methods())}")
     if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
         raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
+    if m_lm_head != DENSE.name and (draft_vocab is not None and head != "eagle3" or m_cfg.tie_embeddings):
+        raise MeasureError(f"M's LM head in {m_lm_head} needs an untied LM head and takes no --draft-vocab for "
+                           "E_M (a reduced vocabulary takes rows of a dense LM head)")
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
-    inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1)
+    inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1, lm_head_format=m_lm_head)
     # each row count as the dynamic path runs it and as the static runners pad it (cuda_graphs' bucket)
     workload = None if rows is None else {model: set(rows[role]) | {b for r in rows[role] if (b := cuda_graphs.bucket_for(r))}
                                           for role, model in (("target", target), ("intermediate", inter)) if role in rows}
@@ -293,6 +297,8 @@ def parser() -> argparse.ArgumentParser:
                     help="T's weight format (an alias works too): " + _formats_help())
     ap.add_argument("--intermediate-format", default=DENSE.name, type=canonical_name, choices=target_formats(),
                     help=f"M's weights, the same choices ({DENSE.name}: the paper's stack)")
+    ap.add_argument("--intermediate-lm-head", default=DENSE.name, type=canonical_name, choices=target_formats(),
+                    help=f"M's LM head, which E_M drafts through ({DENSE.name}: as GPTQ keeps it); M only drafts")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
     ap.add_argument("--acceptance-rates", default=None,
                     help=f"per-depth tree acceptance rates, e.g. 0.9,0.8,0.7 (default {','.join(map(str, DEFAULT_RATES))})")
@@ -478,7 +484,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "schema": SCHEMA, "label": LABEL, "shapes": names,
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
         "formats": {"target": _format_text(a.target_format, t_cfg, kernel, dtype),
-                    "intermediate": _format_text(a.intermediate_format, m_cfg, kernel, dtype),
+                    "intermediate": _format_text(a.intermediate_format, m_cfg, kernel, dtype) + (
+                        f", LM head {get_format(a.intermediate_lm_head).label}" if a.intermediate_lm_head != DENSE.name else ""),
                     "heads": "; ".join(_heads_text(k) for k in _head_types(a, list(results)))},
         "head": a.head or PEER, "heads": _head_types(a, list(results)),
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
@@ -553,7 +560,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     rows = None if a.exact else registry.workload_rows(methods, [s] + sweep_settings, a.prompt_len)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format,
                           a.head or (PEER if kinds == [PEER] else None), a.draft_vocab,
-                          a.target_format, rows)
+                          a.target_format, rows, a.intermediate_lm_head)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
     stacks = {m: variant_models(models, m, a.seed, a.draft_vocab) if m in registry.VARIANTS else models
@@ -682,7 +689,9 @@ def _title(info: dict[str, Any]) -> str:
     sh = info["shapes"]
     where = info["machine"].get("gpu", info["device"])
     m = format_of_description(info["formats"]["intermediate"])
-    m_fmt = f" ({m.label})" if m is not None and not m.dense else ""
+    head = str(info["formats"]["intermediate"]).partition(", LM head ")[2]     # --intermediate-lm-head
+    parts = ([m.label] if m is not None and not m.dense else []) + ([f"LM head {head}"] if head else [])
+    m_fmt = f" ({', '.join(parts)})" if parts else ""
     t_fmt = str(info["formats"]["target"]).split()[0]
     return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
 

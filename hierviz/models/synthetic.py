@@ -78,21 +78,29 @@ def w4_group(cfg: ModelConfig, g: int) -> int:
 
 
 def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str, kernel: str, seed: int,
-                    group: int = 128) -> Transformer:
+                    group: int = 128, lm_head_format: str = DENSE.name) -> Transformer:
     """A Transformer of this shape with random weights in weight format `fmt` (layer_weights; W4A16:
-    codes + scales as GPTQ would store them, fp16 embedding and LM head as GPTQ keeps them)."""
+    codes + scales as GPTQ would store them, fp16 embedding as GPTQ keeps it) and its LM head in
+    `lm_head_format` (dense, as GPTQ keeps it, by default; a model whose outputs only draft may take
+    a quantized one: it needs an LM head of its own, not tied to the embedding)."""
+    if lm_head_format != DENSE.name and cfg.tie_embeddings:
+        raise ValueError("a quantized LM head needs a model whose LM head is not tied to its embedding")
     gen = torch.Generator(device=device).manual_seed(seed)
     g = w4_group(cfg, group)
     w: dict[str, Any] = {"model.embed_tokens.weight": random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
                          "model.norm.weight": torch.ones(cfg.hidden_size, dtype=dtype, device=device)}
     if not cfg.tie_embeddings:
-        w["lm_head.weight"] = random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen)
+        if random_codes(lm_head_format):
+            w["lm_head.weight"] = random_w4(cfg.vocab_size, cfg.hidden_size, g, dtype, device, gen)
+        else:
+            dense, head = random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen), get_format(lm_head_format)
+            w["lm_head.weight"] = dense if head.dense else head.quantize(dense)
     for i in range(cfg.num_layers):
         for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items():
             w[f"model.layers.{i}.{k}"] = v
     # release: the dict is ours, so each entry goes once used (a dense 70B is held once, not twice)
-    return Transformer(cfg, w, w4_kernel=kernel if get_format(fmt).gpu_kernel else "reference", dtype=dtype,
-                       device=device, release=True)
+    gpu_kernel = get_format(fmt).gpu_kernel or get_format(lm_head_format).gpu_kernel
+    return Transformer(cfg, w, w4_kernel=kernel if gpu_kernel else "reference", dtype=dtype, device=device, release=True)
 
 
 def synthetic_head(base: Transformer, seed: int, head_class: type[EagleHead] = EagleHead) -> EagleHead:
