@@ -4,8 +4,9 @@ A stack is a small JSON file:
   {"name": ..., "description": ...,
    "target":       {"path": P, "quantize": "rtn-g32"?},     # P: folder, .gguf file, hub id
    "intermediate": {"path": P, "share_embeddings": true?,   # embeddings/LM head taken from T
-                    "w4_kernel"/"w4_kernel_cuda": name?},   # M's own kernel (a drafter: exactness
+                    "w4_kernel"/"w4_kernel_cuda": name?,    # M's own kernel (a drafter: exactness
                                                             # not needed; e.g. int4pack_cpu)
+                    "quantize_lm_head": "rtn-g64"?},        # M's LM head (E_M drafts through it) quantized
    "e_m": {"path": P, "type": T?},   # T: a head type (HEAD_TYPES); default read from the checkpoint
    "e_t": {"path": P},               # the head slots (HEAD_SLOTS): e_m takes any head type on M,
    "e_t3": {"path": P},              # e_t an EAGLE-1/2 head on T, e_t3 an EAGLE-3 head on T
@@ -22,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +34,7 @@ from hierviz import memory
 from hierviz.config import options
 from hierviz import methods
 from hierviz.decoding.decoders import Models
-from hierviz.models.config import ModelConfigError
+from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.drafter import (HEAD_SLOTS, HEAD_TYPES, Drafter, head_label, head_type_of, load_head, slot_for,
                                      uses_base_lm_head)
 from hierviz.models.llama import Transformer, WeightsError
@@ -128,7 +130,22 @@ def _load_model(spec: dict[str, Any], base: Path, device, dtype, kernel: str,
         weights["model.embed_tokens.weight"] = share_from.embed.data    # the file's copy is dropped as it is read
         if not cfg.tie_embeddings and "lm_head.weight" not in weights:
             weights["lm_head.weight"] = share_from.lm_head.weight.data
+    if spec.get("quantize_lm_head"):
+        cfg, weights = _quantized_lm_head(spec["quantize_lm_head"], cfg, weights, torch.device(device), dtype)
     return Transformer(cfg, weights, w4_kernel=kernel, dtype=dtype, device=device, release=True), folder
+
+
+def _quantized_lm_head(q: str, cfg: ModelConfig, weights: dict[str, Any], device: torch.device,
+                       dtype: torch.dtype) -> tuple[ModelConfig, dict[str, Any]]:
+    """The model's LM head through the quantizer `q` names (a tied one as a quantized copy of the
+    embedding, the model then untied): for an intermediate, whose outputs only draft."""
+    try:
+        quantize = quantize_option(q, device)
+        dense = weights["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+        weights["lm_head.weight"] = quantize(dense.to(device=device, dtype=dtype))
+    except (ValueError, KeyError) as e:
+        raise StackError(f"quantize_lm_head {q!r}: {e}") from None
+    return dataclasses.replace(cfg, tie_embeddings=False), weights
 
 
 def _for_device(spec: dict[str, Any], key: str, dev: torch.device, default: Any = None) -> Any:
@@ -183,6 +200,9 @@ def check_spec(spec: Any, p: Path) -> None:
         kind = entry.get("type")
         if key in HEAD_SLOTS and kind is not None and kind not in HEAD_TYPES:
             raise StackError(f"stack file {p}: {key}.type {kind!r} is not a head type ({', '.join(HEAD_TYPES)})")
+        if "quantize_lm_head" in entry and (key != "intermediate" or not isinstance(entry["quantize_lm_head"], str)):
+            raise StackError(f"stack file {p}: {key}.quantize_lm_head: only the intermediate's LM head may be "
+                             "quantized (a string such as \"rtn-g64\"): T verifies every token")
     for key in ("dtype", "dtype_cuda", "w4_kernel", "w4_kernel_cuda", "tokenizer", "draft_vocab", "name"):
         if key in spec and spec[key] is not None and not isinstance(spec[key], str):
             raise StackError(f"stack file {p}: {key!r} must be a string")
@@ -275,13 +295,16 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     w4_status = prepare_w4_kernels(models, dtype, dev)
     if spec.get("draft_vocab"):
         ids = _draft_vocab(resolve_path(spec["draft_vocab"], base))
-        for h in heads.values():
-            if uses_base_lm_head(h):     # a head with its own vocabulary (EAGLE-3's d2t) keeps it
-                h.set_draft_vocab(ids)
-        if inter is not None and spec.get("intermediate_draft_vocab"):
-            # M only drafts for T, so it may predict over the frequent-token vocabulary too:
-            # T's verification keeps the output lossless whatever M proposes
-            inter.restrict_output_vocab(ids)
+        try:
+            for h in heads.values():
+                if uses_base_lm_head(h):     # a head with its own vocabulary (EAGLE-3's d2t) keeps it
+                    h.set_draft_vocab(ids)
+            if inter is not None and spec.get("intermediate_draft_vocab"):
+                # M only drafts for T, so it may predict over the frequent-token vocabulary too:
+                # T's verification keeps the output lossless whatever M proposes
+                inter.restrict_output_vocab(ids)
+        except WeightsError as e:       # FR-Spec rows of a quantized LM head (quantize_lm_head)
+            raise StackError(f"stack {spec.get('name', p.stem)!r}: draft_vocab: {e}") from None
     meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
             **{key: (spec.get(key) or {}).get("path") for key in HEAD_SLOTS},

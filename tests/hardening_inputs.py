@@ -269,6 +269,17 @@ SPEC_CASES = [
      "cannot read the draft vocabulary"),
     ("draft_vocab-an-object", '{"target": {"path": "target"}, "e_t": {"path": "e_t"}, '
                               '"draft_vocab": "target/config.json"}', "must be a non-empty JSON list"),
+    ("target-quantize_lm_head", '{"target": {"path": "target", "quantize_lm_head": "rtn-g32"}}',
+     "only the intermediate's LM head may be quantized"),
+    ("quantize_lm_head-a-number", '{"target": {"path": "target"}, "intermediate": {"path": "target", "quantize_lm_head": 4}}',
+     "only the intermediate's LM head may be quantized"),
+    ("quantize_lm_head-unknown", '{"target": {"path": "target"}, "intermediate": {"path": "target", "quantize_lm_head": "rtn"}}',
+     "quantize_lm_head 'rtn': unknown quantize option"),
+    ("quantize_lm_head-group", '{"target": {"path": "target"}, "intermediate": {"path": "target", "quantize_lm_head": "rtn-g7"}}',
+     "quantize_lm_head 'rtn-g7'"),
+    ("quantize_lm_head-with-fr-spec-rows", '{"target": {"path": "target"}, "intermediate": {"path": "target", '
+     '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}, "draft_vocab": "vocab.json"}',
+     "draft_vocab: a reduced vocabulary needs a dense LM head"),
 ]
 
 

@@ -649,6 +649,7 @@ def models(tmp_path_factory):
     make_tiny_head(root / "e_t_hidden64", cfg, seed=4)
     c = json.loads((root / "e_t_hidden64" / "config.json").read_text())
     (root / "e_t_hidden64" / "config.json").write_text(json.dumps(dict(c, hidden_size=64)))
+    (root / "vocab.json").write_text(json.dumps(list(range(40))))
     return root
 
 
@@ -660,6 +661,21 @@ def test_the_tiny_stack_files_load(models):
     stack = load_stack(write_stack(models, '{"target": {"path": "target"}, "e_t": {"path": "e_t"}}'), "cpu")
     tr = generate(stack, "eagle2", "w5 w6", DecodeSettings(max_new_tokens=3, t_depth=2, t_topk=2, t_tree_size=4))
     assert sum(len(s.new_tokens) for s in tr.steps) == 3
+
+
+def test_an_intermediate_with_a_quantized_lm_head_drafts_and_keeps_the_output(models):
+    """intermediate.quantize_lm_head: M's LM head (E_M drafts through it) a W4 weight, T's dense; HierSpec's
+    output still equals AR's, since T verifies every token."""
+    from hierviz.settings import DecodeSettings
+    from hierviz.engine import generate
+    from hierviz.stack import load_stack
+    stack = load_stack(write_stack(models, '{"target": {"path": "target"}, "intermediate": {"path": "target", '
+                                           '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}}'), "cpu")
+    inter, target = stack.models.intermediate, stack.models.target
+    assert inter.lm_head.q is not None and target.lm_head.q is None and not inter.cfg.tie_embeddings
+    s = DecodeSettings(max_new_tokens=12, m_depth=2, m_topk=2, m_tree_size=4)
+    out = {m: [t for st in generate(stack, m, "w5 w6", s).steps for t in st.new_tokens] for m in ("ar", "hierspec")}
+    assert out["hierspec"] == out["ar"] and len(out["ar"]) == 12
 
 
 def write_stack(root: Path, text: str) -> str:
