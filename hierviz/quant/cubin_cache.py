@@ -1,9 +1,9 @@
 """Compiled CUDA code kept on disk, so that a process loads the W4 kernel's CUBIN instead of
-compiling it again with NVRTC (about 10-16 s a build, single-threaded: docs/kernels.md).
+compiling it again with NVRTC (10-20 s a build, single-threaded: docs/kernels.md).
 
 A file is keyed by everything the bytes depend on: the source text, the target arch, the
 compiler's options and NVRTC's version. It lives under `options().cache_dir / "cuda-w4"` and holds
-a magic tag, the SHA-256 of the CUBIN and the CUBIN, so a torn or altered file is seen and
+a magic tag, the SHA-256 of the CUBIN and the CUBIN, so a torn or damaged file is seen and
 compiled again (with a warning) rather than handed to the driver. Writes are atomic; a cache that
 cannot be written only warns, the compiled bytes still serve the process. The newest KEEP files
 stay, older ones (other sources, other versions) are removed after each write."""
