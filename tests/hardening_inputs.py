@@ -277,9 +277,9 @@ SPEC_CASES = [
      "quantize_lm_head 'rtn': unknown quantize option"),
     ("quantize_lm_head-group", '{"target": {"path": "target"}, "intermediate": {"path": "target", "quantize_lm_head": "rtn-g7"}}',
      "quantize_lm_head 'rtn-g7'"),
-    ("quantize_lm_head-with-fr-spec-rows", '{"target": {"path": "target"}, "intermediate": {"path": "target", '
-     '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}, "draft_vocab": "vocab.json"}',
-     "draft_vocab: a reduced vocabulary needs a dense LM head"),
+    ("quantize_lm_head-int8-with-fr-spec-rows", '{"target": {"path": "target"}, "intermediate": {"path": "target", '
+     '"quantize_lm_head": "w8a8-int8"}, "e_m": {"path": "e_t"}, "draft_vocab": "vocab.json"}',
+     "draft_vocab: a reduced vocabulary needs a dense or W4 LM head"),
 ]
 
 

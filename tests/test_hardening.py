@@ -676,6 +676,13 @@ def test_an_intermediate_with_a_quantized_lm_head_drafts_and_keeps_the_output(mo
     s = DecodeSettings(max_new_tokens=12, m_depth=2, m_topk=2, m_tree_size=4)
     out = {m: [t for st in generate(stack, m, "w5 w6", s).steps for t in st.new_tokens] for m in ("ar", "hierspec")}
     assert out["hierspec"] == out["ar"] and len(out["ar"]) == 12
+    # with FR-Spec rows for E_M and M: Linears of the W4 head's rows
+    stack = load_stack(write_stack(models, '{"target": {"path": "target"}, "intermediate": {"path": "target", '
+                                           '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}, '
+                                           '"draft_vocab": "vocab.json", "intermediate_draft_vocab": true}'), "cpu")
+    assert stack.models.e_m._draft_head.w4 and stack.models.intermediate._vocab_rows.w4
+    rows = [t for st in generate(stack, "hierspec", "w5 w6", s).steps for t in st.new_tokens]
+    assert rows == out["ar"]
 
 
 def write_stack(root: Path, text: str) -> str:

@@ -187,7 +187,7 @@ def test_sweep_with_eagle3_heads_compares_eagle3_and_hierspec(tmp_path: Path) ->
     (FAST + ["--head", "eagle3", "--methods", "eagle2,hierspec"], "method eagle2 drafts with EAGLE-2 heads: it needs --head eagle2"),
     (FAST + ["--head", "eagle3", "--draft-vocab", "513"], "--draft-vocab must be between 1 and the vocabulary size 512"),
     (FAST + ["--head", "eagle3", "--exact", "--methods", "ar,eagle2"], "it needs --head eagle2"),
-    (FAST + ["--intermediate-lm-head", "w4", "--draft-vocab", "300"], "takes no --draft-vocab for E_M"),
+    (FAST + ["--intermediate-lm-head", "w8a8-int8", "--draft-vocab", "300"], "E_M's --draft-vocab rows of it a dense or W4 one"),
 ])
 def test_bad_arguments(args: list[str], msg: str, tmp_path: Path, capsys) -> None:
     assert main(args + ["--out", str(tmp_path)]) == 2
@@ -512,7 +512,8 @@ def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None
 def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_the_output(tmp_path: Path) -> None:
     """--intermediate-lm-head w4: M's LM head (which E_M drafts through) is a W4 weight, T's stays
     dense; the record and the title say so; every method's output still equals AR's (--exact), as
-    only drafts go through it; a tied LM head is refused with a clear error."""
+    only drafts go through it, also with E_M over FR-Spec rows of it; a tied LM head is refused with
+    a clear error."""
     import dataclasses
 
     from hierviz.measure import whatif
@@ -528,6 +529,15 @@ def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_th
     assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24",
                         "--methods", "ar,hierspec", "--intermediate-lm-head", "w4", "--out", str(tmp_path / "exact")]) == 0
     runs = json.loads((tmp_path / "exact" / "whatif_exact.json").read_text())["runs"]
+    assert runs and all(r["identical"] for r in runs)
+    # with FR-Spec rows: E_M drafts through a Linear of the W4 head's rows
+    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference", m_lm_head="w4a16",
+                          draft_vocab=300)
+    assert models.e_m._draft_head.w4 and models.e_m._draft_head.w4[0].out_features == 300
+    assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24", "--methods",
+                        "ar,hierspec", "--intermediate-lm-head", "w4", "--draft-vocab", "300",
+                        "--out", str(tmp_path / "exact-rows")]) == 0
+    runs = json.loads((tmp_path / "exact-rows" / "whatif_exact.json").read_text())["runs"]
     assert runs and all(r["identical"] for r in runs)
     tied = dataclasses.replace(tiny_config(False), tie_embeddings=True)
     with pytest.raises(MeasureError, match="needs an untied LM head"):

@@ -159,9 +159,9 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
         raise MeasureError(f"unknown head type {head!r}; choose one of {', '.join(registry.tree_methods())}")
     if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
         raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
-    if m_lm_head != DENSE.name and (draft_vocab is not None and head != "eagle3" or m_cfg.tie_embeddings):
-        raise MeasureError(f"M's LM head in {m_lm_head} needs an untied LM head and takes no --draft-vocab for "
-                           "E_M (a reduced vocabulary takes rows of a dense LM head)")
+    if m_lm_head != DENSE.name and (m_cfg.tie_embeddings or draft_vocab and head != "eagle3" and not random_codes(m_lm_head)):
+        raise MeasureError(f"M's LM head in {m_lm_head} needs an untied LM head, and E_M's --draft-vocab rows "
+                           "of it a dense or W4 one")
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1, lm_head_format=m_lm_head)

@@ -8,15 +8,14 @@ base model's frozen LM head.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.quant.compressed_tensors import load_dense_tensors
-from hierviz.quant.w4 import matmul_nt
-from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, weight_getter
+from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, rows_product, weight_getter
 
 
 class EagleHead(nn.Module):
@@ -50,9 +49,9 @@ class EagleHead(nn.Module):
             self.embed = nn.Parameter(emb, requires_grad=False)
         else:
             self.embed = None  # SafeAILab heads often omit the copy: use the base's embedding
-        # draft-only LM head rows (FR-Spec style reduced vocabulary); None = full vocabulary
+        # draft-only LM head rows (FR-Spec style reduced vocabulary: Transformer.lm_head_rows); None = full vocabulary
         self.draft_vocab: Optional[torch.Tensor] = None
-        self._draft_head: Optional[torch.Tensor] = None
+        self._draft_head: Optional[Union[torch.Tensor, Linear]] = None
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.cfg
@@ -100,7 +99,7 @@ class EagleHead(nn.Module):
         """fp32 logits over the draft vocabulary and the ids they index (None = full vocabulary)."""
         if self._draft_head is None:
             return self.base.logits(hidden), None
-        return matmul_nt(hidden, self._draft_head).float(), self.draft_vocab
+        return rows_product(hidden, self._draft_head).float(), self.draft_vocab
 
     def draft_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs over the draft vocabulary and the ids they index (None = full vocabulary)."""

@@ -21,7 +21,7 @@ from hierviz.models import fused
 from hierviz.models.config import ModelConfig, rope_frequencies
 from hierviz.quant.formats import DENSE, QuantLinear, fixed_row_chunks, format_of, out_features, weight_to
 from hierviz.quant.w4 import FORMAT as W4_FORMAT
-from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, matmul_nt
+from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight, codes_of, matmul_nt
 
 Weight = Union[torch.Tensor, Any]      # a dense tensor or a weight-format weight (hierviz.quant.formats)
 
@@ -405,7 +405,7 @@ class Transformer(nn.Module):
                 return _rows_invariant_product(hidden, self.lm_head.weight).float()
             return self.lm_head(hidden).float()
         out = torch.full((*hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), device=hidden.device)
-        out[..., self.output_vocab] = matmul_nt(hidden, self._vocab_rows).float()
+        out[..., self.output_vocab] = rows_product(hidden, self._vocab_rows).float()
         return out
 
     output_vocab: Optional[torch.Tensor] = None
@@ -444,12 +444,23 @@ class Transformer(nn.Module):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return self.batch_invariant and x.device.type == "cpu" and 0 < rows <= INVARIANT_MAX_ROWS
 
-    def lm_head_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids on this device, the LM head's rows for them): the pieces of a reduced-vocabulary head."""
-        if self.lm_head.weight is None:
-            raise WeightsError("a reduced vocabulary needs a dense LM head")
+    def lm_head_rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, Union[torch.Tensor, "Linear"]]:
+        """(ids on this device, the LM head's rows for them): the pieces of a reduced-vocabulary head,
+        which rows_product multiplies. A W4 head's rows are a Linear of those rows' codes and scales
+        in the head's kernel (a drafter's head: an intermediate's, stack.py quantize_lm_head)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
-        return ids, self.lm_head.weight.data[ids]
+        if self.lm_head.weight is not None:
+            return ids, self.lm_head.weight.data[ids]
+        if len(self.lm_head.w4) != 1:
+            raise WeightsError("a reduced vocabulary needs a dense or W4 LM head")
+        w = self.lm_head.w4[0]
+        rows = W4Weight(codes_of(w, ids), w.scales[ids], w.offsets[ids], w.group_size, w.perm)
+        return ids, Linear([rows], [None], self.lm_head.w4_kernel)
+
+
+def rows_product(x: torch.Tensor, rows: Union[torch.Tensor, Linear]) -> torch.Tensor:
+    """x @ rows^T for the rows lm_head_rows gives: dense rows, or a Linear of a W4 head's rows."""
+    return matmul_nt(x, rows) if isinstance(rows, torch.Tensor) else rows(x)
 
 
 LM_HEAD_CHUNK = 8
