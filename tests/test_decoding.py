@@ -255,6 +255,24 @@ def test_reduced_vocabularies_stay_lossless():
     assert marked > 0
 
 
+def test_reduced_vocabulary_rows_of_a_w4_lm_head_are_its_rows() -> None:
+    """FR-Spec rows of a W4 LM head (an intermediate's, quantize_lm_head): M's restricted logits and
+    its head's draft logits over the rows equal the full head's logits at those ids; other ids -inf."""
+    from hierviz.measure.whatif import tiny_config
+    from hierviz.models.synthetic import synthetic_head, synthetic_model
+    m = synthetic_model(tiny_config(False), "w4a16", torch.float32, "cpu", "reference", 1, lm_head_format="w4a16")
+    hidden = torch.randn(3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = m.logits(hidden)
+    ids = torch.tensor([5, 7, 100, 300, 511])
+    head = synthetic_head(m, 3)
+    head.set_draft_vocab(ids)
+    drafted, drafted_ids = head.draft_logits(hidden)
+    m.restrict_output_vocab(ids)
+    part = m.logits(hidden)
+    assert torch.allclose(part[:, ids], full[:, ids], atol=1e-5) and torch.allclose(drafted, full[:, ids], atol=1e-5)
+    assert torch.equal(drafted_ids, ids) and torch.isinf(part).sum() == 3 * (m.cfg.vocab_size - len(ids))
+
+
 @pytest.mark.parametrize("which", ["stack", "oracle_stack"])
 def test_hierspec_intermediate_cache_is_the_accepted_text(which, request):
     """After every HierSpec round, M's KV cache and features hold exactly what one causal forward
