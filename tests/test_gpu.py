@@ -248,8 +248,8 @@ def test_whatif_exact_seeded_drafts_are_accepted_through_cuda_graphs(tmp_path) -
 def test_whatif_with_a_w4_intermediate_lm_head_on_the_gpu(tmp_path) -> None:
     """--intermediate-lm-head w4 on the GPU path: the W4 product at an LM head's shape (4096 x
     128,256, Llama-3-8B's) right at the row counts E_M's frontier and M's trees run, in both
-    kernels; and --exact through CUDA graphs with M's and E_M's logits from a W4 head,
-    every output equal to AR's."""
+    kernels; and --exact through CUDA graphs with M's and E_M's logits from a W4 head (E_M also over
+    FR-Spec rows of it), every output equal to AR's."""
     import json
 
     from hierviz.measure import whatif
@@ -262,11 +262,13 @@ def test_whatif_with_a_w4_intermediate_lm_head_on_the_gpu(tmp_path) -> None:
     for m in (1, 8, 10, 16, 31, 40):
         for y in (w4_linear(x[:m], w, kernel="triton"), cuda_w4.matmul(x[:m], w)):
             assert float(kernel_guard.row_errors(y, ref[:m]).max()) < 5e-3, m
-    assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods", "ar,hierspec",
-                        "--intermediate-format", "w4", "--intermediate-lm-head", "w4", "--exact-trees", "paper",
-                        "--out", str(tmp_path)]) == 0
-    runs = json.loads((tmp_path / "whatif_exact.json").read_text())["runs"]
-    assert runs and all(r["identical"] and not r["steering_miss"] for r in runs)
+    for extra in ([], ["--draft-vocab", "300"]):      # E_M over the whole W4 head, and over FR-Spec rows of it
+        out = tmp_path / f"run{len(extra)}"
+        assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods", "ar,hierspec",
+                            "--intermediate-format", "w4", "--intermediate-lm-head", "w4", "--exact-trees", "paper",
+                            *extra, "--out", str(out)]) == 0
+        runs = json.loads((out / "whatif_exact.json").read_text())["runs"]
+        assert runs and all(r["identical"] and not r["steering_miss"] for r in runs), extra
 
 
 def test_whatif_exact_with_eagle3_heads_through_cuda_graphs(tmp_path) -> None:
