@@ -673,6 +673,7 @@ def test_an_intermediate_with_a_quantized_lm_head_drafts_and_keeps_the_output(mo
                                            '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}}'), "cpu")
     inter, target = stack.models.intermediate, stack.models.target
     assert inter.lm_head.q is not None and target.lm_head.q is None and not inter.cfg.tie_embeddings
+    assert stack.meta["intermediate_lm_head"] == "rtn-g32"
     s = DecodeSettings(max_new_tokens=12, m_depth=2, m_topk=2, m_tree_size=4)
     out = {m: [t for st in generate(stack, m, "w5 w6", s).steps for t in st.new_tokens] for m in ("ar", "hierspec")}
     assert out["hierspec"] == out["ar"] and len(out["ar"]) == 12

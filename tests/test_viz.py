@@ -281,6 +281,7 @@ def test_stats_say_which_kernels_and_vocabulary_ran() -> None:
     assert run_setup_line({"w4_kernel": "int4pack_cpu", "target_batch_invariant": True}) == \
         "T kernel int4pack_cpu (batch-invariant)"
     assert run_setup_line({}) == ""
+    assert run_setup_line({"w4_kernel": "triton", "intermediate_lm_head": "rtn-g64"}) == "T kernel triton · M&#x27;s LM head rtn-g64"
     # the GPU's W4 start-up proof and an EAGLE-3 head are named where the stack has them
     proof = "W4 fast path: proven here (NVIDIA H200, Triton 3.9, 4 shapes x 128 row counts, 16 s)"
     assert run_setup_line({"w4_kernel": "triton", "w4_fast_path": proof,
