@@ -55,14 +55,20 @@ def layer_weights(cfg: ModelConfig, fmt: str, g: int, dtype: torch.dtype, device
     h = cfg.hidden_size
     w: dict[str, Weight] = {"input_layernorm.weight": torch.ones(h, dtype=dtype, device=device),
                             "post_attention_layernorm.weight": torch.ones(h, dtype=dtype, device=device)}
-    f = get_format(fmt)
     for name, (n, k) in linear_shapes(cfg).items():
-        if random_codes(fmt):      # a 70B target's codes in seconds, no dense copy
-            w[f"{name}.weight"] = random_w4(n, k, g, dtype, device, gen)
-        else:
-            dense = random_dense(n, k, dtype, device, gen)
-            w[f"{name}.weight"] = dense if f.dense else f.quantize(dense)
+        w[f"{name}.weight"] = random_weight(fmt, n, k, g, dtype, device, gen)
     return w
+
+
+def random_weight(fmt: str, n: int, k: int, g: int, dtype: torch.dtype, device: str | torch.device,
+                  gen: torch.Generator) -> Weight:
+    """A random [n, k] linear weight in format `fmt`: W4A16 codes made on the device directly (group
+    g; a 70B target's codes in seconds, no dense copy), else random dense weights, through the
+    format's quantizer unless it is dense."""
+    if random_codes(fmt):
+        return random_w4(n, k, g, dtype, device, gen)
+    dense, f = random_dense(n, k, dtype, device, gen), get_format(fmt)
+    return dense if f.dense else f.quantize(dense)
 
 
 def random_codes(fmt: str) -> bool:
@@ -90,11 +96,7 @@ def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str,
     w: dict[str, Any] = {"model.embed_tokens.weight": random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen),
                          "model.norm.weight": torch.ones(cfg.hidden_size, dtype=dtype, device=device)}
     if not cfg.tie_embeddings:
-        if random_codes(lm_head_format):
-            w["lm_head.weight"] = random_w4(cfg.vocab_size, cfg.hidden_size, g, dtype, device, gen)
-        else:
-            dense, head = random_dense(cfg.vocab_size, cfg.hidden_size, dtype, device, gen), get_format(lm_head_format)
-            w["lm_head.weight"] = dense if head.dense else head.quantize(dense)
+        w["lm_head.weight"] = random_weight(lm_head_format, cfg.vocab_size, cfg.hidden_size, g, dtype, device, gen)
     for i in range(cfg.num_layers):
         for k, v in layer_weights(cfg, fmt, g, dtype, device, gen).items():
             w[f"model.layers.{i}.{k}"] = v
