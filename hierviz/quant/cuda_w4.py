@@ -531,13 +531,13 @@ def load_entries(arch: str, source: Optional[str] = None, wgmma_build: Optional[
     """`source` (default: the shipped entries) compiled for arch (or its build kept on disk:
     cubin_cache) and loaded into the current context: entry name -> CUfunction, the wgmma entries
     allowed their dynamic shared memory."""
-    source = kernel_source(arch=arch) if source is None else source
-    cubin, from_disk = cubin_cache.cubin(arch, source, compiler_id(), compile_cubin)
+    source, compiler = kernel_source(arch=arch) if source is None else source, compiler_id()
+    cubin, from_disk = cubin_cache.cubin(arch, source, compiler, compile_cubin)
     module = ctypes.c_void_p()
     res = _DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin)
     if res != 0 and from_disk:      # a kept build the driver refuses: compiled again, once
-        cubin_cache.forget(arch, source, compiler_id())
-        cubin, _ = cubin_cache.cubin(arch, source, compiler_id(), compile_cubin)
+        cubin_cache.forget(arch, source, compiler)
+        cubin, _ = cubin_cache.cubin(arch, source, compiler, compile_cubin)
         res = _DRIVER.lib.cuModuleLoadData(ctypes.byref(module), cubin)
     _DRIVER.check(res, "cuModuleLoadData")
     found = {}
