@@ -290,9 +290,6 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
     target.set_batch_invariant(dev.type != "cpu" or target.products_rows_invariant_cpu())
     models = Models(target, inter, **heads)
     check_vocab(models, tokenizer)
-    # before any warm-up or graph capture (they fix the W4 configurations): prove the fast W4
-    # kernel variants on this GPU for these models' shapes, or use a verdict remembered on disk
-    w4_status = prepare_w4_kernels(models, dtype, dev)
     if spec.get("draft_vocab"):
         ids = _draft_vocab(resolve_path(spec["draft_vocab"], base))
         try:
@@ -305,6 +302,10 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
                 inter.restrict_output_vocab(ids)
         except WeightsError as e:       # FR-Spec rows of a quantized LM head (quantize_lm_head)
             raise StackError(f"stack {spec.get('name', p.stem)!r}: draft_vocab: {e}") from None
+    # before any warm-up or graph capture (they fix the W4 configurations), and after the FR-Spec
+    # rows (those of a W4 head are W4 weights of their own shape): prove the fast W4 kernel variants
+    # on this GPU for these models' shapes, or use a verdict remembered on disk
+    w4_status = prepare_w4_kernels(models, dtype, dev)
     meta = {"stack": spec.get("name", p.stem), "description": spec.get("description", ""),
             "target": spec["target"]["path"], "intermediate": (spec.get("intermediate") or {}).get("path"),
             **{key: (spec.get(key) or {}).get("path") for key in HEAD_SLOTS},

@@ -55,9 +55,15 @@ BUILDS = {
     "xall": {"x_ahead": frozenset(cuda_w4.direct_entries())},
     # two warps per row tile, each multiplying half of the K slice's chunks (token tiles, row tiles,
     # warps per row tile): (chunks ahead, blocks per multiprocessor)
+    # a bound, not a kernel: the dequantization without its scale-and-offset FMAs (wrong values, so
+    # rows never `equal`), the most that applying the group scales after the MMA could save
+    "unscaled": {"source": "unscaled"},
     "kw2": {"k_warps": {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1), (4, 1, 2): (4, 1),
                         (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}},
 }
+# the scale-and-offset FMAs of cuda_w4.cu's dequant, which the "unscaled" source drops
+SCALE_FMAS = ["  a[0] = hfma2(a[0], sg, og);\n", "  a[1] = hfma2(a[1], sh, oh);\n",
+              "  a[2] = hfma2(a[2], sg, og);\n", "  a[3] = hfma2(a[3], sh, oh);\n"]
 TABLES = {"direct": "DIRECT_BUILD", "staged": "STAGED_BUILD", "rows": "DIRECT_ROWS_BUILD", "k_warps": "K_WARP_BUILD"}     # a build's table -> the cuda_w4 table it replaces
 
 
@@ -77,9 +83,32 @@ def entries(fns: dict, tables: dict) -> Iterator[None]:
             setattr(cuda_w4, name, saved[t])
 
 
+def unscaled_text() -> str:
+    """cuda_w4.cu without the dequantization's scale-and-offset FMAs."""
+    text = cuda_w4.kernel_text()
+    for line in SCALE_FMAS:
+        if line not in text:
+            raise SystemExit(f"cuda_w4.cu no longer has {line.strip()!r}: update SCALE_FMAS")
+        text = text.replace(line, "")
+    return text
+
+
+@contextmanager
+def source_text(spec: dict) -> Iterator[None]:
+    """cuda_w4.kernel_text giving the spec's source inside the block (the shipped one without "source")."""
+    shipped = cuda_w4.kernel_text
+    if spec.get("source") == "unscaled":
+        text = unscaled_text()
+        cuda_w4.kernel_text = lambda: text
+    try:
+        yield
+    finally:
+        cuda_w4.kernel_text = shipped
+
+
 def build(arch: str, spec: dict) -> tuple[dict, dict]:
     """A build's CUfunctions and tables: the shipped entries with the spec's (BUILDS) in place of
-    theirs (wgmma entries only for the tile counts still staged)."""
+    theirs (wgmma entries only for the tile counts still staged), from its source."""
     staged = spec.get("staged", {})
     d = {t: v for t, v in {**cuda_w4.DIRECT_BUILD, **spec.get("direct", {})}.items() if t not in staged}
     s = {t: v for t, v in {**cuda_w4.STAGED_BUILD, **staged}.items() if t not in d}
@@ -87,7 +116,7 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
     kw = {**cuda_w4.K_WARP_BUILD, **spec.get("k_warps", {})}
     wgmma = {t: v for t, v in cuda_w4.WGMMA_BUILD.items() if t in s}
     tables = {"direct": d, "staged": s, "rows": r, "k_warps": kw}
-    with entries({}, tables):
+    with entries({}, tables), source_text(spec):
         source = cuda_w4.kernel_source(d, s, arch=arch, wgmma_build=wgmma, rows_build=r,
                                        x_ahead=spec.get("x_ahead", cuda_w4.X_AHEAD_ENTRIES), kw_build=kw)
         fns = cuda_w4.load_entries(arch, source, wgmma, r, kw)
@@ -96,7 +125,7 @@ def build(arch: str, spec: dict) -> tuple[dict, dict]:
 
 def described(spec: dict) -> dict:
     """A build's tables as JSON: tuple keys as "TxR" (or "TxRxW"), sets as sorted lists."""
-    return {name: (sorted(v) if isinstance(v, frozenset) else
+    return {name: (sorted(v) if isinstance(v, frozenset) else v if isinstance(v, str) else
                    {("x".join(map(str, k)) if isinstance(k, tuple) else k): val for k, val in v.items()})
             for name, v in spec.items()}
 

@@ -397,3 +397,24 @@ def test_nvrtc_compiles_the_wgmma_probe_for_sm_90a() -> None:
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert cuda_w4.compile_cubin("sm_90a", probe.SOURCE)[:4] == b"\x7fELF"
+
+
+def test_tiles_bench_unscaled_source_drops_exactly_the_scale_fmas(monkeypatch) -> None:
+    """scripts/tiles_bench.py's "unscaled" build (the bound on applying the group scales after the
+    MMA, docs/kernels.md) removes the dequantization's four scale-and-offset FMAs and nothing else,
+    only inside its block, and says so when the kernel no longer has them."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tiles_bench.py"
+    spec = importlib.util.spec_from_file_location("tiles_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shipped = cuda_w4.kernel_text()
+    with bench.source_text(bench.BUILDS["unscaled"]):
+        unscaled = cuda_w4.kernel_text()
+    assert cuda_w4.kernel_text() == shipped
+    removed = [line + "\n" for line in shipped.splitlines() if line + "\n" not in unscaled.splitlines(keepends=True)]
+    assert removed == bench.SCALE_FMAS
+    assert len(shipped) - len(unscaled) == sum(map(len, bench.SCALE_FMAS))
+    monkeypatch.setattr(cuda_w4, "kernel_text", lambda: shipped.replace(bench.SCALE_FMAS[0], ""))
+    with pytest.raises(SystemExit, match="no longer has"):
+        bench.unscaled_text()

@@ -663,12 +663,19 @@ def test_the_tiny_stack_files_load(models):
     assert sum(len(s.new_tokens) for s in tr.steps) == 3
 
 
-def test_an_intermediate_with_a_quantized_lm_head_drafts_and_keeps_the_output(models):
+def test_an_intermediate_with_a_quantized_lm_head_drafts_and_keeps_the_output(models, monkeypatch):
     """intermediate.quantize_lm_head: M's LM head (E_M drafts through it) a W4 weight, T's dense; HierSpec's
-    output still equals AR's, since T verifies every token."""
+    output still equals AR's, since T verifies every token. The W4 kernels' proof and choice see the
+    FR-Spec rows of it, W4 weights of their own shape."""
+    from hierviz import stack as stack_module
     from hierviz.settings import DecodeSettings
     from hierviz.engine import generate
     from hierviz.stack import load_stack
+    prepared = []
+    real_prepare = stack_module.prepare_w4_kernels
+    monkeypatch.setattr(stack_module, "prepare_w4_kernels",
+                        lambda models, *a: prepared.append([mod for m in models.present() for mod in m.modules()])
+                        or real_prepare(models, *a))
     stack = load_stack(write_stack(models, '{"target": {"path": "target"}, "intermediate": {"path": "target", '
                                            '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}}'), "cpu")
     inter, target = stack.models.intermediate, stack.models.target
@@ -682,6 +689,8 @@ def test_an_intermediate_with_a_quantized_lm_head_drafts_and_keeps_the_output(mo
                                            '"quantize_lm_head": "rtn-g32"}, "e_m": {"path": "e_t"}, '
                                            '"draft_vocab": "vocab.json", "intermediate_draft_vocab": true}'), "cpu")
     assert stack.models.e_m._draft_head.w4 and stack.models.intermediate._vocab_rows.w4
+    assert any(mod is stack.models.e_m._draft_head for mod in prepared[-1])      # the modules when it ran
+    assert any(mod is stack.models.intermediate._vocab_rows for mod in prepared[-1])
     rows = [t for st in generate(stack, "hierspec", "w5 w6", s).steps for t in st.new_tokens]
     assert rows == out["ar"]
 

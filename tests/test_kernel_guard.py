@@ -121,3 +121,15 @@ def test_platform_table_and_tolerances() -> None:
     y[1, 0] = float("nan")
     errs = kernel_guard.row_errors(y, torch.ones(2, 4))
     assert errs[0].item() == 0.0 and errs[1].item() == float("inf")
+
+
+def test_w4_sweep_covers_every_preset_models_layers_and_lm_head() -> None:
+    """The sweep's shapes: each model's fused and separate projections and its LM head (K = hidden,
+    N = vocabulary), which an intermediate may hold in W4 (quantize_lm_head)."""
+    from hierviz.measure import w4_sweep
+    shapes = w4_sweep.model_shapes(list(w4_sweep.MODELS))
+    assert shapes[(4096, 128256)] == ["llama-3-8b:lm_head"] and shapes[(8192, 128256)] == ["llama-3-70b:lm_head"]
+    assert shapes[(576, 49152)] == ["smollm2-135m:lm_head"]
+    for name in w4_sweep.MODELS:
+        layers = {layer.split(":")[1] for at in shapes.values() for layer in at if layer.startswith(name + ":")}
+        assert layers == {"qkv", "q/o", "k/v", "gate_up", "gate/up", "down", "lm_head"}, name

@@ -531,9 +531,18 @@ def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_th
     runs = json.loads((tmp_path / "exact" / "whatif_exact.json").read_text())["runs"]
     assert runs and all(r["identical"] for r in runs)
     # with FR-Spec rows: E_M drafts through a Linear of the W4 head's rows
-    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference", m_lm_head="w4a16",
-                          draft_vocab=300)
+    from hierviz.quant import w4_choice
+    chosen_over = []
+    real_choose = w4_choice.choose_for_models
+    w4_choice.choose_for_models = lambda models, device, **kw: chosen_over.extend(models) or {}
+    try:
+        models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference",
+                              m_lm_head="w4a16", draft_vocab=300)
+    finally:
+        w4_choice.choose_for_models = real_choose
     assert models.e_m._draft_head.w4 and models.e_m._draft_head.w4[0].out_features == 300
+    # the kernel choice (and its timing on a GPU) sees those rows: a W4 kind of their own
+    assert any(mod is models.e_m._draft_head for m in chosen_over for mod in m.modules())
     assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24", "--methods",
                         "ar,hierspec", "--intermediate-lm-head", "w4", "--draft-vocab", "300",
                         "--out", str(tmp_path / "exact-rows")]) == 0

@@ -5,7 +5,7 @@
                                                           # TRITON_INTERPRET=1)
 
 For every weight shape of the models the presets name (fused q/k/v and gate/up as the engine
-loads them, and the unfused ones), every group size (32, 64, 128, per-channel), without and with
+loads them, the unfused ones, and the LM head), every group size (32, 64, 128, per-channel), without and with
 act-order (a random input permutation, checked against the unpermuted matrix), every path
 (`tma`: what Hopper runs in Triton; `cuda`: the CUDA MMA variant, hierviz.quant.cuda_w4;
 `pointer`: every fast variant off, what an unproven GPU runs) and both modes (`normal`; `invariant`: a verifier's batch-invariant
@@ -48,26 +48,30 @@ from hierviz.quant.w4 import INVARIANT_MAX_ROWS, W4Weight
 from hierviz.quant.w4_proof import PROOF_ROWS, check_products, prove, reference, synthetic_weight
 from hierviz.quant.w4_verdicts import CUDA_VARIANT, TRITON_VARIANTS, Shape
 
-# hidden, intermediate, key/value width (kv heads x head dim) of the models the presets name, and
-# of the offline default (SmolLM2-135M), whose W4 shapes also run on a GPU
-MODELS: dict[str, tuple[int, int, int]] = {
-    "smollm2-135m": (576, 1536, 192),
-    "llama-2-7b": (4096, 11008, 4096), "llama-2-13b": (5120, 13824, 5120), "llama-2-70b": (8192, 28672, 1024),
-    "llama-3-8b": (4096, 14336, 1024), "llama-3-70b": (8192, 28672, 1024), "vicuna-13b": (5120, 13824, 5120),
-    "mistral-7b": (4096, 14336, 1024), "qwen2.5-7b": (3584, 18944, 512), "qwen2.5-14b": (5120, 13824, 1024),
-    "qwen2.5-32b": (5120, 27648, 1024), "qwen2.5-72b": (8192, 29568, 1024),
+# hidden, intermediate, key/value width (kv heads x head dim) and vocabulary of the models the
+# presets name, and of the offline default (SmolLM2-135M), whose W4 shapes also run on a GPU
+MODELS: dict[str, tuple[int, int, int, int]] = {
+    "smollm2-135m": (576, 1536, 192, 49152),
+    "llama-2-7b": (4096, 11008, 4096, 32000), "llama-2-13b": (5120, 13824, 5120, 32000),
+    "llama-2-70b": (8192, 28672, 1024, 32000), "llama-3-8b": (4096, 14336, 1024, 128256),
+    "llama-3-70b": (8192, 28672, 1024, 128256), "vicuna-13b": (5120, 13824, 5120, 32000),
+    "mistral-7b": (4096, 14336, 1024, 32000), "qwen2.5-7b": (3584, 18944, 512, 152064),
+    "qwen2.5-14b": (5120, 13824, 1024, 152064), "qwen2.5-32b": (5120, 27648, 1024, 152064),
+    "qwen2.5-72b": (8192, 29568, 1024, 152064),
 }
 PREFILL_ROWS = [129, 160, 192, 255, 256, 320, 384, 511, 512, 640, 768, 1000, 1024, 1536, 2047, 2048]
 
 
 def model_shapes(names: list[str]) -> dict[tuple[int, int], list[str]]:
-    """(K, N) -> the layers that have it: fused qkv and gate_up (what the engine multiplies) and
-    the separate q/o, k/v, gate/up and down projections."""
+    """(K, N) -> the layers that have it: fused qkv and gate_up (what the engine multiplies), the
+    separate q/o, k/v, gate/up and down projections, and the LM head (an intermediate's may be W4:
+    a stack's `intermediate.quantize_lm_head`, the what-if's `--intermediate-lm-head`)."""
     shapes: dict[tuple[int, int], list[str]] = {}
     for name in names:
-        h, inter, kv = MODELS[name]
+        h, inter, kv, vocab = MODELS[name]
         for layer, kn in (("qkv", (h, h + 2 * kv)), ("q/o", (h, h)), ("k/v", (h, kv)),
-                          ("gate_up", (h, 2 * inter)), ("gate/up", (h, inter)), ("down", (inter, h))):
+                          ("gate_up", (h, 2 * inter)), ("gate/up", (h, inter)), ("down", (inter, h)),
+                          ("lm_head", (h, vocab))):
             shapes.setdefault(kn, []).append(f"{name}:{layer}")
     return shapes
 
