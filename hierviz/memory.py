@@ -58,17 +58,27 @@ def _vocab_bytes(c: dict[str, Any], bytes_per: float) -> float:
     return n * bytes_per * (1 if c.get("tie_word_embeddings") else 2)
 
 
-def model_bytes(c: dict[str, Any], fmt: str | WeightFormat, group: int = 128, act_bytes: float = 2.0) -> float:
+def model_bytes(c: dict[str, Any], fmt: str | WeightFormat, group: int = 128, act_bytes: float = 2.0,
+                lm_head: Optional[tuple[str, int]] = None) -> float:
     """Weights of one model in a weight format (a name or alias of hierviz.quant.formats: its bytes
     per weight as a loaded GPU model holds them; `group` for a format with groups, -1 = one per
-    channel); a dense model's norms counted too."""
+    channel); a dense model's norms counted too. `lm_head`: (format, group) of a quantized LM head
+    (a stack's `quantize_lm_head`), held beside the embedding, which stays as it was."""
     f = get_format(fmt)
     layers = int(c["num_hidden_layers"])
     lin = _linear_params(c) * layers
-    g = int(c["hidden_size"]) if group <= 0 else group
     emb = act_bytes if f.embedding_bytes is None else f.embedding_bytes
     norms = (2 * layers + 1) * int(c["hidden_size"]) * act_bytes if f.dense else 0.0
-    return lin * f.resident_bytes_per_weight(g, act_bytes) + norms + _vocab_bytes(c, emb)
+    vocab = _vocab_bytes(c, emb)
+    if lm_head is not None:
+        head_weights = int(c["vocab_size"]) * int(c["hidden_size"])
+        vocab = head_weights * emb + head_weights * _resident(get_format(lm_head[0]), lm_head[1], c, act_bytes)
+    return lin * _resident(f, group, c, act_bytes) + norms + vocab
+
+
+def _resident(f: WeightFormat, group: int, c: dict[str, Any], act_bytes: float) -> float:
+    """Bytes per weight as a loaded GPU model holds it (group <= 0: one per channel)."""
+    return f.resident_bytes_per_weight(int(c["hidden_size"]) if group <= 0 else group, act_bytes)
 
 
 def head_bytes(base: dict[str, Any], act_bytes: float = 2.0) -> float:
@@ -89,12 +99,13 @@ def workspace_bytes(c: dict[str, Any], act_bytes: float = 2.0) -> float:
 
 
 def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str], context: int = DEFAULT_CONTEXT,
-             act_bytes: float = 2.0) -> dict[str, float]:
+             act_bytes: float = 2.0, lm_heads: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, float]:
     """models: role -> (config dict, weight format name, group); heads: the roles whose models carry an
-    EAGLE head. Returns bytes per part and the total."""
+    EAGLE head; lm_heads: role -> (format, group) of a quantized LM head. Returns bytes per part and
+    the total."""
     parts: dict[str, float] = {}
     for role, (c, fmt, g) in models.items():
-        parts[role] = model_bytes(c, fmt, g, act_bytes)
+        parts[role] = model_bytes(c, fmt, g, act_bytes, (lm_heads or {}).get(role))
     parts["heads"] = sum(head_bytes(models[r][0], act_bytes) for r in heads if r in models)
     ctx = min(context, min(int(c.get("max_position_embeddings") or context) for c, _, _ in models.values()))
     parts["kv caches"] = 2 * sum(kv_bytes(c, ctx, act_bytes) for c, _, _ in models.values())
@@ -158,21 +169,25 @@ def stack_estimate(spec: dict[str, Any], resolve, context: int = DEFAULT_CONTEXT
                    act_bytes: float = 2.0) -> Optional[dict[str, float]]:
     """The estimate for a stack file's models (resolve: the stack's path resolver); None when a
     model's config cannot be read."""
-    models = {}
+    models, lm_heads = {}, {}
     for role in ("target", "intermediate"):
         if spec.get(role):
             got = _config_of(resolve(spec[role]["path"]))
             if got is None:
                 return None
             cfg, fmt, g = got
-            if spec[role].get("quantize"):
-                choice = resolve_quantize(spec[role]["quantize"])
-                if choice is None:
-                    return None      # an unknown option: the load names the known ones
-                fmt, g = choice.format.name, choice.group
+            for key in ("quantize", "quantize_lm_head"):
+                if spec[role].get(key):
+                    choice = resolve_quantize(spec[role][key])
+                    if choice is None:
+                        return None      # an unknown option: the load names the known ones
+                    if key == "quantize":
+                        fmt, g = choice.format.name, choice.group
+                    else:
+                        lm_heads[role] = (choice.format.name, choice.group)
             models[role] = (cfg, fmt, g)
     heads = [role for h, (role, _) in HEAD_SLOTS.items() if spec.get(h)]
-    return estimate(models, heads, context, act_bytes)
+    return estimate(models, heads, context, act_bytes, lm_heads)
 
 
 def describe(parts: dict[str, float]) -> str:

@@ -93,6 +93,15 @@ def test_a_stack_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch
     stack_mod._check_gpu_memory("local", spec, base, torch.device("cuda"), torch.float16)   # fits: no error
     # a model whose config cannot be read yet: no estimate (the load itself reports the problem)
     assert memory.stack_estimate({"target": {"path": "missing"}}, lambda s: str(base / s)) is None
+    # M's LM head through a quantizer (quantize_lm_head): the head at W4's bytes beside the fp16
+    # embedding; an unknown quantizer: no estimate (the load names the known ones)
+    spec["intermediate"]["quantize_lm_head"] = "rtn-g64"
+    head = 32000 * 4096
+    smaller = memory.stack_estimate(spec, lambda s: str(base / s))
+    assert parts["intermediate"] - smaller["intermediate"] == pytest.approx(head * 2 - head * (0.5 + 8 / 64))
+    assert parts["target"] == smaller["target"]
+    spec["intermediate"]["quantize_lm_head"] = "nonsense"
+    assert memory.stack_estimate(spec, lambda s: str(base / s)) is None
 
 
 def test_released_codes_are_rebuilt_from_the_kernel_layout() -> None:
