@@ -133,3 +133,10 @@ def test_w4_sweep_covers_every_preset_models_layers_and_lm_head() -> None:
     for name in w4_sweep.MODELS:
         layers = {layer.split(":")[1] for at in shapes.values() for layer in at if layer.startswith(name + ":")}
         assert layers == {"qkv", "q/o", "k/v", "gate_up", "gate/up", "down", "lm_head"}, name
+
+
+def test_w4_sweep_refuses_bad_shapes_with_one_line(capsys) -> None:
+    from hierviz.measure import w4_sweep
+    for bad in ("12x", "256x0", "axb", "256x192x3"):
+        assert w4_sweep.main(["--shapes", bad]) == 2
+        assert "bad --shapes" in capsys.readouterr().err

@@ -272,17 +272,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         return quick(a)
-    device = sweep_device()
-    if device is None:
-        return 2
     if a.shapes:
-        shapes = {tuple(int(v) for v in s.lower().split("x")): [f"{s}"] for s in a.shapes.split(",")}
+        dims = [part.strip().lower().split("x") for part in a.shapes.split(",")]
+        if not all(len(d) == 2 and all(v.isdigit() and int(v) > 0 for v in d) for d in dims):
+            return refuse(f"bad --shapes {a.shapes!r}: expected KxN[,KxN...] with whole numbers, e.g. 4096x14336 "
+                          "(the groups come from --groups)")
+        shapes = {(int(k), int(n)): [f"{k}x{n}"] for k, n in dims}
     else:
         names = list(MODELS) if a.models == "all" else a.models.split(",")
         unknown = [m for m in names if m not in MODELS]
         if unknown:
             return refuse(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
         shapes = model_shapes(names)
+    device = sweep_device()
+    if device is None:
+        return 2
     rows = parse_rows(a.rows) if a.rows else list(range(1, 129)) + PREFILL_ROWS
     with overrides(w4_cuda="on"):        # what this GPU could run, the CUDA variant included
         supported = kernel_guard.supported_variants(torch.device(device))
