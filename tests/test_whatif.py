@@ -464,7 +464,8 @@ def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path,
     seen = {}
 
     def capture(models, device, timer=None, log=None, workload=None):
-        target, inter = models
+        target, inter = models[:2]          # then the heads, without a workload: every row count
+        assert not set(models[2:]) & set(workload)
         seen.clear()
         seen.update({role: set(workload[model]) for role, model in (("target", target), ("intermediate", inter))
                      if model in workload})
