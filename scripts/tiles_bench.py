@@ -4,8 +4,8 @@ For each kind of weight (K,N,G and whether batch-invariant, as w4_choice times t
 the Triton kernel's time in the kind's mode, the CUDA kernel's one-pass entry (token_tiles), every
 smaller tile count forced (`tiles`: more passes over the tokens, each block re-reading its weight
 tile), and each extra build (BUILDS: the staged loop at 4-5 tiles, another register-loop depth, a
-6-tile register loop, register-loop entries with several 16-row tiles per warp) at one
-pass and at its own tile counts. Every variant's rows are
+6-tile register loop, register-loop entries with several 16-row tiles per warp; `unscaled`, a
+source without the dequantization's scale FMAs, as a bound) at one pass and at its own tile counts. Every variant's rows are
 checked bitwise against the rows multiplied one at a time, so a variant that keeps batch invariance
 shows `equal`. Times: w4_choice's timer (20 products in a CUDA graph, weight copies cycled past the
 L2, median of three replays).
@@ -55,11 +55,11 @@ BUILDS = {
     "xall": {"x_ahead": frozenset(cuda_w4.direct_entries())},
     # two warps per row tile, each multiplying half of the K slice's chunks (token tiles, row tiles,
     # warps per row tile): (chunks ahead, blocks per multiprocessor)
+    "kw2": {"k_warps": {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1), (4, 1, 2): (4, 1),
+                        (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}},
     # a bound, not a kernel: the dequantization without its scale-and-offset FMAs (wrong values, so
     # rows never `equal`), the most that applying the group scales after the MMA could save
     "unscaled": {"source": "unscaled"},
-    "kw2": {"k_warps": {(1, 1, 2): (4, 1), (2, 1, 2): (4, 1), (3, 1, 2): (4, 1), (4, 1, 2): (4, 1),
-                        (2, 2, 2): (2, 2), (4, 2, 2): (4, 1)}},
 }
 # the scale-and-offset FMAs of cuda_w4.cu's dequant, which the "unscaled" source drops
 SCALE_FMAS = ["  a[0] = hfma2(a[0], sg, og);\n", "  a[1] = hfma2(a[1], sh, oh);\n",
