@@ -525,7 +525,7 @@ def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_th
                    "--max-new-tokens", "8", "--out", str(tmp_path / "rates")]
     assert whatif.main(args) == 0
     info = json.loads((tmp_path / "rates" / "whatif.json").read_text())
-    assert info["formats"]["intermediate"].endswith(", LM head W4A16")
+    assert info["formats"]["intermediate"].endswith(", LM head W4A16") and info["intermediate_lm_head"] == "w4a16"
     assert "(W4A16, LM head W4A16)" in (tmp_path / "rates" / "whatif.md").read_text().splitlines()[0]
     assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24",
                         "--methods", "ar,hierspec", "--intermediate-lm-head", "w4", "--out", str(tmp_path / "exact")]) == 0

@@ -495,7 +495,7 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
                        {"mode": "rates", **rates_info, "seed": a.seed,
                         **({"imported": a.imported} if getattr(a, "imported", None) else {})}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
-        "draft_vocab": a.draft_vocab or t_cfg.vocab_size,
+        "draft_vocab": a.draft_vocab or t_cfg.vocab_size, "intermediate_lm_head": a.intermediate_lm_head,
         "draft_vocabs": draft_vocabs(_head_types(a, list(results)), t_cfg.vocab_size, a.draft_vocab),
         "methods": results, "machine": machine_info(dev)}
     if w4_verdicts.kernel_choices():      # HIERVIZ_W4_CUDA=auto: each W4 kind's kernel and its timings
@@ -690,8 +690,8 @@ def _title(info: dict[str, Any]) -> str:
     sh = info["shapes"]
     where = info["machine"].get("gpu", info["device"])
     m = format_of_description(info["formats"]["intermediate"])
-    head = str(info["formats"]["intermediate"]).partition(", LM head ")[2]     # --intermediate-lm-head
-    parts = ([m.label] if m is not None and not m.dense else []) + ([f"LM head {head}"] if head else [])
+    head = get_format(info.get("intermediate_lm_head") or DENSE.name)     # --intermediate-lm-head
+    parts = ([m.label] if m is not None and not m.dense else []) + ([f"LM head {head.label}"] if not head.dense else [])
     m_fmt = f" ({', '.join(parts)})" if parts else ""
     t_fmt = str(info["formats"]["target"]).split()[0]
     return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
