@@ -114,7 +114,15 @@ def test_loading_a_trace_stops_a_live_run_which_then_sends_nothing(client):
     path = next(p for _, p in shipped_traces() if p.endswith("handmade-demo.json"))
     loaded = client.predict(gradio_client.handle_file(path), api_name="/load_trace")
     assert "Loaded handmade-demo.json" in status_of(loaded)
-    sent = len(job.outputs())                      # the load returned once the run had ended ...
+    # the load returned once the run had ended ... (gradio_client hands a job's messages to it in a
+    # thread of its own, so an update the server sent before the load's answer may still be on its
+    # way into job.outputs(): take the count once it has stopped growing)
+    sent, t0 = len(job.outputs()), time.time()
+    while time.time() - t0 < 5:
+        time.sleep(0.5)
+        if len(job.outputs()) == sent:
+            break
+        sent = len(job.outputs())
     job.result(timeout=120)
     assert job.outputs()[sent:] == []              # ... so nothing of it can follow the trace
     assert not any("Stopped" in status_of(o) or "Done" in status_of(o) for o in job.outputs())
