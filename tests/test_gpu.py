@@ -271,6 +271,25 @@ def test_whatif_with_a_w4_intermediate_lm_head_on_the_gpu(tmp_path) -> None:
         assert runs and all(r["identical"] and not r["steering_miss"] for r in runs), extra
 
 
+def test_the_w4_kernel_choice_times_the_fr_spec_rows_of_a_w4_head_on_the_gpu() -> None:
+    """The what-if's heads reach the W4 kernel choice: E_M's FR-Spec rows of M's W4 head (320 x 64,
+    group 32, a shape the CUDA kernel takes) get a timed choice of their own under HIERVIZ_W4_CUDA=auto, and
+    their product through it matches the reference."""
+    from hierviz.config import options
+    from hierviz.measure.whatif import build_models, tiny_config
+    from hierviz.quant import kernel_guard, w4_verdicts
+    from hierviz.quant.w4_proof import reference
+    if options().w4_cuda != "auto" or w4_verdicts.CUDA_VARIANT not in kernel_guard.fast_variants(torch.device("cuda"), torch.float16):
+        pytest.skip("the CUDA MMA variant is not enabled here under auto: no choice is timed")
+    models = build_models(tiny_config(True), tiny_config(False), "cuda", torch.float16, "triton", m_lm_head="w4a16",
+                          draft_vocab=320)
+    rows = models.e_m._draft_head
+    kind = w4_verdicts.kernel_kind(rows.w4[0])
+    assert kind in w4_verdicts.kernel_choices() and w4_verdicts.kernel_times(kind) is not None
+    x = torch.randn(10, 64, device="cuda").half()
+    assert float(kernel_guard.row_errors(rows(x), reference(x, rows.w4[0])).max()) < 5e-3
+
+
 def test_whatif_exact_with_eagle3_heads_through_cuda_graphs(tmp_path) -> None:
     """--exact --head eagle3 on the GPU path: EAGLE-3 heads over T's and M's layer features, their
     draft logits steered through the tree graphs (successors mapped to draft indices), every output
