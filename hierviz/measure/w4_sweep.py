@@ -91,15 +91,22 @@ QUICK_PRESET = "paper-llama3-70b"
 QUICK_GROUP = 128            # the GPU presets' W4 group
 
 
+def parse_kn(part: str, groups: bool = True) -> tuple[int, int, str]:
+    """"KxN" (or "KxNgG" where `groups`) -> (K, N, the G text or ""); ValueError naming the bad entry."""
+    kn, _, g = part.strip().lower().partition("g") if groups else (part.strip().lower(), "", "")
+    dims = kn.split("x")
+    if len(dims) != 2 or not all(d.isdigit() for d in dims) or (g and not g.isdigit()):
+        raise ValueError(f"bad shape {part!r}: expected KxN{' or KxNgG' if groups else ''} with whole numbers, "
+                         f"e.g. 4096x14336{'g128' if groups else ''}")
+    return int(dims[0]), int(dims[1]), g
+
+
 def parse_shapes(text: str, default_group: int = QUICK_GROUP) -> list[Shape]:
     """"KxN[gG],..." -> [(K, N, G)]; ValueError naming the bad entry."""
     out = []
-    for part in text.lower().split(","):
-        kn, _, g = part.strip().partition("g")
-        dims = kn.split("x")
-        if len(dims) != 2 or not all(d.isdigit() for d in dims) or (g and not g.isdigit()):
-            raise ValueError(f"bad shape {part!r}: expected KxN or KxNgG with whole numbers, e.g. 4096x14336g128")
-        k, n, group = int(dims[0]), int(dims[1]), int(g) if g else default_group
+    for part in text.split(","):
+        k, n, g = parse_kn(part)
+        group = int(g) if g else default_group
         if n < 1 or k < 1 or group < 1 or k % group or not triton_supports(group):
             raise ValueError(f"bad shape {part!r}: the group ({group}) must divide K ({k}) and be 32-256 in "
                              f"multiples of 32 or a larger multiple of 128; N must be at least 1")
@@ -273,11 +280,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.quick:
         return quick(a)
     if a.shapes:
-        dims = [part.strip().lower().split("x") for part in a.shapes.split(",")]
-        if not all(len(d) == 2 and all(v.isdigit() and int(v) > 0 for v in d) for d in dims):
-            return refuse(f"bad --shapes {a.shapes!r}: expected KxN[,KxN...] with whole numbers, e.g. 4096x14336 "
-                          "(the groups come from --groups)")
-        shapes = {(int(k), int(n)): [f"{k}x{n}"] for k, n in dims}
+        try:
+            dims = [parse_kn(part, groups=False)[:2] for part in a.shapes.split(",")]
+            if not all(k > 0 and n > 0 for k, n in dims):
+                raise ValueError("K and N must be at least 1")
+        except ValueError as e:
+            return refuse(f"bad --shapes {a.shapes!r}: {e} (the groups come from --groups)")
+        shapes = {(k, n): [f"{k}x{n}"] for k, n in dims}
     else:
         names = list(MODELS) if a.models == "all" else a.models.split(",")
         unknown = [m for m in names if m not in MODELS]
