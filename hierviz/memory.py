@@ -69,10 +69,10 @@ def model_bytes(c: dict[str, Any], fmt: str | WeightFormat, group: int = 128, ac
     lin = _linear_params(c) * layers
     emb = act_bytes if f.embedding_bytes is None else f.embedding_bytes
     norms = (2 * layers + 1) * int(c["hidden_size"]) * act_bytes if f.dense else 0.0
-    vocab = _vocab_bytes(c, emb)
-    if lm_head is not None:
-        head_weights = int(c["vocab_size"]) * int(c["hidden_size"])
-        vocab = head_weights * emb + head_weights * _resident(get_format(lm_head[0]), lm_head[1], c, act_bytes)
+    if lm_head is None:
+        vocab = _vocab_bytes(c, emb)
+    else:     # the embedding as it is, and the head in its own format
+        vocab = int(c["vocab_size"]) * int(c["hidden_size"]) * (emb + _resident(get_format(lm_head[0]), lm_head[1], c, act_bytes))
     return lin * _resident(f, group, c, act_bytes) + norms + vocab
 
 
