@@ -510,7 +510,7 @@ def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None
     assert sharp_eagle2_head(base, 3).draft_vocab is None
 
 
-def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_the_output(tmp_path: Path) -> None:
+def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_the_output(tmp_path: Path, monkeypatch) -> None:
     """--intermediate-lm-head w4: M's LM head (which E_M drafts through) is a W4 weight, T's stays
     dense; the record and the title say so; every method's output still equals AR's (--exact), as
     only drafts go through it, also with E_M over FR-Spec rows of it; a tied LM head is refused with
@@ -534,13 +534,10 @@ def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_th
     # with FR-Spec rows: E_M drafts through a Linear of the W4 head's rows
     from hierviz.quant import w4_choice
     chosen_over = []
-    real_choose = w4_choice.choose_for_models
-    w4_choice.choose_for_models = lambda models, device, **kw: chosen_over.extend(models) or {}
-    try:
+    with monkeypatch.context() as patched:
+        patched.setattr(w4_choice, "choose_for_models", lambda models, device, **kw: chosen_over.extend(models) or {})
         models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference",
                               m_lm_head="w4a16", draft_vocab=300)
-    finally:
-        w4_choice.choose_for_models = real_choose
     assert models.e_m._draft_head.w4 and models.e_m._draft_head.w4[0].out_features == 300
     # the kernel choice (and its timing on a GPU) sees those rows: a W4 kind of their own
     assert any(mod is models.e_m._draft_head for m in chosen_over for mod in m.modules())

@@ -168,13 +168,13 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     # each row count as the dynamic path runs it and as the static runners pad it (cuda_graphs' bucket)
     workload = None if rows is None else {model: set(rows[role]) | {b for r in rows[role] if (b := cuda_graphs.bucket_for(r))}
                                           for role, model in (("target", target), ("intermediate", inter)) if role in rows}
-    # EAGLE-3: d2t/t2d, a random subset of the vocabulary, as trained heads keep their frequent
-    # tokens; without a head type, both head types on T: EAGLE-2 and EAGLE-3 side by side
-    models = (Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
-                     e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab)) if head == "eagle3" else
-              Models(target, inter, sharp_eagle2_head(inter, seed + 2, draft_vocab), sharp_eagle2_head(target, seed + 3, draft_vocab),
-                     e_t3=sharp_eagle3_head(target, seed + 4, draft_vocab) if head is None else None))
-    # each W4 weight's kernel, before any product; FR-Spec rows of M's W4 head are a kind of their own
+    if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
+        models = Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
+                        e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab))
+    else:                  # without a head type, both head types on T: EAGLE-2 and EAGLE-3 side by side
+        e_m, e_t = sharp_eagle2_head(inter, seed + 2, draft_vocab), sharp_eagle2_head(target, seed + 3, draft_vocab)
+        models = Models(target, inter, e_m, e_t, e_t3=sharp_eagle3_head(target, seed + 4, draft_vocab) if head is None else None)
+    # each W4 weight's kernel, before any product: the heads' too (FR-Spec rows of M's W4 head)
     w4_choice.choose_for_models(models.present(), device, workload=workload)
     return models
 
