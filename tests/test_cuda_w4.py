@@ -4,7 +4,10 @@ and NVRTC compiling the source for sm_80, sm_90 and Blackwell (sm_100, sm_120). 
 runs in tests/test_gpu.py."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -320,12 +323,27 @@ def skip_without_nvrtc() -> None:
         pytest.skip("NVRTC is not installed (nvidia-cuda-nvrtc-cu12; scripts/setup.sh --test installs it)")
 
 
+@functools.lru_cache(maxsize=None)
+def shipped_cubin(arch: str) -> bytes:
+    """The shipped entries built for `arch`, once per test process (a build takes 15-20 s)."""
+    return cuda_w4.compile_cubin(arch)
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # A100 and H100/H200 (sm_90a: what cuda_w4 builds there, with the wgmma entries; a plain sm_90
 # build is never made, as every Hopper part is 9.0): every shipped entry
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_nvrtc_compiles_the_kernel(arch) -> None:
     skip_without_nvrtc()
-    cubin = cuda_w4.compile_cubin(arch)
+    cubin = shipped_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
     assert all(name.encode() in cubin for name in cuda_w4.entry_names(arch))
     assert (b"w4_wgmma_t8" in cubin) == (arch == "sm_90a") == cuda_w4.has_wgmma(arch)
@@ -391,23 +409,40 @@ def test_nvrtc_reads_the_cu_file_when_it_builds_and_names_its_lines(monkeypatch,
 def test_nvrtc_compiles_the_wgmma_probe_for_sm_90a() -> None:
     """scripts/wgmma_probe.py, which measured that wgmma gives the kernel's mma.sync bits, still builds."""
     skip_without_nvrtc()
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "scripts" / "wgmma_probe.py"
-    spec = importlib.util.spec_from_file_location("wgmma_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    assert cuda_w4.compile_cubin("sm_90a", probe.SOURCE)[:4] == b"\x7fELF"
+    assert cuda_w4.compile_cubin("sm_90a", load_script("wgmma_probe").SOURCE)[:4] == b"\x7fELF"
+
+
+def test_sass_report_reads_each_entrys_steady_loop() -> None:
+    """scripts/sass_report.py finds each entry's steady loop in the SASS of the shipped sm_90a
+    build: a direct entry's turns AHEAD chunks of its ring, 4 MMAs a chunk per token tile and row
+    tile and the dequantization's 13 operations per 8 codes (52 a chunk and row tile, group-pair
+    entries), each instruction with at least one stall cycle and a register count a thread can have."""
+    skip_without_nvrtc()
+    sass = load_script("sass_report")
+    names = ["w4_direct_t1_g128", "w4_direct_t4_r2_g128", "w4_staged_t8"]
+    rows = {r["entry"]: r for r in sass.report(shipped_cubin("sm_90a"), names)}
+    for name, tiles, row_tiles in (("w4_direct_t1_g128", 1, 1), ("w4_direct_t4_r2_g128", 4, 2), ("w4_staged_t8", 8, 1)):
+        r, chunk = rows[name], rows[name]["per_chunk"]
+        assert 0 < r["registers"] <= 255
+        assert chunk["mma"] == 4 * tiles * row_tiles
+        assert chunk["stall_cycles"] >= chunk["instructions"] > chunk["mma"]
+        if name.startswith("w4_direct"):
+            assert r["chunks_per_iteration"] == cuda_w4.ahead_chunks(tiles, row_tiles)
+            assert chunk["dequant"] == 52 * row_tiles
+    # the steady loop (one compare: its own condition), not the tail loop of as many MMAs that
+    # tests each chunk against the slice's end
+    text = sass._dump(shipped_cubin("sm_90a"), "-sass", "-fun", "w4_direct_t1_g128")
+    loop = sass.steady_loop(sass.parse_sass(text)["w4_direct_t1_g128"])
+    assert sum(x.op == "ISETP" for x in loop) == 1 and loop[-1].op == "BRA"
+    with pytest.raises(SystemExit, match="no such entry"):
+        sass.report(shipped_cubin("sm_90a"), ["w4_direct_t9"])
 
 
 def test_tiles_bench_unscaled_source_drops_exactly_the_scale_fmas(monkeypatch) -> None:
     """scripts/tiles_bench.py's "unscaled" build (the bound on applying the group scales after the
     MMA, docs/kernels.md) removes the dequantization's four scale-and-offset FMAs and nothing else,
     only inside its block, and says so when the kernel no longer has them."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "scripts" / "tiles_bench.py"
-    spec = importlib.util.spec_from_file_location("tiles_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("tiles_bench")
     shipped = cuda_w4.kernel_text()
     with bench.source_text(bench.BUILDS["unscaled"]):
         unscaled = cuda_w4.kernel_text()
