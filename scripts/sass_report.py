@@ -130,6 +130,16 @@ def report(cubin: bytes, entries: Optional[list[str]] = None) -> list[dict]:
     return rows
 
 
+def build_source(arch: str, path: Optional[str] = None) -> str:
+    """What cuda_w4 compiles for `arch` (kernel_source: the constants it defines, the .cu text, the
+    shipped entries), with the .cu text read from `path` instead of the shipped file if given."""
+    shipped = cuda_w4.kernel_source(arch=arch)
+    if path is None:
+        return shipped
+    text, cu = cuda_w4.kernel_text(), cuda_w4.KERNEL_FILE.read_text()
+    return text[:len(text) - len(cu)] + Path(path).read_text() + shipped[len(text):]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90a")
@@ -137,11 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--source", help="a cuda_w4.cu to build instead of the shipped one (its entry macros as shipped)")
     ap.add_argument("--out", help="write DIR/sass-report.json")
     a = ap.parse_args(argv)
-    source = None
-    if a.source:
-        shipped = cuda_w4.kernel_source(arch=a.arch)
-        source = Path(a.source).read_text() + shipped[len(cuda_w4.kernel_text()):]
-    rows = report(cuda_w4.compile_cubin(a.arch, source), a.entries.split(",") if a.entries else None)
+    rows = report(cuda_w4.compile_cubin(a.arch, build_source(a.arch, a.source)), a.entries.split(",") if a.entries else None)
     for r in rows:
         pc = r.get("per_chunk")
         print(f"{r['entry']:28s} regs {r['registers']:>4}  " + (

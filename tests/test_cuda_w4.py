@@ -436,6 +436,8 @@ def test_sass_report_reads_each_entrys_steady_loop() -> None:
     assert sum(x.op == "ISETP" for x in loop) == 1 and loop[-1].op == "BRA"
     with pytest.raises(SystemExit, match="no such entry"):
         sass.report(shipped_cubin("sm_90a"), ["w4_direct_t9"])
+    # --source FILE: FILE in place of cuda_w4.cu, the constants and entries as shipped
+    assert sass.build_source("sm_90a", str(cuda_w4.KERNEL_FILE)) == sass.build_source("sm_90a") == cuda_w4.kernel_source(arch="sm_90a")
 
 
 def test_tiles_bench_unscaled_source_drops_exactly_the_scale_fmas(monkeypatch) -> None:
