@@ -440,12 +440,19 @@ PAGE_BOX_JS = """(sel) => { const b = document.querySelector(sel).getBoundingCli
     return {top: b.top + scrollY, y: b.y, x: b.x, right: b.right, height: b.height}; }"""
 
 
+# the page's script has measured the side-by-side panel where it now is (app.css sizes it from that)
+SIDE_TOP_MEASURED_JS = """() => { const b = document.querySelector('#hv-side-by-side').getBoundingClientRect();
+    return document.body.style.getPropertyValue('--hv-side-top') === Math.round(b.top + scrollY) + 'px'; }"""
+
+
 def check_side_by_side(pg, width: int, height: int, tree_top: float) -> None:
     """Side by side takes the tree panel's place (`tree_top`: the top of the tree's key in the page),
     no taller than the screen, both columns in view at a desktop size; turned off, the tree comes back."""
     pg.click("#hv-side-by-side-on input")
     pg.wait_for_selector("#hv-side-by-side .hv-pair-col")
     pg.wait_for_function("() => !document.querySelector('#hv-tree')?.offsetParent")
+    if width >= 1200:    # the presentation layout: the panel's height follows its measured top
+        pg.wait_for_function(SIDE_TOP_MEASURED_JS)
     side = pg.evaluate(PAGE_BOX_JS, "#hv-side-by-side")
     pg.screenshot(path=str(ARTIFACTS / f"browser-side-by-side-{width}x{height}.png"))
     assert abs(side["top"] - tree_top) <= 8 and side["height"] <= height, (width, height, side, tree_top)

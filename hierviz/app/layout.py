@@ -182,6 +182,9 @@ PAGE_JS = """<script>
   const soon = () => { if (!queued) { queued = true; requestAnimationFrame(tidy); } };
   new MutationObserver(soon).observe(document.documentElement,
                                      {childList: true, subtree: true, attributes: true, attributeFilter: ["aria-label"]});
+  // a panel shown or moved by layout alone (no mutation after it): the page's height changes
+  const watchBody = () => new ResizeObserver(soon).observe(document.body);
+  if (document.body) watchBody(); else addEventListener("DOMContentLoaded", watchBody);
   document.addEventListener("scroll", soon, true);
   let chosen = false, syncing = false;
   document.addEventListener("click", (e) => {
