@@ -1,8 +1,8 @@
 """The CUDA W4 kernel's steady loops as the GPU runs them (SASS), read on a CPU.
 
-Per entry: its registers (which set how many warps a multiprocessor holds), and for its main loop
-(the backward branch whose body holds the most MMAs) the instructions per 64-channel chunk by class
-and the stall cycles the compiler encoded after them: the cycles a warp waits after an instruction
+Per entry: its registers (which set how many warps a multiprocessor holds), the bytes it spills to
+its stack at its launch bounds, and for its main loop (the backward branch whose body holds the
+most MMAs) the instructions per 64-channel chunk by class and the stall cycles the compiler encoded after them: the cycles a warp waits after an instruction
 before its next one may issue, whatever else its scheduler has to do (ncu counts them as `wait`).
 With few warps per scheduler those cycles are what the loop cannot hide (docs/kernels.md, "What the
 warps wait on"). NVRTC compiles the source (the shipped entries, or --source FILE: another
@@ -53,15 +53,16 @@ def _dump(cubin: bytes, *flags: str) -> str:
         return subprocess.run([cuobjdump(), *flags, f.name], check=True, capture_output=True, text=True).stdout
 
 
-def registers(cubin: bytes) -> dict[str, int]:
-    """Registers per thread of each function of the CUBIN."""
-    regs, name = {}, None
+def resources(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """Registers per thread and stack bytes per thread (registers spilled at the entry's launch
+    bounds) of each function of the CUBIN."""
+    out, name = {}, None
     for line in _dump(cubin, "-res-usage").splitlines():
         if m := re.match(r"\s*Function (\S+):", line):
             name = m.group(1)
-        elif name and (m := re.search(r"REG:(\d+)", line)):
-            regs[name] = int(m.group(1))
-    return regs
+        elif name and (m := re.search(r"REG:(\d+) STACK:(\d+)", line)):
+            out[name] = (int(m.group(1)), int(m.group(2)))
+    return out
 
 
 def parse_sass(text: str) -> dict[str, list[Instr]]:
@@ -107,7 +108,7 @@ def report(cubin: bytes, entries: Optional[list[str]] = None) -> list[dict]:
     """One row per entry (all mma.sync entries of the CUBIN by default): registers, and per chunk
     of its steady loop the instructions by class and the encoded stall cycles."""
     sass = parse_sass(_dump(cubin, "-sass"))
-    regs = registers(cubin)
+    res = resources(cubin)
     names = entries or sorted(n for n in sass if mmas_per_chunk(n))
     missing = [n for n in names if n not in sass]
     if missing:
@@ -118,11 +119,11 @@ def report(cubin: bytes, entries: Optional[list[str]] = None) -> list[dict]:
         per = mmas_per_chunk(name)
         mmas = sum(x.op == "HMMA" for x in loop)
         if not per or not mmas:
-            rows.append({"entry": name, "registers": regs.get(name), "loop": "no mma.sync loop"})
+            rows.append({"entry": name, "registers": res[name][0], "stack_bytes": res[name][1], "loop": "no mma.sync loop"})
             continue
         chunks = mmas / per
         by_class = Counter(CLASSES.get(x.op, "move" if x.text.startswith("IMAD.MOV") else "other") for x in loop)
-        rows.append({"entry": name, "registers": regs.get(name), "loop_instructions": len(loop),
+        rows.append({"entry": name, "registers": res[name][0], "stack_bytes": res[name][1], "loop_instructions": len(loop),
                      "chunks_per_iteration": chunks,
                      "per_chunk": {"instructions": round(len(loop) / chunks, 1),
                                    "stall_cycles": round(sum(x.stall for x in loop) / chunks, 1),
@@ -150,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = report(cuda_w4.compile_cubin(a.arch, build_source(a.arch, a.source)), a.entries.split(",") if a.entries else None)
     for r in rows:
         pc = r.get("per_chunk")
-        print(f"{r['entry']:28s} regs {r['registers']:>4}  " + (
+        print(f"{r['entry']:28s} regs {r['registers']:>4} stack {r['stack_bytes']:>3}  " + (
             " ".join(f"{k} {v}" for k, v in pc.items()) if pc else r["loop"]))
     if a.out:
         write_json(Path(a.out) / "sass-report.json", {"arch": a.arch, "nvrtc": cuda_w4.nvrtc_version(),
