@@ -192,9 +192,19 @@ def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:
     1-24 rows, stays on Triton where a verifier runs 30-row trees or names no workload. A kind that
     is not batch-invariant (an intermediate's) runs each row count in the faster kernel."""
     kind, wide, other = (0, 128, 64, 32, False, True), (0, 192, 64, 32, False, True), (-1, 256, 64, 32, False, False)
-    kinds = {"target": [kind], "verifier": [wide], "intermediate": [other], "twin": [kind]}
+    # each model's weights by kind: the twin holds a weight of the target's kind, the head the
+    # target's own weight (as a draft head holds its base model)
+    weights = {"target": {kind: {"t"}}, "verifier": {wide: {"v"}}, "intermediate": {other: {"i"}},
+               "twin": {kind: {"tw"}}, "head": {kind: {"t"}}}
+
+    def weights_by_kind(models):
+        out = {}
+        for m in models:
+            for k, ids in weights[m].items():
+                out.setdefault(k, set()).update(ids)
+        return out
     monkeypatch.setattr(kernel_guard, "fast_variants", lambda device, dtype: frozenset({w4_verdicts.CUDA_VARIANT}))
-    monkeypatch.setattr(w4_choice, "kinds_of", lambda models: sorted({k for m in models for k in kinds[m]}))
+    monkeypatch.setattr(w4_choice, "weights_by_kind", weights_by_kind)
     monkeypatch.setattr(w4_choice, "time_cuda", lambda kind, device, **kw: {
         m: {(*t, 1): 40.0 if m == 32 else 10.0 for t in w4_choice.tile_candidates(m)} for m in w4_choice.CHOICE_ROWS})
     monkeypatch.setattr(w4_choice, "time_triton", lambda kind, device, **kw: {m: 20.0 for m in w4_choice.CHOICE_ROWS})
@@ -221,6 +231,10 @@ def test_a_workload_decides_over_its_own_row_counts(monkeypatch) -> None:
     # the same kind in a model without a workload: every timed row count decides
     assert w4_choice.choose_for_models(["target", "twin"], "cuda", workload={"target": {1}}) == {kind: False}
     assert w4_verdicts.kernel_times(kind)["deciding_rows"] == list(w4_choice.CHOICE_ROWS)
+    w4_verdicts.forget_kernel_choices()
+    # the target's own weight in a head without a workload: the target's forwards run it, its rows decide
+    assert w4_choice.choose_for_models(["target", "head"], "cuda", workload={"target": {1, 24}}) == {kind: True}
+    assert w4_verdicts.kernel_times(kind)["deciding_rows"] == [1, 24]
     # a per-row choice is refused for a verifier
     with pytest.raises(ValueError, match="batch-invariant"):
         w4_verdicts.choose_kernel(wide, True, None, None, {1: True, 32: False})

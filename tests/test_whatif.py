@@ -464,7 +464,7 @@ def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path,
     seen = {}
 
     def capture(models, device, timer=None, log=None, workload=None):
-        target, inter = models[:2]          # then the heads, without a workload: every row count
+        target, inter = models[:2]          # then the heads, without a workload of their own
         assert not set(models[2:]) & set(workload)
         seen.clear()
         seen.update({role: set(workload[model]) for role, model in (("target", target), ("intermediate", inter))
@@ -485,6 +485,35 @@ def test_the_w4_kernel_choice_weighs_the_rows_the_run_multiplies(tmp_path: Path,
     assert "| no AR row |" in md and "nan" not in md
     s = DecodeSettings(t_tree_size=11)
     assert methods.workload_rows(["eagle2"], [s, DecodeSettings(t_tree_size=30)], 5) == {"target": {12, 31, 5}}
+
+
+def test_the_heads_leave_their_base_models_weights_to_the_base_models_rows(monkeypatch) -> None:
+    """A draft head holds its base model as a part, so the base's W4 weights are the head's too; the
+    kernel choice still decides a verifier's kind over the rows of the base's forwards (a head
+    without a workload of its own must not make every row count decide it), and the head's own W4
+    weights (FR-Spec rows of M's W4 head) decide at every count."""
+    from hierviz.measure.whatif import build_models, tiny_config
+    from hierviz.quant import w4_choice, w4_proof
+    # the weights the choice covers, on this CPU: every Triton-kernel W4 weight (no CUDA filter)
+    monkeypatch.setattr(w4_choice, "weights_by_kind", lambda models: _by_kind(w4_proof.triton_weights(models)))
+    monkeypatch.setattr(w4_choice, "choose_for_models", lambda *a, **k: {})       # build_models' own call
+    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "triton", m_format="w4a16",
+                          m_lm_head="w4a16", draft_vocab=320)
+    head_rows = next(iter(w4_choice.weights_by_kind([models.e_m._draft_head])))
+    assert set(w4_choice.kinds_of([models.target])) <= set(w4_choice.kinds_of([models.e_t]))    # the head holds T's
+    workload = {models.target: {1, 24}, models.intermediate: {30, 31}}
+    rows = w4_choice._kind_rows(models.present(), workload)
+    assert all(rows[k] == [1, 24] for k in w4_choice.kinds_of([models.target]))
+    assert all(rows[k] == [32] for k in w4_choice.kinds_of([models.intermediate]))
+    assert rows[head_rows] is None
+
+
+def _by_kind(weights) -> dict:
+    from hierviz.quant import w4_verdicts
+    out: dict = {}
+    for w in weights:
+        out.setdefault(w4_verdicts.kernel_kind(w), set()).add(id(w))
+    return out
 
 
 def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None:

@@ -214,26 +214,40 @@ def deciding_rows(rows: Iterable[int]) -> list[int]:
     return sorted({next((c for c in CHOICE_ROWS if c >= m), CHOICE_ROWS[-1]) for m in rows if m >= 1})
 
 
+def weights_by_kind(models: Iterable[Any]) -> dict[w4_verdicts.KernelKind, set[int]]:
+    """Each kind of the models' fp16 W4 weights on a GPU that the Triton kernel multiplies and the
+    CUDA kernel could take over (w4_proof.triton_weights: weights of other kernels never ask), with
+    the ids of its weights: a weight two models hold (a head holds its base model as a part) is one."""
+    out: dict[w4_verdicts.KernelKind, set[int]] = {}
+    for w in triton_weights(models):
+        if w.scales.is_cuda and w.scales.dtype == torch.float16 and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size):
+            out.setdefault(w4_verdicts.kernel_kind(w), set()).add(id(w))
+    return out
+
+
 def kinds_of(models: Iterable[Any]) -> list[w4_verdicts.KernelKind]:
-    """The kinds of the models' fp16 W4 weights on a GPU that the Triton kernel multiplies and the
-    CUDA kernel could take over (w4_proof.triton_weights: weights of other kernels never ask)."""
-    return sorted({w4_verdicts.kernel_kind(w) for w in triton_weights(models)
-                   if w.scales.is_cuda and w.scales.dtype == torch.float16
-                   and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size)})
+    """The kinds of the models' weights that the kernel choice covers (weights_by_kind)."""
+    return sorted(weights_by_kind(models))
 
 
 def _kind_rows(models: list[Any], workload: Optional[Mapping[Any, Iterable[int]]]
                ) -> dict[w4_verdicts.KernelKind, Optional[list[int]]]:
-    """Each kind's deciding row counts: those of the workloads of the models holding it; None (every
-    timed count) where a model holding it has no workload, or an empty one."""
-    out: dict[w4_verdicts.KernelKind, Optional[set[int]]] = {}
+    """Each kind's deciding row counts: those of the workloads of the models whose forwards run its
+    weights. A weight runs in the forwards of the models with a workload that hold it, whatever
+    other models hold it too (a head holds its base model, whose workload counts the base's
+    forwards); a kind with a weight that no model with a (non-empty) workload holds: None, every
+    timed count."""
+    if workload is None:
+        return {kind: None for kind in kinds_of(models)}
+    out: dict[w4_verdicts.KernelKind, set[int]] = {}
+    covered: set[int] = set()
     for model in models:
-        rows = set(deciding_rows(workload[model])) if workload is not None and model in workload else None
-        rows = rows or None
-        for kind in kinds_of([model]):
-            if kind not in out or out[kind] is not None:     # None (every count) stays None
-                out[kind] = None if rows is None else out.get(kind, set()) | rows
-    return {kind: None if rows is None else sorted(rows) for kind, rows in out.items()}
+        rows = set(deciding_rows(workload[model])) if model in workload else set()
+        for kind, ids in (weights_by_kind([model]) if rows else {}).items():
+            out.setdefault(kind, set()).update(rows)
+            covered |= ids
+    every = {kind for model in models for kind, ids in weights_by_kind([model]).items() if ids - covered}
+    return {kind: None if kind in every else sorted(out[kind]) for kind in every | set(out)}
 
 
 def choose_for_models(models: Iterable[Any], device: Union[str, torch.device], timer: Timer = cuda_graph_timer,
