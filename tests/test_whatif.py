@@ -495,7 +495,7 @@ def test_the_heads_leave_their_base_models_weights_to_the_base_models_rows(monke
     from hierviz.measure.whatif import build_models, tiny_config
     from hierviz.quant import w4_choice, w4_proof
     # the weights the choice covers, on this CPU: every Triton-kernel W4 weight (no CUDA filter)
-    monkeypatch.setattr(w4_choice, "weights_by_kind", lambda models: _by_kind(w4_proof.triton_weights(models)))
+    monkeypatch.setattr(w4_choice, "choice_weights", w4_proof.triton_weights)
     monkeypatch.setattr(w4_choice, "choose_for_models", lambda *a, **k: {})       # build_models' own call
     models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "triton", m_format="w4a16",
                           m_lm_head="w4a16", draft_vocab=320)
@@ -506,14 +506,6 @@ def test_the_heads_leave_their_base_models_weights_to_the_base_models_rows(monke
     assert all(rows[k] == [1, 24] for k in w4_choice.kinds_of([models.target]))
     assert all(rows[k] == [32] for k in w4_choice.kinds_of([models.intermediate]))
     assert rows[head_rows] is None
-
-
-def _by_kind(weights) -> dict:
-    from hierviz.quant import w4_verdicts
-    out: dict = {}
-    for w in weights:
-        out.setdefault(w4_verdicts.kernel_kind(w), set()).add(id(w))
-    return out
 
 
 def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None:

@@ -25,7 +25,7 @@ import itertools
 import math
 import statistics
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -214,14 +214,19 @@ def deciding_rows(rows: Iterable[int]) -> list[int]:
     return sorted({next((c for c in CHOICE_ROWS if c >= m), CHOICE_ROWS[-1]) for m in rows if m >= 1})
 
 
+def choice_weights(models: Iterable[Any]) -> Iterator[W4Weight]:
+    """The models' fp16 W4 weights on a GPU that the Triton kernel multiplies and the CUDA kernel
+    could take over (w4_proof.triton_weights: weights of other kernels never ask)."""
+    return (w for w in triton_weights(models) if w.scales.is_cuda and w.scales.dtype == torch.float16
+            and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size))
+
+
 def weights_by_kind(models: Iterable[Any]) -> dict[w4_verdicts.KernelKind, set[int]]:
-    """Each kind of the models' fp16 W4 weights on a GPU that the Triton kernel multiplies and the
-    CUDA kernel could take over (w4_proof.triton_weights: weights of other kernels never ask), with
-    the ids of its weights: a weight two models hold (a head holds its base model as a part) is one."""
+    """Each kind of the models' choice_weights with the ids of its weights: a weight two models
+    hold (a head holds its base model as a part) is one."""
     out: dict[w4_verdicts.KernelKind, set[int]] = {}
-    for w in triton_weights(models):
-        if w.scales.is_cuda and w.scales.dtype == torch.float16 and cuda_w4.supports_shape(w.out_features, w.in_features, w.group_size):
-            out.setdefault(w4_verdicts.kernel_kind(w), set()).add(id(w))
+    for w in choice_weights(models):
+        out.setdefault(w4_verdicts.kernel_kind(w), set()).add(id(w))
     return out
 
 
