@@ -2,6 +2,9 @@
   GPU: ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
            --section SchedulerStats -k regex:w4_ --launch-skip 3 --launch-count 1 \
            python scripts/ncu_probe.py K N M TILES ROW_TILES SPLIT
+  or, for what its warps wait on: ncu --metrics smsp__average_warps_issue_stalled_REASON_per_issue_active.ratio,...
+           (REASON: wait, long_scoreboard, math_pipe_throttle, barrier, short_scoreboard, ...) with the same -k and
+           launch options (docs/bench/cuda-w4-stalls-h100.txt has the full command)
 K x N a synthetic fp16 W4 weight of 128-channel groups, M rows of activations; TILES, ROW_TILES and
 SPLIT as cuda_w4.matmul takes them (the entry and K slices; docs/kernels.md, "What limits it")."""
 import os
