@@ -244,14 +244,15 @@ def _kind_rows(models: list[Any], workload: Optional[Mapping[Any, Iterable[int]]
     timed count."""
     if workload is None:
         return {kind: None for kind in kinds_of(models)}
+    held = [(set(deciding_rows(workload[model])) if model in workload else set(), weights_by_kind([model]))
+            for model in models]
     out: dict[w4_verdicts.KernelKind, set[int]] = {}
     covered: set[int] = set()
-    for model in models:
-        rows = set(deciding_rows(workload[model])) if model in workload else set()
-        for kind, ids in (weights_by_kind([model]) if rows else {}).items():
+    for rows, by_kind in held:
+        for kind, ids in (by_kind if rows else {}).items():
             out.setdefault(kind, set()).update(rows)
             covered |= ids
-    every = {kind for model in models for kind, ids in weights_by_kind([model]).items() if ids - covered}
+    every = {kind for _, by_kind in held for kind, ids in by_kind.items() if ids - covered}
     return {kind: None if kind in every else sorted(out[kind]) for kind in every | set(out)}
 
 
