@@ -86,15 +86,12 @@ def steady_loop(instrs: list[Instr]) -> list[Instr]:
     """The body of the backward branch that holds the most MMAs, the shortest of those on a tie:
     the loop a product spends its time in (the direct loop's steady loop, whose loads carry no
     predicate, rather than its predicated tail loop of as many MMAs)."""
-    best: list[Instr] = []
+    loops = []
     for i, ins in enumerate(instrs):
         m = re.search(r"BRA (?:`\(\.L_x_\d+\) )?(0x[0-9a-f]+)", ins.text) if ins.op == "BRA" else None
         if m and int(m.group(1), 16) < ins.addr:
-            body = [x for x in instrs[:i + 1] if x.addr >= int(m.group(1), 16)]
-            key = (sum(x.op in ("HMMA", "HGMMA") for x in body), -len(body))
-            if not best or key > (sum(x.op in ("HMMA", "HGMMA") for x in best), -len(best)):
-                best = body
-    return best
+            loops.append([x for x in instrs[:i + 1] if x.addr >= int(m.group(1), 16)])
+    return max(loops, key=lambda body: (sum(x.op in ("HMMA", "HGMMA") for x in body), -len(body)), default=[])
 
 
 def mmas_per_chunk(entry: str) -> Optional[int]:
@@ -137,8 +134,7 @@ def build_source(arch: str, path: Optional[str] = None) -> str:
     shipped = cuda_w4.kernel_source(arch=arch)
     if path is None:
         return shipped
-    text, cu = cuda_w4.kernel_text(), cuda_w4.KERNEL_FILE.read_text()
-    return text[:len(text) - len(cu)] + Path(path).read_text() + shipped[len(text):]
+    return cuda_w4.kernel_text(Path(path).read_text()) + shipped[len(cuda_w4.kernel_text()):]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -112,11 +112,11 @@ NIBBLE_OF = ((0, 4, 2, 6), (1, 5, 3, 7))
 KERNEL_FILE = Path(__file__).with_name("cuda_w4.cu")   # the CUDA C, read when the kernel is built
 
 
-def kernel_text() -> str:
-    """cuda_w4.cu with the constants it takes from here defined before it; `#line` keeps NVRTC's
-    messages on the file's own line numbers."""
+def kernel_text(cu: Optional[str] = None) -> str:
+    """cuda_w4.cu (or `cu`, another text of it) with the constants it takes from here defined
+    before it; `#line` keeps NVRTC's messages on the file's own line numbers."""
     return (f"#define NBUF {NBUF}\n#define ROWS_PER_BLOCK {ROWS_PER_BLOCK}\n"
-            f"#line 1 \"{KERNEL_FILE.name}\"\n" + KERNEL_FILE.read_text())
+            f"#line 1 \"{KERNEL_FILE.name}\"\n" + (KERNEL_FILE.read_text() if cu is None else cu))
 
 
 def has_group_entry(ahead: int, group: int) -> bool:
