@@ -97,7 +97,7 @@ def steady_loop(instrs: list[Instr]) -> list[Instr]:
 def mmas_per_chunk(entry: str) -> Optional[int]:
     """A warp's MMAs per 64-channel chunk in an mma.sync entry: 4 k16 steps x token tiles x row
     tiles (None for the wgmma entries, whose MMAs are per warpgroup)."""
-    m = re.match(r"w4_(direct|staged)_t(\d+)(?:_r(\d+))?", entry)
+    m = re.match(r"w4_(direct|staged|ring)_t(\d+)(?:_r(\d+))?", entry)
     return None if m is None else 4 * int(m.group(2)) * int(m.group(3) or 1)
 
 

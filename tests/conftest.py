@@ -44,7 +44,7 @@ _share_default_ssl_context()
 # pytest_collection_modifyitems.
 FILE_SECONDS = {
     "test_browser.py": 135, "test_sampling_power.py": 113, "test_hardening.py": 56, "test_whatif.py": 47,
-    "test_triton_compile.py": 55, "test_cuda_w4.py": 40, "test_triton_w4.py": 33, "test_oracle_acceptance.py": 30,
+    "test_triton_compile.py": 55, "test_cuda_w4.py": 46, "test_triton_w4.py": 33, "test_oracle_acceptance.py": 30,
     "test_accessibility.py": 27, "test_gguf.py": 26, "test_train_stack.py": 23, "test_app.py": 20, "test_fused.py": 18, "test_decoding.py": 15,
     "test_ui_whatif.py": 12, "test_engine_bench.py": 10, "test_train.py": 9, "test_greedy_oracle.py": 8,
 }

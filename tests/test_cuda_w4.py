@@ -440,6 +440,27 @@ def test_sass_report_reads_each_entrys_steady_loop() -> None:
     assert sass.build_source("sm_90a", str(cuda_w4.KERNEL_FILE)) == sass.build_source("sm_90a") == cuda_w4.kernel_source(arch="sm_90a")
 
 
+def test_ring_bench_builds_a_staged_loop_that_loads_no_codes_from_global_memory() -> None:
+    """scripts/ring_bench.py (the staged loop with codes and group pairs in a shared-memory ring of
+    asynchronous copies, docs/kernels.md): its entries build for sm_90a without spills at 2 blocks
+    per multiprocessor, with the staged loop's 4 MMAs a chunk per token tile, and their steady loop
+    reads the weights from shared memory only, where the shipped staged loop loads them itself."""
+    skip_without_nvrtc()
+    bench, sass = load_script("ring_bench"), load_script("sass_report")
+    builds = bench.ring_builds(bench.parse_rings("1:4"), "sm_90a")
+    cubin = cuda_w4.compile_cubin("sm_90a", bench.build_source("sm_90a", builds))
+    rows = {r["entry"]: r for r in bench.sass_rows(cubin, bench.staged_names() + list(builds), builds)}
+    parsed = sass.parse_sass(sass._dump(cubin, "-sass"))
+    for name, (tiles, _, _, blocks) in builds.items():
+        r = rows[name]
+        assert blocks == 2 and r["stack_bytes"] == 0 and r["registers"] <= 65536 // (2 * 256)
+        assert r["per_chunk"]["mma"] == 4 * tiles and r["shared_bytes"] == bench.ring_shared_bytes(tiles, 1, 4)
+        assert not any(x.op == "LDG" for x in sass.steady_loop(parsed[name])), name
+    assert any(x.op == "LDG" for x in sass.steady_loop(parsed["w4_staged_t8"]))
+    with pytest.raises(SystemExit, match="CS >= 3"):
+        bench.parse_rings("2:2")
+
+
 def test_tiles_bench_unscaled_source_drops_exactly_the_scale_fmas(monkeypatch) -> None:
     """scripts/tiles_bench.py's "unscaled" build (the bound on applying the group scales after the
     MMA, docs/kernels.md) removes the dequantization's four scale-and-offset FMAs and nothing else,

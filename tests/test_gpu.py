@@ -292,21 +292,23 @@ def test_the_w4_kernel_choice_times_the_fr_spec_rows_of_a_w4_head_on_the_gpu() -
 
 def test_the_whatif_decides_the_targets_w4_kinds_over_its_rows_on_the_gpu() -> None:
     """The what-if's target kinds are decided over the rows its forwards run, though its heads hold
-    the target as a part (a kind of its own shape here, 3x the tiny intermediate size, so that no
-    earlier test decided it)."""
+    the target as a part. Choices are per kind and per process, and the tiny target's attention
+    kinds are other tests' too (decided there over every row count), so it starts from none."""
     from hierviz.config import options
     from hierviz.measure.whatif import build_models, tiny_config
     from hierviz.quant import kernel_guard, w4_choice, w4_verdicts
     if options().w4_cuda != "auto" or w4_verdicts.CUDA_VARIANT not in kernel_guard.fast_variants(torch.device("cuda"), torch.float16):
         pytest.skip("the CUDA MMA variant is not enabled here under auto: no choice is timed")
-    t_cfg = tiny_config(True)
-    t_cfg = dataclasses.replace(t_cfg, intermediate_size=3 * t_cfg.hidden_size)
-    models = build_models(t_cfg, tiny_config(False), "cuda", torch.float16, "triton",
-                          rows={"target": [1, 7, 24], "intermediate": [30]})
-    kinds = [k for k in w4_choice.kinds_of([models.target]) if k[5]]
-    assert kinds and set(kinds) <= set(w4_choice.kinds_of([models.e_t]))      # the head holds them too
-    for kind in kinds:    # 1, 7 (its 8-row bucket), 24: each at the smallest timed count at or above it
-        assert w4_verdicts.kernel_times(kind)["deciding_rows"] == [1, 8, 24], w4_verdicts.kind_label(kind)
+    w4_verdicts.forget_kernel_choices()
+    try:
+        models = build_models(tiny_config(True), tiny_config(False), "cuda", torch.float16, "triton",
+                              rows={"target": [1, 7, 24], "intermediate": [30]})
+        kinds = [k for k in w4_choice.kinds_of([models.target]) if k[5]]
+        assert kinds and set(kinds) <= set(w4_choice.kinds_of([models.e_t]))      # the head holds them too
+        for kind in kinds:    # 1, 7 (its 8-row bucket), 24: each at the smallest timed count at or above it
+            assert w4_verdicts.kernel_times(kind)["deciding_rows"] == [1, 8, 24], w4_verdicts.kind_label(kind)
+    finally:
+        w4_verdicts.forget_kernel_choices()
 
 
 def test_whatif_exact_with_eagle3_heads_through_cuda_graphs(tmp_path) -> None:
