@@ -205,7 +205,7 @@ def test_speed_line_says_where_and_labels_projections() -> None:
         assert "launch-bound" in page and "55 %" in page and "What-if" in page
     headline = whatif_headline()
     assert headline is not None and f'{headline["ar"]:.2f}× Autoregressive' in projected
-    assert round(headline["ar"], 2) == 2.44 and round(headline["eagle2"], 2) == 1.62 and round(headline["eagle3"], 2) == 1.58
+    assert round(headline["ar"], 2) == 2.50 and round(headline["eagle2"], 2) == 1.64 and round(headline["eagle3"], 2) == 1.61
     assert f'{headline["eagle2"]:.2f}× EAGLE-2, {headline["eagle3"]:.2f}× EAGLE-3' in projected   # every method the file ran
 
 
