@@ -1,10 +1,10 @@
 // Measured, not kept in cuda_w4.cu (docs/kernels.md): the staged loop with its codes and group pairs
 // in a deep shared-memory ring filled by asynchronous copies together with the activations
 // (Marlin's way), instead of a register ring S chunks ahead. scripts/ring_bench.py appends this
-// text to cuda_w4.kernel_source() (so PARAMS,
-// ARGS, Chunks, chunks_of, chunk<T>, stage_x, copy_*, lds128_at, smem_address come from
-// cuda_w4.cu) and then one RING_ENTRY line per build. The MMAs, their order and their operands
-// are product_staged's: the same bits as the staged entries.
+// text to cuda_w4.kernel_source() (PARAMS, ARGS, Chunks, chunks_of, chunk<T>, stage_x, copy_*,
+// lds128_at and smem_address come from cuda_w4.cu), then cuda_w4.cu's w4_mma as w4_mma_ring
+// calling product_staged_ring, then one RING_ENTRY line per build. The MMAs, their order and
+// their operands are product_staged's: the same bits as the staged entries.
 
 __device__ __forceinline__ void copy_async16(u32 dst, const void* src) {   // streamed once: L2 only
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
@@ -101,74 +101,8 @@ __device__ __forceinline__ void product_staged_ring(float (*acc)[4], PARAMS, int
   }
 }
 
-// w4_mma of a staged build (DIRECT false, R 1, KW 1) with product_staged_ring for product_staged;
-// the epilogue is w4_mma's, unchanged.
-template <int T, int S, int CS>
-__device__ __forceinline__ void w4_mma_ring(PARAMS) {
-  constexpr int R = 1;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int tok0 = blockIdx.x * (8 * T);
-  const int row_tiles = N >> 4, chunks = K >> 6;
-  const int kh = 0;
-  const int rt = blockIdx.y * 8 + warp;
-  const int slice = blockIdx.z;
-  const int c_begin = slice * chunks_per_slice;
-  const int c_end = min(chunks, c_begin + chunks_per_slice);
-  float acc[R * T][4];
-#pragma unroll
-  for (int tt = 0; tt < R * T; tt++) acc[tt][0] = acc[tt][1] = acc[tt][2] = acc[tt][3] = 0.f;
-  // a warp past N idles in its loop (the loop's barriers need every warp) and stores nothing
-  product_staged_ring<T, S, CS>(acc, ARGS, min(rt, row_tiles - 1), tok0, c_begin, c_end);
-  // acc[r * T + tt][i]: row (rt + r)*16 + g + 8*(i >> 1), token tok0 + tt*8 + 2t + (i & 1)
-  if (split == 1) {
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-      for (int tt = 0; tt < T; tt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt + r) * 16 + g + 8 * (i >> 1);
-          if (tok < M && rt + r < row_tiles && kh == 0) {
-            float v = acc[r * T + tt][i];
-            if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
-            y[(size_t)tok * ldy + n] = f2h(v);
-          }
-        }
-    return;
-  }
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int tt = 0; tt < T; tt++)
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int tok = tok0 + tt * 8 + 2 * t + (i & 1), n = (rt + r) * 16 + g + 8 * (i >> 1);
-        if (tok < M && rt + r < row_tiles && kh == 0) partials[((size_t)slice * M + tok) * N + n] = acc[r * T + tt][i];
-      }
-  // The last block of this output tile to finish sums the slices in slice order.
-  __shared__ int last;
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  __syncthreads();
-  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  if (threadIdx.x == 0) last = atomicAdd(counters + tile, 1) == split - 1;
-  __syncthreads();
-  if (!last) return;
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  const int rows = min(ROWS_PER_BLOCK, N - (int)blockIdx.y * ROWS_PER_BLOCK), toks = min(8 * T, M - tok0);
-  for (int e = threadIdx.x; e < rows * toks; e += blockDim.x) {
-    const int tok = tok0 + e / rows, n = blockIdx.y * ROWS_PER_BLOCK + e % rows;
-    const float* p = partials + (size_t)tok * N + n;
-    float v = 0.f;
-    for (int s = 0; s < split; s++) v += __ldcg(p + (size_t)s * M * N);
-    if (residual) v += h2f(residual[(size_t)tok * ldy + n]);
-    y[(size_t)tok * ldy + n] = f2h(v);
-  }
-  if (threadIdx.x == 0) counters[tile] = 0;
-}
-
 // the dynamic shared memory is ring_bench.py's ring_shared_bytes(T, S, CS)
 #define RING_ENTRY(T, S, CS, BLOCKS)                                                             \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS) w4_ring_t##T##_s##S##_c##CS(PARAMS) {  \
-    w4_mma_ring<T, S, CS>(ARGS);                                                                 \
+    w4_mma_ring<T, false, S, 0, false, CS>(ARGS);                                                \
   }

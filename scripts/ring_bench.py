@@ -4,7 +4,7 @@ loads) against the shipped staged entries, which hold them in registers a stage 
 and not kept in the kernel (docs/kernels.md, "Codes through a shared-memory ring").
 
 The module is cuda_w4.kernel_source(arch) with only the shipped staged entries (STAGED_BUILD),
-then ring_bench.cu, then one RING_ENTRY(T, S, CS, BLOCKS) per token tiles T in 6, 7, 8 and ring
+then ring_bench.cu, then cuda_w4.cu's w4_mma as w4_mma_ring (ring_mma_text), then one RING_ENTRY(T, S, CS, BLOCKS) per token tiles T in 6, 7, 8 and ring
 (S chunks a stage, CS stages). Every ring product is checked bitwise against
 cuda_w4.matmul(x, w, tiles=T) (the shipped module's staged entry, default split) and timed with
 w4_choice's timer (20 products in a CUDA graph, weight copies cycled past the L2, median of 3).
@@ -76,10 +76,30 @@ def ring_builds(rings: list, arch: str) -> dict[str, tuple[int, int, int, int]]:
             for s, cs, b in rings for t in TOKEN_TILES}
 
 
+# w4_mma's text and the one call w4_mma_ring changes in it: the ring's stages ride in XRING, which
+# only the wgmma loop reads (WGMMA is false in the ring entries)
+MMA_HEAD = "__device__ __forceinline__ void w4_mma(PARAMS) {"
+STAGED_CALL = "product_staged<T, S>(acc, ARGS,"
+
+
+def ring_mma_text() -> str:
+    """cuda_w4.cu's w4_mma as w4_mma_ring, product_staged_ring<T, S, XRING> in place of
+    product_staged: the same tile, K slice and epilogue as the shipped entries, one copy of them."""
+    text = cuda_w4.KERNEL_FILE.read_text()
+    head = text.find(MMA_HEAD)
+    start = text.rfind("template <", 0, head)
+    end = text.find("\n}\n", head) + 3
+    body = text[start:end]
+    if head < 0 or body.count(STAGED_CALL) != 1:
+        raise SystemExit(f"cuda_w4.cu no longer has {MMA_HEAD!r} calling {STAGED_CALL!r} once: update ring_bench.py")
+    return (body.replace("void w4_mma(", "void w4_mma_ring(")
+            .replace(STAGED_CALL, "product_staged_ring<T, S, XRING>(acc, ARGS,"))
+
+
 def build_source(arch: str, builds: dict) -> str:
-    """The shipped staged entries, ring_bench.cu, one RING_ENTRY per build."""
+    """The shipped staged entries, ring_bench.cu, w4_mma_ring, one RING_ENTRY per build."""
     shipped = cuda_w4.kernel_source({}, cuda_w4.STAGED_BUILD, arch=arch, wgmma_build={}, rows_build={}, kw_build={})
-    return (shipped + f"#line 1 \"{RING_CU.name}\"\n" + RING_CU.read_text()
+    return (shipped + f"#line 1 \"{RING_CU.name}\"\n" + RING_CU.read_text() + ring_mma_text()
             + "".join(f"RING_ENTRY({t}, {s}, {cs}, {b})\n" for t, s, cs, b in builds.values()))
 
 

@@ -459,6 +459,9 @@ def test_ring_bench_builds_a_staged_loop_that_loads_no_codes_from_global_memory(
     assert any(x.op == "LDG" for x in sass.steady_loop(parsed["w4_staged_t8"]))
     with pytest.raises(SystemExit, match="CS >= 3"):
         bench.parse_rings("2:2")
+    ring_mma = bench.ring_mma_text()       # w4_mma's own tile, K slice and epilogue, one call changed
+    assert "void w4_mma_ring(PARAMS)" in ring_mma and bench.STAGED_CALL not in ring_mma
+    assert ring_mma.replace("w4_mma_ring(", "w4_mma(").replace("product_staged_ring<T, S, XRING>", "product_staged<T, S>") in cuda_w4.KERNEL_FILE.read_text()
 
 
 def test_tiles_bench_unscaled_source_drops_exactly_the_scale_fmas(monkeypatch) -> None:
