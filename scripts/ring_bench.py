@@ -25,6 +25,7 @@ from typing import Optional
 
 sys.path.insert(0, os.getcwd())
 from hierviz.quant import cuda_w4  # noqa: E402
+from hierviz.quant.tickets import multiprocessor_count  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RING_CU = HERE / "ring_bench.cu"
@@ -137,8 +138,9 @@ def compile_only(arch: str, rings: list, out: Optional[str]) -> int:
 
 # ---- GPU ---------------------------------------------------------------------------------------
 
-def load(arch: str, builds: dict, carveout: Optional[int]) -> dict:
-    """The module's staged and ring entries (name -> CUfunction), the rings allowed their shared memory."""
+def load(arch: str, builds: dict, carveout: Optional[int]) -> tuple[dict, bytes]:
+    """The module's staged and ring entries (name -> CUfunction), the rings allowed their shared memory,
+    and its CUBIN (for --sass: one build)."""
     drv = cuda_w4._DRIVER
     t0 = time.time()
     cubin = cuda_w4.compile_cubin(arch, build_source(arch, builds))
@@ -156,7 +158,7 @@ def load(arch: str, builds: dict, carveout: Optional[int]) -> dict:
         if carveout is not None:
             drv.check(drv.lib.cuFuncSetAttribute(fns[name], CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                                                  carveout), "cuFuncSetAttribute carveout")
-    return fns
+    return fns, cubin
 
 
 def occupancy(fn, shared: int) -> int:
@@ -174,8 +176,7 @@ def launch(fn, shared: int, x, w, tiles: int):
     n = w.out_features
     codes, so = cuda_w4.layout(w)
     x = x.contiguous()
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    split, per = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, sms))
+    split, per = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, multiprocessor_count(x.device)))
     grid = (-(-m // (8 * tiles)), -(-n // cuda_w4.ROWS_PER_BLOCK), split)
     y = torch.empty((m, n), device=x.device, dtype=torch.float16)
     parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
@@ -202,18 +203,18 @@ def bench(a) -> int:
     arch = cuda_w4._arch(idx)
     cuda_w4.functions(idx)                   # the shipped module (and the driver)
     builds = ring_builds(parse_rings(a.rings), arch)
-    fns = load(arch, builds, a.carveout)
+    fns, cubin = load(arch, builds, a.carveout)
     occ = {name: occupancy(fns[name], ring_shared_bytes(*b[:3])) for name, b in builds.items()}
     occ.update({name: occupancy(fns[name], 0) for name in staged_names()})
     sr = _script("sass_report")
-    res_usage = sr.resources(cuda_w4.compile_cubin(arch, build_source(arch, builds))) if a.sass else {}
+    res_usage = sr.resources(cubin) if a.sass else {}
     for name in staged_names() + list(builds):
         print(f"{name:22s} blocks/SM {occ[name]}" + (f" (bound {builds[name][3]}, smem {ring_shared_bytes(*builds[name][:3])})"
                                                     if name in builds else "")
               + (f" regs {res_usage[name][0]} stack {res_usage[name][1]}" if name in res_usage else ""), flush=True)
     ms = [int(v) for v in a.ms.split(",")]
     kinds = a.kind or _script("tiles_bench").KINDS
-    sms = torch.cuda.get_device_properties(idx).multi_processor_count
+    sms = multiprocessor_count(dev)
     res = {"device": torch.cuda.get_device_name(), "arch": arch, "nvrtc": cuda_w4.nvrtc_version(), "sms": sms,
            "builds": {n: dict(zip(("T", "S", "CS", "blocks"), b), shared_bytes=ring_shared_bytes(*b[:3]),
                               occupancy=occ[n]) for n, b in builds.items()},
