@@ -2,6 +2,9 @@
 add spin-wait overhead, badly so when the 2 cores are shared), also in the processes the tests
 start (the app, the training commands, the interpreter scripts) through OMP_NUM_THREADS."""
 import os
+import tempfile
+from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -52,6 +55,7 @@ FILE_SECONDS = {
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: long statistical runs, opt-in: pytest -m slow")
+    config.addinivalue_line("markers", "quiet: judges wall time; runs while the other workers wait (cpu_turn)")
     # xdist hands out files in the collection order below, not by their number of tests
     if getattr(config.option, "loadscopereorder", None):
         config.option.loadscopereorder = False
@@ -97,3 +101,39 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _turn_files(config) -> Optional[tuple[Path, Path]]:
+    """The two lock files the workers of one xdist run share (None outside xdist)."""
+    uid = getattr(config, "workerinput", {}).get("testrunuid")
+    if uid is None:
+        return None
+    base = Path(tempfile.gettempdir()) / f"hierviz-cpu-turn-{uid}"
+    return base.with_suffix(".gate"), base.with_suffix(".cpu")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """cpu_turn: a test marked quiet (it judges wall time: a replay's pace, a run's time left) has the
+    2 cores to itself. It waits for the other worker's test to end, and the other worker waits at
+    its next test until it is done; every other test shares the CPU as before. Around the whole
+    protocol, so that module fixtures set up or torn down with a test are inside its turn, and the
+    wait is outside pytest-timeout's 300 s. The gate keeps the shared holders from starving one that
+    waits for its turn: a worker passes it before taking its share, and one that waits holds it."""
+    files = _turn_files(item.config)
+    if files is None:
+        yield
+        return
+    import fcntl
+    gate, cpu = (open(f, "a") for f in files)
+    try:
+        quiet = item.get_closest_marker("quiet") is not None
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(cpu, fcntl.LOCK_EX if quiet else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        gate.close()
+        cpu.close()                      # closing drops the lock
