@@ -526,6 +526,29 @@ def test_the_cuda_kernels_loop_scales_with_multiprocessors_and_clock():
     assert cm.predict_us(f, tm) == pytest.approx(3.0 + max(tm.mma_mem_us[0] / 0.93, tm.mma_peak_us[0]))
 
 
+def test_the_cuda_kernel_is_costed_at_the_entry_that_ran() -> None:
+    """Without an entry, the one-pass entry (cuda_w4.plan_for's default: one grid pass per 64
+    tokens, ceil(t / 8) token tiles up to 8). A timed entry of fewer token tiles runs more passes,
+    each reading the weights again, over fewer padded tokens; its K slices set the fp32 partials."""
+    from hierviz.quant import cuda_w4
+    h100, fmt, k, n = cm.GPUS["NVIDIA H100 SXM"], get_format("w4a16"), 4096, 28672
+    weights = fmt.linear_bytes(n, k, 128)
+
+    def kernel(t: int, entry=None) -> cm.Kernel:
+        where = cm.Shape({}, group=128, w4_kernel=cm.CUDA_VARIANT, w4_entry=entry)
+        (one,) = cm.cuda_mma_kernels(fmt, t, k, n, False, where, h100)
+        return one
+    split = cuda_w4.split_for(n, k, h100.sms)
+    acts = lambda t: 2.0 * t * k + 2.0 * t * n + (8.0 * split * t * n if split > 1 else 0.0)     # noqa: E731
+    for t, passes, padded in [(1, 1, 8), (17, 1, 24), (64, 1, 64), (96, 2, 128), (128, 2, 128)]:
+        assert kernel(t) == kernel(t, (cuda_w4.token_tiles(t), 1, split, 1))
+        assert kernel(t).bytes == pytest.approx(passes * weights + acts(t)) and kernel(t).flops == 2.0 * padded * n * k
+    # the 8B gate-up's timed plan at 96 rows: three tiles a block, four passes, 96 padded tokens
+    planned = kernel(96, (3, 2, 1, 1))
+    assert planned.bytes == pytest.approx(4 * weights + 2.0 * 96 * (k + n)) and planned.flops == 2.0 * 96 * n * k
+    assert kernel(9, (8, 1, 1, 1)) == kernel(9, (2, 1, 1, 1))      # more tiles than the rows fill: as many as they do
+
+
 def test_cost_check_prices_each_product_a_whatif_timed(tmp_path, capsys) -> None:
     """`cost-check`: every product of a what-if's w4_kernel_choices, both kernels, priced with the
     shipped H100 calibration on the what-if's GPU; the summary covers only what the model models (a
@@ -542,8 +565,10 @@ def test_cost_check_prices_each_product_a_whatif_timed(tmp_path, capsys) -> None
     for r in info["products"][:: 17]:      # the price is the model's for that product, the error against the record
         c = next(c for c in choices if (c["K"], c["N"], c["batch_invariant"]) == (r["K"], r["N"], r["batch_invariant"]))
         measured = c["cuda_us" if r["kernel"] == "cuda_mma" else "triton_us"][str(r["rows"])]
+        entry = tuple(c["cuda_tiles"][str(r["rows"])]) if r["kernel"] == "cuda_mma" else None
+        assert r["entry"] == (list(entry) if entry else None)
         kernels = cm.product_kernels("w4a16", r["rows"], r["K"], r["N"], False,
-                                     cm.Shape(cfg={}, group=r["group"], w4_kernel=r["kernel"]), gpu)
+                                     cm.Shape(cfg={}, group=r["group"], w4_kernel=r["kernel"], w4_entry=entry), gpu)
         assert r["measured_us"] == measured and r["predicted_us"] == pytest.approx(cm.predict_us(fit, cm.terms_of(kernels, gpu)))
         assert r["error"] == pytest.approx(r["predicted_us"] / measured - 1)
     modeled = [r for r in info["products"] if r["modeled"]]

@@ -5,9 +5,10 @@ microseconds of every kind of W4 weight it multiplied, at each row count w4_choi
 kernels: the CUDA MMA kernel (its fastest timed entry: `cuda_tiles`) and the Triton kernel in the
 mode the kind runs (a verifier's batch-invariant, another weight's normal). This command prices the
 same products with a cost-model calibration (`python -m hierviz cost-model`) and prints each
-product's error and the mean and largest per kernel. The model costs the CUDA kernel at its
-one-pass entry and the Triton kernel in its normal mode (the profiles it is fitted to run that
-mode), so a verifier's Triton products are listed and left out of the summary.
+product's error and the mean and largest per kernel. The model costs the CUDA kernel at the entry
+that was timed (its grid passes over the tokens, token tiles and K slices) and the Triton kernel in
+its normal mode (the profiles it is fitted to run that mode), so a verifier's Triton products are
+listed and left out of the summary.
   python -m hierviz cost-check --calibration docs/bench/cost-model-h100.json \\
       --whatif assets/whatif/h100-llama3-70b-paper-trees.json [--out DIR]
 """
@@ -32,7 +33,8 @@ KERNELS = {CUDA_VARIANT: ("cuda_us", cuda_mma_kernels), "triton": ("triton_us", 
 
 def product_errors(fit: Fit, gpu_name: str, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each timed product of a what-if's `w4_kernel_choices` beside the model's price on `gpu_name`:
-    kernel, K, N, group, batch_invariant, rows, measured_us, predicted_us, error (predicted /
+    kernel, K, N, group, batch_invariant, rows, entry (the CUDA kernel's timed entry, `cuda_tiles`,
+    which the price is for; None: its one-pass entry), measured_us, predicted_us, error (predicted /
     measured - 1) and `modeled` (False for the Triton kernel's batch-invariant mode)."""
     gpu = gpu_named(gpu_name)
     if gpu is None:
@@ -41,11 +43,14 @@ def product_errors(fit: Fit, gpu_name: str, choices: list[dict[str, Any]]) -> li
     out = []
     for c in choices:
         for kernel, (field, kernels_of) in KERNELS.items():
-            where = Shape(cfg={}, group=c["group"], w4_kernel=kernel)
+            entries = (c.get("cuda_tiles") or {}) if kernel == CUDA_VARIANT else {}
             for rows, measured in sorted((int(m), us) for m, us in (c.get(field) or {}).items()):
+                entry = entries.get(str(rows))
+                where = Shape(cfg={}, group=c["group"], w4_kernel=kernel, w4_entry=tuple(entry) if entry else None)
                 predicted = predict_us(fit, terms_of(kernels_of(fmt, rows, c["K"], c["N"], False, where, gpu), gpu))
                 out.append({"kernel": kernel, "K": c["K"], "N": c["N"], "group": c["group"],
-                            "batch_invariant": c["batch_invariant"], "rows": rows, "measured_us": measured,
+                            "batch_invariant": c["batch_invariant"], "rows": rows, "entry": where.w4_entry,
+                            "measured_us": measured,
                             "predicted_us": predicted, "error": predicted / measured - 1,
                             "modeled": kernel == CUDA_VARIANT or not c["batch_invariant"]})
     return out
@@ -72,11 +77,13 @@ def markdown(info: dict[str, Any]) -> str:
     lines = [f"# Cost model ({info['calibrated_on']} fit) against single W4 products on {info['measured_on']}", "",
              "| kernel | mean error | largest error |", "|---|---|---|"]
     lines += [f"| {k} | {s['mean_abs']:.1%} | {s['max_abs']:.1%} |" for k, s in info["summary"].items()]
-    lines += ["", "| kernel | K x N | g | mode | rows | measured us | model us | error |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| kernel | K x N | g | mode | rows | entry | measured us | model us | error |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in info["products"]:
         mode = "batch-invariant" if r["batch_invariant"] else "normal"
         error = f"{r['error']:+.1%}" if r["modeled"] else "not modeled"
-        lines.append(f"| {r['kernel']} | {r['K']} x {r['N']} | {r['group']} | {mode} | {r['rows']} | "
+        entry = ", ".join(map(str, r["entry"])) if r.get("entry") else ""
+        lines.append(f"| {r['kernel']} | {r['K']} x {r['N']} | {r['group']} | {mode} | {r['rows']} | {entry} | "
                      f"{r['measured_us']:.1f} | {r['predicted_us']:.1f} | {error} |")
     return "\n".join(lines) + "\n"
 

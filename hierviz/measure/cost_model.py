@@ -138,6 +138,9 @@ class Shape:
     cache: int = 640     # the cache's slots (the static path attends over all of them)
     group: int = 128     # W4 group size
     w4_kernel: str = "triton"   # the kernel of fp16 W4 products the measurement ran (hierviz.machine.w4_fp16_kernel)
+    # the CUDA kernel's entry (token tiles per block, row tiles per warp, K slices, warps per row tile)
+    # where a timing chose one (a what-if's w4_kernel_choices: cuda_tiles), else its one-pass entry
+    w4_entry: Optional[tuple[int, int, int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -239,16 +242,18 @@ def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where
     from the L2 and L1) and its MMA loop: the padded token tiles' arithmetic at a fitted fraction
     `e_mma` of the issue rate (issue_tflops: the loop issues its dequantization beside its mma.sync,
     so it scales with multiprocessors x clock), never faster than the spec tensor rate. One token's
-    8-row tile hides under the weight read, more tiles lengthen the loop. Costed at the one-pass entry
-    (token_tiles); a timed tile plan only ever runs faster."""
+    8-row tile hides under the weight read, more tiles lengthen the loop. Costed at `where.w4_entry`
+    where a timing chose one (fewer token tiles a block: more passes of the grid over the tokens,
+    each reading the weights again, fewer padded tokens), else at the one-pass entry (token_tiles,
+    split_for: cuda_w4.plan_for's default)."""
     from hierviz.quant import cuda_w4
-    split = cuda_w4.split_for(n, k, gpu.sms)
-    chunks = -(-t // (8 * cuda_w4.MAX_TOKEN_TILES))       # grid chunks of 64 tokens
-    tiles = cuda_w4.token_tiles(t)
+    tiles, _, split, _ = where.w4_entry or (cuda_w4.token_tiles(t), 1, cuda_w4.split_for(n, k, gpu.sms), 1)
+    tiles = min(tiles, cuda_w4.token_tiles(t))
+    passes = -(-(-(-t // 8)) // tiles)          # grid passes over the tokens' 8-row tiles
     weights = fmt.linear_bytes(n, k, where.group)
     acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
     partials = 8.0 * split * t * n if split > 1 else 0.0
-    return [Kernel("mma_sync", chunks * weights + acts + partials, 2.0 * chunks * 8 * tiles * n * k, "f16")]
+    return [Kernel("mma_sync", passes * weights + acts + partials, 2.0 * passes * 8 * tiles * n * k, "f16")]
 
 
 def gemm_stages(k: int, elem: int) -> float:
