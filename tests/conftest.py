@@ -104,10 +104,11 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def _turn_files(config) -> Optional[tuple[Path, Path]]:
-    """The two lock files the workers of one xdist run share (None outside xdist)."""
-    uid = getattr(config, "workerinput", {}).get("testrunuid")
-    if uid is None:
+    """The two lock files the workers of one xdist run share (None outside xdist: one process)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
         return None
+    uid = workerinput["testrunuid"]      # the run's id, the same in every worker (pytest-xdist)
     base = Path(tempfile.gettempdir()) / f"hierviz-cpu-turn-{uid}"
     return base.with_suffix(".gate"), base.with_suffix(".cpu")
 
