@@ -592,3 +592,22 @@ def test_cost_check_refuses_files_it_cannot_use_with_one_line(calibration, whati
     assert cost_check.main(["--calibration", str(ROOT / calibration), "--whatif", str(ROOT / whatif)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and any(s in err for s in said.split("|"))
+
+
+@pytest.mark.parametrize("tiles, said", [
+    ({"1": [1, 1]}, "cuda_tiles of 4096 x 4096 at 1 row is [1, 1], not four whole numbers"),
+    ({"2": [0, 1, 1, 1]}, "at 2 rows is [0, 1, 1, 1], not four whole numbers of at least 1"),
+    ({"1": "x"}, "at 1 row is 'x'"),
+    ([[1, 1, 4, 2]], "cuda_tiles of 4096 x 4096 is not a table of row counts"),
+])
+def test_cost_check_refuses_a_timed_entry_it_cannot_price(tiles, said, tmp_path, capsys) -> None:
+    from hierviz.measure import cost_check
+    whatif = json.loads((ROOT / "assets/whatif/h100-llama3-70b-paper-trees.json").read_text())
+    first = whatif["w4_kernel_choices"][0]
+    assert (first["K"], first["N"]) == (4096, 4096)
+    first["cuda_tiles"] = tiles if isinstance(tiles, list) else {**first["cuda_tiles"], **tiles}
+    (tmp_path / "whatif.json").write_text(json.dumps(whatif))
+    assert cost_check.main(["--calibration", str(ROOT / "docs/bench/cost-model-h100.json"),
+                            "--whatif", str(tmp_path / "whatif.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and said in err, err

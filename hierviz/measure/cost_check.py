@@ -31,6 +31,19 @@ W4_FORMAT = "w4a16"
 KERNELS = {CUDA_VARIANT: ("cuda_us", cuda_mma_kernels), "triton": ("triton_us", w4_kernels)}
 
 
+def timed_entry(entry: Any, choice: dict[str, Any], rows: int) -> Optional[tuple[int, int, int, int]]:
+    """A record's `cuda_tiles` entry for `rows` as the model takes it (None: none was recorded);
+    ValueError unless it is four whole numbers of at least 1."""
+    if entry is None:
+        return None
+    if (not isinstance(entry, list) or len(entry) != 4
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in entry)):
+        raise ValueError(f"the what-if record's cuda_tiles of {choice['K']} x {choice['N']} at {rows} row{'s' if rows != 1 else ''} is "
+                         f"{entry!r}, not four whole numbers of at least 1 (token tiles, row tiles, K slices, "
+                         "warps per row tile)")
+    return tuple(entry)
+
+
 def product_errors(fit: Fit, gpu_name: str, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each timed product of a what-if's `w4_kernel_choices` beside the model's price on `gpu_name`:
     kernel, K, N, group, batch_invariant, rows, entry (the CUDA kernel's timed entry, `cuda_tiles`,
@@ -44,9 +57,11 @@ def product_errors(fit: Fit, gpu_name: str, choices: list[dict[str, Any]]) -> li
     for c in choices:
         for kernel, (field, kernels_of) in KERNELS.items():
             entries = (c.get("cuda_tiles") or {}) if kernel == CUDA_VARIANT else {}
+            if not isinstance(entries, dict):
+                raise ValueError(f"the what-if record's cuda_tiles of {c['K']} x {c['N']} is not a table of row counts")
             for rows, measured in sorted((int(m), us) for m, us in (c.get(field) or {}).items()):
-                entry = entries.get(str(rows))
-                where = Shape(cfg={}, group=c["group"], w4_kernel=kernel, w4_entry=tuple(entry) if entry else None)
+                entry = timed_entry(entries.get(str(rows)), c, rows)
+                where = Shape(cfg={}, group=c["group"], w4_kernel=kernel, w4_entry=entry)
                 predicted = predict_us(fit, terms_of(kernels_of(fmt, rows, c["K"], c["N"], False, where, gpu), gpu))
                 out.append({"kernel": kernel, "K": c["K"], "N": c["N"], "group": c["group"],
                             "batch_invariant": c["batch_invariant"], "rows": rows, "entry": where.w4_entry,
