@@ -541,7 +541,7 @@ def test_the_cuda_kernel_is_costed_at_the_entry_that_ran() -> None:
     split = cuda_w4.split_for(n, k, h100.sms)
     acts = lambda t: 2.0 * t * k + 2.0 * t * n + (8.0 * split * t * n if split > 1 else 0.0)     # noqa: E731
     for t, passes, padded in [(1, 1, 8), (17, 1, 24), (64, 1, 64), (96, 2, 128), (128, 2, 128)]:
-        assert kernel(t) == kernel(t, (cuda_w4.token_tiles(t), 1, split, 1))
+        assert kernel(t) == kernel(t, cuda_w4.one_pass_entry(t, split))
         assert kernel(t).bytes == pytest.approx(passes * weights + acts(t)) and kernel(t).flops == 2.0 * padded * n * k
     # the 8B gate-up's timed plan at 96 rows: three tiles a block, four passes, 96 padded tokens
     planned = kernel(96, (3, 2, 1, 1))

@@ -55,12 +55,12 @@ def product_errors(fit: Fit, gpu_name: str, choices: list[dict[str, Any]]) -> li
     fmt = get_format(W4_FORMAT)
     out = []
     for c in choices:
+        entries = c.get("cuda_tiles") or {}
+        if not isinstance(entries, dict):
+            raise ValueError(f"the what-if record's cuda_tiles of {c['K']} x {c['N']} is not a table of row counts")
         for kernel, (field, kernels_of) in KERNELS.items():
-            entries = (c.get("cuda_tiles") or {}) if kernel == CUDA_VARIANT else {}
-            if not isinstance(entries, dict):
-                raise ValueError(f"the what-if record's cuda_tiles of {c['K']} x {c['N']} is not a table of row counts")
             for rows, measured in sorted((int(m), us) for m, us in (c.get(field) or {}).items()):
-                entry = timed_entry(entries.get(str(rows)), c, rows)
+                entry = timed_entry(entries.get(str(rows)), c, rows) if kernel == CUDA_VARIANT else None
                 where = Shape(cfg={}, group=c["group"], w4_kernel=kernel, w4_entry=entry)
                 predicted = predict_us(fit, terms_of(kernels_of(fmt, rows, c["K"], c["N"], False, where, gpu), gpu))
                 out.append({"kernel": kernel, "K": c["K"], "N": c["N"], "group": c["group"],

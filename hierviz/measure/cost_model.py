@@ -244,12 +244,12 @@ def cuda_mma_kernels(fmt: WeightFormat, t: int, k: int, n: int, add: bool, where
     so it scales with multiprocessors x clock), never faster than the spec tensor rate. One token's
     8-row tile hides under the weight read, more tiles lengthen the loop. Costed at `where.w4_entry`
     where a timing chose one (fewer token tiles a block: more passes of the grid over the tokens,
-    each reading the weights again, fewer padded tokens), else at the one-pass entry (token_tiles,
-    split_for: cuda_w4.plan_for's default)."""
+    each reading the weights again, fewer padded tokens), else at the one-pass entry at split_for's
+    K slices (cuda_w4.plan_for's default)."""
     from hierviz.quant import cuda_w4
-    tiles, _, split, _ = where.w4_entry or (cuda_w4.token_tiles(t), 1, cuda_w4.split_for(n, k, gpu.sms), 1)
+    tiles, _, split, _ = where.w4_entry or cuda_w4.one_pass_entry(t, cuda_w4.split_for(n, k, gpu.sms))
     tiles = min(tiles, cuda_w4.token_tiles(t))
-    passes = -(-(-(-t // 8)) // tiles)          # grid passes over the tokens' 8-row tiles
+    passes = -(-t // (8 * tiles))               # grid passes over the tokens
     weights = fmt.linear_bytes(n, k, where.group)
     acts = 2.0 * t * k + 2.0 * t * n * (2 if add else 1)
     partials = 8.0 * split * t * n if split > 1 else 0.0

@@ -215,14 +215,20 @@ def token_tiles(m: int) -> int:
     return min(MAX_TOKEN_TILES, max(1, -(-m // 8)))
 
 
+def one_pass_entry(m: int, split: int) -> w4_verdicts.Entry:
+    """The entry that takes an m-row product's tokens in one pass of the grid (grid chunks of 64
+    past 64 tokens), one row tile per warp and one warp per row tile, at `split` K slices."""
+    return token_tiles(m), 1, split, 1
+
+
 def plan_for(w: W4Weight, m: int, sms: int) -> w4_verdicts.Entry:
     """(8-token tiles per block, 16-row tiles per warp, K slices, warps per row tile) of an m-row
     product of w on a GPU of `sms` multiprocessors: where hierviz.quant.w4_choice timed w's kind,
     its fastest entry (fewer token tiles run more passes of the grid over the tokens, each block
     re-reading its weight tile; more row tiles per warp let each activation load serve more MMAs;
     any of them gives a row the same bits; a kind that is not batch-invariant may also have timed
-    another K split or two warps per row tile faster), else (token_tiles(m), 1, split_for, 1)."""
-    default = (token_tiles(m), 1, split_for(w.out_features, w.in_features, sms), 1)
+    another K split or two warps per row tile faster), else one_pass_entry at split_for."""
+    default = one_pass_entry(m, split_for(w.out_features, w.in_features, sms))
     planned = w4_verdicts.planned_entry(w4_verdicts.kernel_kind(w), m)
     if planned is None:
         return default

@@ -176,7 +176,7 @@ def time_cuda(kind: w4_verdicts.KernelKind, device: torch.device, rows: Iterable
     def agrees(x: torch.Tensor, w: W4Weight, entry: w4_verdicts.Entry) -> bool:
         # an entry that gives other bits at the default split (an arch or compiler nobody here
         # ran), or other values at another split or warps per row tile, is never planned
-        one_pass = (cuda_w4.token_tiles(x.shape[0]), 1, splits[0], 1)
+        one_pass = cuda_w4.one_pass_entry(x.shape[0], splits[0])
         if entry == one_pass:
             return True
         y, ref = product(x, w, entry), product(x, w, one_pass)
@@ -195,7 +195,7 @@ def fastest_entry(m: int, by_entry: dict[w4_verdicts.Entry, float]) -> w4_verdic
     per warp at the kind's own split (split_for's, the most slices timed: split_candidates) unless
     another is faster by more than TILES_NOISE (so that noise does not move a product off its default)."""
     best = min(by_entry, key=by_entry.get)
-    full = (cuda_w4.token_tiles(m), 1, max(entry[2] for entry in by_entry), 1)
+    full = cuda_w4.one_pass_entry(m, max(entry[2] for entry in by_entry))
     return full if full in by_entry and by_entry[full] <= TILES_NOISE * by_entry[best] else best
 
 
