@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from hierviz.decoding.decoders import Models, cache_margin
+from hierviz.decoding.state import BaseState
 from hierviz.settings import DecodeSettings
 from hierviz.models.eagle import EagleHead
 from hierviz.models.llama import KVCache, Transformer, causal_mask
@@ -66,6 +67,18 @@ def greedy_continuation(model: Transformer, prompt: list[int], n: int, eos: Opti
         seq.append(tok)
         if eos is not None and tok in eos:
             break
+    return out
+
+
+def one_forward_at_a_time(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens through the engine's own state (its KV cache, and its static runner where
+    one is on), each token read to the host before the next forward is queued."""
+    st = BaseState(model, len(prompt) + n + 8)
+    st.tokens = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(st.next_logits().argmax()))
+        st.tokens.append(out[-1])
     return out
 
 

@@ -225,6 +225,35 @@ def test_hierspec_with_an_eagle3_head_on_the_intermediate(static):
     assert tr.stats()["tree_rejections"] > 0 and tr.stats()["undraftable_rejections"] > 0
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, monkeypatch):
+    """Greedy AR launches the forward after token k (taking k from the device) before it reads k
+    to the host, never past the token budget, and gives the tokens of one forward at a time,
+    eagerly and on the static path; every decode step carries its forward's time."""
+    from hierviz.decoding import decoders, state
+    from hierviz.models import cuda_graphs
+    from tests.oracles import one_forward_at_a_time
+    events: list[str] = []
+    launch, read = state.BaseState.logits_after, decoders.TokenAhead.value
+    monkeypatch.setattr(state.BaseState, "logits_after", lambda self, tok: events.append("launch") or launch(self, tok))
+    monkeypatch.setattr(decoders.TokenAhead, "value", lambda self: events.append("read") or read(self))
+    n = 12
+    cuda_graphs.force_static(static)
+    try:
+        tr = generate(stack, "ar", "hello there", DecodeSettings(max_new_tokens=n))
+        ids = stack.tokenizer.encode_chat("hello there")
+        want = one_forward_at_a_time(stack.models.target, ids, n)
+        # a consumer that goes past the budget gets one forward at a time, the same tokens
+        gen = decoders.decode_ar(stack.models, ids, DecodeSettings(max_new_tokens=4), Sampler(), str, len(ids) + n + 8)
+        past_budget = [next(gen).new_tokens[0] for _ in range(n)]
+    finally:
+        cuda_graphs.force_static(False)
+    assert output_tokens(tr) == want and past_budget == want
+    # tokens 1..n-1 are read; the forward after token k (k = 1..n-2) is queued before k is read
+    assert events[:2 * (n - 1) - 1] == ["launch", "read"] * (n - 2) + ["read"]
+    assert all(st.timings_ms["target_verify"] > 0 for st in tr.steps[1:])
+
+
 def test_reduced_vocabularies_stay_lossless():
     """FR-Spec: heads draft over a token subset and M predicts over it too; T keeps the full
     vocabulary, so every method still reproduces AR exactly."""

@@ -35,6 +35,18 @@ def test_decoders_reproduce_ar_with_graphs(stack, prompt) -> None:
         assert output_tokens(generate(stack, method, prompt, s)) == want, method
 
 
+def test_greedy_ar_queued_ahead_equals_one_forward_at_a_time_through_graphs(stack) -> None:
+    """Greedy AR queues the forward after each token (taken from the device) before it reads the
+    token: through CUDA graphs it gives the tokens of one forward at a time, each read back before
+    the next, and each step's time is its forward's on the GPU's timeline."""
+    from tests.oracles import one_forward_at_a_time
+    ids = stack.tokenizer.encode_chat("Static shapes")
+    want = one_forward_at_a_time(stack.models.target, ids, 40)
+    tr = generate(stack, "ar", "Static shapes", DecodeSettings(max_new_tokens=40))
+    assert output_tokens(tr) == want
+    assert all(st.timings_ms["target_verify"] > 0 for st in tr.steps[1:])
+
+
 def test_hierspec_with_an_eagle3_head_on_the_intermediate_through_graphs() -> None:
     """An EAGLE-3 E_M over M's layers 0 and 1 (reduced draft vocabulary): M's rows carry its layer
     features through the static runners and CUDA graphs, and HierSpec still equals AR."""

@@ -93,12 +93,26 @@ class StageTimer:
     sync = options().timing_sync
     events = options().timing_events
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, since: Any = None, until: Any = None) -> None:
+        """since, until: marks taken earlier (`mark`) to start and end the round at, in place of
+        a mark now and one at `finish`."""
         self.cuda = device.type == "cuda" and StageTimer.sync
         self.use_events = self.cuda and StageTimer.events
         self.ms: dict[str, float] = {}
         self.marks: list[tuple[str, Any, Any]] = []
-        self.t0 = self._mark()
+        self.t0 = self._mark() if since is None else since
+        self.until = until
+
+    def mark(self) -> Any:
+        """A point on this timer's clock: a recorded CUDA event, or the host clock."""
+        return self._mark()
+
+    def span(self, name: str, start: Any, end: Any) -> None:
+        """Stage `name` from one earlier mark to another."""
+        if self.use_events:
+            self.marks.append((name, start, end))
+        else:
+            self.ms[name] = self.ms.get(name, 0.0) + (end - start) * 1000.0
 
     def _mark(self) -> Any:
         if self.use_events:
@@ -115,14 +129,10 @@ class StageTimer:
         try:
             yield
         finally:
-            end = self._mark()
-            if self.use_events:
-                self.marks.append((name, t, end))
-            else:
-                self.ms[name] = self.ms.get(name, 0.0) + (end - t) * 1000.0
+            self.span(name, t, self._mark())
 
     def finish(self) -> dict[str, float]:
-        end = self._mark()
+        end = self._mark() if self.until is None else self.until
         if self.use_events:
             end.synchronize()
             for name, a, b in self.marks:
@@ -230,12 +240,34 @@ def verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torc
     return n, bonus
 
 
+class TokenAhead:
+    """A greedy token picked on the device from `logits`, its copy to the host started at once:
+    `value` waits for that copy alone, not for the work queued after it. `ready` marks the
+    token's completion on `timer`'s clock."""
+
+    def __init__(self, logits: torch.Tensor, timer: StageTimer) -> None:
+        self.token = logits.argmax(-1).view(1)
+        self.host = self.token.to("cpu", non_blocking=True)    # pinned, asynchronous from a GPU
+        self.copied = torch.cuda.Event() if self.token.is_cuda else None
+        if self.copied is not None:
+            self.copied.record()
+        self.ready = timer.mark()
+
+    def value(self) -> int:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return int(self.host)
+
+
 def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sampler, text: TextOf,
               max_len: int, oracle: Optional[AcceptOracle] = None) -> Iterator[Step]:
     t = BaseState(models.target, max_len)
     timer = StageTimer(t.model.device)
     tok = prefill([t], prompt, sampler, timer, ["target_verify"])
     yield make_step(0, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1})
+    if sampler.greedy:
+        yield from greedy_ar_ahead(t, s, text)
+        return
     i = 1
     while True:
         timer = StageTimer(t.model.device)
@@ -244,6 +276,31 @@ def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sam
             t.tokens.append(tok)
         yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
                     target_bonus=tok, target_bonus_text=text(tok))
+        i += 1
+
+
+def greedy_ar_ahead(t: BaseState, s: DecodeSettings, text: TextOf) -> Iterator[Step]:
+    """Greedy AR after the prefill round, each forward queued before the host reads the token it
+    follows from: the token stays on the device, the next forward takes it from there, and the
+    host reads it (and yields its step) while that forward runs, so the GPU does not wait on the
+    host between forwards. The same forwards in the same order as one at a time: the same tokens
+    and cache. Forwards are queued ahead only up to s.max_new_tokens tokens (the prefill's
+    included); a consumer that goes on gets one forward at a time. A step's time runs from the
+    previous token's completion to its own."""
+    clock = StageTimer(t.model.device)
+    last = clock.mark()
+    nxt = TokenAhead(t.next_logits(), clock)      # the token after the prefill's, still pending
+    i = 1
+    while True:
+        ahead = TokenAhead(t.logits_after(nxt.token), clock) if i + 1 < s.max_new_tokens else None
+        tok = nxt.value()
+        t.tokens.append(tok)
+        timer = StageTimer(t.model.device, since=last, until=nxt.ready)
+        timer.span("target_verify", last, nxt.ready)
+        yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
+                        target_bonus=tok, target_bonus_text=text(tok))
+        last = nxt.ready
+        nxt = ahead if ahead is not None else TokenAhead(t.next_logits(), clock)   # tok is pending now
         i += 1
 
 

@@ -92,6 +92,10 @@ class BaseState:
         host is written on the host, a tree's device tensors are laid over it on the device."""
         p = len(pending)
         n = p + (0 if extra is None else len(extra))
+        if extra_depths is None and isinstance(extra, torch.Tensor):   # a causal tail on the device
+            tail = cuda_graphs.DeviceRows(extra.to(self.model.device), None, None, 0)
+            return self.runner.run(pending + [0] * (n - p), list(range(start, start + n)), start, start,
+                                   causal_block(n), tail=tail)
         if extra_depths is None:      # a causal sequence: all on the host
             ids = pending + ([] if extra is None else list(extra))
             return self.runner.run(ids, list(range(start, start + n)), start, start, causal_block(n))
@@ -140,6 +144,15 @@ class BaseState:
     def next_logits(self) -> torch.Tensor:
         """Run every pending token, keep them all; returns the logits [V] after the last one."""
         return self.model.logits(self.consume_pending()[-1:])[0]
+
+    def logits_after(self, token: torch.Tensor) -> torch.Tensor:
+        """Run every pending token and then `token` [1], a token still on the device (nothing is
+        read back), keep them all; returns the logits [V] after it. The caller appends the token
+        to `tokens` once it has read it: until then the cache holds one token more than `tokens`."""
+        start = self.cache.length
+        hidden = self.run_pending(token)
+        self.commit_prefix(start, hidden, hidden.shape[0], [])
+        return self.model.logits(hidden[-1:])[0]
 
 
 class HeadState:

@@ -230,7 +230,8 @@ class StaticRunner:
                 bk.ints_dev[r0:r1].copy_(tail.tokens)
                 if tail.positions is not None:
                     bk.ints_dev[b + r0:b + r1].copy_(tail.positions)
-                bk.win_dev[r0:r1, tail.col:tail.col + tail.block.shape[1]].copy_(tail.block)
+                if tail.block is not None:
+                    bk.win_dev[r0:r1, tail.col:tail.col + tail.block.shape[1]].copy_(tail.block)
             if features is not None:
                 self.feat[:t].copy_(features)
             if self.graphs:
@@ -271,10 +272,10 @@ class StaticRunner:
 class DeviceRows:
     """The last S rows of a static forward's inputs, on the device: tokens [S], positions [S]
     (None: the host ones), and a mask block [S, W] for window columns col..col+W (the rest of
-    those rows comes from the host window)."""
+    those rows comes from the host window; None: the rows' whole window is the host's)."""
     tokens: torch.Tensor
     positions: Optional[torch.Tensor]
-    block: torch.Tensor
+    block: Optional[torch.Tensor]
     col: int
 
 
