@@ -32,6 +32,7 @@ class Options:
     cpu_matmul: str             # HIERVIZ_CPU_MATMUL: auto | plain | nt, the CPU dense product's layout
     timing_sync: bool           # HIERVIZ_TIMING_SYNC: per-stage device syncs for exact stage times
     timing_events: bool         # HIERVIZ_TIMING_EVENTS: CUDA events for stage times (default on)
+    ar_ahead: str               # HIERVIZ_AR_AHEAD: auto | on | off, greedy AR's next forward queued before its token is read
     ui_pace: str                # HIERVIZ_UI_PACE: auto | on | off, the app's render pacing
     train_bf16: bool            # HIERVIZ_TRAIN_BF16: bf16 training on the CPU too (dry runs)
     # the public app (docs/security.md)
@@ -50,13 +51,17 @@ class Options:
 # Triton kernel elsewhere; "on" gives it every W4 weight (a warning where it cannot load), "target"
 # a verifier's weights only, "off" none
 W4_CUDA_MODES = ("auto", "off", "on", "target")
+# HIERVIZ_AR_AHEAD, the default first: "auto" queues greedy AR's forwards ahead on the CPU only,
+# as the path has not run on a GPU (decoders.greedy_ar_ahead); "on" on every device, "off" nowhere
+AR_AHEAD_MODES = ("auto", "on", "off")
 
 _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",
           "w4_deterministic": "HIERVIZ_W4_DETERMINISTIC", "timing_sync": "HIERVIZ_TIMING_SYNC",
           "timing_events": "HIERVIZ_TIMING_EVENTS"}
 _CHOICES = {"cpu_matmul": ("HIERVIZ_CPU_MATMUL", ("auto", "plain", "nt")),
             "ui_pace": ("HIERVIZ_UI_PACE", ("auto", "on", "off")),
-            "w4_cuda": ("HIERVIZ_W4_CUDA", W4_CUDA_MODES)}
+            "w4_cuda": ("HIERVIZ_W4_CUDA", W4_CUDA_MODES),
+            "ar_ahead": ("HIERVIZ_AR_AHEAD", AR_AHEAD_MODES)}
 _INTS = {"queue_size": ("HIERVIZ_QUEUE_SIZE", 20, 1, 1000), "runs_per_minute": ("HIERVIZ_RUNS_PER_MINUTE", 6, 1, 600),
          "runs_per_address": ("HIERVIZ_RUNS_PER_ADDRESS", 20, 1, 6000),
          "state_mb": ("HIERVIZ_STATE_MB", 16, 1, 4096),
@@ -67,7 +72,7 @@ ENV_NAMES = {**_FLAGS, **{k: v[0] for k, v in _CHOICES.items()}, **{k: v[0] for 
 # options that change what a measurement runs (kernels, graphs, timing): a recorded command names
 # the ones set in its environment, so that running it again runs the same thing
 MEASURED_OPTIONS = ("static", "cuda_graphs", "fused", "w4_deterministic", "w4_cuda", "cpu_matmul",
-                    "timing_sync", "timing_events")
+                    "timing_sync", "timing_events", "ar_ahead")
 # variables that are not options but change a default
 _DEFAULTS_FROM = ("SPACE_ID",)
 

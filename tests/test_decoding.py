@@ -252,6 +252,14 @@ def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, 
     # tokens 1..n-1 are read; the forward after token k (k = 1..n-2) is queued before k is read
     assert events[:2 * (n - 1) - 1] == ["launch", "read"] * (n - 2) + ["read"]
     assert all(st.timings_ms["target_verify"] > 0 for st in tr.steps[1:])
+    # HIERVIZ_AR_AHEAD: auto queues ahead on the CPU only (not yet run on a GPU); off nowhere
+    assert decoders.ar_ahead(torch.device("cpu")) and not decoders.ar_ahead(torch.device("cuda"))
+    monkeypatch.setenv("HIERVIZ_AR_AHEAD", "on")
+    assert decoders.ar_ahead(torch.device("cuda"))
+    monkeypatch.setenv("HIERVIZ_AR_AHEAD", "off")
+    events.clear()
+    assert output_tokens(generate(stack, "ar", "hello there", DecodeSettings(max_new_tokens=n))) == want
+    assert events == []
 
 
 def test_reduced_vocabularies_stay_lossless():
