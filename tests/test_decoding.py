@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import Counter
 
 import pytest
@@ -252,6 +253,13 @@ def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, 
     # tokens 1..n-1 are read; the forward after token k (k = 1..n-2) is queued before k is read
     assert events[:2 * (n - 1) - 1] == ["launch", "read"] * (n - 2) + ["read"]
     assert all(st.timings_ms["target_verify"] > 0 for st in tr.steps[1:])
+    # a step's time is its forward's, not the consumer's time between steps (the app paces them)
+    gen = decoders.decode_ar(stack.models, ids, DecodeSettings(max_new_tokens=6), Sampler(), str, len(ids) + n + 8)
+    paced = []
+    for _ in range(6):
+        paced.append(next(gen).timings_ms["target_verify"])
+        time.sleep(0.1)
+    assert max(paced[1:]) < 100, paced
     # HIERVIZ_AR_AHEAD: auto queues ahead on the CPU only (not yet run on a GPU); off nowhere
     assert decoders.ar_ahead(torch.device("cpu")) and not decoders.ar_ahead(torch.device("cuda"))
     monkeypatch.setenv("HIERVIZ_AR_AHEAD", "on")

@@ -241,12 +241,14 @@ def verify_sequence_on(state: BaseState, draft: list[int], q: Optional[list[torc
 
 
 class TokenAhead:
-    """A greedy token picked on the device from `logits`, its copy to the host started at once:
-    `value` waits for that copy alone, not for the work queued after it. `ready` marks the
-    token's completion on `timer`'s clock."""
+    """A greedy token picked on the device from the logits `forward()` returns, its copy to the
+    host started at once: `value` waits for that copy alone, not for the work queued after it.
+    `start` and `ready` mark the forward's start and the token's completion on `timer`'s clock
+    (on the GPU's timeline with events: the forward's own time, without any wait before it)."""
 
-    def __init__(self, logits: torch.Tensor, timer: StageTimer) -> None:
-        self.token = logits.argmax(-1).view(1)
+    def __init__(self, forward: Callable[[], torch.Tensor], timer: StageTimer) -> None:
+        self.start = timer.mark()
+        self.token = forward().argmax(-1).view(1)
         self.host = self.token.to("cpu", non_blocking=True)    # pinned, asynchronous from a GPU
         self.copied = torch.cuda.Event() if self.token.is_cuda else None
         if self.copied is not None:
@@ -292,22 +294,20 @@ def greedy_ar_ahead(t: BaseState, s: DecodeSettings, text: TextOf) -> Iterator[S
     host reads it (and yields its step) while that forward runs, so the GPU does not wait on the
     host between forwards. The same forwards in the same order as one at a time: the same tokens
     and cache. Forwards are queued ahead only up to s.max_new_tokens tokens (the prefill's
-    included); a consumer that goes on gets one forward at a time. A step's time runs from the
-    previous token's completion to its own."""
+    included); a consumer that goes on gets one forward at a time. A step's time is the time of
+    the forward that made its token, not the host's time between steps."""
     clock = StageTimer(t.model.device)
-    last = clock.mark()
-    nxt = TokenAhead(t.next_logits(), clock)      # the token after the prefill's, still pending
+    nxt = TokenAhead(t.next_logits, clock)      # after the prefill's token, pending on the host
     i = 1
     while True:
-        ahead = TokenAhead(t.logits_after(nxt.token), clock) if i + 1 < s.max_new_tokens else None
+        ahead = TokenAhead(lambda: t.logits_after(nxt.token), clock) if i + 1 < s.max_new_tokens else None
         tok = nxt.value()
         t.tokens.append(tok)
-        timer = StageTimer(t.model.device, since=last, until=nxt.ready)
-        timer.span("target_verify", last, nxt.ready)
+        timer = StageTimer(t.model.device, since=nxt.start, until=nxt.ready)
+        timer.span("target_verify", nxt.start, nxt.ready)
         yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
                         target_bonus=tok, target_bonus_text=text(tok))
-        last = nxt.ready
-        nxt = ahead if ahead is not None else TokenAhead(t.next_logits(), clock)   # tok is pending now
+        nxt = ahead if ahead is not None else TokenAhead(t.next_logits, clock)   # tok is pending now
         i += 1
 
 
