@@ -234,6 +234,7 @@ def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, 
     from hierviz.decoding import decoders, state
     from hierviz.models import cuda_graphs
     from tests.oracles import one_forward_at_a_time
+    monkeypatch.setenv("HIERVIZ_AR_AHEAD", "on")     # on the CPU too, where `cuda` leaves it off
     events: list[str] = []
     launch, read = state.BaseState.logits_after, decoders.TokenAhead.value
     monkeypatch.setattr(state.BaseState, "logits_after", lambda self, tok: events.append("launch") or launch(self, tok))
@@ -260,10 +261,12 @@ def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, 
         paced.append(next(gen).timings_ms["target_verify"])
         time.sleep(0.1)
     assert max(paced[1:]) < 100, paced
-    # HIERVIZ_AR_AHEAD: auto queues ahead on the CPU only (not yet run on a GPU); off nowhere
-    assert decoders.ar_ahead(torch.device("cpu")) and not decoders.ar_ahead(torch.device("cuda"))
-    monkeypatch.setenv("HIERVIZ_AR_AHEAD", "on")
-    assert decoders.ar_ahead(torch.device("cuda"))
+    # HIERVIZ_AR_AHEAD: on everywhere, cuda on CUDA devices only, off (the default) nowhere
+    assert decoders.ar_ahead(torch.device("cpu")) and decoders.ar_ahead(torch.device("cuda"))
+    monkeypatch.setenv("HIERVIZ_AR_AHEAD", "cuda")
+    assert decoders.ar_ahead(torch.device("cuda")) and not decoders.ar_ahead(torch.device("cpu"))
+    monkeypatch.delenv("HIERVIZ_AR_AHEAD")
+    assert not decoders.ar_ahead(torch.device("cuda"))
     monkeypatch.setenv("HIERVIZ_AR_AHEAD", "off")
     events.clear()
     assert output_tokens(generate(stack, "ar", "hello there", DecodeSettings(max_new_tokens=n))) == want
