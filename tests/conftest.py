@@ -117,7 +117,7 @@ def _turn_files(config) -> Optional[tuple[Path, Path]]:
 def pytest_runtest_protocol(item, nextitem):
     """cpu_turn: a test marked quiet (it judges wall time: a replay's pace, a run's time left) has the
     2 cores to itself. It waits for the other worker's test to end, and the other worker waits at
-    its next test until it is done; every other test shares the CPU as before. Around the whole
+    its next test until it is done; the other tests share the CPU. Around the whole
     protocol, so that module fixtures set up or torn down with a test are inside its turn, and the
     wait is outside pytest-timeout's 300 s. The gate keeps the shared holders from starving one that
     waits for its turn: a worker passes it before taking its share, and one that waits holds it."""

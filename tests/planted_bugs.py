@@ -400,11 +400,11 @@ BUGS = [
     Bug('AR1', 'greedy AR past its queued-ahead budget runs its last token twice',
         'hierviz/decoding/decoders.py',
         'TokenAhead(t.next_logits, clock)   # tok is pending now',
-        'TokenAhead(lambda: t.logits_after(nxt.token), clock)   # tok is pending now', DEC),
-    Bug('AR2', "greedy AR's queued forward on the static path runs a zero token, not the device one",
+        'TokenAhead(lambda: t.next_logits(after=nxt.token), clock)   # tok is pending now', DEC),
+    Bug('AR2', "a static forward's device tokens (greedy AR's queued token, a tree's) are not laid over the host's zeros",
         'hierviz/decoding/state.py',
-        'causal_block(n), tail=tail)',
-        'causal_block(n))', DEC),
+        'start, start, block, tail=tail)',
+        'start, start, block)', DEC),
     Bug('MO1', 'Llama-3 RoPE scaling smooths between the wrong frequencies',
         'hierviz/models/config.py',
         '        mid = (1 - smooth) * scaled / factor + smooth * scaled\n',
@@ -463,8 +463,8 @@ BUGS = [
         '            yield update\n    finally:', APP),
     Bug('CG1', "the static path places a tree's nodes one position late",
         'hierviz/decoding/state.py',
-        '                                      extra_depths.to(self.model.device) + (start + p - 1),\n',
-        '                                      extra_depths.to(self.model.device) + (start + p),\n', STATIC),
+        'depths, tree_block = extra_depths.to(dev) + (start + p - 1), extra_block.to(dev)',
+        'depths, tree_block = extra_depths.to(dev) + (start + p), extra_block.to(dev)', STATIC),
 ]
 
 

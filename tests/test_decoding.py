@@ -236,8 +236,13 @@ def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, 
     from tests.oracles import one_forward_at_a_time
     monkeypatch.setenv("HIERVIZ_AR_AHEAD", "on")     # on the CPU too, where `cuda` leaves it off
     events: list[str] = []
-    launch, read = state.BaseState.logits_after, decoders.TokenAhead.value
-    monkeypatch.setattr(state.BaseState, "logits_after", lambda self, tok: events.append("launch") or launch(self, tok))
+    launch, read = state.BaseState.next_logits, decoders.TokenAhead.value
+
+    def next_logits(self, after=None):
+        if after is not None:            # a forward queued on a token still on the device
+            events.append("launch")
+        return launch(self, after)
+    monkeypatch.setattr(state.BaseState, "next_logits", next_logits)
     monkeypatch.setattr(decoders.TokenAhead, "value", lambda self: events.append("read") or read(self))
     n = 12
     cuda_graphs.force_static(static)

@@ -276,9 +276,14 @@ def decode_ar(models: Models, prompt: list[int], s: DecodeSettings, sampler: Sam
         with timer.stage("target_verify"):
             tok = sampler.pick(t.next_logits())
             t.tokens.append(tok)
-        yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
-                    target_bonus=tok, target_bonus_text=text(tok))
+        yield ar_step(i, timer, tok, text)
         i += 1
+
+
+def ar_step(index: int, timer: StageTimer, tok: int, text: TextOf) -> Step:
+    """A decode round of AR: one token, the target's own."""
+    return make_step(index, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
+                     target_bonus=tok, target_bonus_text=text(tok))
 
 
 def ar_ahead(device: torch.device) -> bool:
@@ -300,13 +305,12 @@ def greedy_ar_ahead(t: BaseState, s: DecodeSettings, text: TextOf) -> Iterator[S
     nxt = TokenAhead(t.next_logits, clock)      # after the prefill's token, pending on the host
     i = 1
     while True:
-        ahead = TokenAhead(lambda: t.logits_after(nxt.token), clock) if i + 1 < s.max_new_tokens else None
+        ahead = TokenAhead(lambda: t.next_logits(after=nxt.token), clock) if i + 1 < s.max_new_tokens else None
         tok = nxt.value()
         t.tokens.append(tok)
         timer = StageTimer(t.model.device, since=nxt.start, until=nxt.ready)
         timer.span("target_verify", nxt.start, nxt.ready)
-        yield make_step(i, "ar", timer, [tok], ["target_bonus"], text, forwards={"target": 1},
-                        target_bonus=tok, target_bonus_text=text(tok))
+        yield ar_step(i, timer, tok, text)
         nxt = ahead if ahead is not None else TokenAhead(t.next_logits, clock)   # tok is pending now
         i += 1
 

@@ -92,19 +92,19 @@ class BaseState:
         host is written on the host, a tree's device tensors are laid over it on the device."""
         p = len(pending)
         n = p + (0 if extra is None else len(extra))
-        if extra_depths is None and isinstance(extra, torch.Tensor):   # a causal tail on the device
-            tail = cuda_graphs.DeviceRows(extra.to(self.model.device), None, None, 0)
-            return self.runner.run(pending + [0] * (n - p), list(range(start, start + n)), start, start,
-                                   causal_block(n), tail=tail)
-        if extra_depths is None:      # a causal sequence: all on the host
+        positions = list(range(start, start + n))
+        if extra_depths is None and not isinstance(extra, torch.Tensor):   # a causal sequence: all on the host
             ids = pending + ([] if extra is None else list(extra))
-            return self.runner.run(ids, list(range(start, start + n)), start, start, causal_block(n))
-        block = causal_block(n).clone()
-        block[p:, p:] = False          # the tree block comes from the device rows
-        tail = cuda_graphs.DeviceRows(torch.as_tensor(extra, dtype=torch.long).to(self.model.device),
-                                      extra_depths.to(self.model.device) + (start + p - 1),
-                                      extra_block.to(self.model.device), p)
-        return self.runner.run(pending + [0] * (n - p), list(range(start, start + n)), start, start, block, tail=tail)
+            return self.runner.run(ids, positions, start, start, causal_block(n))
+        # device tokens after the pending ones: a causal tail (host positions and mask) or a tree
+        dev = self.model.device
+        block, depths, tree_block = causal_block(n), None, None
+        if extra_depths is not None:
+            block = block.clone()
+            block[p:, p:] = False          # the tree block comes from the device rows
+            depths, tree_block = extra_depths.to(dev) + (start + p - 1), extra_block.to(dev)
+        tail = cuda_graphs.DeviceRows(torch.as_tensor(extra, dtype=torch.long).to(dev), depths, tree_block, p)
+        return self.runner.run(pending + [0] * (n - p), positions, start, start, block, tail=tail)
 
     def commit_path(self, start: int, hidden: torch.Tensor, kept: list[int], new_tokens: list[int]) -> None:
         """After run_pending from cache length `start`: keep forward rows `kept` (ascending,
@@ -134,25 +134,19 @@ class BaseState:
         if self.cache.length > n_tokens:
             self.cache.truncate(n_tokens)
 
-    def consume_pending(self) -> torch.Tensor:
-        """Run every pending token and keep them all; returns their hidden states (no logits)."""
+    def consume_pending(self, after: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run every pending token (and then `after`, tokens still on the device: nothing is read
+        back) and keep them all; returns their hidden states (no logits). The caller appends
+        `after` to `tokens` once it has read them: until then the cache holds more than `tokens`."""
         start = self.cache.length
-        hidden = self.run_pending()
+        hidden = self.run_pending(after)
         self.commit_prefix(start, hidden, hidden.shape[0], [])
         return hidden
 
-    def next_logits(self) -> torch.Tensor:
-        """Run every pending token, keep them all; returns the logits [V] after the last one."""
-        return self.model.logits(self.consume_pending()[-1:])[0]
-
-    def logits_after(self, token: torch.Tensor) -> torch.Tensor:
-        """Run every pending token and then `token` [1], a token still on the device (nothing is
-        read back), keep them all; returns the logits [V] after it. The caller appends the token
-        to `tokens` once it has read it: until then the cache holds one token more than `tokens`."""
-        start = self.cache.length
-        hidden = self.run_pending(token)
-        self.commit_prefix(start, hidden, hidden.shape[0], [])
-        return self.model.logits(hidden[-1:])[0]
+    def next_logits(self, after: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run every pending token (and `after`: consume_pending), keep them all; returns the
+        logits [V] after the last one."""
+        return self.model.logits(self.consume_pending(after)[-1:])[0]
 
 
 class HeadState:
