@@ -32,7 +32,7 @@ class Options:
     cpu_matmul: str             # HIERVIZ_CPU_MATMUL: auto | plain | nt, the CPU dense product's layout
     timing_sync: bool           # HIERVIZ_TIMING_SYNC: per-stage device syncs for exact stage times
     timing_events: bool         # HIERVIZ_TIMING_EVENTS: CUDA events for stage times (default on)
-    ar_ahead: str               # HIERVIZ_AR_AHEAD: off | cuda | on, greedy AR's next forward queued before its token is read
+    ar_ahead: str               # HIERVIZ_AR_AHEAD: cuda | off | on, greedy AR's next forward queued before its token is read
     ui_pace: str                # HIERVIZ_UI_PACE: auto | on | off, the app's render pacing
     train_bf16: bool            # HIERVIZ_TRAIN_BF16: bf16 training on the CPU too (dry runs)
     # the public app (docs/security.md)
@@ -51,11 +51,11 @@ class Options:
 # Triton kernel elsewhere; "on" gives it every W4 weight (a warning where it cannot load), "target"
 # a verifier's weights only, "off" none
 W4_CUDA_MODES = ("auto", "off", "on", "target")
-# HIERVIZ_AR_AHEAD, the default first: "off" until the path (decoders.greedy_ar_ahead) has run on a
-# GPU; "cuda" queues greedy AR's forwards ahead on CUDA devices, where the host's work then overlaps
-# the GPU's (on the CPU a forward is done before it returns: ahead, each token's step would only come
-# one forward later); "on" on every device (the CPU tests run it so)
-AR_AHEAD_MODES = ("off", "cuda", "on")
+# HIERVIZ_AR_AHEAD, the default first: "cuda" queues greedy AR's forwards ahead
+# (decoders.greedy_ar_ahead) on CUDA devices, where the host's work then overlaps the GPU's (on the
+# CPU a forward is done before it returns: ahead, each token's step would only come one forward
+# later); "off" one forward at a time; "on" on every device (the CPU tests run it so)
+AR_AHEAD_MODES = ("cuda", "off", "on")
 
 _FLAGS = {"static": "HIERVIZ_STATIC", "cuda_graphs": "HIERVIZ_CUDA_GRAPHS", "fused": "HIERVIZ_FUSED",
           "w4_deterministic": "HIERVIZ_W4_DETERMINISTIC", "timing_sync": "HIERVIZ_TIMING_SYNC",

@@ -266,12 +266,12 @@ def test_greedy_ar_queues_each_forward_before_it_reads_the_token(stack, static, 
         paced.append(next(gen).timings_ms["target_verify"])
         time.sleep(0.1)
     assert max(paced[1:]) < 100, paced
-    # HIERVIZ_AR_AHEAD: on everywhere, cuda on CUDA devices only, off (the default) nowhere
+    # HIERVIZ_AR_AHEAD: on everywhere, cuda (the default) on CUDA devices only, off nowhere
     assert decoders.ar_ahead(torch.device("cpu")) and decoders.ar_ahead(torch.device("cuda"))
     monkeypatch.setenv("HIERVIZ_AR_AHEAD", "cuda")
     assert decoders.ar_ahead(torch.device("cuda")) and not decoders.ar_ahead(torch.device("cpu"))
     monkeypatch.delenv("HIERVIZ_AR_AHEAD")
-    assert not decoders.ar_ahead(torch.device("cuda"))
+    assert decoders.ar_ahead(torch.device("cuda")) and not decoders.ar_ahead(torch.device("cpu"))
     monkeypatch.setenv("HIERVIZ_AR_AHEAD", "off")
     events.clear()
     assert output_tokens(generate(stack, "ar", "hello there", DecodeSettings(max_new_tokens=n))) == want

@@ -37,7 +37,7 @@ def test_decoders_reproduce_ar_with_graphs(stack, prompt) -> None:
 
 def test_greedy_ar_queued_ahead_equals_one_forward_at_a_time_through_graphs(stack, monkeypatch) -> None:
     """Greedy AR queues the forward after each token (taken from the device) before it reads the
-    token (HIERVIZ_AR_AHEAD=cuda; the default is off until this passes): through CUDA graphs
+    token (HIERVIZ_AR_AHEAD=cuda, the default): through CUDA graphs
     it gives the tokens of one forward at a time, each read back before the next, and each step's
     time is its forward's on the GPU's timeline."""
     from tests.oracles import one_forward_at_a_time

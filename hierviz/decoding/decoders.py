@@ -287,8 +287,8 @@ def ar_step(index: int, timer: StageTimer, tok: int, text: TextOf) -> Step:
 
 
 def ar_ahead(device: torch.device) -> bool:
-    """Whether greedy AR queues its forwards ahead on `device` (HIERVIZ_AR_AHEAD: off, the
-    default; cuda; on)."""
+    """Whether greedy AR queues its forwards ahead on `device` (HIERVIZ_AR_AHEAD: cuda, the
+    default; off; on)."""
     mode = options().ar_ahead
     return mode == "on" or (mode == "cuda" and device.type == "cuda")
 
