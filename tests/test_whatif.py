@@ -508,6 +508,41 @@ def test_the_heads_leave_their_base_models_weights_to_the_base_models_rows(monke
     assert rows[head_rows] is None
 
 
+def test_the_intermediate_predicts_over_the_draft_vocabulary_when_asked(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--intermediate-draft-vocab (a stack's `intermediate_draft_vocab`): M's logits cover only the
+    --draft-vocab ids, through W4 rows of its W4 head that the kernel choice sees; the record says
+    so; every method's output still equals AR's; without --draft-vocab it is refused before any
+    model is built."""
+    from hierviz.measure import whatif
+    from hierviz.quant import w4_choice
+    chosen_over = []
+    monkeypatch.setattr(w4_choice, "choose_for_models", lambda models, device, **kw: chosen_over.extend(models) or {})
+    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference",
+                          m_lm_head="w4a16", draft_vocab=300, intermediate_draft_vocab=True)
+    m = models.intermediate
+    assert m.output_vocab.tolist() == list(range(300)) and m._vocab_rows.w4[0].out_features == 300
+    logits = m.logits(torch.randn(3, m.cfg.hidden_size))
+    assert torch.isfinite(logits[:, :300]).all() and torch.isneginf(logits[:, 300:]).all()
+    assert any(mod is m._vocab_rows for ms in chosen_over for mod in ms.modules())
+    assert models.target.output_vocab is None            # the verifier keeps its whole vocabulary
+    monkeypatch.undo()
+    args = FAST + ["--methods", "hierspec,eagle2", "--max-new-tokens", "8", "--draft-vocab", "300",
+                   "--intermediate-draft-vocab", "--out", str(tmp_path / "rates")]
+    assert whatif.main(args) == 0
+    info = json.loads((tmp_path / "rates" / "whatif.json").read_text())
+    assert info["intermediate_vocab"] == "draft" and info["formats"]["intermediate"].endswith(", 300 output ids")
+    assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24",
+                        "--methods", "ar,hierspec", "--draft-vocab", "300", "--intermediate-draft-vocab",
+                        "--exact-variants", "drawn", "--out", str(tmp_path / "exact")]) == 0
+    runs = json.loads((tmp_path / "exact" / "whatif_exact.json").read_text())["runs"]
+    assert runs and all(r["identical"] for r in runs)
+    capsys.readouterr()
+    assert whatif.main(FAST + ["--intermediate-draft-vocab", "--out", str(tmp_path / "refused")]) == 2
+    assert "give --draft-vocab too" in capsys.readouterr().err
+    with pytest.raises(MeasureError, match="give --draft-vocab too"):
+        build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference", intermediate_draft_vocab=True)
+
+
 def test_eagle3_heads_draft_over_their_published_vocabulary_by_default() -> None:
     """An EAGLE-3 head drafts over the vocabulary its published checkpoints keep (32,000 of
     LLaMA-3's 128,256 tokens) unless --draft-vocab says otherwise; EAGLE-2 heads over the full one;

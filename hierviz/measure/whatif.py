@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import html
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -35,7 +34,9 @@ from hierviz.decoding.decoders import Models, StageTimer, cache_margin
 from hierviz.decoding.verify import AcceptOracle, Sampler
 from hierviz.machine import machine_info
 from hierviz.measure.common import (MeasureError, add_device_args, environment, int_list, load_shape, run_reporting_errors,
-                                    stamp, stopwatch, write_chart, write_json)
+                                    stamp, stopwatch)
+from hierviz.measure import whatif_report
+from hierviz.measure.whatif_report import LABEL
 from hierviz.measure.whatif_acceptance import (DEFAULT_RATES, DEFAULT_SEQ_RATE, EAGLE3_RECORD, OracleMaker,
                                                accepted_lengths, apply_imported_acceptance, eagle3_record,
                                                load_acceptance_trace, oracle_factory, row_acceptance, tree_heads)
@@ -47,13 +48,11 @@ from hierviz.models.eagle3 import Eagle3Head, default_feature_layers
 from hierviz.models.llama import Transformer
 from hierviz.models.synthetic import random_codes, synthetic_eagle3_head, synthetic_head, synthetic_model, w4_group
 from hierviz.quant import w4_choice, w4_verdicts
-from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, by_width, canonical_name, check_runs_on, format_of_description,
-                                   get_format)
+from hierviz.quant.formats import (DEFAULT_FORMAT, DENSE, by_width, canonical_name, check_runs_on, get_format)
 from hierviz.settings import TREE_PRESETS, DecodeSettings, SettingsError, add_draft_args, apply_draft_args
 from hierviz.trace import Step
 
 SCHEMA = "hierviz.whatif/1"
-LABEL = "projected with replayed acceptance"
 SHARPEN = 12.0            # see SharpDraft
 CPU_LIMIT_BYTES = 4e9
 
@@ -144,14 +143,16 @@ def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] =
 def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: torch.dtype, kernel: str,
                  seed: int = 0, m_format: str = DENSE.name, head: Optional[str] = None,
                  draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT,
-                 rows: Optional[dict[str, Iterable[int]]] = None, m_lm_head: str = DENSE.name) -> Models:
+                 rows: Optional[dict[str, Iterable[int]]] = None, m_lm_head: str = DENSE.name,
+                 intermediate_draft_vocab: bool = False) -> Models:
     """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
     dense as in the paper's stack by default) and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3; None: both E_T types and
     an EAGLE-2 E_M, see variant_models for the EAGLE-3 E_M) drafting over `draft_vocab` token ids
     (None: the full vocabulary). `rows` ("target" / "intermediate" -> row counts: workload_rows)
     decides each W4 weight's kernel under HIERVIZ_W4_CUDA=auto; None: every row count. `m_lm_head`: M's
-    LM head's format (T keeps a dense one: it verifies)."""
+    LM head's format (T keeps a dense one: it verifies); `intermediate_draft_vocab`: M predicts over
+    the `draft_vocab` ids too (a stack's key of that name)."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise MeasureError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
@@ -159,12 +160,16 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
         raise MeasureError(f"unknown head type {head!r}; choose one of {', '.join(registry.tree_methods())}")
     if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
         raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
+    if intermediate_draft_vocab and draft_vocab is None:
+        raise MeasureError("--intermediate-draft-vocab restricts M to the --draft-vocab ids: give --draft-vocab too")
     if m_lm_head != DENSE.name and (m_cfg.tie_embeddings or draft_vocab and head != "eagle3" and not random_codes(m_lm_head)):
         raise MeasureError(f"M's LM head in {m_lm_head} needs an untied LM head, and E_M's --draft-vocab rows "
                            "of it a dense or W4 one")
     target = synthetic_model(t_cfg, t_format, dtype, device, kernel, seed)
     target.set_batch_invariant(True)    # as a loaded stack's target: what the product runs
     inter = synthetic_model(m_cfg, m_format, dtype, device, kernel, seed + 1, lm_head_format=m_lm_head)
+    if intermediate_draft_vocab:    # M only drafts: T's verification keeps the output exact (stack.py)
+        inter.restrict_output_vocab(torch.arange(draft_vocab, device=inter.device))
     # each row count as the dynamic path runs it and as the static runners pad it (cuda_graphs' bucket)
     workload = None if rows is None else {model: set(rows[role]) | {b for r in rows[role] if (b := cuda_graphs.bucket_for(r))}
                                           for role, model in (("target", target), ("intermediate", inter)) if role in rows}
@@ -300,6 +305,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"M's weights, the same choices ({DENSE.name}: the paper's stack)")
     ap.add_argument("--intermediate-lm-head", default=DENSE.name, type=canonical_name, choices=target_formats(),
                     help=f"M's LM head, which E_M drafts through ({DENSE.name}: as GPTQ keeps it); M only drafts")
+    ap.add_argument("--intermediate-draft-vocab", action="store_true",
+                    help="M predicts over the --draft-vocab ids too (FR-Spec rows of its LM head): M only drafts")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
     ap.add_argument("--acceptance-rates", default=None,
                     help=f"per-depth tree acceptance rates, e.g. 0.9,0.8,0.7 (default {','.join(map(str, DEFAULT_RATES))})")
@@ -486,7 +493,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "configs": {"target": dataclasses.asdict(t_cfg), "intermediate": dataclasses.asdict(m_cfg)},
         "formats": {"target": _format_text(a.target_format, t_cfg, kernel, dtype),
                     "intermediate": _format_text(a.intermediate_format, m_cfg, kernel, dtype) + (
-                        f", LM head {get_format(a.intermediate_lm_head).label}" if a.intermediate_lm_head != DENSE.name else ""),
+                        f", LM head {get_format(a.intermediate_lm_head).label}" if a.intermediate_lm_head != DENSE.name else "")
+                    + (f", {a.draft_vocab} output ids" if a.intermediate_draft_vocab else ""),
                     "heads": "; ".join(_heads_text(k) for k in _head_types(a, list(results)))},
         "head": a.head or PEER, "heads": _head_types(a, list(results)),
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
@@ -496,6 +504,7 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
                         **({"imported": a.imported} if getattr(a, "imported", None) else {})}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size, "intermediate_lm_head": a.intermediate_lm_head,
+        "intermediate_vocab": "draft" if a.intermediate_draft_vocab else "full",
         "draft_vocabs": draft_vocabs(_head_types(a, list(results)), t_cfg.vocab_size, a.draft_vocab),
         "methods": results, "machine": machine_info(dev)}
     if w4_verdicts.kernel_choices():      # HIERVIZ_W4_CUDA=auto: each W4 kind's kernel and its timings
@@ -561,7 +570,7 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     rows = None if a.exact else registry.workload_rows(methods, [s] + sweep_settings, a.prompt_len)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format,
                           a.head or (PEER if kinds == [PEER] else None), a.draft_vocab,
-                          a.target_format, rows, a.intermediate_lm_head)
+                          a.target_format, rows, a.intermediate_lm_head, a.intermediate_draft_vocab)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
     stacks = {m: variant_models(models, m, a.seed, a.draft_vocab) if m in registry.VARIANTS else models
@@ -617,6 +626,8 @@ def _check_finite(models: Models, prompt: list[int]) -> None:
     for name, model in (("target", models.target), ("intermediate", models.intermediate)):
         with torch.no_grad():
             logits = model.logits(model(toks, torch.arange(len(toks), device=toks.device)))
+        if model.output_vocab is not None:      # the ids it does not predict are -inf by design
+            logits = logits[..., model.output_vocab]
         if not bool(torch.isfinite(logits).all()):
             raise MeasureError(f"the synthetic {name} produced non-finite logits in {model.dtype}: "
                               "its weights are scaled wrongly for this shape")
@@ -684,101 +695,6 @@ def _settings_copy(s: DecodeSettings, **kw: Any) -> DecodeSettings:
         raise MeasureError(str(e)) from None
 
 
-# ---- outputs ----------------------------------------------------------------------------------
-
-def _title(info: dict[str, Any]) -> str:
-    sh = info["shapes"]
-    where = info["machine"].get("gpu", info["device"])
-    m = format_of_description(info["formats"]["intermediate"])
-    head = get_format(info.get("intermediate_lm_head") or DENSE.name)     # --intermediate-lm-head
-    parts = ([m.label] if m is not None and not m.dense else []) + ([f"LM head {head.label}"] if not head.dense else [])
-    m_fmt = f" ({', '.join(parts)})" if parts else ""
-    t_fmt = str(info["formats"]["target"]).split()[0]
-    return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
-
-
-def _speedup_text(info: dict[str, Any], method: str) -> str:
-    """A row's speedup over AR ("1.76x"), or "no AR row" where the run had none to divide by."""
-    speedup = info["speedup_vs_ar"].get(method)
-    return "no AR row" if speedup is None else f"{speedup:.2f}x"
-
-
-def chart_html(info: dict[str, Any]) -> str:
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    ms = info["methods"]
-    names = list(ms)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"tokens/s ({LABEL})", f"ms per token by stage ({LABEL})"))
-    fig.add_trace(go.Bar(x=names, y=[ms[m]["tokens_per_s"] for m in names], showlegend=False,
-                         text=[_speedup_text(info, m) for m in names],
-                         customdata=[html.escape(ms[m].get("acceptance_source", "")) for m in names],
-                         hovertemplate="%{x}: %{y:.1f} tokens/s<br>acceptance: %{customdata}<extra></extra>"), 1, 1)
-    stages = sorted({k for m in names for k in ms[m]["stages_ms_per_token"]})
-    for st in stages:
-        fig.add_trace(go.Bar(name=st, x=names, y=[ms[m]["stages_ms_per_token"].get(st, 0.0) for m in names]), 1, 2)
-    sources = [html.escape(f"{m}: {ms[m]['acceptance_source']}") for m in names if ms[m].get("acceptance_source")]
-    fig.update_layout(barmode="stack", title=_title(info), template="plotly_white", margin={"b": 60 + 18 * len(sources)})
-    fig.add_annotation(text="<br>".join(["acceptance per row:"] + sources), xref="paper", yref="paper", x=0, y=-0.15,
-                       xanchor="left", yanchor="top", showarrow=False, align="left", font={"size": 11})
-    return fig.to_html(include_plotlyjs="cdn", full_html=True)
-
-
-def sweep_html(info: dict[str, Any]) -> str:
-    import plotly.graph_objects as go
-    sw = info["sweep"]
-    fig = go.Figure()
-    for key, method in (("t_tree_size", sw["tree_method"]), ("min_draft_len", SUBJECT)):
-        for v in sorted({r[key] for r in sw["rows"] if r["method"] == method}):
-            pts = [r for r in sw["rows"] if r["method"] == method and r[key] == v]
-            fig.add_trace(go.Scatter(x=[r["scale"] for r in pts], y=[r["speedup_vs_ar"] for r in pts],
-                                     mode="lines+markers", name=f"{method} {key}={v}",
-                                     line={"dash": registry.get(method).dash}))
-    fig.update_layout(title=f"Speedup vs AR against acceptance scale — {_title(info)}",
-                      xaxis_title="acceptance-rate scale (x the base per-depth rates)",
-                      yaxis_title=f"speedup vs AR ({LABEL})", template="plotly_white")
-    return fig.to_html(include_plotlyjs="cdn", full_html=True)
-
-
-def markdown(info: dict[str, Any]) -> str:
-    lines = [f"# What-if: {_title(info)}", "",
-             "| method | tokens/s | speedup vs AR | tokens/round | " +
-             " | ".join(f"{k} ms/tok" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |",
-             "|---|---|---|---|---|---|---|---|"]
-    for m, r in info["methods"].items():
-        st = r["stages_ms_per_token"]
-        lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {_speedup_text(info, m)} | "
-                     f"{r['tokens_per_round']:.2f} | " +
-                     " | ".join(f"{st.get(k, 0.0):.2f}" for k in ("draft", "intermediate_verify", "target_verify", "overhead")) + " |")
-    heads = " and ".join(head_label(k) for k in info.get("heads") or [info["head"]])
-    lines.append(f"\nAll figures {LABEL} ({info['acceptance']['mode']}); synthetic weights, real kernels; "
-                 f"{heads} draft heads.")
-    lines += ["", "Acceptance per row:"] + [f"- {registry.label(m)} (`{m}`): {r['acceptance_source']}"
-                                            for m, r in info["methods"].items() if r.get("acceptance_source")]
-    if "sweep" in info:
-        tree_name = registry.label(info["sweep"]["tree_method"])
-        lines += ["", f"| scale | best {tree_name} | (tree size) | best {registry.label(SUBJECT)} | (min draft) | winner |",
-                  "|---|---|---|---|---|---|"]
-        for v in info["sweep"]["verdicts"]:
-            lines.append(f"| {v['scale']} | {v['best_tree']:.2f}x | {v['best_tree_size']} | "
-                         f"{v['best_hierspec']:.2f}x | {v['best_min_draft_len']} | {v['winner']} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_outputs(info: dict[str, Any], out: Path) -> None:
-    """whatif.json, whatif.md and whatif.html; with a sweep also sweep.json (the run's context and
-    the sweep) and sweep.html."""
-    sweep = info.pop("sweep", None)
-    write_json(out / "whatif.json", info)
-    if sweep is not None:
-        context = ("schema", "shapes", "formats", "device", "machine", "settings", "w4_kernel", "tiny", "stage_sync",
-                   "draft_vocab", "acceptance", "command")
-        write_json(out / "sweep.json", {**{k: info[k] for k in context if k in info}, **sweep})
-        info["sweep"] = sweep
-    (out / "whatif.md").write_text(markdown(info))
-    if write_chart(out / "whatif.html", lambda: chart_html(info)) and sweep is not None:
-        write_chart(out / "sweep.html", lambda: sweep_html(info))
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
@@ -791,8 +707,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         whatif_exact.write(info, Path(a.out))
         print(whatif_exact.markdown(info))
         return 0 if info["passed"] else 1
-    write_outputs(info, Path(a.out))
-    print(markdown(info))
+    whatif_report.write_outputs(info, Path(a.out))
+    print(whatif_report.markdown(info))
     return 0
 
 
