@@ -173,26 +173,9 @@ def launch(fn, shared: int, x, w, tiles: int):
     """cuda_w4.matmul's launch (default split, no add_to) of entry fn at `tiles` token tiles."""
     import torch
     m, k = x.shape
-    n = w.out_features
-    codes, so = cuda_w4.layout(w)
-    x = x.contiguous()
-    split, per = cuda_w4.slice_plan(k, cuda_w4.split_for(n, k, multiprocessor_count(x.device)))
-    grid = (-(-m // (8 * tiles)), -(-n // cuda_w4.ROWS_PER_BLOCK), split)
-    y = torch.empty((m, n), device=x.device, dtype=torch.float16)
-    parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    counters = cuda_w4._counters(x.device, grid[0] * grid[1]) if split > 1 else y
-    args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(so.data_ptr()), ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(0), ctypes.c_void_p(parts.data_ptr()),
-            ctypes.c_void_p(counters.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
-            ctypes.c_int(x.stride(0)), ctypes.c_int(y.stride(0)), ctypes.c_int(per),
-            ctypes.c_int(k // w.group_size), ctypes.c_int(cuda_w4.group_shift(k, w.group_size)), ctypes.c_int(split),
-            ctypes.c_longlong(codes.stride(0) // 4)]
-    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    drv = cuda_w4._DRIVER
-    drv.check(drv.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], 256, 1, 1, shared, stream, ptrs, None),
-              "cuLaunchKernel")
-    return y
+    split, per = cuda_w4.slice_plan(k, cuda_w4.split_for(w.out_features, k, multiprocessor_count(x.device)))
+    y = torch.empty((m, w.out_features), device=x.device, dtype=torch.float16)
+    return cuda_w4.launch(fn, x.contiguous(), w, y, False, tiles, split, per, shared=shared)
 
 
 def bench(a) -> int:

@@ -55,7 +55,7 @@ import glob
 import os
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -642,25 +642,35 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
     split, per = slice_plan(k, split)
     if not 1 <= tiles <= MAX_TOKEN_TILES:
         raise ValueError(f"no entry multiplies {tiles} token tiles")
-    grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
     y = add_to if add_to is not None else torch.empty((m, n), device=x.device, dtype=torch.float16)
-    residual = y.data_ptr() if add_to is not None else 0
-    parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    counters = _counters(x.device, grid[0] * grid[1]) if split > 1 else y
-    args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(so.data_ptr()), ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(residual), ctypes.c_void_p(parts.data_ptr()),
-            ctypes.c_void_p(counters.data_ptr()), ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k),
-            ctypes.c_int(x.stride(0)), ctypes.c_int(y.stride(0)), ctypes.c_int(per),
-            ctypes.c_int(k // w.group_size), ctypes.c_int(shift), ctypes.c_int(split),
-            ctypes.c_longlong(codes.stride(0) // 4)]
-    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    stream = torch.cuda.current_stream(x.device).cuda_stream
     _DRIVER.ensure_context()
     use_wgmma = WGMMA_BY_DEFAULT and entry_for(tiles, wgmma=True) in fns if wgmma is None else wgmma
     entry = entry_for(tiles, pair_group(tiles, w.group_size, per, row_tiles, k_warps), use_wgmma, row_tiles, k_warps)
     if entry not in fns:
         raise ValueError(f"this GPU's build of the CUDA W4 kernel has no entry {entry}")
     shared = wgmma_shared_bytes(tiles) if entry.startswith("w4_wgmma") else 0
-    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fns[entry], grid[0], grid[1], grid[2], 32 * WARPS // row_tiles * k_warps, 1, 1, shared,
-                                             stream, ptrs, None), "cuLaunchKernel")
+    return launch(fns[entry], x, w, y, add_to is not None, tiles, split, per, 32 * WARPS // row_tiles * k_warps, shared)
+
+
+def launch(fn: Any, x: torch.Tensor, w: W4Weight, y: torch.Tensor, residual: bool, tiles: int, split: int, per: int,
+           threads: int = 32 * WARPS, shared: int = 0) -> torch.Tensor:
+    """Launch kernel entry `fn` on torch's current stream: x's rows in passes of `tiles` token
+    tiles, K in `split` slices of `per` channels, into y (which already holds the residual where
+    `residual`); `threads` per block, `shared` bytes of dynamic shared memory. Returns y."""
+    m, k = x.shape
+    n = w.out_features
+    codes, so = layout(w)
+    grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
+    parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
+    counters = _counters(x.device, grid[0] * grid[1]) if split > 1 else y
+    args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(so.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(y.data_ptr() if residual else 0),
+            ctypes.c_void_p(parts.data_ptr()), ctypes.c_void_p(counters.data_ptr()), ctypes.c_int(m), ctypes.c_int(n),
+            ctypes.c_int(k), ctypes.c_int(x.stride(0)), ctypes.c_int(y.stride(0)), ctypes.c_int(per),
+            ctypes.c_int(k // w.group_size), ctypes.c_int(group_shift(k, w.group_size)), ctypes.c_int(split),
+            ctypes.c_longlong(codes.stride(0) // 4)]
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    _DRIVER.check(_DRIVER.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, ptrs, None),
+                  "cuLaunchKernel")
     return y
