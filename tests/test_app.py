@@ -146,6 +146,7 @@ def test_progress_says_method_tokens_and_time_left():
     assert "cannot be estimated yet" in RunPlan("new", ["ar"], 8, timings=Timings()).stage_text("Warming up", None, 3.0)
 
 
+@pytest.mark.quiet      # judges wall time: a report after about one second
 def test_a_blocking_stage_reports_every_second():
     from hierviz.app import progress
     gen = progress.with_heartbeat(lambda: time.sleep(1.3) or "loaded", lambda elapsed: elapsed)
