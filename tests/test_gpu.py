@@ -263,7 +263,7 @@ def test_whatif_with_a_w4_intermediate_lm_head_on_the_gpu(tmp_path) -> None:
     """--intermediate-lm-head w4 on the GPU path: the W4 product at an LM head's shape (4096 x
     128,256, Llama-3-8B's) right at the row counts E_M's frontier and M's trees run, in both
     kernels; and --exact through CUDA graphs with M's and E_M's logits from a W4 head (E_M also over
-    FR-Spec rows of it), every output equal to AR's."""
+    FR-Spec rows of it, and M too with --intermediate-draft-vocab), every output equal to AR's."""
     import json
 
     from hierviz.measure import whatif
@@ -276,8 +276,9 @@ def test_whatif_with_a_w4_intermediate_lm_head_on_the_gpu(tmp_path) -> None:
     for m in (1, 8, 10, 16, 31, 40):
         for y in (w4_linear(x[:m], w, kernel="triton"), cuda_w4.matmul(x[:m], w)):
             assert float(kernel_guard.row_errors(y, ref[:m]).max()) < 5e-3, m
-    for extra in ([], ["--draft-vocab", "300"]):      # E_M over the whole W4 head, and over FR-Spec rows of it
-        out = tmp_path / f"run{len(extra)}"
+    # E_M over the whole W4 head, over FR-Spec rows of it, and M over those rows too
+    for n, extra in enumerate(([], ["--draft-vocab", "300"], ["--draft-vocab", "300", "--intermediate-draft-vocab"])):
+        out = tmp_path / f"run{n}"
         assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods", "ar,hierspec",
                             "--intermediate-format", "w4", "--intermediate-lm-head", "w4", "--exact-trees", "paper",
                             *extra, "--out", str(out)]) == 0
