@@ -628,9 +628,6 @@ def matmul(x: torch.Tensor, w: W4Weight, add_to: Optional[torch.Tensor] = None,
         return add_to if add_to is not None else x.new_empty((0, n))
     index = _index(x.device)
     fns = functions(index)
-    codes, so = layout(w)
-    if codes.stride()[1:] != (128, 4, 1):
-        raise ValueError("the CUDA W4 kernel reads its codes tile by tile (cuda_w4.pack_layout)")
     x = x.contiguous()
     if tiles is None:
         tiles, row_tiles, planned_split, planned_warps = plan_for(w, m, multiprocessor_count(x.device))
@@ -660,6 +657,8 @@ def launch(fn: Any, x: torch.Tensor, w: W4Weight, y: torch.Tensor, residual: boo
     m, k = x.shape
     n = w.out_features
     codes, so = layout(w)
+    if codes.stride()[1:] != (128, 4, 1):
+        raise ValueError("the CUDA W4 kernel reads its codes tile by tile (cuda_w4.pack_layout)")
     grid = (-(-m // (8 * tiles)), -(-n // ROWS_PER_BLOCK), split)
     parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
     counters = _counters(x.device, grid[0] * grid[1]) if split > 1 else y
