@@ -140,3 +140,28 @@ def test_w4_sweep_refuses_bad_shapes_with_one_line(capsys) -> None:
     for bad in ("12x", "256x0", "axb", "256x192x3"):
         assert w4_sweep.main(["--shapes", bad]) == 2
         assert "bad --shapes" in capsys.readouterr().err
+
+
+def test_w4_sweep_runs_the_workers_the_gpu_memory_holds_and_refuses_an_out_of_memory_run(monkeypatch, capsys) -> None:
+    """--workers share one GPU: the sweep runs as many as its free memory holds (an H100's 79 GB
+    holds 4 at the presets' largest weight, an H200's 8), and a run that still runs out of memory
+    ends with one line saying what to do, not a traceback."""
+    from hierviz.measure import w4_sweep
+    jobs = w4_sweep.sweep_jobs(w4_sweep.model_shapes(list(w4_sweep.MODELS)), ["128"], [False])
+    rows = list(range(1, 129)) + w4_sweep.PREFILL_ROWS
+    peak = w4_sweep.worker_peak_bytes(jobs, rows)
+    assert 13.7e9 < peak < 20e9, peak            # 13.7 GB measured for 8192 x 152064
+    assert w4_sweep.workers_that_fit(8, int(79e9), peak) == 4
+    assert w4_sweep.workers_that_fit(8, int(140e9), peak) == 8
+    assert w4_sweep.workers_that_fit(8, int(1e9), peak) == 1
+    assert w4_sweep.workers_that_fit(2, int(140e9), peak) == 2
+    assert w4_sweep.main(["--shapes", "256x192", "--workers", "0"]) == 2
+    assert "bad --workers" in capsys.readouterr().err
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB.\nmore")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(w4_sweep, "_worker", out_of_memory)
+    assert w4_sweep.main(["--shapes", "256x192", "--groups", "64", "--rows", "1", "--paths", "tma"]) == 2
+    err = capsys.readouterr().err
+    assert "ran out of memory with 1 worker" in err and "Tried to allocate 256.00 MiB" in err and "fewer --workers" in err

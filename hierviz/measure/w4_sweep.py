@@ -255,6 +255,23 @@ def _run(jobs: list[tuple], rows: list[int], paths: list[str], modes: list[str],
     return out
 
 
+# a worker's GPU memory per weight element at its peak: codes, the dequantized reference's
+# temporaries and the kernels' layouts (about 13.7 GB measured at 8192 x 152064 on an H100)
+PEAK_BYTES_PER_WEIGHT = 10
+
+
+def worker_peak_bytes(jobs: list[tuple], rows: list[int]) -> int:
+    """About the most GPU memory one worker holds: its largest weight's (PEAK_BYTES_PER_WEIGHT an
+    element) and, at the most rows, the fp32 reference, the outputs and the input."""
+    r = max(rows)
+    return max(k * n * PEAK_BYTES_PER_WEIGHT + r * (k + 3 * n) * 4 for (k, n), *_ in jobs)
+
+
+def workers_that_fit(asked: int, free_bytes: int, peak_bytes: int) -> int:
+    """The workers (at most `asked`, at least one) whose peaks fit the GPU's free memory together."""
+    return max(1, min(asked, free_bytes // max(1, peak_bytes)))
+
+
 def _worker(args: tuple) -> list[dict]:
     jobs, rows, paths, modes, device, dtypes = args
     return _run(jobs, rows, paths, modes, device, [getattr(torch, d) for d in dtypes],
@@ -272,11 +289,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--paths", default=None, help="tma,cuda,pointer (default: each this GPU supports)")
     ap.add_argument("--modes", default="normal,invariant")
     ap.add_argument("--dtypes", default="float16", help="float16,bfloat16")
-    ap.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (compiles run in parallel)")
+    ap.add_argument("--workers", type=int, default=1, help="processes sharing the GPU (compiles run in parallel); "
+                                                           "fewer run where its free memory holds fewer")
     ap.add_argument("--quick", action="store_true", help="the start-up proof of the fast variants instead")
     ap.add_argument("--preset", default=None, help=f"with --quick: the preset whose shapes to prove "
                                                    f"(default {QUICK_PRESET}; one of {', '.join(PRESET_SHAPES)})")
     a = ap.parse_args(argv)
+    if a.workers < 1:
+        return refuse(f"bad --workers {a.workers}: at least 1")
     if a.quick:
         return quick(a)
     if a.shapes:
@@ -306,14 +326,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     jobs = sweep_jobs(shapes, a.groups.split(","), {"both": [False, True], "off": [False], "on": [True]}[a.act_order])
     t0 = time.perf_counter()
     dtypes = a.dtypes.split(",")
-    if a.workers > 1:
-        import multiprocessing as mp
-        chunks = [jobs[i::a.workers] for i in range(a.workers)]
-        with mp.get_context("spawn").Pool(a.workers) as pool:
-            results = [r for part in pool.map(_worker, [(c, rows, paths, a.modes.split(","), device, dtypes)
-                                                        for c in chunks]) for r in part]
-    else:
-        results = _worker((jobs, rows, paths, a.modes.split(","), device, dtypes))
+    workers = a.workers
+    if device == "cuda" and workers > 1:     # workers share one GPU: as many as its memory holds
+        free, peak = torch.cuda.mem_get_info()[0], worker_peak_bytes(jobs, rows)
+        workers = workers_that_fit(a.workers, free, peak)
+        if workers < a.workers:
+            print(f"w4-sweep: {a.workers} workers would need up to {peak / 1e9:.1f} GB each at the largest weight; "
+                  f"this GPU has {free / 1e9:.1f} GB free, so {workers} run", flush=True)
+    try:
+        if workers > 1:
+            import multiprocessing as mp
+            chunks = [jobs[i::workers] for i in range(workers)]
+            with mp.get_context("spawn").Pool(workers) as pool:
+                results = [r for part in pool.map(_worker, [(c, rows, paths, a.modes.split(","), device, dtypes)
+                                                            for c in chunks]) for r in part]
+        else:
+            results = _worker((jobs, rows, paths, a.modes.split(","), device, dtypes))
+    except torch.OutOfMemoryError as e:    # another process took the memory, or rows far past the default
+        return refuse(f"the GPU ran out of memory with {workers} worker{'s' if workers > 1 else ''} "
+                      f"({str(e).splitlines()[0]}): free the GPU or run fewer --workers or --rows")
     wrong = [r for r in results if r["wrong_rows_at"]]
     variant = [r for r in results if r["not_bit_invariant_at"]]
     products = sum(r["rows_checked"] for r in results)
