@@ -821,6 +821,19 @@ def test_op_profile_on_the_gpu_names_the_cuda_w4_kernel(monkeypatch, tmp_path) -
     assert info["command"].startswith("HIERVIZ_W4_CUDA=on python -m hierviz op-profile")
 
 
+def test_op_profile_of_draft_trees_on_the_gpu(tmp_path) -> None:
+    """op-profile --draft on CUDA: the tree replayed from its CUDA graph (TreeGraph) beside the same
+    tree launched eagerly under the profiler, with FR-Spec rows of the head."""
+    import json
+
+    from hierviz.measure import op_profile
+    assert op_profile.main(["--shape", "smollm2", "--layers", "1", "--device", "cuda", "--steps", "4",
+                            "--draft", "3,10,29", "--draft-vocab", "8192", "--top", "60", "--out", str(tmp_path)]) == 0
+    info = json.loads((tmp_path / "op_profile.json").read_text())
+    assert info["draft_tree"]["size"] == 29 and info["step_ms_graphs"] > 0 and info["step_ms_eager"] > 0
+    assert info["profiled_us_per_step"] > 0 and all(r["us_per_layer"] is None for r in info["ops"])
+
+
 def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch, tmp_path) -> None:
     """HIERVIZ_W4_CUDA=target: a batch-invariant (target) weight's products run the CUDA MMA kernel
     at every row count, a plain (intermediate, drafter) weight's the Triton kernel; whatif --exact

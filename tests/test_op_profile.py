@@ -44,3 +44,35 @@ def test_op_profile_bad_arguments(tmp_path, capsys) -> None:
     assert "unknown shape" in capsys.readouterr().err
     assert main(["--layers", "0", "--shape", "smollm2", "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert main(["--tokens", "0", "--shape", "smollm2", "--device", "cpu", "--out", str(tmp_path)]) == 2
+
+
+def test_op_profile_draft_trees(tmp_path, capsys) -> None:
+    """--draft DEPTH,TOPK,SIZE: each step drafts one EAGLE-2 tree of that shape from a synthetic
+    head on the model (HierSpec's E_M on M) and reads it back; --draft-vocab narrows the head's
+    rows. The head's forwards and its LM head's product are what the table shows."""
+    n = torch.get_num_threads()
+    try:
+        assert main(["--shape", "smollm2", "--layers", "1", "--device", "cpu", "--steps", "2", "--draft", "3,4,10",
+                     "--draft-vocab", "4096", "--prompt-len", "8", "--top", "60", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    info = json.loads((tmp_path / "op_profile.json").read_text())
+    assert info["draft_tree"] == {"depth": 3, "topk": 4, "size": 10, "draft_vocab": 4096}
+    assert info["step_ms_eager"] > 0 and all(r["us_per_layer"] is None for r in info["ops"])
+    ops = {r["op"]: r for r in info["ops"]}
+    mm = [r for op, r in ops.items() if op in ("aten::mm", "aten::matmul", "aten::addmm", "aten::linear")]
+    assert mm and sum(r["calls_per_step"] for r in mm) >= 3       # a head forward and LM head product per depth
+    assert any(op in ops for op in ("aten::topk", "aten::sort", "aten::argsort"))   # the frontier's choice
+    out = capsys.readouterr().out
+    assert "one EAGLE-2 draft tree per step (depth 3, top-4, 10 nodes, 4096 draft ids)" in out and "| - |" in out
+
+
+def test_op_profile_refuses_bad_draft_shapes(tmp_path, capsys) -> None:
+    for bad in ("3,10", "a,b,c", "0,10,10", "2,2,9"):
+        assert main(["--shape", "smollm2", "--device", "cpu", "--draft", bad, "--out", str(tmp_path)]) == 2, bad
+        assert "--draft" in capsys.readouterr().err, bad
+    assert main(["--shape", "smollm2", "--device", "cpu", "--draft-vocab", "100", "--out", str(tmp_path)]) == 2
+    assert "--draft-vocab needs --draft" in capsys.readouterr().err
+    assert main(["--shape", "smollm2", "--device", "cpu", "--draft", "3,4,10", "--draft-vocab", "0",
+                 "--out", str(tmp_path)]) == 2
+    assert "--draft-vocab must be" in capsys.readouterr().err
