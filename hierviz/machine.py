@@ -52,3 +52,16 @@ def w4_fp16_kernel(device: torch.device) -> str:
         return kernel_summary()
     return f"{CUDA_VARIANT} for the target, triton for the rest" if mode == "target" else CUDA_VARIANT
 
+
+KERNEL_PER_KIND = "kernel chosen per weight kind"
+
+
+def formats_in_words(description: str, machine: Optional[dict[str, Any]]) -> str:
+    """A record's format description as a reader should see it: "kernel triton" names the kernel
+    family its W4 models were built with, so where its machine ran some fp16 W4 products on the
+    CUDA MMA kernel (`w4_fp16_kernel`, which names the weights) it reads KERNEL_PER_KIND."""
+    fp16 = (machine or {}).get("w4_fp16_kernel")
+    if isinstance(fp16, str) and fp16 and fp16 != "triton":
+        return description.replace("kernel triton", KERNEL_PER_KIND)
+    return description
+

@@ -127,14 +127,21 @@ def test_recorded_whatif_table_matches_json(shipped, results):
 
 
 def test_the_source_names_the_kernel_of_each_w4_weight_kind():
-    """The headline's W4 weights mostly run the CUDA kernel although the formats name the Triton
-    kernel they were built with: the source panel says which kinds (K x N) run which."""
+    """The headline's W4 weights mostly run the CUDA kernel, though its models were built with the
+    Triton kernel family: the formats say the kernel is chosen per weight kind (not "kernel
+    triton"), and the next line says which kinds (K x N) run which."""
+    from hierviz.machine import KERNEL_PER_KIND, formats_in_words
     d = json.loads((ROOT / "assets" / "whatif" / uw.HEADLINE_RESULT).read_text())
     source = uw.source_markdown(d)
     kernels = d["machine"]["w4_fp16_kernel"]
     assert kernels.startswith("cuda_mma for ") and "28672x8192 (verifier)" in kernels
     assert f"**fp16 W4 products:** {uw.esc(kernels)}" in source
-    assert "fp16 W4 products" not in uw.source_markdown({k: v for k, v in d.items() if k != "machine"})
+    assert "kernel triton" not in source and f"target W4A16 synthetic codes, group 128, {KERNEL_PER_KIND}" in source
+    no_machine = uw.source_markdown({k: v for k, v in d.items() if k != "machine"})
+    assert "fp16 W4 products" not in no_machine and "kernel triton" in no_machine
+    # a record whose fp16 W4 products all ran Triton keeps its words
+    assert formats_in_words("W4A16 synthetic codes, kernel triton", {"w4_fp16_kernel": "triton"}).endswith("kernel triton")
+    assert formats_in_words("W4A16 synthetic codes, kernel triton", {"w4_fp16_kernel": "cuda_mma"}).endswith(KERNEL_PER_KIND)
 
 
 def test_table_says_how_repeated_runs_spread(results):

@@ -30,6 +30,7 @@ from hierviz.app.common import ROOT, TRACE_DIR, status_html
 from hierviz.app.guard import VisitorError
 from hierviz.app.line import LINE
 from hierviz.app.session import session_key
+from hierviz.machine import formats_in_words
 from hierviz.trace import MAX_TRACE_BYTES
 from hierviz.viz.crossover import opening_trace_position
 from hierviz.viz.style import esc, method_label
@@ -276,12 +277,11 @@ def source_markdown(d: dict[str, Any], name: str = "") -> str:
              f"**Shapes:** {esc(shapes_label(d))}"]
     fm = d.get("formats") or {}
     if fm:
-        lines.append(f"**Formats:** target {esc(str(fm.get('target', '?')))}; intermediate "
-                     f"{esc(str(fm.get('intermediate', '?')))}")
+        # a record that ran some W4 kinds on the CUDA kernel says so, naming them on the next line
+        target, inter = (formats_in_words(str(fm.get(role, "?")), d.get("machine")) for role in ("target", "intermediate"))
+        lines.append(f"**Formats:** target {esc(target)}; intermediate {esc(inter)}")
     w4_kernels = (d.get("machine") or {}).get("w4_fp16_kernel")
     if isinstance(w4_kernels, str) and w4_kernels:
-        # the formats name the kernel the models were built with; under HIERVIZ_W4_CUDA the CUDA
-        # kernel takes the fp16 W4 products of the weight kinds (K x N) named here
         lines.append(f"**fp16 W4 products:** {esc(w4_kernels)}")
     lines.append(f"**Acceptance ({LABEL}):** {esc(acceptance_label(d))}")
     rep = d.get("replay") or {}

@@ -32,7 +32,7 @@ from hierviz import methods as registry
 from hierviz.methods import BASELINE, PEER, SUBJECT
 from hierviz.decoding.decoders import Models, StageTimer, cache_margin
 from hierviz.decoding.verify import AcceptOracle, Sampler
-from hierviz.machine import machine_info
+from hierviz.machine import formats_in_words, machine_info
 from hierviz.measure.common import (MeasureError, add_device_args, environment, int_list, load_shape, run_reporting_errors,
                                     stamp, stopwatch)
 from hierviz.measure import whatif_report
@@ -507,6 +507,7 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
         "intermediate_vocab": "draft" if a.intermediate_draft_vocab else "full",
         "draft_vocabs": draft_vocabs(_head_types(a, list(results)), t_cfg.vocab_size, a.draft_vocab),
         "methods": results, "machine": machine_info(dev)}
+    info["formats"] = {role: formats_in_words(text, info["machine"]) for role, text in info["formats"].items()}
     if w4_verdicts.kernel_choices():      # HIERVIZ_W4_CUDA=auto: each W4 kind's kernel and its timings
         info["w4_kernel_choices"] = w4_verdicts.kernel_choice_records()
     if "eagle3" in info["heads"]:
