@@ -54,24 +54,12 @@ def _step(state: Any, tokens: int) -> None:
     state.commit_prefix(start, hidden, 1, [best[0]])
 
 
-def _step_ms(state: Any, steps: int, step: Callable[[Any], None]) -> float:
+def _step_ms(state: Any, steps: int, step: Callable[[Any], None], device: torch.device) -> float:
     """Wall time of one step (`step(state)`)."""
-    with stopwatch(torch.device(state.device), pause_gc=False) as took:
+    with stopwatch(device, pause_gc=False) as took:
         for _ in range(steps):
             step(state)
     return took() * 1000.0 / steps
-
-
-class _Decode:
-    """A decode step's state (`_step`): the model's BaseState."""
-    def __init__(self, base: Any) -> None:
-        self.base, self.device = base, base.model.device
-
-
-class _Drafting:
-    """A draft tree's state: the model's BaseState after the prompt, and the head's state on it."""
-    def __init__(self, head: Any) -> None:
-        self.head, self.device = head, head.base.model.device
 
 
 def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, steps: int,
@@ -103,16 +91,17 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     max_len = prompt_len + 4 * steps + tokens + 16 + (draft[2] + draft[0] if draft else 0)
 
     def fresh_state() -> Any:
+        """The model's state after the prompt; drafting: the head's state on it."""
         st = BaseState(model, max_len)
         st.tokens = list(prompt)
         st.tokens.append(int(st.next_logits().argmax()))
-        return _Decode(st) if head is None else _Drafting(HeadState(head, st, max_len))
+        return st if head is None else HeadState(head, st, max_len)
 
     def step(state: Any) -> None:
         if head is None:
-            _step(state.base, tokens)
+            _step(state, tokens)
         else:     # one tree, read back as a decoder reads it
-            draft_tree_on_device(state.head, *draft).read()
+            draft_tree_on_device(state, *draft).read()
 
     out: dict[str, Any] = {"schema": SCHEMA, "shape": name, "layers": cfg.num_layers, "device": device,
                            "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "steps": steps,
@@ -124,18 +113,18 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
         # w4_kernel names the engine's kernel family, "triton" also when fp16 products run the CUDA variant
         out["w4_fp16_kernel"] = w4_fp16_kernel(torch.device(device))
         st = fresh_state()
-        _step_ms(st, 3, step)
-        out["step_ms_graphs"] = _step_ms(st, steps, step)
+        _step_ms(st, 3, step, model.device)
+        out["step_ms_graphs"] = _step_ms(st, steps, step, model.device)
     with cuda_graphs.path_switches(graphs=False):   # profiled run: same static path, eager launches
         cuda_graphs.drop_runners(model)
         if head is not None:
             cuda_graphs.drop_runners(head)
         st = fresh_state()
-        _step_ms(st, 3, step)
-        out["step_ms_eager"] = _step_ms(st, steps, step)
+        _step_ms(st, 3, step, model.device)
+        out["step_ms_eager"] = _step_ms(st, steps, step, model.device)
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=acts) as prof:
-            _step_ms(st, steps, step)
+            _step_ms(st, steps, step, model.device)
     rows = []
     for evt in prof.key_averages():
         us = _self_time_us(evt, cuda)
