@@ -77,15 +77,12 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     name, cfg = load_shape(shape)
     if layers < 1:
         raise ValueError("--layers must be at least 1")
-    if draft_vocab is not None and not 1 <= draft_vocab <= cfg.vocab_size:
-        raise ValueError(f"--draft-vocab must be 1..{cfg.vocab_size} (the shape's vocabulary)")
+    from hierviz.measure.whatif import check_draft_vocab, sharp_eagle2_head
+    check_draft_vocab(draft_vocab, cfg.vocab_size)
     cfg = dataclasses.replace(cfg, num_layers=min(layers, cfg.num_layers))
     cuda = device == "cuda"
     model = synthetic_model(cfg, W4A16.name, dtype, device, kernel, 0)
-    head = None
-    if draft is not None:
-        from hierviz.measure.whatif import sharp_eagle2_head
-        head = sharp_eagle2_head(model, 1, draft_vocab)
+    head = None if draft is None else sharp_eagle2_head(model, 1, draft_vocab)
     w4_choice.choose_for_models([model, head], device)     # each W4 weight's kernel, before any product
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
     max_len = prompt_len + 4 * steps + tokens + 16 + (draft[2] + draft[0] if draft else 0)

@@ -126,6 +126,12 @@ def head_draft_vocab(head_type: str, vocab_size: int, asked: Optional[int] = Non
     return published if published is not None and published < vocab_size else None
 
 
+def check_draft_vocab(draft_vocab: Optional[int], vocab_size: int) -> None:
+    """MeasureError unless --draft-vocab (if given) is 1..vocab_size ids."""
+    if draft_vocab is not None and not 1 <= draft_vocab <= vocab_size:
+        raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {vocab_size}")
+
+
 def draft_vocabs(head_types: list[str], vocab_size: int, asked: Optional[int] = None) -> dict[str, int]:
     """Each head type's draft vocabulary size in a what-if (for its record)."""
     return {t: head_draft_vocab(t, vocab_size, asked) or vocab_size for t in head_types}
@@ -158,8 +164,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
                           "HierSpec needs a shared tokenizer")
     if head is not None and head not in registry.tree_methods():
         raise MeasureError(f"unknown head type {head!r}; choose one of {', '.join(registry.tree_methods())}")
-    if draft_vocab is not None and not 1 <= draft_vocab <= t_cfg.vocab_size:
-        raise MeasureError(f"--draft-vocab must be between 1 and the vocabulary size {t_cfg.vocab_size}")
+    check_draft_vocab(draft_vocab, t_cfg.vocab_size)
     if intermediate_draft_vocab and draft_vocab is None:
         raise MeasureError("--intermediate-draft-vocab restricts M to the --draft-vocab ids: give --draft-vocab too")
     if m_lm_head != DENSE.name and (m_cfg.tie_embeddings or draft_vocab and head != "eagle3" and not random_codes(m_lm_head)):
