@@ -7,8 +7,13 @@ before its next one may issue, whatever else its scheduler has to do (ncu counts
 With few warps per scheduler those cycles are what the loop cannot hide (docs/kernels.md, "What the
 warps wait on"). NVRTC compiles the source (the shipped entries, or --source FILE: another
 cuda_w4.cu with the same entry macros) and the cuobjdump that Triton's wheel ships disassembles it,
-so a change to the loop can be read before any GPU time is spent on it.
-  python scripts/sass_report.py [--arch sm_90a] [--entries w4_direct_t4_r2_g128,...] [--source FILE] [--out DIR]"""
+so a change to the loop can be read before any GPU time is spent on it. Each row also gives the
+same figures per MMA. --marlin-src DIR (a checkout of github.com/IST-DASLab/marlin; hierviz ships
+none of it) adds Marlin's kernel, built the same way at each configuration its launcher calls for
+groups of 128, read from its main loop's first MMA to its last (that loop also holds the reduction
+and write-out a block runs once per slice), per MMA.
+  python scripts/sass_report.py [--arch sm_90a] [--entries w4_direct_t4_r2_g128,...] [--source FILE]
+      [--marlin-src DIR] [--out DIR]"""
 import argparse
 import os
 import re
@@ -24,7 +29,7 @@ from hierviz.measure.common import write_json  # noqa: E402
 from hierviz.quant import cuda_w4  # noqa: E402
 
 # instruction classes of the report (SASS opcode, before its first dot)
-CLASSES = {"HMMA": "mma", "HGMMA": "mma", "LOP3": "dequant", "HADD2": "dequant", "HFMA2": "dequant",
+CLASSES = {"HMMA": "mma", "HGMMA": "mma", "LOP3": "dequant", "HADD2": "dequant", "HFMA2": "dequant", "HMUL2": "dequant",
            "PRMT": "dequant", "LDG": "load", "LDS": "load", "LDGSTS": "load", "MOV": "move"}
 LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]+) \*/")
 HIGH = re.compile(r"/\* (0x[0-9a-f]+) \*/")
@@ -118,13 +123,73 @@ def report(cubin: bytes, entries: Optional[list[str]] = None) -> list[dict]:
         if not per or not mmas:
             rows.append({"entry": name, "registers": res[name][0], "stack_bytes": res[name][1], "loop": "no mma.sync loop"})
             continue
-        chunks = mmas / per
-        by_class = Counter(CLASSES.get(x.op, "move" if x.text.startswith("IMAD.MOV") else "other") for x in loop)
         rows.append({"entry": name, "registers": res[name][0], "stack_bytes": res[name][1], "loop_instructions": len(loop),
-                     "chunks_per_iteration": chunks,
-                     "per_chunk": {"instructions": round(len(loop) / chunks, 1),
-                                   "stall_cycles": round(sum(x.stall for x in loop) / chunks, 1),
-                                   **{k: round(v / chunks, 1) for k, v in sorted(by_class.items())}}})
+                     "chunks_per_iteration": mmas / per, "per_chunk": per_unit(loop, mmas / per, 1), "per_mma": per_unit(loop, mmas)})
+    return rows
+
+
+def per_unit(instrs: list[Instr], units: float, digits: int = 2) -> dict[str, float]:
+    """Instructions, encoded stall cycles and instructions by class, per chunk or per MMA."""
+    by_class = Counter(CLASSES.get(x.op, "move" if x.text.startswith("IMAD.MOV") else "other") for x in instrs)
+    return {"instructions": round(len(instrs) / units, digits), "stall_cycles": round(sum(x.stall for x in instrs) / units, digits),
+            **{k: round(v / units, digits) for k, v in sorted(by_class.items())}}
+
+
+# ---- Marlin's main loop beside the kernel's (hierviz ships none of Marlin: --marlin-src DIR) ----
+
+MARLIN_KERNEL = "marlin/marlin_cuda_kernel.cu"
+MARLIN_CALL = re.compile(r"CALL_IF\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(-?\d+)\s*\)")
+
+
+def cuda_headers() -> str:
+    """The CUDA headers Triton's wheel ships (Marlin's half2 code includes cuda_fp16.h)."""
+    import triton
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "include")
+
+
+def marlin_source(root: str, group: int = 128) -> tuple[str, dict[str, tuple[int, int, int]]]:
+    """Marlin's device code from a checkout, cut before its host launcher, with an explicit
+    instantiation of each configuration the launcher calls (CALL_IF) for groups of `group`
+    channels: (the source for NVRTC, {the configuration's part of the mangled kernel name:
+    (16-row blocks of tokens, 16-column blocks of outputs, 16-channel blocks of K) per block})."""
+    path = Path(root) / MARLIN_KERNEL
+    if not path.is_file():
+        raise SystemExit(f"{root} is not a Marlin checkout: no {MARLIN_KERNEL}")
+    text = path.read_text()
+    threads, stages = re.search(r"const int THREADS = (\d+);", text), re.search(r"const int STAGES = (\d+);", text)
+    signature = re.search(r"__global__ void Marlin\((.*?)\)\s*\{", text, re.S)
+    if not (threads and stages and signature):
+        raise SystemExit(f"{path} is not the Marlin kernel this reads (no THREADS, STAGES or Marlin(...))")
+    blocks = group // 16
+    configs = [tuple(map(int, c[:3])) for c in MARLIN_CALL.findall(text) if int(c[3]) == blocks]
+    if not configs:
+        raise SystemExit(f"{path} launches no configuration for groups of {group}")
+    device = [ln for ln in text[:threads.start()].splitlines() if not ln.lstrip().startswith("#include")]
+    opened = sum(ln.lstrip().startswith("#if") for ln in device) - sum(ln.lstrip().startswith("#endif") for ln in device)
+    params = re.sub(r"//[^\n]*", "", signature.group(1))
+    t, st = threads.group(1), stages.group(1)
+    source = "\n".join(["#include <cuda_fp16.h>", "typedef unsigned int uint32_t;", *device, *["#endif"] * opened,
+                        *(f"template __global__ void Marlin<{t}, {m}, {n}, {k}, {st}, {blocks}>({params});" for m, n, k in configs)])
+    return source + "\n", {f"ILi{t}ELi{m}ELi{n}ELi{k}ELi{st}ELi{blocks}E": (m, n, k) for m, n, k in configs}
+
+
+def marlin_report(root: str, arch: str, group: int = 128) -> list[dict]:
+    """One row per Marlin configuration: registers and, from its main loop's first MMA to its last,
+    the instructions by class and the encoded stall cycles per MMA."""
+    source, configs = marlin_source(root, group)
+    cubin = cuda_w4.compile_cubin(arch, source, (cuda_headers(),))
+    sass, res = parse_sass(_dump(cubin, "-sass")), resources(cubin)
+    rows = []
+    for part, (m, n, k) in configs.items():
+        name = next(f for f in sass if part in f)       # each instantiation is a function of the build
+        loop = steady_loop(sass[name])
+        at = [i for i, x in enumerate(loop) if x.op == "HMMA"]
+        row = {"entry": f"marlin m{16 * m} n{16 * n} k{16 * k}", "registers": res[name][0], "stack_bytes": res[name][1]}
+        if not at:
+            rows.append({**row, "loop": "no mma.sync loop"})
+            continue
+        span = loop[at[0]:at[-1] + 1]
+        rows.append({**row, "span_instructions": len(span), "per_mma": per_unit(span, len(at))})
     return rows
 
 
@@ -142,16 +207,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--entries", help="comma-separated entry names (default: every mma.sync entry)")
     ap.add_argument("--source", help="a cuda_w4.cu to build instead of the shipped one (its entry macros as shipped)")
+    ap.add_argument("--marlin-src", help="also read Marlin's main loop from this checkout of github.com/IST-DASLab/marlin")
     ap.add_argument("--out", help="write DIR/sass-report.json")
     a = ap.parse_args(argv)
     rows = report(cuda_w4.compile_cubin(a.arch, build_source(a.arch, a.source)), a.entries.split(",") if a.entries else None)
-    for r in rows:
-        pc = r.get("per_chunk")
-        print(f"{r['entry']:28s} regs {r['registers']:>4} stack {r['stack_bytes']:>3}  " + (
-            " ".join(f"{k} {v}" for k, v in pc.items()) if pc else r["loop"]))
+    marlin = marlin_report(a.marlin_src, a.arch) if a.marlin_src else []
+    for r in rows + marlin:
+        head = f"{r['entry']:28s} regs {r['registers']:>4} stack {r['stack_bytes']:>3}  "
+        if "per_chunk" in r:
+            print(head + " ".join(f"{k} {v}" for k, v in r["per_chunk"].items()))
+        print((head if "per_chunk" not in r else " " * len(head)) + (
+            "per MMA: " + " ".join(f"{k} {v}" for k, v in r["per_mma"].items()) if "per_mma" in r else r["loop"]))
     if a.out:
         write_json(Path(a.out) / "sass-report.json", {"arch": a.arch, "nvrtc": cuda_w4.nvrtc_version(),
-                                                       "source": a.source or "shipped", "rows": rows})
+                                                       "source": a.source or "shipped", "rows": rows, "marlin": marlin})
     return 0
 
 

@@ -479,3 +479,71 @@ def test_tiles_bench_unscaled_source_drops_exactly_the_scale_fmas(monkeypatch) -
     monkeypatch.setattr(cuda_w4, "kernel_text", lambda: shipped.replace(bench.SCALE_FMAS[0], ""))
     with pytest.raises(SystemExit, match="no longer has"):
         bench.unscaled_text()
+
+
+# A Marlin-shaped checkout for --marlin-src: its kernel template, host constants and launcher calls
+# as github.com/IST-DASLab/marlin lays them out, with a loop of mma.sync (hierviz ships none of Marlin)
+FAKE_MARLIN = r'''
+#ifndef FAKE_MARLIN_CUH
+#define FAKE_MARLIN_CUH
+#include <cuda.h>
+#include <cuda_fp16.h>
+#include <iostream>
+
+template <const int threads, const int thread_m_blocks, const int thread_n_blocks, const int thread_k_blocks,
+          const int stages, const int group_blocks = -1>
+__global__ void Marlin(
+  const int4* __restrict__ A, // activations
+  int4* __restrict__ C,       // output
+  int iters
+) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t* a = reinterpret_cast<const uint32_t*>(A);
+  for (int i = 0; i < iters; i++) {
+    #pragma unroll
+    for (int j = 0; j < thread_m_blocks; j++) {
+      half2 s = __hmul2(*reinterpret_cast<const half2*>(a + i + j), *reinterpret_cast<const half2*>(a + i + j + 1));
+      uint32_t b = *reinterpret_cast<uint32_t*>(&s);
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%4,%4}, {%0,%1,%2,%3};\n"
+                   : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3]) : "r"(b));
+    }
+  }
+  reinterpret_cast<float*>(C)[threadIdx.x] = acc[0] + acc[1] + acc[2] + acc[3];
+}
+
+const int THREADS = 256;
+const int STAGES = 4;
+#define CALL_IF(M, N, K, G) if (m == M) { Marlin<THREADS, M, N, K, STAGES, G><<<1, THREADS>>>(A, C, 1); }
+int marlin_cuda(const void* A, void* C, int m) {
+  CALL_IF(1, 8, 8, -1)
+  CALL_IF(1, 8, 8, 8)
+  CALL_IF(4, 16, 4, 8)
+  return 0;
+}
+#endif
+'''
+
+
+def test_sass_report_reads_marlins_main_loop_beside_the_kernels(tmp_path) -> None:
+    """--marlin-src: Marlin's device code is cut before its host launcher, instantiated at each
+    configuration the launcher calls for groups of 128 (not those without groups), built by NVRTC
+    with the CUDA headers Triton ships, and read from its loop's first MMA to its last, per MMA;
+    a folder that is not a Marlin checkout, or a kernel file of another shape, is refused."""
+    skip_without_nvrtc()
+    sass = load_script("sass_report")
+    (tmp_path / "marlin").mkdir()
+    (tmp_path / sass.MARLIN_KERNEL).write_text(FAKE_MARLIN)
+    source, configs = sass.marlin_source(str(tmp_path))
+    assert sorted(configs.values()) == [(1, 8, 8), (4, 16, 4)]
+    assert "int marlin_cuda" not in source and "<iostream>" not in source and source.count("#endif") == 1
+    rows = {r["entry"]: r for r in sass.marlin_report(str(tmp_path), "sm_90a")}
+    assert set(rows) == {"marlin m16 n128 k128", "marlin m64 n256 k64"}
+    for r in rows.values():
+        per = r["per_mma"]
+        assert 0 < r["registers"] <= 255 and per["mma"] == 1.0
+        assert per["stall_cycles"] >= per["instructions"] > 1.0 and per["dequant"] > 0      # the HMUL2s
+    with pytest.raises(SystemExit, match="not a Marlin checkout"):
+        sass.marlin_source(str(tmp_path / "marlin"))
+    (tmp_path / sass.MARLIN_KERNEL).write_text(FAKE_MARLIN.replace("const int THREADS = 256;", ""))
+    with pytest.raises(SystemExit, match="not the Marlin kernel this reads"):
+        sass.marlin_source(str(tmp_path))

@@ -381,16 +381,18 @@ def compiler_id() -> str:
     return f"nvrtc {nvrtc_version()} {' '.join(NVRTC_OPTIONS)}"
 
 
-def compile_cubin(arch: str, source: Optional[str] = None) -> bytes:
+def compile_cubin(arch: str, source: Optional[str] = None, include_dirs: tuple[str, ...] = ()) -> bytes:
     """`source` (default: kernel_source(arch=arch), the shipped entries) compiled by NVRTC for arch
     ("sm_90"): the CUBIN bytes (CompileError with the compiler's log otherwise). Needs no GPU:
-    the tests compile it on a CPU machine."""
+    the tests compile it on a CPU machine. include_dirs: where the source's #include headers are
+    (the shipped kernel includes none)."""
     lib = _nvrtc_library()
     prog = ctypes.c_void_p()
     src = (kernel_source(arch=arch) if source is None else source).encode()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"hierviz_w4.cu", 0, None, None) != 0:
         raise CompileError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in NVRTC_OPTIONS]
+    opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in NVRTC_OPTIONS] + [
+        f"-I{d}".encode() for d in include_dirs]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     try:
         res = lib.nvrtcCompileProgram(prog, len(opts), arr)
