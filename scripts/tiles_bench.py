@@ -49,6 +49,10 @@ BUILDS = {
     "r2a2b4": {"rows": {(t, 2): (2, 4) for t in (1, 2, 3, 4, 5)}},
     "r4a2b4": {"rows": {(t, 4): (2, 4) for t in (1, 2, 3, 4)}},
     "r4a2b2": {"rows": {(t, 4): (2, 2) for t in (3, 4, 5)}},
+    # the register loop at the staged loop's token tiles, two row tiles per warp: each dequantized
+    # word feeds 6-8 MMAs with the register loop's few address instructions (docs/kernels.md,
+    # "Marlin's main loop, read the same way"); 253-255 registers, no spill
+    "r2t678": {"rows": {(t, 2): (2, 2) for t in (6, 7, 8)}},
     # the register loop's activations loaded at use in every entry, or a chunk ahead in every entry
     # (the shipped build: in X_AHEAD_ENTRIES')
     "xoff": {"x_ahead": frozenset()},

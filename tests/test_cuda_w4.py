@@ -547,3 +547,25 @@ def test_sass_report_reads_marlins_main_loop_beside_the_kernels(tmp_path) -> Non
     (tmp_path / sass.MARLIN_KERNEL).write_text(FAKE_MARLIN.replace("const int THREADS = 256;", ""))
     with pytest.raises(SystemExit, match="not the Marlin kernel this reads"):
         sass.marlin_source(str(tmp_path))
+
+
+def test_a_rows_build_at_the_staged_tile_counts_builds_direct_entries(monkeypatch) -> None:
+    """scripts/tiles_bench.py's r2t678 build (the register loop at 6-8 token tiles by two row tiles
+    per warp, docs/kernels.md): cuda_w4 names its entries as direct ones, not the staged entries of
+    the same token tiles, every name once, and they build for sm_90a and sm_80 (an A100) without
+    spilling, 4 MMAs a chunk per token tile and row tile."""
+    skip_without_nvrtc()
+    bench, sass = load_script("tiles_bench"), load_script("sass_report")
+    rows = bench.BUILDS["r2t678"]["rows"]
+    monkeypatch.setattr(cuda_w4, "DIRECT_ROWS_BUILD", {**cuda_w4.DIRECT_ROWS_BUILD, **rows})
+    assert cuda_w4.entry_for(8, 128, row_tiles=2) == "w4_direct_t8_r2_g128"
+    assert cuda_w4.entry_for(8, 128) == "w4_staged_t8" and cuda_w4.entry_for(8, wgmma=True) == "w4_wgmma_t8"
+    names = cuda_w4.entry_names("sm_90a")
+    assert len(names) == len(set(names)) and {"w4_direct_t6_r2", "w4_direct_t8_r2_g128", "w4_staged_t8"} <= set(names)
+    for arch in ("sm_90a", "sm_80"):
+        source = cuda_w4.kernel_source({}, {}, arch=arch, wgmma_build={}, rows_build=rows, x_ahead=frozenset(), kw_build={})
+        report = {r["entry"]: r for r in sass.report(cuda_w4.compile_cubin(arch, source))}
+        for t, r in rows:
+            for group in ("", "_g64", "_g128"):
+                row = report[f"w4_direct_t{t}_r{r}{group}"]
+                assert row["stack_bytes"] == 0 and row["per_chunk"]["mma"] == 4 * t * r, (arch, row)

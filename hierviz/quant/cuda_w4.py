@@ -482,10 +482,10 @@ def entry_for(tiles: int, group: int = 0, wgmma: bool = False, row_tiles: int = 
     staged (wgmma: its wgmma entry)."""
     if k_warps > 1:
         return f"w4_direct_t{tiles}_r{row_tiles}_k{k_warps}" + (f"_g{group}" if group else "")
+    if row_tiles > 1:       # a direct entry at any token tiles, the staged ones' counts too (DIRECT_ROWS_BUILD)
+        return f"w4_direct_t{tiles}_r{row_tiles}" + (f"_g{group}" if group else "")
     if tiles not in DIRECT_BUILD:
         return f"w4_wgmma_t{tiles}" if wgmma and tiles in WGMMA_BUILD else f"w4_staged_t{tiles}"
-    if row_tiles > 1:
-        return f"w4_direct_t{tiles}_r{row_tiles}" + (f"_g{group}" if group else "")
     return f"w4_direct_t{tiles}_g{group}" if group else f"w4_direct_t{tiles}"
 
 
