@@ -53,6 +53,9 @@ BUILDS = {
     # word feeds 6-8 MMAs with the register loop's few address instructions (docs/kernels.md,
     # "Marlin's main loop, read the same way"); 253-255 registers, no spill
     "r2t678": {"rows": {(t, 2): (2, 2) for t in (6, 7, 8)}},
+    # the same 4 chunks ahead: fewer instructions per MMA in the group entries, which take the 70B
+    # kinds (the generic t7 and t8 entries spill 8-16 bytes on sm_90a)
+    "r2t678a4": {"rows": {(t, 2): (4, 2) for t in (6, 7, 8)}},
     # the register loop's activations loaded at use in every entry, or a chunk ahead in every entry
     # (the shipped build: in X_AHEAD_ENTRIES')
     "xoff": {"x_ahead": frozenset()},
