@@ -552,8 +552,8 @@ def test_sass_report_reads_marlins_main_loop_beside_the_kernels(tmp_path) -> Non
 def test_a_rows_build_at_the_staged_tile_counts_builds_direct_entries(monkeypatch) -> None:
     """scripts/tiles_bench.py's r2t678 build (the register loop at 6-8 token tiles by two row tiles
     per warp, docs/kernels.md): cuda_w4 names its entries as direct ones, not the staged entries of
-    the same token tiles, every name once, and they build for sm_90a and sm_80 (an A100) without
-    spilling, 4 MMAs a chunk per token tile and row tile."""
+    the same token tiles, every name once, and its largest, 8 token tiles (the most registers), builds
+    for sm_90a and sm_80 (an A100) without spilling, 4 MMAs a chunk per token tile and row tile."""
     skip_without_nvrtc()
     bench, sass = load_script("tiles_bench"), load_script("sass_report")
     rows = bench.BUILDS["r2t678"]["rows"]
@@ -562,10 +562,10 @@ def test_a_rows_build_at_the_staged_tile_counts_builds_direct_entries(monkeypatc
     assert cuda_w4.entry_for(8, 128) == "w4_staged_t8" and cuda_w4.entry_for(8, wgmma=True) == "w4_wgmma_t8"
     names = cuda_w4.entry_names("sm_90a")
     assert len(names) == len(set(names)) and {"w4_direct_t6_r2", "w4_direct_t8_r2_g128", "w4_staged_t8"} <= set(names)
+    largest = {(8, 2): rows[(8, 2)]}
     for arch in ("sm_90a", "sm_80"):
-        source = cuda_w4.kernel_source({}, {}, arch=arch, wgmma_build={}, rows_build=rows, x_ahead=frozenset(), kw_build={})
+        source = cuda_w4.kernel_source({}, {}, arch=arch, wgmma_build={}, rows_build=largest, x_ahead=frozenset(), kw_build={})
         report = {r["entry"]: r for r in sass.report(cuda_w4.compile_cubin(arch, source))}
-        for t, r in rows:
-            for group in ("", "_g64", "_g128"):
-                row = report[f"w4_direct_t{t}_r{r}{group}"]
-                assert row["stack_bytes"] == 0 and row["per_chunk"]["mma"] == 4 * t * r, (arch, row)
+        for group in ("", "_g64", "_g128"):
+            row = report[f"w4_direct_t8_r2{group}"]
+            assert row["stack_bytes"] == 0 and row["per_chunk"]["mma"] == 4 * 8 * 2, (arch, row)
