@@ -209,7 +209,7 @@ def test_entries_of_several_row_tiles_per_warp_are_named_and_built() -> None:
     assert all(f"DIRECT_ROWS_ENTRY({t}, {a}, {b}, {r}, {int((t, r) in cuda_w4.X_AHEAD_ENTRIES)})" in shipped
                for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items())
     for (t, r), (a, b) in cuda_w4.DIRECT_ROWS_BUILD.items():
-        assert 8 % r == 0 and cuda_w4.ahead_chunks(t, r) == a and t <= max(cuda_w4.DIRECT_BUILD)
+        assert 8 % r == 0 and cuda_w4.ahead_chunks(t, r) == a and t <= cuda_w4.MAX_TOKEN_TILES
         assert cuda_w4.pair_group(t, 128, 32, r) == (128 if a % 2 == 0 else 0)
 
 
