@@ -832,6 +832,27 @@ def test_op_profile_of_draft_trees_on_the_gpu(tmp_path) -> None:
     info = json.loads((tmp_path / "op_profile.json").read_text())
     assert info["draft_tree"]["size"] == 29 and info["step_ms_graphs"] > 0 and info["step_ms_eager"] > 0
     assert info["profiled_us_per_step"] > 0 and all(r["us_per_layer"] is None for r in info["ops"])
+    # the head's linears in W4 (--head-format): its tree graph captures the W4 products
+    assert op_profile.main(["--shape", "smollm2", "--layers", "1", "--device", "cuda", "--steps", "4",
+                            "--draft", "3,10,29", "--head-format", "w4", "--out", str(tmp_path / "w4")]) == 0
+    info = json.loads((tmp_path / "w4" / "op_profile.json").read_text())
+    assert info["draft_tree"]["head_format"] == "w4a16" and info["step_ms_graphs"] > 0
+
+
+def test_whatif_with_w4_heads_on_the_gpu(tmp_path) -> None:
+    """--head-format w4 on the GPU path: EAGLE-2 and EAGLE-3 heads whose linears are W4 weights
+    (their kernels chosen with the models'), drafting through CUDA graphs in --exact; every output
+    equals AR's."""
+    import json
+
+    from hierviz.measure import whatif
+    for head in ("eagle2", "eagle3"):
+        out = tmp_path / head
+        assert whatif.main(["--exact", "--tiny", "--device", "cuda", "--max-new-tokens", "48", "--methods",
+                            f"ar,{head},hierspec", "--head", head, "--intermediate-format", "w4", "--head-format", "w4",
+                            "--exact-trees", "paper", "--out", str(out)]) == 0
+        runs = json.loads((out / "whatif_exact.json").read_text())["runs"]
+        assert runs and all(r["identical"] and not r["steering_miss"] for r in runs), head
 
 
 def test_only_a_verifiers_weights_run_the_cuda_w4_kernel_with_target(monkeypatch, tmp_path) -> None:

@@ -49,7 +49,8 @@ def test_op_profile_bad_arguments(tmp_path, capsys) -> None:
 def test_op_profile_draft_trees(tmp_path, capsys) -> None:
     """--draft DEPTH,TOPK,SIZE: each step drafts one EAGLE-2 tree of that shape from a synthetic
     head on the model (HierSpec's E_M on M) and reads it back; --draft-vocab narrows the head's
-    rows. The head's forwards and its LM head's product are what the table shows."""
+    rows, --head-format its linears' format. The head's forwards and its LM head's product are what
+    the table shows."""
     n = torch.get_num_threads()
     try:
         assert main(["--shape", "smollm2", "--layers", "1", "--device", "cpu", "--steps", "2", "--draft", "3,4,10",
@@ -57,7 +58,7 @@ def test_op_profile_draft_trees(tmp_path, capsys) -> None:
     finally:
         torch.set_num_threads(n)
     info = json.loads((tmp_path / "op_profile.json").read_text())
-    assert info["draft_tree"] == {"depth": 3, "topk": 4, "size": 10, "draft_vocab": 4096}
+    assert info["draft_tree"] == {"depth": 3, "topk": 4, "size": 10, "draft_vocab": 4096, "head_format": "dense"}
     assert info["step_ms_eager"] > 0 and all(r["us_per_layer"] is None for r in info["ops"])
     ops = {r["op"]: r for r in info["ops"]}
     mm = [r for op, r in ops.items() if op in ("aten::mm", "aten::matmul", "aten::addmm", "aten::linear")]
@@ -65,6 +66,13 @@ def test_op_profile_draft_trees(tmp_path, capsys) -> None:
     assert any(op in ops for op in ("aten::topk", "aten::sort", "aten::argsort"))   # the frontier's choice
     out = capsys.readouterr().out
     assert "one EAGLE-2 draft tree per step (depth 3, top-4, 10 nodes, 4096 draft ids)" in out and "| - |" in out
+    try:
+        assert main(["--shape", "smollm2", "--layers", "1", "--device", "cpu", "--steps", "1", "--draft", "2,4,6",
+                     "--head-format", "w4", "--prompt-len", "8", "--out", str(tmp_path / "w4")]) == 0
+    finally:
+        torch.set_num_threads(n)
+    assert json.loads((tmp_path / "w4" / "op_profile.json").read_text())["draft_tree"]["head_format"] == "w4a16"
+    assert "(depth 2, top-4, 6 nodes, head linears w4a16)" in capsys.readouterr().out
 
 
 def test_op_profile_refuses_bad_draft_shapes(tmp_path, capsys) -> None:
@@ -72,7 +80,9 @@ def test_op_profile_refuses_bad_draft_shapes(tmp_path, capsys) -> None:
         assert main(["--shape", "smollm2", "--device", "cpu", "--draft", bad, "--out", str(tmp_path)]) == 2, bad
         assert "--draft" in capsys.readouterr().err, bad
     assert main(["--shape", "smollm2", "--device", "cpu", "--draft-vocab", "100", "--out", str(tmp_path)]) == 2
-    assert "--draft-vocab needs --draft" in capsys.readouterr().err
+    assert "--draft-vocab and --head-format need --draft" in capsys.readouterr().err
+    assert main(["--shape", "smollm2", "--device", "cpu", "--head-format", "w4", "--out", str(tmp_path)]) == 2
+    assert "need --draft" in capsys.readouterr().err
     assert main(["--shape", "smollm2", "--device", "cpu", "--draft", "3,4,10", "--draft-vocab", "0",
                  "--out", str(tmp_path)]) == 2
     assert "--draft-vocab must be" in capsys.readouterr().err

@@ -605,3 +605,33 @@ def test_a_quantized_intermediate_lm_head_drafts_through_the_format_and_keeps_th
     tied = dataclasses.replace(tiny_config(False), tie_embeddings=True)
     with pytest.raises(MeasureError, match="needs an untied LM head"):
         build_models(tiny_config(True), tied, "cpu", torch.float32, "reference", m_lm_head="w4a16")
+
+
+def test_heads_in_w4_draft_through_the_format_and_keep_the_output(tmp_path: Path) -> None:
+    """--head-format w4: every head's linears (fc, its decoder layer, an EAGLE-3 head's own LM head)
+    are W4 weights run by the run's W4 kernel, T's and M's weights unchanged, the default heads dense;
+    the record, the heads' words and the title say so; every method's output still equals AR's
+    (--exact), EAGLE-2 and EAGLE-3 heads alike, as heads only draft."""
+    from hierviz.measure import whatif
+    dense = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference")
+    models = build_models(tiny_config(True), tiny_config(False), "cpu", torch.float32, "reference", head_format="w4a16")
+    for head in (models.e_m, models.e_t, models.e_t3):
+        assert head.fc.q is not None and head.layer.qkv.q is not None and head.layer.down.q is not None
+    assert models.e_t3.lm_head.q is not None and models.e_t3.lm_head.w4_kernel == "reference"
+    assert all(h.fc.q is None and h.layer.gate_up.q is None for h in (dense.e_m, dense.e_t, dense.e_t3))
+    assert [type(m.layers[0].qkv.q) for m in (models.target, models.intermediate)] == \
+        [type(m.layers[0].qkv.q) for m in (dense.target, dense.intermediate)]
+    variant = whatif.variant_models(models, "hierspec_eagle3", 0, None, "w4a16", "reference")
+    assert variant.e_m.head_type == "eagle3" and variant.e_m.layer.o.q is not None
+    assert whatif.main(FAST + ["--head-format", "w4", "--methods", "hierspec,eagle2,hierspec_eagle3",
+                               "--max-new-tokens", "8", "--out", str(tmp_path / "rates")]) == 0
+    info = json.loads((tmp_path / "rates" / "whatif.json").read_text())
+    assert info["head_format"] == "w4a16" and info["formats"]["heads"].endswith(", linears W4A16")
+    assert ", heads W4A16 on " in (tmp_path / "rates" / "whatif.md").read_text().splitlines()[0]
+    for head in ("eagle2", "eagle3"):
+        out = tmp_path / f"exact-{head}"
+        assert whatif.main(["--exact", "--tiny", "--device", "cpu", "--threads", "1", "--max-new-tokens", "24",
+                            "--methods", f"ar,{head},hierspec", "--head", head, "--head-format", "w4",
+                            "--out", str(out)]) == 0
+        runs = json.loads((out / "whatif_exact.json").read_text())["runs"]
+        assert runs and all(r["identical"] for r in runs), head

@@ -27,6 +27,7 @@ import torch
 from hierviz.machine import gpu_name, machine_info, w4_fp16_kernel
 from hierviz.measure.common import (MeasureError, add_device_args, default_device, environment, load_shape, refuse, stamp,
                                     stopwatch, write_json)
+from hierviz.quant.formats import DENSE, canonical_name
 from hierviz.settings import DecodeSettings
 
 SCHEMA = "hierviz.op_profile/1"
@@ -64,7 +65,7 @@ def _step_ms(state: Any, steps: int, step: Callable[[Any], None], device: torch.
 
 def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, steps: int,
         prompt_len: int, top: int, tokens: int = 1, draft: Optional[tuple[int, int, int]] = None,
-        draft_vocab: Optional[int] = None) -> dict[str, Any]:
+        draft_vocab: Optional[int] = None, head_format: str = DENSE.name) -> dict[str, Any]:
     import dataclasses
 
     from hierviz.decoding.state import BaseState, HeadState
@@ -82,7 +83,7 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
     cfg = dataclasses.replace(cfg, num_layers=min(layers, cfg.num_layers))
     cuda = device == "cuda"
     model = synthetic_model(cfg, W4A16.name, dtype, device, kernel, 0)
-    head = None if draft is None else sharp_eagle2_head(model, 1, draft_vocab)
+    head = None if draft is None else sharp_eagle2_head(model, 1, draft_vocab, head_format, kernel)
     w4_choice.choose_for_models([model, head], device)     # each W4 weight's kernel, before any product
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(prompt_len)]
     max_len = prompt_len + 4 * steps + tokens + 16 + (draft[2] + draft[0] if draft else 0)
@@ -105,7 +106,8 @@ def run(shape: str, layers: int, device: str, dtype: torch.dtype, kernel: str, s
                            "prompt_tokens": prompt_len, "tokens_per_forward": tokens,
                            "gpu": gpu_name(device), "machine": machine_info(device)}
     if draft is not None:
-        out["draft_tree"] = {"depth": draft[0], "topk": draft[1], "size": draft[2], "draft_vocab": draft_vocab}
+        out["draft_tree"] = {"depth": draft[0], "topk": draft[1], "size": draft[2], "draft_vocab": draft_vocab,
+                             "head_format": head_format}
     if cuda:   # reference: the same step replayed from CUDA graphs, as the engine runs it
         # w4_kernel names the engine's kernel family, "triton" also when fp16 products run the CUDA variant
         out["w4_fp16_kernel"] = w4_fp16_kernel(torch.device(device))
@@ -142,7 +144,8 @@ def table(info: dict[str, Any]) -> str:
     kernel = info.get("w4_fp16_kernel", info["w4_kernel"])
     tree = info.get("draft_tree")
     what = (f"one EAGLE-2 draft tree per step (depth {tree['depth']}, top-{tree['topk']}, {tree['size']} nodes"
-            + (f", {tree['draft_vocab']} draft ids" if tree.get("draft_vocab") else "") + ")") if tree else \
+            + (f", {tree['draft_vocab']} draft ids" if tree.get("draft_vocab") else "")
+            + (f", head linears {tree['head_format']}" if tree.get("head_format", DENSE.name) != DENSE.name else "") + ")") if tree else \
         f"{info.get('tokens_per_forward', 1)} token(s) per forward"
     lines = [f"# {info['shape']} x {info['layers']} layers, W4A16 ({kernel}), {info['dtype']} on "
              f"{info.get('gpu') or info['device']}, {what}: {info['timing']}",
@@ -175,6 +178,7 @@ def _draft_shape(text: Optional[str]) -> Optional[tuple[int, int, int]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from hierviz.measure.whatif import target_formats
     ap = argparse.ArgumentParser(prog="python -m hierviz op-profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-70b", help="llama3-8b | llama3-70b | smollm2 | a config.json")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers to build (the shape's count at most)")
@@ -187,6 +191,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="profile EAGLE-2 draft trees of this shape on the model instead of forwards (the paper's E_M: 3,10,29)")
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="with --draft: the head drafts over the first N ids (FR-Spec rows of the LM head)")
+    ap.add_argument("--head-format", default=DENSE.name, type=canonical_name, choices=target_formats(),
+                    help="with --draft: the head's linears (fc and its decoder layer) in this weight format")
     ap.add_argument("--top", type=int, default=25, help="operators to keep in the table")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -195,10 +201,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.steps < 1 or a.prompt_len < 1 or not 1 <= a.tokens <= 128:
             raise MeasureError("--steps and --prompt-len must be at least 1, --tokens 1..128")
         draft = _draft_shape(a.draft)
-        if a.draft_vocab is not None and draft is None:
-            raise MeasureError("--draft-vocab needs --draft (it sets the draft head's rows)")
+        if (a.draft_vocab is not None or a.head_format != DENSE.name) and draft is None:
+            raise MeasureError("--draft-vocab and --head-format need --draft (they set the draft head)")
         info = run(a.shape, a.layers, device, dtype, kernel, a.steps, a.prompt_len, a.top, a.tokens, draft,
-                   a.draft_vocab)
+                   a.draft_vocab, a.head_format)
     except ValueError as e:      # MeasureError included
         return refuse(str(e))
     write_json(Path(a.out) / "op_profile.json", stamp(info, "op-profile", argv))

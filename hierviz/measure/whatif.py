@@ -137,11 +137,13 @@ def draft_vocabs(head_types: list[str], vocab_size: int, asked: Optional[int] = 
     return {t: head_draft_vocab(t, vocab_size, asked) or vocab_size for t in head_types}
 
 
-def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpEagle3Head:
+def sharp_eagle3_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None, fmt: str = DENSE.name,
+                      kernel: str = "reference") -> SharpEagle3Head:
     """A synthetic EAGLE-3 head on `base`, sharpened, with `base` handing out its feature rows;
-    drafting over `draft_vocab` tokens, by default its published heads' count (head_draft_vocab)."""
+    drafting over `draft_vocab` tokens, by default its published heads' count (head_draft_vocab);
+    its linears in weight format `fmt` (--head-format), W4 ones run by `kernel`."""
     head = synthetic_eagle3_head(base, seed, head_draft_vocab("eagle3", base.cfg.vocab_size, draft_vocab),
-                                 eagle3_feature_layers(base.cfg.num_layers), SharpEagle3Head)
+                                 eagle3_feature_layers(base.cfg.num_layers), SharpEagle3Head, fmt, kernel)
     base.add_feature_layers(head.feature_layers)
     return head
 
@@ -150,7 +152,7 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
                  seed: int = 0, m_format: str = DENSE.name, head: Optional[str] = None,
                  draft_vocab: Optional[int] = None, t_format: str = DEFAULT_FORMAT,
                  rows: Optional[dict[str, Iterable[int]]] = None, m_lm_head: str = DENSE.name,
-                 intermediate_draft_vocab: bool = False) -> Models:
+                 intermediate_draft_vocab: bool = False, head_format: str = DENSE.name) -> Models:
     """Synthetic T (`t_format`: a weight format, W4A16 as in the paper by default), M (`m_format`:
     dense as in the paper's stack by default) and heads of
     type `head` (E_M on M and E_T on T: e_t for eagle2, e_t3 for eagle3; None: both E_T types and
@@ -158,7 +160,8 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     (None: the full vocabulary). `rows` ("target" / "intermediate" -> row counts: workload_rows)
     decides each W4 weight's kernel under HIERVIZ_W4_CUDA=auto; None: every row count. `m_lm_head`: M's
     LM head's format (T keeps a dense one: it verifies); `intermediate_draft_vocab`: M predicts over
-    the `draft_vocab` ids too (a stack's key of that name)."""
+    the `draft_vocab` ids too (a stack's key of that name); `head_format`: every head's linears (its
+    fc and decoder layer, an EAGLE-3 head's own LM head too) in that format: heads only draft."""
     if t_cfg.vocab_size != m_cfg.vocab_size:
         raise MeasureError(f"target and intermediate vocabularies differ ({t_cfg.vocab_size} vs {m_cfg.vocab_size}): "
                           "HierSpec needs a shared tokenizer")
@@ -178,20 +181,24 @@ def build_models(t_cfg: ModelConfig, m_cfg: ModelConfig, device: str, dtype: tor
     # each row count as the dynamic path runs it and as the static runners pad it (cuda_graphs' bucket)
     workload = None if rows is None else {model: set(rows[role]) | {b for r in rows[role] if (b := cuda_graphs.bucket_for(r))}
                                           for role, model in (("target", target), ("intermediate", inter)) if role in rows}
+    hw = (head_format, kernel)
     if head == "eagle3":   # d2t/t2d: a random subset of the vocabulary, as trained heads keep their frequent tokens
-        models = Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab),
-                        e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab))
+        models = Models(target, inter, e_m=sharp_eagle3_head(inter, seed + 2, draft_vocab, *hw),
+                        e_t3=sharp_eagle3_head(target, seed + 3, draft_vocab, *hw))
     else:                  # without a head type, both head types on T: EAGLE-2 and EAGLE-3 side by side
-        e_m, e_t = sharp_eagle2_head(inter, seed + 2, draft_vocab), sharp_eagle2_head(target, seed + 3, draft_vocab)
-        models = Models(target, inter, e_m, e_t, e_t3=sharp_eagle3_head(target, seed + 4, draft_vocab) if head is None else None)
+        e_m, e_t = sharp_eagle2_head(inter, seed + 2, draft_vocab, *hw), sharp_eagle2_head(target, seed + 3, draft_vocab, *hw)
+        models = Models(target, inter, e_m, e_t,
+                        e_t3=sharp_eagle3_head(target, seed + 4, draft_vocab, *hw) if head is None else None)
     # each W4 weight's kernel, before any product: the heads' too (FR-Spec rows of M's W4 head)
     w4_choice.choose_for_models(models.present(), device, workload=workload)
     return models
 
 
-def sharp_eagle2_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None) -> SharpHead:
-    """A synthetic EAGLE-1/2 head on `base`, sharpened; drafting over ids 0..draft_vocab-1 if given."""
-    head = synthetic_head(base, seed, SharpHead)
+def sharp_eagle2_head(base: Transformer, seed: int, draft_vocab: Optional[int] = None, fmt: str = DENSE.name,
+                      kernel: str = "reference") -> SharpHead:
+    """A synthetic EAGLE-1/2 head on `base`, sharpened; drafting over ids 0..draft_vocab-1 if given;
+    its linears in weight format `fmt` (--head-format), W4 ones run by `kernel`."""
+    head = synthetic_head(base, seed, SharpHead, fmt, kernel)
     draft_vocab = head_draft_vocab(PEER, base.cfg.vocab_size, draft_vocab)
     if draft_vocab is not None:
         # FR-Spec rows of the base's LM head; which ids does not change the timing (acceptance is
@@ -200,14 +207,16 @@ def sharp_eagle2_head(base: Transformer, seed: int, draft_vocab: Optional[int] =
     return head
 
 
-def variant_models(models: Models, row: str, seed: int, draft_vocab: Optional[int] = None) -> Models:
+def variant_models(models: Models, row: str, seed: int, draft_vocab: Optional[int] = None, head_format: str = DENSE.name,
+                   kernel: str = "reference") -> Models:
     """The stack a variant row runs on: `models`' T, M and heads, with the variant's head types in
-    the slots it names (hierviz.methods.Variant.heads), built on the same base models."""
+    the slots it names (hierviz.methods.Variant.heads), built on the same base models (their
+    linears in `head_format`, as build_models' heads)."""
     named = dict(models.heads)
     for n, (slot, kind) in enumerate(registry.VARIANTS[row].heads):
         base = models.target if HEAD_SLOTS[slot][0] == "target" else models.intermediate
         make = sharp_eagle3_head if kind == "eagle3" else sharp_eagle2_head
-        named[slot] = make(base, seed + 10 + n, draft_vocab)
+        named[slot] = make(base, seed + 10 + n, draft_vocab, head_format, kernel)
     return Models(models.target, models.intermediate, **named)
 
 
@@ -310,6 +319,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"M's weights, the same choices ({DENSE.name}: the paper's stack)")
     ap.add_argument("--intermediate-lm-head", default=DENSE.name, type=canonical_name, choices=target_formats(),
                     help=f"M's LM head, which E_M drafts through ({DENSE.name}: as GPTQ keeps it); M only drafts")
+    ap.add_argument("--head-format", default=DENSE.name, type=canonical_name, choices=target_formats(),
+                    help=f"every draft head's linears: fc, its decoder layer, an EAGLE-3 head's LM head ({DENSE.name}: "
+                         "as published); heads only draft")
     ap.add_argument("--intermediate-draft-vocab", action="store_true",
                     help="M predicts over the --draft-vocab ids too (FR-Spec rows of its LM head): M only drafts")
     ap.add_argument("--acceptance", default=None, help="trace / comparison JSON whose accepted lengths are replayed")
@@ -500,7 +512,8 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
                     "intermediate": _format_text(a.intermediate_format, m_cfg, kernel, dtype) + (
                         f", LM head {get_format(a.intermediate_lm_head).label}" if a.intermediate_lm_head != DENSE.name else "")
                     + (f", {a.draft_vocab} output ids" if a.intermediate_draft_vocab else ""),
-                    "heads": "; ".join(_heads_text(k) for k in _head_types(a, list(results)))},
+                    "heads": "; ".join(_heads_text(k) for k in _head_types(a, list(results))) + (
+                        f", linears {get_format(a.head_format).label}" if a.head_format != DENSE.name else "")},
         "head": a.head or PEER, "heads": _head_types(a, list(results)),
         "device": dev, "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel, "tiny": a.tiny,
         "acceptance": ({"mode": "trace", "source": a.acceptance,
@@ -509,6 +522,7 @@ def _report(a: argparse.Namespace, names: dict, t_cfg: ModelConfig, m_cfg: Model
                         **({"imported": a.imported} if getattr(a, "imported", None) else {})}),
         "settings": s.to_dict(), "prompt_tokens": a.prompt_len, "stage_sync": StageTimer.sync, "repeat": a.repeat,
         "draft_vocab": a.draft_vocab or t_cfg.vocab_size, "intermediate_lm_head": a.intermediate_lm_head,
+        "head_format": a.head_format,
         "intermediate_vocab": "draft" if a.intermediate_draft_vocab else "full",
         "draft_vocabs": draft_vocabs(_head_types(a, list(results)), t_cfg.vocab_size, a.draft_vocab),
         "methods": results, "machine": machine_info(dev)}
@@ -576,10 +590,10 @@ def run_whatif(a: argparse.Namespace) -> dict[str, Any]:
     rows = None if a.exact else registry.workload_rows(methods, [s] + sweep_settings, a.prompt_len)
     models = build_models(t_cfg, m_cfg, dev, dtype, kernel, a.seed, a.intermediate_format,
                           a.head or (PEER if kinds == [PEER] else None), a.draft_vocab,
-                          a.target_format, rows, a.intermediate_lm_head, a.intermediate_draft_vocab)
+                          a.target_format, rows, a.intermediate_lm_head, a.intermediate_draft_vocab, a.head_format)
     if a.exact:
         return _run_exact(a, models, s, methods, names, dev)
-    stacks = {m: variant_models(models, m, a.seed, a.draft_vocab) if m in registry.VARIANTS else models
+    stacks = {m: variant_models(models, m, a.seed, a.draft_vocab, a.head_format, kernel) if m in registry.VARIANTS else models
               for m in methods}
     prompt = _prompt(t_cfg.vocab_size, a.prompt_len, a.seed)
     _check_finite(models, prompt)

@@ -23,7 +23,9 @@ def _title(info: dict[str, Any]) -> str:
     parts = ([m.label] if m is not None and not m.dense else []) + ([f"LM head {head.label}"] if not head.dense else [])
     m_fmt = f" ({', '.join(parts)})" if parts else ""
     t_fmt = str(info["formats"]["target"]).split()[0]
-    return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt} on {where} — {LABEL}"
+    heads = get_format(info.get("head_format") or DENSE.name)     # --head-format
+    h_fmt = f", heads {heads.label}" if not heads.dense else ""
+    return f"{sh['target']} ({t_fmt}) / {sh['intermediate']}{m_fmt}{h_fmt} on {where} — {LABEL}"
 
 
 def _speedup_text(info: dict[str, Any], method: str) -> str:

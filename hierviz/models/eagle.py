@@ -15,6 +15,7 @@ from torch import nn
 
 from hierviz.models.config import ModelConfig, read_config_json
 from hierviz.quant.compressed_tensors import load_dense_tensors
+from hierviz.quant.formats import weight_shape
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, Transformer, WeightsError, rows_product, weight_getter
 
 
@@ -24,7 +25,10 @@ class EagleHead(nn.Module):
     head_type = "eagle2"
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], base: Transformer) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], base: Transformer,
+                 w4_kernel: str = "reference") -> None:
+        """w4_kernel: the kernel of the head's linears where they are W4 weights (a what-if's
+        --head-format); published heads are dense."""
         super().__init__()
         if cfg.hidden_size != base.cfg.hidden_size:
             raise WeightsError(f"EAGLE head hidden size {cfg.hidden_size} does not match its base model's "
@@ -36,11 +40,11 @@ class EagleHead(nn.Module):
         self.device = base.device
         get = weight_getter(weights, base.dtype, base.device)
         fc_w = get("fc.weight")
-        if tuple(fc_w.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
-            raise WeightsError(f"EAGLE fc.weight has shape {tuple(fc_w.shape)}, expected "
+        if weight_shape(fc_w) != (cfg.hidden_size, 2 * cfg.hidden_size):
+            raise WeightsError(f"EAGLE fc.weight has shape {weight_shape(fc_w)}, expected "
                                f"({cfg.hidden_size}, {2 * cfg.hidden_size})")
-        self.fc = Linear([fc_w], [get("fc.bias") if "fc.bias" in weights else None])
-        self.layer = DecoderLayer(cfg, get, "layers.0", "reference", input_norm=False)
+        self.fc = Linear([fc_w], [get("fc.bias") if "fc.bias" in weights else None], w4_kernel)
+        self.layer = DecoderLayer(cfg, get, "layers.0", w4_kernel, input_norm=False)
         if "embed_tokens.weight" in weights:
             emb = get("embed_tokens.weight")
             if emb.shape[0] != base.cfg.vocab_size:

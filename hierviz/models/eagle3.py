@@ -28,6 +28,7 @@ from hierviz.models.eagle import _rope, _same_rope
 from hierviz.models.llama import DecoderLayer, KVCache, Linear, RMSNorm, Transformer, WeightsError, weight_getter
 from hierviz.quant.errors import CheckpointError
 from hierviz.quant.compressed_tensors import load_dense_tensors
+from hierviz.quant.formats import weight_shape
 from hierviz.quant.gptq import checkpoint_tensors
 
 PathLike = Union[str, Path]
@@ -58,7 +59,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], base: Transformer,
                  feature_layers: tuple[int, ...], *, draft_vocab_size: Optional[int] = None,
                  target_hidden_size: Optional[int] = None, norm_before_residual: bool = False,
-                 norm_before_fc: bool = False, layout: str = "safeailab") -> None:
+                 norm_before_fc: bool = False, layout: str = "safeailab", w4_kernel: str = "reference") -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"unknown EAGLE-3 layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -93,28 +94,28 @@ class Eagle3Head(nn.Module):
 
         fc_in = len(self.feature_layers) * hb
         fc_w = get("fc.weight")
-        if tuple(fc_w.shape) != (h, fc_in):
-            raise WeightsError(f"EAGLE-3 fc.weight has shape {tuple(fc_w.shape)}, expected ({h}, {fc_in}): "
+        if weight_shape(fc_w) != (h, fc_in):
+            raise WeightsError(f"EAGLE-3 fc.weight has shape {weight_shape(fc_w)}, expected ({h}, {fc_in}): "
                                f"{len(self.feature_layers)} feature layers x base hidden size {hb}")
-        self.fc = Linear([fc_w], [get("fc.bias") if "fc.bias" in weights else None])
+        self.fc = Linear([fc_w], [get("fc.bias") if "fc.bias" in weights else None], w4_kernel)
         self.fc_norm = RMSNorm(_shaped(get, "input_norm.weight", (fc_in,)), cfg.rms_eps) if norm_before_fc else None
 
         p = LAYER_PREFIX
         self.input_norm = RMSNorm(_shaped(get, f"{p}.input_layernorm.weight", (h,)), cfg.rms_eps)
         self.hidden_norm = RMSNorm(_shaped(get, f"{p}.hidden_norm.weight", (h,)), cfg.rms_eps)
         q_w = get(f"{p}.self_attn.q_proj.weight")
-        if tuple(q_w.shape) != (cfg.num_heads * cfg.head_dim, 2 * h):
-            raise WeightsError(f"EAGLE-3 {p}.self_attn.q_proj.weight has shape {tuple(q_w.shape)}, expected "
+        if weight_shape(q_w) != (cfg.num_heads * cfg.head_dim, 2 * h):
+            raise WeightsError(f"EAGLE-3 {p}.self_attn.q_proj.weight has shape {weight_shape(q_w)}, expected "
                                f"({cfg.num_heads * cfg.head_dim}, {2 * h}): the attention reads [embedding ; feature]")
-        self.layer = DecoderLayer(cfg, get, p, "reference", input_norm=False)
+        self.layer = DecoderLayer(cfg, get, p, w4_kernel, input_norm=False)
 
         self.norm = RMSNorm(_shaped(get, "norm.weight", (h,)), cfg.rms_eps)
         head_w = get("lm_head.weight")
-        vd = draft_vocab_size if draft_vocab_size is not None else head_w.shape[0]
-        if tuple(head_w.shape) != (vd, h):
-            raise WeightsError(f"EAGLE-3 lm_head.weight has shape {tuple(head_w.shape)}, expected ({vd}, {h}): "
+        vd = draft_vocab_size if draft_vocab_size is not None else weight_shape(head_w)[0]
+        if weight_shape(head_w) != (vd, h):
+            raise WeightsError(f"EAGLE-3 lm_head.weight has shape {weight_shape(head_w)}, expected ({vd}, {h}): "
                                f"config draft_vocab_size x hidden size")
-        self.lm_head = Linear([head_w], [None])
+        self.lm_head = Linear([head_w], [None], w4_kernel)
         self.draft_ids, self.vocab_mask = _vocab_maps(weights.get("d2t"), weights.get("t2d"), vd, vocab, base.device)
 
     @property

@@ -105,14 +105,23 @@ def synthetic_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: str,
     return Transformer(cfg, w, w4_kernel=kernel if gpu_kernel else "reference", dtype=dtype, device=device, release=True)
 
 
-def synthetic_head(base: Transformer, seed: int, head_class: type[EagleHead] = EagleHead) -> EagleHead:
-    """A random EAGLE-1/2 head over `base` (one decoder layer without its input norm, and fc)."""
+def head_kernel(fmt: str, kernel: str) -> str:
+    """The W4 kernel of a synthetic head's linears in weight format `fmt` ("reference" where the
+    format has no GPU kernel of its own: dense heads, as published)."""
+    return kernel if get_format(fmt).gpu_kernel else "reference"
+
+
+def synthetic_head(base: Transformer, seed: int, head_class: type[EagleHead] = EagleHead, fmt: str = DENSE.name,
+                   kernel: str = "reference") -> EagleHead:
+    """A random EAGLE-1/2 head over `base` (one decoder layer without its input norm, and fc), its
+    linears in weight format `fmt` (a head only drafts), run by `kernel` where they are W4."""
     cfg = dataclasses.replace(base.cfg, num_layers=1)
     gen = torch.Generator(device=base.device).manual_seed(seed)
-    w: dict[str, Any] = {f"layers.0.{k}": v for k, v in layer_weights(cfg, DENSE.name, 128, base.dtype, base.device, gen).items()
+    g = w4_group(cfg, 128)
+    w: dict[str, Any] = {f"layers.0.{k}": v for k, v in layer_weights(cfg, fmt, g, base.dtype, base.device, gen).items()
                          if not k.startswith("input_layernorm")}
-    w["fc.weight"] = random_dense(cfg.hidden_size, 2 * cfg.hidden_size, base.dtype, base.device, gen)
-    return head_class(cfg, w, base)
+    w["fc.weight"] = random_weight(fmt, cfg.hidden_size, 2 * cfg.hidden_size, g, base.dtype, base.device, gen)
+    return head_class(cfg, w, base, w4_kernel=head_kernel(fmt, kernel))
 
 
 def hf_weights(cfg: ModelConfig, device: str, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
@@ -224,31 +233,33 @@ class CheckpointWeights:
 
 def synthetic_eagle3_head(base: Transformer, seed: int, draft_vocab_size: int | None = None,
                           feature_layers: tuple[int, ...] | None = None,
-                          head_class: type[Eagle3Head] = Eagle3Head) -> Eagle3Head:
+                          head_class: type[Eagle3Head] = Eagle3Head, fmt: str = DENSE.name,
+                          kernel: str = "reference") -> Eagle3Head:
     """A random EAGLE-3 head over `base` at its shapes (tests; what-if at real shapes): fc over the
     base's `feature_layers` (default: the EAGLE-3 default layers), the midlayer (attention input
     2H), norms of 1, its own LM head; with draft_vocab_size, a reduced draft vocabulary: a random
     subset of the base vocabulary that keeps the lowest ids (special tokens), d2t/t2d to match.
     The head does not attach itself: call base.add_feature_layers(head.feature_layers) before
-    running the base."""
+    running the base. fmt, kernel: its linears' weight format and W4 kernel, as synthetic_head's."""
     cfg = dataclasses.replace(base.cfg, num_layers=1, qkv_bias=False)
     layers = feature_layers if feature_layers is not None else default_feature_layers(base.cfg.num_layers)
     dev, dt = base.device, base.dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
     h, vocab = cfg.hidden_size, cfg.vocab_size
     w: dict[str, Any] = {}
+    g = w4_group(cfg, 128)
     for name, (n, k) in linear_shapes(cfg).items():
         # q/k/v read [normed embedding ; normed feature]: twice the hidden size
         fan_in = 2 * h if name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") else k
-        w[f"{LAYER_PREFIX}.{name}.weight"] = random_dense(n, fan_in, dt, dev, gen)
+        w[f"{LAYER_PREFIX}.{name}.weight"] = random_weight(fmt, n, fan_in, g, dt, dev, gen)
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         w[f"{LAYER_PREFIX}.{norm}.weight"] = torch.ones(h, dtype=dt, device=dev)
     w["norm.weight"] = torch.ones(h, dtype=dt, device=dev)
-    w["fc.weight"] = random_dense(h, len(layers) * base.cfg.hidden_size, dt, dev, gen)
+    w["fc.weight"] = random_weight(fmt, h, len(layers) * base.cfg.hidden_size, g, dt, dev, gen)
     vd = vocab if draft_vocab_size is None else draft_vocab_size
     if not 0 < vd <= vocab:
         raise ValueError(f"draft vocabulary size {vd} must be in 1..{vocab} (the base vocabulary)")
-    w["lm_head.weight"] = random_dense(vd, h, dt, dev, gen)
+    w["lm_head.weight"] = random_weight(fmt, vd, h, g, dt, dev, gen)
     if vd < vocab:
         low = min(8, vd)       # the lowest ids (pad/bos/eos and such) are always draftable
         rest = torch.randperm(vocab - low, generator=torch.Generator().manual_seed(seed))[:vd - low] + low
@@ -257,4 +268,4 @@ def synthetic_eagle3_head(base: Transformer, seed: int, draft_vocab_size: int | 
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         w["t2d"] = t2d
-    return head_class(cfg, w, base, tuple(layers), draft_vocab_size=vd)
+    return head_class(cfg, w, base, tuple(layers), draft_vocab_size=vd, w4_kernel=head_kernel(fmt, kernel))

@@ -369,3 +369,8 @@ def weight_to(w: Any, device: torch.device | str, dtype: Optional[torch.dtype]) 
 
 def out_features(w: Any) -> int:
     return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
+
+
+def weight_shape(w: Any) -> tuple[int, int]:
+    """[out, in] of a linear weight, dense or in a weight format."""
+    return tuple(w.shape) if isinstance(w, torch.Tensor) else (w.out_features, w.in_features)
