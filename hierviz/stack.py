@@ -7,7 +7,8 @@ A stack is a small JSON file:
                     "w4_kernel"/"w4_kernel_cuda": name?,    # M's own kernel (a drafter: exactness
                                                             # not needed; e.g. int4pack_cpu)
                     "quantize_lm_head": "rtn-g64"?},        # M's LM head (E_M drafts through it) quantized
-   "e_m": {"path": P, "type": T?},   # T: a head type (HEAD_TYPES); default read from the checkpoint
+   "e_m": {"path": P, "type": T?,    # T: a head type (HEAD_TYPES); default read from the checkpoint
+           "quantize": "rtn-g64"?},  # any head's own linears quantized (heads only draft)
    "e_t": {"path": P},               # the head slots (HEAD_SLOTS): e_m takes any head type on M,
    "e_t3": {"path": P},              # e_t an EAGLE-1/2 head on T, e_t3 an EAGLE-3 head on T
    "tokenizer": P?,                                          # default: the target's folder
@@ -37,7 +38,7 @@ from hierviz.decoding.decoders import Models
 from hierviz.models.config import ModelConfig, ModelConfigError
 from hierviz.models.drafter import (HEAD_SLOTS, HEAD_TYPES, Drafter, head_label, head_type_of, load_head, slot_for,
                                      uses_base_lm_head)
-from hierviz.models.llama import Transformer, WeightsError
+from hierviz.models.llama import Transformer, WeightsError, quantize_own_linears
 from hierviz.models.loading import open_weights, resolve_source
 from hierviz.quant.errors import CheckpointError
 from hierviz.models.synthetic import synthetic_eagle3_head, tiny_models, tiny_quantize
@@ -200,6 +201,8 @@ def check_spec(spec: Any, p: Path) -> None:
         kind = entry.get("type")
         if key in HEAD_SLOTS and kind is not None and kind not in HEAD_TYPES:
             raise StackError(f"stack file {p}: {key}.type {kind!r} is not a head type ({', '.join(HEAD_TYPES)})")
+        if key in HEAD_SLOTS and "quantize" in entry and not isinstance(entry["quantize"], str):
+            raise StackError(f"stack file {p}: {key}.quantize must be a string such as \"rtn-g64\"")
         if "quantize_lm_head" in entry and (key != "intermediate" or not isinstance(entry["quantize_lm_head"], str)):
             raise StackError(f"stack file {p}: {key}.quantize_lm_head: only the intermediate's LM head may be "
                              "quantized (a string such as \"rtn-g64\"): T verifies every token")
@@ -277,7 +280,7 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
         if spec.get("e_m") and inter is None:
             raise StackError("e_m needs an intermediate model in the stack")
         bases = {"target": target, "intermediate": inter}
-        heads = {key: _load_head(key, spec.get(key), base, bases[role]) for key, (role, _) in HEAD_SLOTS.items()}
+        heads = {key: _load_head(key, spec.get(key), base, bases[role], m_kernel) for key, (role, _) in HEAD_SLOTS.items()}
         tok_src = resolve_path(spec["tokenizer"], base) if spec.get("tokenizer") else t_folder
         tokenizer = HFTokenizer.from_folder(tok_src, target.cfg.eos_token_ids)
     except (WeightsError, ModelConfigError, StackError, CheckpointError) as e:
@@ -313,6 +316,8 @@ def load_stack(name_or_path: Optional[str] = None, device: Optional[str] = None,
             "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "w4_kernel": kernel,
             "intermediate_w4_kernel": m_kernel if inter is not None else None,
             **({"intermediate_lm_head": q} if (q := (spec.get("intermediate") or {}).get("quantize_lm_head")) else {}),
+            **({"heads_quantize": hq} if (hq := {k: spec[k]["quantize"] for k in HEAD_SLOTS
+                                                  if (spec.get(k) or {}).get("quantize")}) else {}),
             "target_batch_invariant": target.batch_invariant,
             "draft_vocab": spec.get("draft_vocab") or "full",
             "intermediate_vocab": "draft" if spec.get("intermediate_draft_vocab") and spec.get("draft_vocab") else "full",
@@ -334,9 +339,12 @@ def prepare_w4_kernels(models: Models, dtype: torch.dtype, dev: torch.device) ->
     return summary
 
 
-def _load_head(key: str, entry: Optional[dict[str, Any]], base: Path, model: Optional[Transformer]) -> Optional[Drafter]:
+def _load_head(key: str, entry: Optional[dict[str, Any]], base: Path, model: Optional[Transformer],
+               kernel: str = "reference") -> Optional[Drafter]:
     """The draft head a stack entry names, on `model`, which then also hands out the layer
-    features it reads; None without an entry."""
+    features it reads; None without an entry. Its "quantize" option puts the head's own linears
+    (fc, decoder layer, an EAGLE-3 head's LM head) in that format, run by `kernel` (the drafters'
+    W4 kernel): a head only drafts, so T's verification keeps the output exact."""
     if not entry or model is None:
         return None
     # resolve_source: a head may be a hub id (yuhuili/EAGLE-...) as well as a local folder
@@ -348,6 +356,12 @@ def _load_head(key: str, entry: Optional[dict[str, Any]], base: Path, model: Opt
         raise StackError(f"{key} holds an {kind} head but {key} takes {want} heads"
                          + (f" (an {head_label(kind)} head on the {role} goes in {other})" if other else ""))
     head = load_head(folder, model, kind)
+    if entry.get("quantize"):
+        try:
+            quantize = quantize_option(entry["quantize"], model.device)
+            quantize_own_linears(head, quantize, kernel, skip=(model,))
+        except ValueError as e:
+            raise StackError(f"{key}.quantize: {e}") from None
     model.add_feature_layers(head.feature_layers)
     return head
 

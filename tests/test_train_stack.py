@@ -95,3 +95,41 @@ def test_command_line_kernel_applies_to_every_model():
     st = load_stack("smollm2-offline", device="cpu", w4_kernel="reference")
     assert st.meta["w4_kernel"] == st.meta["intermediate_w4_kernel"] == "reference"
     assert not st.models.target.batch_invariant       # BLAS products: the per-token path would not help
+
+
+def test_heads_quantized_by_the_stack_file_draft_in_w4_and_keep_the_output(tmp_path):
+    """A head entry's "quantize" puts that head's own linears (fc, decoder layer, an EAGLE-3 head's
+    LM head) in the format, run by the drafters' kernel, and leaves its base model as it was; every
+    method still reproduces AR on the offline stack (heads only draft); a bad option is refused."""
+    import json
+    from pathlib import Path
+
+    from hierviz.engine import DecodeSettings, generate, output_tokens
+    from hierviz.stack import PRESET_DIR, StackError, load_stack
+    spec = json.loads((PRESET_DIR / "smollm2-offline.json").read_text())
+    for key in ("intermediate", "e_m", "e_t", "e_t3"):
+        spec[key]["path"] = str((PRESET_DIR / spec[key]["path"]).resolve())
+    spec["draft_vocab"] = str((PRESET_DIR / spec["draft_vocab"]).resolve())
+    for key in ("e_m", "e_t3"):
+        spec[key]["quantize"] = "rtn-g64"
+    path = Path(tmp_path / "stack.json")
+    path.write_text(json.dumps(spec))
+    st = load_stack(str(path), device="cpu")
+    m = st.models
+    assert st.meta["heads_quantize"] == {"e_m": "rtn-g64", "e_t3": "rtn-g64"}
+    for head in (m.e_m, m.e_t3):
+        assert head.fc.q is not None and head.layer.qkv.q is not None and head.layer.down.q is not None
+        assert head.layer.gate_up.w4_kernel == st.meta["intermediate_w4_kernel"]
+    assert m.e_t3.lm_head.q is not None and m.e_t.fc.q is None          # E_T has no "quantize"
+    assert m.e_m.layer.qkv.splits == [576, 192, 192]                     # q, k, v quantized apart
+    assert m.intermediate.lm_head.q is None and m.e_m.draft_vocab.numel() == 8192
+    s = DecodeSettings(max_new_tokens=24)
+    ar = output_tokens(generate(st, "ar", "What is the capital of France?", s))
+    for method in ("eagle3", "hierspec"):
+        assert output_tokens(generate(st, method, "What is the capital of France?", s)) == ar, method
+    for bad, message in (("nf4", "e_m.quantize: unknown quantize option"), ("rtn-g7", "group size 7 does not divide"),
+                         (64, "e_m.quantize must be a string")):
+        spec["e_m"]["quantize"] = bad
+        path.write_text(json.dumps(spec))
+        with pytest.raises(StackError, match=message):
+            load_stack(str(path), device="cpu")

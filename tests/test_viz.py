@@ -346,3 +346,5 @@ def test_per_step_figures_pass_plotly_validation(runs, title):
                latency_figure(None), latency_figure(main, 0, []), crossover_figure(runs), crossover_figure([])]
     for fig in figures:
         assert json.loads(fig.to_json()) == _as_plotly_checks_it(fig)
+    assert run_setup_line({"w4_kernel": "triton", "heads_quantize": {"e_m": "rtn-g64", "e_t3": "rtn-g64"}}) == \
+        "T kernel triton · E_M rtn-g64 · E_T3 rtn-g64"

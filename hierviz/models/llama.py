@@ -11,7 +11,7 @@ them through the LM head.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -483,3 +483,19 @@ def weight_getter(weights: dict[str, Weight], dtype: torch.dtype, device: torch.
         w = weights.pop(name) if release else weights[name]
         return weight_to(w, device, dtype)
     return get
+
+
+def quantize_own_linears(module: nn.Module, quantize: Callable[[torch.Tensor], Weight], w4_kernel: str,
+                         skip: tuple[nn.Module, ...] = ()) -> None:
+    """Every dense Linear under `module`, except under `skip` (a draft head's base model), replaced
+    by one of its weights through `quantize`, each fused part on its own so that the outputs split
+    as before (a stack's quantized draft heads: heads only draft)."""
+    for name, child in list(module.named_children()):
+        if any(child is s for s in skip):
+            continue
+        if isinstance(child, Linear) and child.q is None:
+            parts = torch.split(child.weight.data, child.splits, 0)
+            biases = torch.split(child.bias.data, child.splits, 0) if child.bias is not None else [None] * len(parts)
+            setattr(module, name, Linear([quantize(p) for p in parts], list(biases), w4_kernel))
+        else:
+            quantize_own_linears(child, quantize, w4_kernel, skip)

@@ -245,6 +245,8 @@ def run_setup_line(meta: dict) -> str:
         parts.append(f'M kernel {meta["intermediate_w4_kernel"]}')
     if meta.get("intermediate_lm_head"):    # stack.py quantize_lm_head: M's LM head quantized
         parts.append(f'M\'s LM head {meta["intermediate_lm_head"]}')
+    for slot, q in (meta.get("heads_quantize") or {}).items():     # stack.py: a head's own linears quantized
+        parts.append(f"{slot.upper()} {q}")
     if meta.get("w4_fast_path"):          # the start-up proof of the W4 kernel's fast variants (GPU)
         parts.append(str(meta["w4_fast_path"]))
     parts += head_type_notes(meta.get("head_types") or {})
