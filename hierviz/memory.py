@@ -81,9 +81,12 @@ def _resident(f: WeightFormat, group: int, c: dict[str, Any], act_bytes: float) 
     return f.resident_bytes_per_weight(int(c["hidden_size"]) if group <= 0 else group, act_bytes)
 
 
-def head_bytes(base: dict[str, Any], act_bytes: float = 2.0) -> float:
+def head_bytes(base: dict[str, Any], act_bytes: float = 2.0, quantized: Optional[tuple[str, int]] = None) -> float:
+    """An EAGLE head on a model of config `base`: its decoder layer and fc, dense or, where the
+    stack quantizes them, (format, group); an embedding-sized table (its own embedding or LM head)."""
     h = int(base["hidden_size"])
-    return (_linear_params(base) + 2 * h * h + int(base["vocab_size"]) * h) * act_bytes
+    per = act_bytes if quantized is None else _resident(get_format(quantized[0]), quantized[1], base, act_bytes)
+    return (_linear_params(base) + 2 * h * h) * per + int(base["vocab_size"]) * h * act_bytes
 
 
 def kv_bytes(c: dict[str, Any], context: int, act_bytes: float = 2.0) -> float:
@@ -98,15 +101,17 @@ def workspace_bytes(c: dict[str, Any], act_bytes: float = 2.0) -> float:
     return PREFILL_CHUNK * (v * 4 + 4 * inter * act_bytes)
 
 
-def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str], context: int = DEFAULT_CONTEXT,
-             act_bytes: float = 2.0, lm_heads: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, float]:
+def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str | tuple[str, Optional[tuple[str, int]]]],
+             context: int = DEFAULT_CONTEXT, act_bytes: float = 2.0,
+             lm_heads: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, float]:
     """models: role -> (config dict, weight format name, group); heads: the roles whose models carry an
-    EAGLE head; lm_heads: role -> (format, group) of a quantized LM head. Returns bytes per part and
-    the total."""
+    EAGLE head, each a role or (role, (format, group) of its quantized linears, or None); lm_heads:
+    role -> (format, group) of a quantized LM head. Returns bytes per part and the total."""
     parts: dict[str, float] = {}
     for role, (c, fmt, g) in models.items():
         parts[role] = model_bytes(c, fmt, g, act_bytes, (lm_heads or {}).get(role))
-    parts["heads"] = sum(head_bytes(models[r][0], act_bytes) for r in heads if r in models)
+    pairs = [(h, None) if isinstance(h, str) else h for h in heads]
+    parts["heads"] = sum(head_bytes(models[r][0], act_bytes, q) for r, q in pairs if r in models)
     ctx = min(context, min(int(c.get("max_position_embeddings") or context) for c, _, _ in models.values()))
     parts["kv caches"] = 2 * sum(kv_bytes(c, ctx, act_bytes) for c, _, _ in models.values())
     parts["workspace"] = max(workspace_bytes(c, act_bytes) for c, _, _ in models.values()) + CONTEXT_BYTES
@@ -186,8 +191,22 @@ def stack_estimate(spec: dict[str, Any], resolve, context: int = DEFAULT_CONTEXT
                     else:
                         lm_heads[role] = (choice.format.name, choice.group)
             models[role] = (cfg, fmt, g)
-    heads = [role for h, (role, _) in HEAD_SLOTS.items() if spec.get(h)]
-    return estimate(models, heads, context, act_bytes, lm_heads)
+    heads = _heads_of(spec)
+    return None if heads is None else estimate(models, heads, context, act_bytes, lm_heads)
+
+
+def _heads_of(spec: dict[str, Any]) -> Optional[list[tuple[str, Optional[tuple[str, int]]]]]:
+    """A stack file's heads as estimate takes them: (the role of the model each is on, the
+    (format, group) of its "quantize" or None); None for an unknown quantize option."""
+    heads = []
+    for slot, (role, _) in HEAD_SLOTS.items():
+        if spec.get(slot):
+            q = spec[slot].get("quantize")
+            choice = resolve_quantize(q) if q else None
+            if q and choice is None:
+                return None      # an unknown option: the load names the known ones
+            heads.append((role, (choice.format.name, choice.group) if choice else None))
+    return heads
 
 
 def describe(parts: dict[str, float]) -> str:
@@ -231,6 +250,6 @@ def shape_estimate(spec: dict[str, Any], context: int = DEFAULT_CONTEXT) -> Opti
     if shapes is None:
         return None
     models = {r: (json.loads((CONFIGS / f).read_text()), fmt, g) for r, (f, fmt, g) in shapes.items()}
-    heads = [role for h, (role, _) in HEAD_SLOTS.items() if spec.get(h)]
-    return estimate(models, heads, context)
+    heads = _heads_of(spec)
+    return None if heads is None else estimate(models, heads, context)
 

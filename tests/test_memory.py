@@ -170,3 +170,23 @@ def test_a_quantize_option_sets_the_estimates_format_and_group(tmp_path) -> None
     assert target("w4a16") == pytest.approx(memory.model_bytes(c, "w4", 128))
     assert target("w8a8-int8") == pytest.approx(memory.model_bytes(c, "w8a8-int8")) == target("w8a8-fp8")
     assert target("int3") is None and target(5) is None
+
+
+def test_heads_quantized_by_the_stack_file_are_counted_at_their_format(tmp_path) -> None:
+    """A head's "quantize" (stack.py): its decoder layer and fc at the format's bytes in the estimate,
+    its embedding-sized table as it was; an unknown option gives no estimate (the load names it)."""
+    base = _stack(tmp_path, 4096)
+    spec = json.loads((base / "stack.json").read_text())
+    spec["e_m"] = {"path": "m"}
+    dense = memory.stack_estimate(spec, lambda s: str(base / s))
+    spec["e_m"]["quantize"] = "rtn-g64"
+    quantized = memory.stack_estimate(spec, lambda s: str(base / s))
+    cfg = json.loads((base / "m" / "config.json").read_text())
+    h = cfg["hidden_size"]
+    linears = memory._linear_params(cfg) + 2 * h * h
+    assert dense["heads"] - quantized["heads"] == pytest.approx(linears * (2 - (0.5 + 8 / 64)))
+    assert quantized["heads"] == memory.head_bytes(cfg, 2.0, ("w4a16", 64))
+    assert {k: v for k, v in quantized.items() if k not in ("heads", "total")} == \
+        {k: v for k, v in dense.items() if k not in ("heads", "total")}
+    spec["e_m"]["quantize"] = "nonsense"
+    assert memory.stack_estimate(spec, lambda s: str(base / s)) is None
