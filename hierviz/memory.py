@@ -101,17 +101,16 @@ def workspace_bytes(c: dict[str, Any], act_bytes: float = 2.0) -> float:
     return PREFILL_CHUNK * (v * 4 + 4 * inter * act_bytes)
 
 
-def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[str | tuple[str, Optional[tuple[str, int]]]],
+def estimate(models: dict[str, tuple[dict[str, Any], str, int]], heads: list[tuple[str, Optional[tuple[str, int]]]],
              context: int = DEFAULT_CONTEXT, act_bytes: float = 2.0,
              lm_heads: Optional[dict[str, tuple[str, int]]] = None) -> dict[str, float]:
-    """models: role -> (config dict, weight format name, group); heads: the roles whose models carry an
-    EAGLE head, each a role or (role, (format, group) of its quantized linears, or None); lm_heads:
-    role -> (format, group) of a quantized LM head. Returns bytes per part and the total."""
+    """models: role -> (config dict, weight format name, group); heads: one (the role of the model it
+    is on, (format, group) of its quantized linears or None) per EAGLE head; lm_heads: role ->
+    (format, group) of a quantized LM head. Returns bytes per part and the total."""
     parts: dict[str, float] = {}
     for role, (c, fmt, g) in models.items():
         parts[role] = model_bytes(c, fmt, g, act_bytes, (lm_heads or {}).get(role))
-    pairs = [(h, None) if isinstance(h, str) else h for h in heads]
-    parts["heads"] = sum(head_bytes(models[r][0], act_bytes, q) for r, q in pairs if r in models)
+    parts["heads"] = sum(head_bytes(models[r][0], act_bytes, q) for r, q in heads if r in models)
     ctx = min(context, min(int(c.get("max_position_embeddings") or context) for c, _, _ in models.values()))
     parts["kv caches"] = 2 * sum(kv_bytes(c, ctx, act_bytes) for c, _, _ in models.values())
     parts["workspace"] = max(workspace_bytes(c, act_bytes) for c, _, _ in models.values()) + CONTEXT_BYTES

@@ -38,7 +38,8 @@ def test_an_estimate_counts_each_kv_cache_twice_and_the_heads() -> None:
     """Every model's cache at the run's context twice (the static runners' and a dynamic path's),
     one head per role that carries one, and a part list that sums to the total."""
     t, m = _cfg("llama3-70b.json"), _cfg("llama3-8b.json")
-    parts = memory.estimate({"target": (t, "w4", 128), "intermediate": (m, "w4", 128)}, ["target", "intermediate"], 2048)
+    parts = memory.estimate({"target": (t, "w4", 128), "intermediate": (m, "w4", 128)},
+                            [("target", None), ("intermediate", None)], 2048)
     assert parts["kv caches"] == 2 * (memory.kv_bytes(t, 2048) + memory.kv_bytes(m, 2048))
     assert parts["heads"] == memory.head_bytes(t) + memory.head_bytes(m)
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
